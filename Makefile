@@ -1,0 +1,35 @@
+# `make lab` and `make test` bootstrap .venv on first use, then reuse it.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.megacpp-lab-installed
+# Tests and notebooks share one inductor cache, so each compiled block is built once per run.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install lab test tour data clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Pinned by itself first: here the pin resolves to the CPU build on local disk, on a CUDA host to the CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[lab,test]'
+	@touch $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks/
+
+test: $(STAMP)
+	$(BIN)/python -m pytest --nbval-lax tests notebooks
+
+tour: $(STAMP)
+	$(BIN)/megacpp-lab tour --notebooks notebooks --out build
+
+data: $(STAMP)
+	$(BIN)/megacpp-lab data
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,32 @@
+"""Packed rows of real C++: corpus, tokenizer, packing and the committed sample."""
+
+from megacpp_lab.data.corpus import SourceFile, list_cpp_files, load_corpus, torch_include_dir
+from megacpp_lab.data.packing import (
+    PackedBatch,
+    PackedRows,
+    cu_seqlens_from_doc_ids,
+    doc_starts,
+    pack_documents,
+    positions_from_doc_ids,
+    validate_packed,
+)
+from megacpp_lab.data.sample import SampleConfig, build_sample, load_sample
+from megacpp_lab.data.tokenizer import ByteTokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "PackedBatch",
+    "PackedRows",
+    "SampleConfig",
+    "SourceFile",
+    "build_sample",
+    "cu_seqlens_from_doc_ids",
+    "doc_starts",
+    "list_cpp_files",
+    "load_corpus",
+    "load_sample",
+    "pack_documents",
+    "positions_from_doc_ids",
+    "torch_include_dir",
+    "validate_packed",
+]

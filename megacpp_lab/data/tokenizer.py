@@ -1,0 +1,56 @@
+"""Byte-level tokenizer with special tokens: needs no download and never fails to encode.
+
+Ids 0..255 are raw bytes, then BOS, EOS and PAD. Every C++ source round-trips exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """Raw UTF-8 bytes plus three special ids appended after the byte range."""
+
+    bos_id: int = 256
+    eos_id: int = 257
+    pad_id: int = 258
+
+    @property
+    def vocab_size(self) -> int:
+        return 259
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        return {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id}
+
+    def encode(self, text: str | bytes, *, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        ids = list(data)
+        if add_bos:
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: list[int] | torch.Tensor, *, show_special: bool = True) -> str:
+        """Bytes decode as UTF-8 (invalid sequences replaced); specials print as <bos>/<eos>/<pad>."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        names = {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>"}
+        out: list[str] = []
+        run = bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            if i not in names:
+                raise ValueError(f"token id {i} is outside the byte tokenizer's vocab (0..{self.vocab_size - 1})")
+            out.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            if show_special:
+                out.append(names[i])
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)

@@ -1,0 +1,75 @@
+"""Timing and profiler traces, the same way on CPU (live notebook cells) and GPU (receipts)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def time_ms(fn: Callable[[], object], *, warmup: int = 3, rep: int = 20, device: torch.device | str | None = None) -> float:
+    """Median milliseconds of fn() after warm-up.
+
+    CUDA: triton.testing.do_bench (CUDA events, L2 flushed between runs).
+    CPU: perf_counter around each call.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if warmup < 0 or rep < 1:
+        raise ValueError(f"warmup must be >= 0 and rep >= 1, got warmup={warmup}, rep={rep}")
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize(dev)
+        return float(do_bench(fn, warmup=25, rep=max(rep * 5, 100), return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(rep):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def profile_trace(
+    fn: Callable[[], object],
+    out_dir: str | Path,
+    name: str,
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    record_shapes: bool = True,
+) -> tuple[Path, torch.profiler.profile]:
+    """Profile `steps` calls of fn after `warmup` and write a TensorBoard `*.pt.trace.json`.
+
+    Returns the trace path (open it with TensorBoard's PyTorch profiler plugin or Perfetto)
+    and the profiler, whose key_averages() gives the table.
+    """
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    before = set(out.glob(f"{name}*.pt.trace.json"))
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
+        on_trace_ready=tensorboard_trace_handler(str(out), worker_name=name),
+        record_shapes=record_shapes,
+    ) as prof:
+        for _ in range(warmup + steps):
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.step()
+    written = sorted(set(out.glob(f"{name}*.pt.trace.json")) - before, key=lambda p: p.stat().st_mtime)
+    if not written:
+        raise RuntimeError(f"the profiler wrote no trace for {name!r} under {out}")
+    return written[-1], prof
