@@ -139,3 +139,13 @@ def test_derivation_helpers_match_packing():
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2]])
     assert positions_from_doc_ids(doc_ids).tolist() == [[0, 1, 0, 1, 2, 0]]
     assert cu_seqlens_from_doc_ids(doc_ids).tolist() == [0, 2, 5, 6]
+
+
+@pytest.mark.cuda
+def test_packed_batch_validates_on_gpu():
+    b = _batch().to("cuda")
+    assert b.cu_seqlens.device.type == "cuda" and b.cu_seqlens.dtype == torch.int32
+    bad = b.positions.clone()
+    bad[1, 6] = 3
+    with pytest.raises(ValueError, match=r"row 1, offset 6"):
+        PackedBatch(b.tokens, b.doc_ids, bad, b.cu_seqlens)

@@ -1,0 +1,26 @@
+"""Test helpers: the packed-row leak harness and small reference mixers with planted leaks."""
+
+from megacpp_lab.testing.leaks import (
+    LeakReport,
+    Violation,
+    assert_no_leaks,
+    check_leaks,
+    influence_matrix,
+    influence_violation,
+    plot_influence,
+)
+from megacpp_lab.testing.planted import CausalSmoother, CenteredSmoother, DocCausalAttention, TokenMixer
+
+__all__ = [
+    "Violation",
+    "LeakReport",
+    "check_leaks",
+    "assert_no_leaks",
+    "influence_matrix",
+    "influence_violation",
+    "plot_influence",
+    "CausalSmoother",
+    "CenteredSmoother",
+    "TokenMixer",
+    "DocCausalAttention",
+]

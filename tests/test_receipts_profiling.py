@@ -1,0 +1,97 @@
+import json
+
+import pytest
+import torch
+
+from megacpp_lab import receipts
+from megacpp_lab.profiling import profile_trace, time_ms
+from megacpp_lab.sizing import SIZE_ENV, by_device, lab_scale
+
+
+def _receipt(**over):
+    kw = dict(
+        shape={"B": 2, "T": 64},
+        dtype=torch.float32,
+        results=[{"contender": "compiled", "ms": 1.5}, {"contender": "eager", "ms": 3.0, "fwd_ms": 1.0}],
+    )
+    kw.update(over)
+    return receipts.make_receipt("toy_fwd_bwd", "tour", **kw)
+
+
+def test_receipt_is_stamped_and_round_trips(tmp_path, monkeypatch):
+    monkeypatch.setenv(receipts.COMMIT_ENV, "abc123")
+    r = _receipt()
+    for key in ("device", "torch", "triton", "commit", "date"):
+        assert r[key]
+    assert r["commit"] == "abc123" and r["dtype"] == "float32" and r["torch"] == torch.__version__
+    path = receipts.write_receipt(r, root=tmp_path)
+    assert path == tmp_path / receipts.device_slug(r["device"]) / "tour" / "toy_fwd_bwd.json"
+    loaded = receipts.load_receipts("tour", root=tmp_path)
+    assert len(loaded) == 1 and loaded[0]["results"] == r["results"]
+    assert receipts.load_receipts("other", root=tmp_path) == []
+
+
+def test_git_commit_reads_the_repo(monkeypatch):
+    monkeypatch.delenv(receipts.COMMIT_ENV, raising=False)
+    sha = receipts.git_commit()
+    assert sha == "unknown" or len(sha.removesuffix("-dirty")) == 40
+
+
+@pytest.mark.parametrize(
+    "results, message",
+    [
+        ([], "non-empty list"),
+        ([{"ms": 1.0}], "contender"),
+        ([{"contender": "x"}], "has no metric"),
+        ([{"contender": "x", "ms": float("nan")}], "not a finite number"),
+        ([{"contender": "x", "ms": "fast"}], "not a finite number"),
+    ],
+)
+def test_bad_receipts_fail_closed(results, message):
+    with pytest.raises(ValueError, match=message):
+        _receipt(results=results)
+
+
+def test_receipt_missing_key_fails(tmp_path):
+    r = _receipt()
+    del r["commit"]
+    with pytest.raises(ValueError, match=r"missing keys \['commit'\]"):
+        receipts.write_receipt(r, root=tmp_path)
+
+
+def test_device_slug():
+    assert receipts.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert receipts.device_slug("***") == "unknown-device"
+
+
+def test_sizing_helper(monkeypatch):
+    monkeypatch.setenv(SIZE_ENV, "small")
+    assert lab_scale() == "small" and by_device(small=16, full=4096) == 16
+    monkeypatch.setenv(SIZE_ENV, "full")
+    assert by_device(small=16, full=4096) == 4096
+    monkeypatch.setenv(SIZE_ENV, "huge")
+    with pytest.raises(ValueError, match=SIZE_ENV):
+        lab_scale()
+    monkeypatch.delenv(SIZE_ENV)
+    assert lab_scale() == ("full" if torch.cuda.is_available() else "small")
+
+
+def test_time_ms_and_profile_trace(tmp_path):
+    x = torch.randn(64, 64)
+    assert time_ms(lambda: x @ x, warmup=1, rep=3, device="cpu") > 0
+    path, prof = profile_trace(lambda: (x @ x).relu(), tmp_path, "matmul_relu", steps=2)
+    assert path.name.endswith(".pt.trace.json") and path.name.startswith("matmul_relu")
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any("mm" in n for n in names)
+    assert any("relu" in n for n in prof.key_averages().table().lower().split())
+
+
+@pytest.mark.cuda
+def test_receipt_on_gpu_names_the_gpu(tmp_path):
+    x = torch.randn(1024, 1024, device="cuda")
+    ms = time_ms(lambda: x @ x)
+    r = _receipt(results=[{"contender": "matmul", "ms": ms}], device="cuda")
+    assert r["device"] == torch.cuda.get_device_name()
+    path = receipts.write_receipt(r, root=tmp_path)
+    assert receipts.device_slug(torch.cuda.get_device_name()) in str(path)
