@@ -1,0 +1,262 @@
+"""Engram: the local causal n-gram branch that runs beside a block and adds to the residual.
+
+(B,T,C) hidden states -> (B,T,C) features:
+
+    u      = in_proj(RMSNorm(h))                          bottleneck, C -> d
+    a_n    = causal local average of u over n tokens       n in orders (2, 3, 4)
+    m      = sum_n mix_n * a_n                             per-order, per-channel mixing
+    gated:  k = key_proj(m);  alpha = sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(C));  m = alpha * m
+    conv:   m = m + SiLU(depthwise causal conv_K(m))
+    out    = out_proj(m)                                   zero-initialised: identity at step 0
+
+Minimal mode is gated=False, conv_kernel=0; gated mode is gated=True, conv_kernel=4.
+doc_ids are threaded through every shift, pool and conv: a window that would cross a
+document boundary sees zeros, exactly as if each document were left-padded on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp_lab.nn.doc_masking import doc_causal_shift, same_doc_as_lag
+
+CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
+MAX_ORDER = 16
+MAX_CONV_KERNEL = 16
+
+
+def _fail(field_name: str, allowed: str, got: object) -> ValueError:
+    return ValueError(f"EngramConfig.{field_name} must be {allowed}, got {got!r}")
+
+
+def _parse_layers(value: str | Sequence[int] | None, n_layers: int) -> tuple[int, ...] | None:
+    """'0,2,4' / 'all' / [0, 2] / None -> tuple, or None when not given."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "all":
+            return tuple(range(n_layers))
+        if text == "":
+            return ()
+        try:
+            return tuple(int(p) for p in text.split(","))
+        except ValueError:
+            raise _fail("layers", "a comma-separated list of layer indices or 'all'", value) from None
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class EngramConfig:
+    """Engram branch settings. Frozen; every field is checked on construction."""
+
+    d_model: int
+    n_layers: int
+    layers: tuple[int, ...] = ()
+    bottleneck: int = 256
+    orders: tuple[int, ...] = (2, 3, 4)
+    gated: bool = True
+    conv_kernel: int = 4
+    conv_impl: str = "maxtext_depthwise"
+    dropout: float = 0.0
+    eps: float = 1e-6
+    # hyper-connections (mHC) wrap the blocks listed in `layers`; with none they would be a no-op
+    mhc: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_layers, int) or self.n_layers < 1:
+            raise _fail("n_layers", "an int >= 1", self.n_layers)
+        if not isinstance(self.d_model, int) or self.d_model < 1:
+            raise _fail("d_model", "an int >= 1", self.d_model)
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "orders", tuple(self.orders))
+        bad = [i for i in self.layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
+        if bad:
+            raise _fail("layers", f"layer indices in [0, n_layers={self.n_layers})", bad)
+        if len(set(self.layers)) != len(self.layers):
+            raise _fail("layers", "unique layer indices", self.layers)
+        if self.mhc and not self.layers:
+            raise _fail(
+                "layers",
+                "non-empty when mhc=True (hyper-connections over no Engram layer are a silent no-op; "
+                "use EngramConfig.from_args, which defaults to all layers)",
+                self.layers,
+            )
+        if not self.orders or any(not isinstance(n, int) or not 2 <= n <= MAX_ORDER for n in self.orders):
+            raise _fail("orders", f"a non-empty tuple of n-gram orders in 2..{MAX_ORDER}", self.orders)
+        if len(set(self.orders)) != len(self.orders):
+            raise _fail("orders", "unique n-gram orders", self.orders)
+        if not isinstance(self.bottleneck, int) or not 1 <= self.bottleneck <= self.d_model:
+            raise _fail("bottleneck", f"an int in 1..d_model={self.d_model}", self.bottleneck)
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise _fail("dropout", "a float in [0, 1)", self.dropout)
+        if not isinstance(self.conv_kernel, int) or not 0 <= self.conv_kernel <= MAX_CONV_KERNEL:
+            raise _fail("conv_kernel", f"0 (no conv) or a kernel size in 1..{MAX_CONV_KERNEL}", self.conv_kernel)
+        if self.conv_impl not in CONV_IMPLS:
+            raise _fail("conv_impl", f"one of {CONV_IMPLS}", self.conv_impl)
+        if not isinstance(self.eps, float) or not 0.0 < self.eps < 1.0:
+            raise _fail("eps", "a float in (0, 1)", self.eps)
+
+    @classmethod
+    def from_args(
+        cls,
+        *,
+        d_model: int,
+        n_layers: int,
+        engram_layers: str | Sequence[int] | None = None,
+        mhc: bool = False,
+        **kwargs: object,
+    ) -> EngramConfig:
+        """Build from command-line style arguments.
+
+        With hyper-connections on and no explicit engram layers, every layer gets one,
+        with a warning: the old fallback to an empty list made mHC a silent no-op.
+        """
+        if not isinstance(n_layers, int) or n_layers < 1:
+            raise _fail("n_layers", "an int >= 1", n_layers)
+        layers = _parse_layers(engram_layers, n_layers)
+        if layers is None:
+            if mhc:
+                warnings.warn(
+                    f"mhc is on but no engram layers were given: Engram (and mHC) default to all "
+                    f"{n_layers} layers. Pass engram_layers explicitly to choose.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                layers = tuple(range(n_layers))
+            else:
+                layers = ()
+        if "orders" in kwargs and isinstance(kwargs["orders"], str):
+            try:
+                kwargs["orders"] = tuple(int(p) for p in str(kwargs["orders"]).split(","))
+            except ValueError:
+                raise _fail("orders", "a comma-separated list of ints", kwargs["orders"]) from None
+        return cls(d_model=d_model, n_layers=n_layers, layers=layers, mhc=mhc, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.layers)
+
+
+class _RMSNorm(nn.Module):
+    """Parameter-free RMSNorm: exactly one fused F.rms_norm call.
+
+    Never the manual x.pow(2).mean(-1) form: it loses bf16 precision on large
+    activations and breaks Inductor's fusion (DESIGN.md, historical bugs).
+    """
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight=None, eps=self.eps)
+
+
+def context_gate(h_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
+    """alpha = sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(C)), [B,T,1]: how much memory this context wants."""
+    return torch.sigmoid((h_norm * k_norm).sum(-1, keepdim=True) / math.sqrt(h_norm.shape[-1]))
+
+
+def causal_local_averages(u: torch.Tensor, doc_ids: torch.Tensor | None, orders: Sequence[int]) -> torch.Tensor:
+    """[B,T,D] -> [B,T,len(orders),D]: mean of the last n tokens for each order n.
+
+    The same numbers as F.avg_pool1d(kernel=n, stride=1) over each document left-padded
+    with n-1 zeros (count_include_pad): tokens of an earlier document count as zeros.
+    Shifts are shared across orders, so orders (2, 3, 4) cost 3 shifts, not 9.
+    """
+    max_order = max(orders)
+    running = u
+    sums = {1: u}
+    for lag in range(1, max_order):
+        running = running + doc_causal_shift(u, doc_ids, lag)
+        sums[lag + 1] = running
+    return torch.stack([sums[n] / n for n in orders], dim=2)
+
+
+class DocCausalDepthwiseConv(nn.Module):
+    """Depthwise (groups=D) causal conv over time on [B,T,D], doc-masked.
+
+    Two implementations, same numbers:
+    - maxtext_depthwise: nn.Conv1d-style F.conv1d(groups=D) over the row; the first K-1
+      tokens of each document, whose window would reach into the previous one, take the
+      masked unfold result instead (torch.where, so nothing crosses, not even a NaN).
+    - xla_safe: unfold by hand, each of the K taps a doc-masked shift of x, weighted sum.
+      (No Tensor.unfold: Inductor's CPU backward for a masked unfold corrupted memory.)
+    """
+
+    def __init__(self, channels: int, kernel: int, impl: str = "maxtext_depthwise") -> None:
+        super().__init__()
+        if impl not in CONV_IMPLS:
+            raise ValueError(f"conv_impl must be one of {CONV_IMPLS}, got {impl!r}")
+        if kernel < 1:
+            raise ValueError(f"conv kernel must be >= 1, got {kernel}")
+        self.kernel = kernel
+        self.impl = impl
+        # nn.Conv1d(channels, channels, kernel, groups=channels) layout and init
+        conv = nn.Conv1d(channels, channels, kernel, groups=channels)
+        self.weight = nn.Parameter(conv.weight.detach().clone())  # [D, 1, K]
+        self.bias = nn.Parameter(conv.bias.detach().clone())  # [D]
+
+    def _unfold_sum(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """The K taps of each window as K doc-masked shifts of x, weighted and summed."""
+        K = self.kernel
+        out = self.bias + x * self.weight[:, 0, K - 1]
+        for lag in range(1, K):
+            out = out + doc_causal_shift(x, doc_ids, lag) * self.weight[:, 0, K - 1 - lag]
+        return out
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.impl == "xla_safe":
+            return self._unfold_sum(x, doc_ids)
+        K = self.kernel
+        full = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), self.weight, self.bias, groups=x.shape[-1])
+        full = full.transpose(1, 2)
+        if doc_ids is None or K == 1:
+            return full
+        clean = same_doc_as_lag(doc_ids, K - 1)  # the whole window lies in the token's document
+        return torch.where(clean[..., None], full, self._unfold_sum(x, doc_ids))
+
+    def extra_repr(self) -> str:
+        return f"channels={self.weight.shape[0]}, kernel={self.kernel}, impl={self.impl}"
+
+
+class EngramBranch(nn.Module):
+    """(B,T,C) -> (B,T,C) local n-gram features, added to the residual by the caller."""
+
+    def __init__(self, config: EngramConfig) -> None:
+        super().__init__()
+        if not isinstance(config, EngramConfig):
+            raise TypeError(f"EngramBranch needs an EngramConfig, got {type(config).__name__}")
+        self.config = config
+        C, d = config.d_model, config.bottleneck
+        self.norm = _RMSNorm(config.eps)
+        self.in_proj = nn.Linear(C, d, bias=False)
+        self.order_mix = nn.Parameter(torch.full((len(config.orders), d), 1.0 / len(config.orders)))
+        self.key_proj = nn.Linear(d, C, bias=False) if config.gated else None
+        self.conv = DocCausalDepthwiseConv(d, config.conv_kernel, config.conv_impl) if config.conv_kernel else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.out_proj = nn.Linear(d, C, bias=False)
+        nn.init.zeros_(self.out_proj.weight)  # identity on the residual at step 0
+
+    def forward(self, h: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """h: [B,T,C] pre-norm residual; doc_ids: [B,T], or None for one document per row."""
+        if h.dim() != 3 or h.shape[-1] != self.config.d_model:
+            raise ValueError(f"EngramBranch input must be [B,T,{self.config.d_model}], got {tuple(h.shape)}")
+        if doc_ids is not None and doc_ids.shape != h.shape[:2]:
+            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} does not match [B,T] = {tuple(h.shape[:2])}")
+        h_norm = self.norm(h)
+        u = self.in_proj(h_norm)
+        m = (causal_local_averages(u, doc_ids, self.config.orders) * self.order_mix).sum(dim=2)
+        if self.key_proj is not None:
+            m = context_gate(h_norm, self.norm(self.key_proj(m))) * m
+        if self.conv is not None:
+            m = m + F.silu(self.conv(m, doc_ids))
+        return self.out_proj(self.dropout(m))

@@ -1,0 +1,287 @@
+"""Hashed n-gram memory (DeepSeek Engram style): 2..N-gram ids hashed into per-head tables.
+
+For every order n in 2..N and each of `heads_per_order` heads:
+
+    mix_n[t] = XOR_{i<n} (token[t-i] * m_{layer,i})      per-layer odd multipliers
+    row[t]   = mix_n[t] mod p_{n,head}                    a distinct prime per head
+
+Tokens before the start of the current document hash as the pad id, so no n-gram ever
+spans a document boundary. The looked-up rows [B,T,H,D] are concatenated and fused with
+the hidden state by the same context gate as the Engram branch:
+
+    k, v = key_proj(e), value_proj(e);  alpha = sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(C))
+    y = alpha * v;  y = y + SiLU(conv_K(RMSNorm(y)))       value_proj zero-initialised
+
+The tables are trained as one nn.Parameter; for serving they are exported per head into a
+TableStore (keys engram:l{layer}:h{head}), and forward(store=...) reads rows from it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp_lab.nn.doc_masking import doc_causal_shift
+from megacpp_lab.nn.engram import DocCausalDepthwiseConv, _RMSNorm, context_gate
+from megacpp_lab.nn.table_store import TableBackend, TableStore, TableStoreConfig
+
+MAX_NGRAM = 8
+# tokens < 2**20 and multipliers < 2**31 keep every product and XOR inside int64
+MAX_VOCAB = 1 << 20
+MULTIPLIER_BITS = 31
+
+
+def _fail(field_name: str, allowed: str, got: object) -> ValueError:
+    return ValueError(f"NgramHashConfig.{field_name} must be {allowed}, got {got!r}")
+
+
+def is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+def distinct_primes(start: int, count: int) -> tuple[int, ...]:
+    """The `count` smallest primes >= start, in increasing order."""
+    primes: list[int] = []
+    n = max(2, start)
+    while len(primes) < count:
+        if is_prime(n):
+            primes.append(n)
+        n += 1
+    return tuple(primes)
+
+
+@dataclass(frozen=True)
+class NgramHashConfig:
+    """Hashed n-gram memory settings. Frozen; every field is checked on construction."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    pad_id: int
+    layers: tuple[int, ...] = ()
+    max_ngram: int = 3
+    heads_per_order: int = 4
+    table_size: int = 49_999
+    head_dim: int = 32
+    conv_kernel: int = 4
+    seed: int = 0
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not isinstance(self.vocab_size, int) or not 2 <= self.vocab_size <= MAX_VOCAB:
+            raise _fail("vocab_size", f"an int in 2..{MAX_VOCAB}", self.vocab_size)
+        if not isinstance(self.pad_id, int) or not 0 <= self.pad_id < self.vocab_size:
+            raise _fail("pad_id", f"a token id in [0, vocab_size={self.vocab_size})", self.pad_id)
+        if not isinstance(self.d_model, int) or self.d_model < 1:
+            raise _fail("d_model", "an int >= 1", self.d_model)
+        if not isinstance(self.n_layers, int) or self.n_layers < 1:
+            raise _fail("n_layers", "an int >= 1", self.n_layers)
+        bad = [i for i in self.layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
+        if bad or len(set(self.layers)) != len(self.layers):
+            raise _fail("layers", f"unique layer indices in [0, n_layers={self.n_layers})", self.layers)
+        if not isinstance(self.max_ngram, int) or not 2 <= self.max_ngram <= MAX_NGRAM:
+            raise _fail("max_ngram", f"an int in 2..{MAX_NGRAM} (orders 2..max_ngram are hashed)", self.max_ngram)
+        if not isinstance(self.heads_per_order, int) or self.heads_per_order < 1:
+            raise _fail("heads_per_order", "an int >= 1", self.heads_per_order)
+        if not isinstance(self.table_size, int) or self.table_size < 2:
+            raise _fail("table_size", "an int >= 2 (rounded up to distinct primes per head)", self.table_size)
+        if not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise _fail("head_dim", "an int >= 1", self.head_dim)
+        if not isinstance(self.conv_kernel, int) or not 0 <= self.conv_kernel <= 16:
+            raise _fail("conv_kernel", "0 (no conv) or a kernel size in 1..16", self.conv_kernel)
+        if not isinstance(self.eps, float) or not 0.0 < self.eps < 1.0:
+            raise _fail("eps", "a float in (0, 1)", self.eps)
+
+    @classmethod
+    def from_args(
+        cls, *, layers: str | Sequence[int] = (), orders: str | Sequence[int] | None = None, **kwargs: object
+    ) -> NgramHashConfig:
+        """Command-line style: layers '1,3'; orders '2,3,4' must be a contiguous 2..N range."""
+        if isinstance(layers, str):
+            try:
+                layers = tuple(int(p) for p in layers.split(",") if p.strip())
+            except ValueError:
+                raise _fail("layers", "a comma-separated list of layer indices", layers) from None
+        if orders is not None:
+            if isinstance(orders, str):
+                try:
+                    orders = tuple(int(p) for p in orders.split(","))
+                except ValueError:
+                    raise _fail("max_ngram", "given through orders as a comma-separated list of ints", orders) from None
+            orders = tuple(orders)
+            if not orders or orders != tuple(range(2, max(orders) + 1)):
+                raise _fail("max_ngram", "given through orders as the contiguous range 2..N", orders)
+            kwargs["max_ngram"] = max(orders)
+        return cls(layers=tuple(layers), **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def orders(self) -> tuple[int, ...]:
+        return tuple(range(2, self.max_ngram + 1))
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.orders) * self.heads_per_order
+
+    @property
+    def table_sizes(self) -> tuple[int, ...]:
+        """One distinct prime per head, order-major: heads of order 2 first."""
+        return distinct_primes(self.table_size, self.num_heads)
+
+
+def layer_multipliers(config: NgramHashConfig, layer_id: int) -> torch.Tensor:
+    """[max_ngram] odd int64 multipliers, different for every layer, fixed by (seed, layer)."""
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + layer_id)
+    m = torch.randint(1, 1 << MULTIPLIER_BITS, (config.max_ngram,), generator=gen, dtype=torch.int64)
+    return m | 1
+
+
+def ngram_row_ids(
+    tokens: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    config: NgramHashConfig,
+    layer_id: int,
+    *,
+    multipliers: torch.Tensor | None = None,
+    moduli: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B,T] token ids -> [B,T,H] row ids, each in [0, table_sizes[h]) of its own head."""
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"tokens must be [B,T] int32/int64, got shape {tuple(tokens.shape)} dtype {tokens.dtype}")
+    if multipliers is None:
+        multipliers = layer_multipliers(config, layer_id).to(tokens.device)
+    if moduli is None:
+        moduli = torch.tensor(config.table_sizes, dtype=torch.int64, device=tokens.device)
+    tok = tokens.to(torch.int64)
+    shifted = [doc_causal_shift(tok, doc_ids, i, fill=config.pad_id) for i in range(config.max_ngram)]
+    per_order = []
+    mix = shifted[0] * multipliers[0]
+    for n in range(2, config.max_ngram + 1):
+        mix = mix ^ (shifted[n - 1] * multipliers[n - 1])
+        per_order.append(mix[..., None].expand(*mix.shape, config.heads_per_order))
+    return torch.remainder(torch.cat(per_order, dim=-1), moduli)
+
+
+def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+    """Fail closed on ids outside the vocab: they would hash, silently, to valid rows."""
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = ((tokens < 0) | (tokens >= vocab_size)).nonzero()[0].tolist()
+        raise ValueError(
+            f"token id {int(tokens[tuple(bad)])} at row {bad[0]}, offset {bad[1]} is outside [0, vocab_size={vocab_size})"
+        )
+
+
+class NgramHashMemory(nn.Module):
+    """Hashed 2..N-gram embeddings fused with the hidden state; (h, tokens) -> [B,T,C]."""
+
+    def __init__(self, config: NgramHashConfig, layer_id: int) -> None:
+        super().__init__()
+        if not isinstance(config, NgramHashConfig):
+            raise TypeError(f"NgramHashMemory needs an NgramHashConfig, got {type(config).__name__}")
+        if config.layers and layer_id not in config.layers:
+            raise ValueError(f"layer_id {layer_id} is not in NgramHashConfig.layers {config.layers}")
+        self.config = config
+        self.layer_id = layer_id
+        sizes = torch.tensor(config.table_sizes, dtype=torch.int64)
+        self.register_buffer("multipliers", layer_multipliers(config, layer_id), persistent=False)
+        self.register_buffer("moduli", sizes, persistent=False)
+        self.register_buffer("row_offsets", torch.cumsum(sizes, 0) - sizes, persistent=False)
+        H, D, C = config.num_heads, config.head_dim, config.d_model
+        self.tables = nn.Parameter(torch.randn(int(sizes.sum()), D) / math.sqrt(D))
+        self.norm = _RMSNorm(config.eps)
+        self.key_proj = nn.Linear(H * D, C, bias=False)
+        self.value_proj = nn.Linear(H * D, C, bias=False)
+        nn.init.zeros_(self.value_proj.weight)  # identity on the residual at step 0
+        self.conv = DocCausalDepthwiseConv(C, config.conv_kernel) if config.conv_kernel else None
+
+    def row_ids(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B,T,H] per-head row ids (what a TableStore lookup takes)."""
+        return ngram_row_ids(tokens, doc_ids, self.config, self.layer_id, multipliers=self.multipliers, moduli=self.moduli)
+
+    def head_tables(self) -> list[torch.Tensor]:
+        """The per-head tables [N_h, D], views into the trained parameter."""
+        return list(torch.split(self.tables, self.config.table_sizes, dim=0))
+
+    def make_store(self, backend: TableBackend | None = None) -> TableStore:
+        """A TableStore for this layer, populated with the current tables (create-only)."""
+        store = TableStore(self.layer_id, TableStoreConfig(self.config.table_sizes, self.config.head_dim), backend)
+        store.populate([t.detach() for t in self.head_tables()])
+        return store
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        store: TableStore | None = None,
+    ) -> torch.Tensor:
+        """h: [B,T,C] hidden state; tokens: [B,T] ids. With `store`, rows come from it (no grad to tables)."""
+        if h.dim() != 3 or h.shape[-1] != self.config.d_model or tokens.shape != h.shape[:2]:
+            raise ValueError(
+                f"NgramHashMemory needs h [B,T,{self.config.d_model}] and tokens [B,T]; "
+                f"got h {tuple(h.shape)}, tokens {tuple(tokens.shape)}"
+            )
+        if not torch.compiler.is_compiling():
+            check_token_ids(tokens, self.config.vocab_size)
+        ids = self.row_ids(tokens, doc_ids)
+        if store is None:
+            e = F.embedding(ids + self.row_offsets, self.tables)
+        else:
+            if store.get_table_vocab_sizes() != list(self.config.table_sizes):
+                raise ValueError(
+                    f"store table sizes {store.get_table_vocab_sizes()} do not match this layer's "
+                    f"{list(self.config.table_sizes)}"
+                )
+            e = store.lookup(ids).to(device=h.device, dtype=h.dtype)
+        e = e.flatten(2).to(h.dtype)
+        h_norm = self.norm(h)
+        y = context_gate(h_norm, self.norm(self.key_proj(e))) * self.value_proj(e)
+        if self.conv is not None:
+            y = y + F.silu(self.conv(self.norm(y), doc_ids))
+        return y
+
+
+def hash_statistics(
+    tokens: torch.Tensor, doc_ids: torch.Tensor | None, config: NgramHashConfig, layer_id: int
+) -> list[dict[str, float]]:
+    """Per head: n-gram order, table size, distinct n-grams seen, rows hit, collisions, occupancy.
+
+    An n-gram is the exact tuple of its n token ids (pad-filled before a document start);
+    a collision is a row that two or more distinct n-grams land on.
+    """
+    tok = tokens.to(torch.int64).cpu()
+    doc = doc_ids.cpu() if doc_ids is not None else None
+    ids = ngram_row_ids(tok, doc, config, layer_id).reshape(-1, config.num_heads)
+    shifted = [doc_causal_shift(tok, doc, i, fill=config.pad_id).reshape(-1) for i in range(config.max_ngram)]
+    stats = []
+    for h, size in enumerate(config.table_sizes):
+        n = config.orders[h // config.heads_per_order]
+        grams = torch.stack(shifted[:n], dim=1)  # exact identity of each n-gram
+        pairs = torch.unique(torch.cat([grams, ids[:, h : h + 1]], dim=1), dim=0)
+        distinct_grams = pairs.shape[0]
+        rows, per_row = torch.unique(pairs[:, -1], return_counts=True)
+        stats.append(
+            {
+                "head": h,
+                "order": n,
+                "table_size": size,
+                "tokens": int(ids.shape[0]),
+                "distinct_ngrams": distinct_grams,
+                "rows_hit": int(rows.numel()),
+                "colliding_rows": int((per_row > 1).sum()),
+                "collision_rate": 1.0 - rows.numel() / max(1, distinct_grams),
+                "occupancy": rows.numel() / size,
+            }
+        )
+    return stats

@@ -1,0 +1,236 @@
+"""EngramBranch: modes, conv implementations, doc-id threading, RMSNorm tripwires, compile."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp_lab.data import PackedBatch, load_sample
+from megacpp_lab.nn.engram import (
+    CONV_IMPLS,
+    DocCausalDepthwiseConv,
+    EngramBranch,
+    EngramConfig,
+    _RMSNorm,
+    causal_local_averages,
+)
+from megacpp_lab.testing import TokenMixer, check_leaks
+
+DOC_IDS = torch.tensor([[0] * 10 + [1] * 5 + [2] * 1 + [3] * 16, [0] * 3 + [1] * 29])
+MODES = {"minimal": dict(gated=False, conv_kernel=0), "gated": dict(gated=True, conv_kernel=4)}
+
+
+def _branch(mode: str, conv_impl: str = "maxtext_depthwise", C: int = 16, d: int = 8, seed: int = 0) -> EngramBranch:
+    torch.manual_seed(seed)
+    cfg = EngramConfig(d_model=C, n_layers=4, bottleneck=d, conv_impl=conv_impl, **MODES[mode])
+    branch = EngramBranch(cfg).double()
+    nn.init.normal_(branch.out_proj.weight)  # zero-init would make every output (and leak) zero
+    return branch
+
+
+def _per_document(fn, x: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """Run fn on each document alone (as its own left-padded sequence) and stitch the rows back."""
+    out = torch.empty_like(fn(x[:1, :1]).expand(x.shape[0], x.shape[1], -1)).clone()
+    for b in range(x.shape[0]):
+        for _, s, e in PackedBatch.from_doc_ids(torch.zeros_like(doc_ids), doc_ids).segments(b):
+            out[b, s:e] = fn(x[b : b + 1, s:e])[0]
+    return out
+
+
+def test_minimal_mode_is_identity_at_step_zero():
+    cfg = EngramConfig(d_model=16, n_layers=2, bottleneck=8, gated=False, conv_kernel=0)
+    branch = EngramBranch(cfg)
+    h = torch.randn(2, 32, 16)
+    out = branch(h, DOC_IDS)
+    assert torch.equal(h + out, h) and out.abs().max() == 0
+    (out * torch.randn_like(h)).sum().backward()  # the zero out_proj still learns
+    assert branch.out_proj.weight.grad.abs().max() > 0
+    assert branch.in_proj.weight.grad.abs().max() == 0  # nothing upstream moves until it does
+
+
+def test_local_averages_equal_per_document_avg_pool():
+    u = torch.randn(2, 32, 8, dtype=torch.float64)
+    got = causal_local_averages(u, DOC_IDS, (2, 3, 4))
+    for i, n in enumerate((2, 3, 4)):
+        pool = lambda v, n=n: F.avg_pool1d(F.pad(v.transpose(1, 2), (n - 1, 0)), n, stride=1).transpose(1, 2)
+        assert torch.allclose(got[:, :, i], _per_document(pool, u, DOC_IDS), atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", CONV_IMPLS)
+def test_conv_equals_per_document_left_padded_conv1d(impl):
+    torch.manual_seed(0)
+    conv = DocCausalDepthwiseConv(8, 4, impl).double()
+    x = torch.randn(2, 32, 8, dtype=torch.float64)
+    ref_conv = lambda v: F.conv1d(F.pad(v.transpose(1, 2), (3, 0)), conv.weight, conv.bias, groups=8).transpose(1, 2)
+    assert torch.allclose(conv(x, DOC_IDS), _per_document(ref_conv, x, DOC_IDS), atol=1e-12)
+    assert torch.allclose(conv(x, None), ref_conv(x), atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_conv_impls_give_the_same_numbers(mode):
+    x = torch.randn(2, 32, 16, dtype=torch.float64)
+    a, b = _branch(mode, "maxtext_depthwise"), _branch(mode, "xla_safe")
+    b.load_state_dict(a.state_dict())
+    for doc_ids in (DOC_IDS, None):
+        assert torch.allclose(a(x, doc_ids), b(x, doc_ids), atol=1e-12, rtol=0)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn_like(x)
+    (a(xa, DOC_IDS) * g).sum().backward()
+    (b(xb, DOC_IDS) * g).sum().backward()
+    assert torch.allclose(xa.grad, xb.grad, atol=1e-12)
+    assert torch.allclose(a.conv.weight.grad, b.conv.weight.grad, atol=1e-10) if a.conv is not None else True
+
+
+def test_conv_isolation_survives_nan_in_previous_document():
+    conv = DocCausalDepthwiseConv(4, 4, "maxtext_depthwise")
+    x = torch.randn(1, 12, 4)
+    doc_ids = torch.tensor([[0] * 6 + [1] * 6])
+    x[0, 5] = float("nan")
+    y = conv(x, doc_ids)
+    assert torch.isfinite(y[0, 6:]).all()
+
+
+def _real_rows(T: int = 96) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two windows of real packed C++ rows, each straddling a document boundary."""
+    rows, _ = load_sample()
+    b = rows.batch
+    tokens, doc_ids = [], []
+    for r in range(b.batch_size):
+        starts = [s for _, s, _ in b.segments(r) if T // 3 <= s <= b.seq_len - 2 * T // 3]
+        if starts:
+            lo = starts[0] - T // 3
+            tokens.append(b.tokens[r, lo : lo + T])
+            doc_ids.append(b.doc_ids[r, lo : lo + T])
+        if len(tokens) == 2:
+            break
+    return torch.stack(tokens), torch.stack(doc_ids)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", CONV_IMPLS)
+def test_leak_harness_passes_on_real_packed_rows(mode, impl):
+    tokens, doc_ids = _real_rows()
+    assert (doc_ids[:, -1] > doc_ids[:, 0]).all()
+    model = TokenMixer(259, 16, _branch(mode, impl)).double()
+    report = check_leaks(model, tokens, doc_ids, vocab_size=259, causal_positions=range(0, 96, 5))
+    assert report.passed, str(report)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tripwire_withheld_doc_ids_is_flagged(mode):
+    """The historical bug: Engram mixed documents when doc_ids were not threaded through."""
+    tokens, doc_ids = _real_rows()
+    model = TokenMixer(259, 16, _branch(mode)).double()
+    report = check_leaks(lambda t, d: model(t, None), tokens, doc_ids, vocab_size=259, causal=False)
+    assert not report.passed
+    v = report.cross_doc
+    assert v.out_doc == v.src_doc + 1 and v.row == v.src_row  # bleeds into the next document
+
+
+def test_rmsnorm_is_exactly_one_parameter_free_f_rms_norm(monkeypatch):
+    norm = _RMSNorm(eps=1e-5)
+    assert list(norm.parameters()) == [] and list(norm.buffers()) == []
+    calls = []
+    real = F.rms_norm
+
+    def spy(x, normalized_shape, weight=None, eps=None):
+        calls.append((tuple(normalized_shape), weight, eps))
+        return real(x, normalized_shape, weight, eps)
+
+    monkeypatch.setattr(F, "rms_norm", spy)
+    x = torch.randn(3, 5, 24)
+    y = norm(x)
+    assert calls == [((24,), None, 1e-5)]
+    assert torch.equal(y, real(x, (24,), weight=None, eps=1e-5))
+
+
+def test_rmsnorm_graph_has_no_manual_variance():
+    gm = torch.fx.symbolic_trace(_RMSNorm())
+    targets = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    assert targets.count(F.rms_norm) == 1
+    assert not {"pow", "mean", torch.pow, torch.mean, torch.rsqrt} & set(targets)
+
+
+def _manual_rmsnorm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The variant DESIGN.md forbids: variance by hand, in the input dtype."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_tripwire_manual_rmsnorm_is_less_accurate_in_bf16():
+    """On CPU both forms overflow at the same magnitude (their sum of squares shares bf16/fp32's
+    exponent range); what the manual form loses here is precision: it rounds x^2, the mean and
+    rsqrt to bf16 one after another, where F.rms_norm rounds once."""
+    torch.manual_seed(0)
+    x = (torch.randn(64, 4096) * 1e16).bfloat16()
+    ref = F.rms_norm(x.double(), (4096,), eps=1e-6)
+    err_manual = (_manual_rmsnorm(x).double() - ref).abs().max()
+    err_fused = (_RMSNorm()(x).double() - ref).abs().max()
+    assert err_fused < 0.02 < err_manual
+
+
+@pytest.mark.cuda
+def test_tripwire_manual_rmsnorm_overflows_in_bf16_on_gpu():
+    """Large bf16 activations: sum(x^2) passes the fp32/bf16 maximum. The fused CUDA kernel keeps
+    a running mean and stays right; the manual mean of x^2 overflows and the output collapses."""
+    torch.manual_seed(0)
+    x = (torch.randn(64, 4096, device="cuda") * 1e18).bfloat16()
+    ref = F.rms_norm(x.double(), (4096,), eps=1e-6)
+    fused = _RMSNorm()(x)
+    manual = _manual_rmsnorm(x)
+    assert torch.isinf(x.float().pow(2).sum(-1)).all()
+    assert torch.isfinite(fused).all() and (fused.double() - ref).abs().max() < 0.05
+    assert (manual.double() - ref).abs().max() > 1.0
+
+
+def test_gated_branch_compiles_with_zero_graph_breaks():
+    cfg = EngramConfig(d_model=16, n_layers=2, bottleneck=8)
+    branch = EngramBranch(cfg)
+    x = torch.randn(2, 32, 16)
+    explained = torch._dynamo.explain(branch)(x, DOC_IDS)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_compiled_gated_branch_matches_eager_fwd_bwd():
+    torch._dynamo.reset()
+    cfg = EngramConfig(d_model=32, n_layers=2, bottleneck=16)
+    torch.manual_seed(0)
+    branch = EngramBranch(cfg)
+    nn.init.normal_(branch.out_proj.weight, std=0.1)
+    compiled = torch.compile(branch, fullgraph=True)
+    x = torch.randn(2, 32, 32)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn_like(x)
+    (branch(xe, DOC_IDS) * g).sum().backward()
+    eager_grads = [p.grad.clone() for p in branch.parameters()]
+    branch.zero_grad()
+    yc = compiled(xc, DOC_IDS)
+    (yc * g).sum().backward()
+    assert torch.allclose(yc, branch(x, DOC_IDS), atol=1e-5)
+    assert torch.allclose(xc.grad, xe.grad, atol=1e-5)
+    for p, ge in zip(branch.parameters(), eager_grads):
+        assert torch.allclose(p.grad, ge, atol=1e-4)
+
+
+def test_branch_rejects_bad_shapes():
+    branch = EngramBranch(EngramConfig(d_model=16, n_layers=2, bottleneck=8))
+    with pytest.raises(ValueError, match=r"\[B,T,16\]"):
+        branch(torch.randn(2, 8, 12))
+    with pytest.raises(ValueError, match="doc_ids shape"):
+        branch(torch.randn(2, 8, 16), torch.zeros(2, 7, dtype=torch.int64))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("impl", CONV_IMPLS)
+def test_gated_branch_bf16_on_gpu_matches_fp32_and_is_leak_free(impl):
+    torch.manual_seed(0)
+    cfg = EngramConfig(d_model=256, n_layers=2, bottleneck=64, conv_impl=impl)
+    branch = EngramBranch(cfg).cuda()
+    nn.init.normal_(branch.out_proj.weight, std=0.05)
+    tokens, doc_ids = _real_rows(T=512)
+    tokens, doc_ids = tokens.cuda(), doc_ids.cuda()
+    h = torch.randn(2, 512, 256, device="cuda")
+    ref = branch(h, doc_ids)
+    out = branch.to(torch.bfloat16)(h.bfloat16(), doc_ids)
+    assert ((out.float() - ref).norm() / ref.norm()) < 2e-2
+    report = check_leaks(branch, h.bfloat16(), doc_ids, causal_positions=range(0, 512, 31))
+    assert report.passed, str(report)
