@@ -192,7 +192,7 @@ class DocCausalDepthwiseConv(nn.Module):
       (No Tensor.unfold: Inductor's CPU backward for a masked unfold corrupted memory.)
     """
 
-    def __init__(self, channels: int, kernel: int, impl: str = "maxtext_depthwise") -> None:
+    def __init__(self, channels: int, kernel: int, impl: str = "maxtext_depthwise", *, bias: bool = True) -> None:
         super().__init__()
         if impl not in CONV_IMPLS:
             raise ValueError(f"conv_impl must be one of {CONV_IMPLS}, got {impl!r}")
@@ -201,14 +201,16 @@ class DocCausalDepthwiseConv(nn.Module):
         self.kernel = kernel
         self.impl = impl
         # nn.Conv1d(channels, channels, kernel, groups=channels) layout and init
-        conv = nn.Conv1d(channels, channels, kernel, groups=channels)
+        conv = nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias)
         self.weight = nn.Parameter(conv.weight.detach().clone())  # [D, 1, K]
-        self.bias = nn.Parameter(conv.bias.detach().clone())  # [D]
+        self.bias = nn.Parameter(conv.bias.detach().clone()) if bias else None  # [D]
 
     def _unfold_sum(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         """The K taps of each window as K doc-masked shifts of x, weighted and summed."""
         K = self.kernel
-        out = self.bias + x * self.weight[:, 0, K - 1]
+        out = x * self.weight[:, 0, K - 1]
+        if self.bias is not None:
+            out = out + self.bias
         for lag in range(1, K):
             out = out + doc_causal_shift(x, doc_ids, lag) * self.weight[:, 0, K - 1 - lag]
         return out

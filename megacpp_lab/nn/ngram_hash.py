@@ -202,7 +202,8 @@ class NgramHashMemory(nn.Module):
         self.key_proj = nn.Linear(H * D, C, bias=False)
         self.value_proj = nn.Linear(H * D, C, bias=False)
         nn.init.zeros_(self.value_proj.weight)  # identity on the residual at step 0
-        self.conv = DocCausalDepthwiseConv(C, config.conv_kernel) if config.conv_kernel else None
+        # no conv bias: SiLU(conv(0)) must be 0 for the memory to start as an identity
+        self.conv = DocCausalDepthwiseConv(C, config.conv_kernel, bias=False) if config.conv_kernel else None
 
     def row_ids(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[B,T,H] per-head row ids (what a TableStore lookup takes)."""
