@@ -61,6 +61,18 @@ def _cmd_tour(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.subsystem == "engram":
+        from megacpp_lab.bench.engram import run
+
+        written = run(args.out, small=args.small, trace=not args.no_trace)
+    else:  # argparse choices keep this unreachable
+        raise ValueError(f"unknown subsystem {args.subsystem!r}")
+    for path in written:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megacpp-lab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-file-bytes", type=int, default=defaults.max_file_bytes)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_data)
+
+    p = sub.add_parser("bench", help="benchmark a subsystem and write receipts (run it on a GPU)")
+    p.add_argument("subsystem", choices=("engram",))
+    p.add_argument("--out", default=None, help="receipt root (default: profiles/)")
+    p.add_argument("--small", action="store_true", help="CPU-sized shapes (smoke run, not a receipt to commit)")
+    p.add_argument("--no-trace", action="store_true", help="skip the profiler trace")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("info", help="device, versions, commit and problem scale")
     p.set_defaults(func=_cmd_info)

@@ -20,7 +20,7 @@ import torch
 COMMIT_ENV = "MEGACPP_LAB_COMMIT"
 METRIC_KEYS = (
     "ms", "fwd_ms", "bwd_ms", "peak_mib", "gb_per_s", "tflops", "max_abs_err", "rel_err",
-    "compile_s", "tokens_per_s", "speedup",
+    "compile_s", "tokens_per_s", "speedup", "nonfinite_outputs",
 )  # fmt: skip
 REQUIRED_KEYS = ("name", "subsystem", "device", "torch", "triton", "commit", "date", "shape", "dtype", "results")
 
