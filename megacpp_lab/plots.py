@@ -21,7 +21,7 @@ def plot_contenders(receipt: dict[str, Any], metric: str = "ms", *, ax: Any = No
     ax.invert_yaxis()
     ax.set_xlabel(metric)
     shape = ", ".join(f"{k}={v}" for k, v in receipt["shape"].items())
-    ax.set_title(title or f"{receipt['name']} ({receipt['dtype']}, {shape})\n{receipt['device']}", fontsize=9)
+    ax.set_title(title or f"{receipt['name']} ({receipt['dtype']})\n{shape}\n{receipt['device']}", fontsize=9)
     return ax
 
 

@@ -73,3 +73,25 @@ def profile_trace(
     if not written:
         raise RuntimeError(f"the profiler wrote no trace for {name!r} under {out}")
     return written[-1], prof
+
+
+def trace_summary(trace_path: str | Path, *, category: str | None = None, top: int = 10) -> list[dict[str, float | str]]:
+    """The `top` events of a `*.pt.trace.json` by total duration, grouped by name.
+
+    category: 'kernel' for GPU kernels, 'cpu_op' for operators; default: 'kernel' when the
+    trace has GPU kernels, else 'cpu_op'.
+    """
+    import json
+
+    events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    if category is None:
+        category = "kernel" if any(e.get("cat") == "kernel" for e in events) else "cpu_op"
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == category:
+            entry = totals.setdefault(e["name"], [0.0, 0])
+            entry[0] += float(e["dur"])
+            entry[1] += 1
+    rows = [{"name": name, "total_us": t, "calls": int(n)} for name, (t, n) in totals.items()]
+    rows.sort(key=lambda r: -float(r["total_us"]))
+    return rows[:top]

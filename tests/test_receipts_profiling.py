@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megacpp_lab import receipts
-from megacpp_lab.profiling import profile_trace, time_ms
+from megacpp_lab.profiling import profile_trace, time_ms, trace_summary
 from megacpp_lab.sizing import SIZE_ENV, by_device, lab_scale
 
 
@@ -85,6 +85,10 @@ def test_time_ms_and_profile_trace(tmp_path):
     names = {e.get("name", "") for e in events}
     assert any("mm" in n for n in names)
     assert any("relu" in n for n in prof.key_averages().table().lower().split())
+    summary = trace_summary(path)
+    assert summary and {"name", "total_us", "calls"} <= summary[0].keys()
+    assert any("mm" in str(r["name"]) for r in summary)
+    assert summary == sorted(summary, key=lambda r: -r["total_us"])
 
 
 @pytest.mark.cuda

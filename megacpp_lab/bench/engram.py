@@ -94,11 +94,19 @@ def _measure(module: nn.Module, x: torch.Tensor, doc_ids: torch.Tensor, grad: to
     return out
 
 
+ALL_CONTENDERS = (
+    ("gated", True, "maxtext_depthwise"),
+    ("gated", True, "xla_safe"),
+    ("minimal", False, "maxtext_depthwise"),
+)
+
+
 def bench_engram_branch(
     shape: EngramBenchShape,
     *,
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cuda",
+    contenders: tuple[tuple[str, bool, str], ...] = ALL_CONTENDERS,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Eager vs compiled fwd+bwd for gated (both conv impls) and minimal modes; one receipt."""
@@ -114,11 +122,7 @@ def bench_engram_branch(
         ref_out = reference(x.float(), doc_ids)
     del reference
 
-    plan = [
-        ("gated", True, "maxtext_depthwise"),
-        ("gated", True, "xla_safe"),
-        ("minimal", False, "maxtext_depthwise"),
-    ]
+    plan = contenders
     results: list[dict[str, Any]] = []
     eager_ms: dict[str, float] = {}
     bar = tqdm(total=2 * len(plan), desc="engram contenders", disable=not progress)
