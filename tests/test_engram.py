@@ -235,3 +235,15 @@ def test_gated_branch_bf16_on_gpu_matches_fp32_and_is_leak_free(impl):
     assert ((out.float() - ref).norm() / ref.norm()) < 2e-2
     report = check_leaks(branch, h.bfloat16(), doc_ids, causal_positions=range(0, 512, 31))
     assert report.passed, str(report)
+
+
+def test_branch_rejects_doc_ids_that_break_the_packed_contract():
+    branch = EngramBranch(EngramConfig(d_model=16, n_layers=2, bottleneck=8))
+    h = torch.randn(1, 8, 16)
+    with pytest.raises(ValueError, match=r"doc_ids go backwards at row 0, offset 3: 1 -> 0"):
+        branch(h, torch.tensor([[0, 0, 1, 0, 0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match="doc_ids dtype"):
+        branch(h, torch.zeros(1, 8))
+    compiled = torch.compile(branch, backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="doc_ids go backwards"):
+        compiled(h, torch.tensor([[0, 0, 1, 0, 0, 0, 0, 0]]))

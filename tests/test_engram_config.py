@@ -112,3 +112,9 @@ def test_ngram_hash_from_args():
         NgramHashConfig.from_args(**NG, layers="a")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.head_dim = 4
+
+
+@pytest.mark.parametrize("field, value", [("gated", "false"), ("mhc", 1), ("conv_kernel", True), ("bottleneck", True)])
+def test_engram_config_rejects_truthy_impostors(field, value):
+    with pytest.raises(ValueError, match=rf"EngramConfig\.{field} must be"):
+        EngramConfig(**{**BASE, field: value})

@@ -171,3 +171,42 @@ def test_memory_on_gpu_bf16_matches_fp32_and_store_on_gpu():
     assert torch.allclose(mem(h, tokens, doc_ids, store=store), ref, atol=1e-5)
     out = mem.to(torch.bfloat16)(h.bfloat16(), tokens, doc_ids)
     assert ((out.float() - ref).norm() / ref.norm()) < 3e-2
+
+
+def test_memory_refuses_another_layers_store():
+    other = NgramHashMemory(CFG, layer_id=0)
+    store = other.make_store()
+    mem = _memory()  # layer 1, same table sizes
+    tokens, doc_ids = _real_rows()
+    with pytest.raises(ValueError, match="store holds layer 0's tables, this is layer 1"):
+        mem(torch.randn(2, 128, 32), tokens, doc_ids, store=store)
+
+
+def test_out_of_vocab_tokens_fail_under_compile_too():
+    mem = _memory()
+    tokens = torch.randint(0, 256, (1, 16))
+    tokens[0, 3] = -7
+    with pytest.raises(ValueError, match="token id -7 at row 0, offset 3"):
+        ngram_row_ids(tokens, None, CFG, 0)
+    compiled = torch.compile(mem, backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="token id outside"):
+        compiled(torch.randn(1, 16, 32), tokens)
+
+
+def test_memory_rejects_doc_ids_going_backwards():
+    mem = _memory()
+    tokens = torch.randint(0, 256, (1, 8))
+    with pytest.raises(ValueError, match=r"doc_ids go backwards at row 0, offset 3: 1 -> 0"):
+        mem(torch.randn(1, 8, 32), tokens, torch.tensor([[0, 0, 1, 0, 0, 0, 0, 0]]))
+
+
+@pytest.mark.parametrize("bad", [dict(seed=2**60), dict(seed=0.5), dict(head_dim=True)])
+def test_ngram_config_rejects_values_that_would_fail_later(bad):
+    with pytest.raises(ValueError, match="NgramHashConfig"):
+        NgramHashConfig(**{**CFG.__dict__, **bad})
+
+
+@pytest.mark.parametrize("layer_id", [-1, 4, True])
+def test_memory_layer_id_in_range(layer_id):
+    with pytest.raises(ValueError, match=r"layer_id must be an int in \[0, n_layers=4\)"):
+        NgramHashMemory(CFG, layer_id=layer_id)

@@ -190,6 +190,19 @@ def test_rollback_delete_failure_does_not_mask_populate_error():
     assert sorted(backend.keys()) == ["engram:l3:h0", "engram:l3:h1"]
 
 
+def test_rollback_removes_a_key_the_backend_stored_before_raising():
+    class LostAck(InProcessBackend):
+        def put(self, key, table):
+            super().put(key, table)
+            if key.endswith(":h1"):
+                raise TimeoutError(f"stored {key} but the acknowledgement was lost")
+
+    backend = LostAck()
+    with pytest.raises(RuntimeError, match="head 1"):
+        make_store(backend=backend).populate(make_tables())
+    assert backend.keys() == []  # nothing half-populated blocks the retry
+
+
 def test_put_failure_on_first_head_writes_nothing():
     backend = FailingBackend(fail_put_on=1)
     with pytest.raises(RuntimeError, match="head 0"):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.nn.doc_masking import doc_causal_shift, same_doc_as_lag
+from megacpp_lab.nn.doc_masking import check_doc_ids, doc_causal_shift, same_doc_as_lag
 
 CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
 MAX_ORDER = 16
@@ -71,6 +71,12 @@ class EngramConfig:
     mhc: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("gated", "mhc"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, "a bool", getattr(self, name))
+        for name in ("d_model", "n_layers", "bottleneck", "conv_kernel"):
+            if isinstance(getattr(self, name), bool):
+                raise _fail(name, "an int, not a bool", getattr(self, name))
         if not isinstance(self.n_layers, int) or self.n_layers < 1:
             raise _fail("n_layers", "an int >= 1", self.n_layers)
         if not isinstance(self.d_model, int) or self.d_model < 1:
@@ -252,8 +258,7 @@ class EngramBranch(nn.Module):
         """h: [B,T,C] pre-norm residual; doc_ids: [B,T], or None for one document per row."""
         if h.dim() != 3 or h.shape[-1] != self.config.d_model:
             raise ValueError(f"EngramBranch input must be [B,T,{self.config.d_model}], got {tuple(h.shape)}")
-        if doc_ids is not None and doc_ids.shape != h.shape[:2]:
-            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} does not match [B,T] = {tuple(h.shape[:2])}")
+        check_doc_ids(doc_ids, tuple(h.shape[:2]))
         h_norm = self.norm(h)
         u = self.in_proj(h_norm)
         m = (causal_local_averages(u, doc_ids, self.config.orders) * self.order_mix).sum(dim=2)

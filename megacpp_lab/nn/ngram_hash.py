@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.nn.doc_masking import doc_causal_shift
+from megacpp_lab.nn.doc_masking import check_doc_ids, doc_causal_shift
 from megacpp_lab.nn.engram import DocCausalDepthwiseConv, _RMSNorm, context_gate
 from megacpp_lab.nn.table_store import TableBackend, TableStore, TableStoreConfig
 
@@ -78,6 +78,12 @@ class NgramHashConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        for name in ("vocab_size", "d_model", "n_layers", "pad_id", "max_ngram", "heads_per_order",
+                     "table_size", "head_dim", "conv_kernel", "seed"):  # fmt: skip
+            if isinstance(getattr(self, name), bool):
+                raise _fail(name, "an int, not a bool", getattr(self, name))
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
+            raise _fail("seed", "an int in [0, 2**31)", self.seed)
         if not isinstance(self.vocab_size, int) or not 2 <= self.vocab_size <= MAX_VOCAB:
             raise _fail("vocab_size", f"an int in 2..{MAX_VOCAB}", self.vocab_size)
         if not isinstance(self.pad_id, int) or not 0 <= self.pad_id < self.vocab_size:
@@ -157,6 +163,7 @@ def ngram_row_ids(
     """[B,T] token ids -> [B,T,H] row ids, each in [0, table_sizes[h]) of its own head."""
     if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"tokens must be [B,T] int32/int64, got shape {tuple(tokens.shape)} dtype {tokens.dtype}")
+    check_token_ids(tokens, config.vocab_size)
     if multipliers is None:
         multipliers = layer_multipliers(config, layer_id).to(tokens.device)
     if moduli is None:
@@ -172,7 +179,13 @@ def ngram_row_ids(
 
 
 def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
-    """Fail closed on ids outside the vocab: they would hash, silently, to valid rows."""
+    """Fail closed on ids outside the vocab: they would hash, silently, to valid rows.
+
+    Under torch.compile the check is a device assert (no graph break).
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(((tokens >= 0) & (tokens < vocab_size)).all(), "token id outside [0, vocab_size)")
+        return
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
         bad = ((tokens < 0) | (tokens >= vocab_size)).nonzero()[0].tolist()
@@ -188,6 +201,8 @@ class NgramHashMemory(nn.Module):
         super().__init__()
         if not isinstance(config, NgramHashConfig):
             raise TypeError(f"NgramHashMemory needs an NgramHashConfig, got {type(config).__name__}")
+        if not isinstance(layer_id, int) or isinstance(layer_id, bool) or not 0 <= layer_id < config.n_layers:
+            raise ValueError(f"layer_id must be an int in [0, n_layers={config.n_layers}), got {layer_id!r}")
         if config.layers and layer_id not in config.layers:
             raise ValueError(f"layer_id {layer_id} is not in NgramHashConfig.layers {config.layers}")
         self.config = config
@@ -233,16 +248,19 @@ class NgramHashMemory(nn.Module):
                 f"NgramHashMemory needs h [B,T,{self.config.d_model}] and tokens [B,T]; "
                 f"got h {tuple(h.shape)}, tokens {tuple(tokens.shape)}"
             )
-        if not torch.compiler.is_compiling():
-            check_token_ids(tokens, self.config.vocab_size)
+        check_doc_ids(doc_ids, tuple(tokens.shape))
         ids = self.row_ids(tokens, doc_ids)
         if store is None:
             e = F.embedding(ids + self.row_offsets, self.tables)
         else:
-            if store.get_table_vocab_sizes() != list(self.config.table_sizes):
+            if store.layer_id != self.layer_id:
+                raise ValueError(f"store holds layer {store.layer_id}'s tables, this is layer {self.layer_id}")
+            if store.get_table_vocab_sizes() != list(self.config.table_sizes) or (
+                store.get_embedding_dim() != self.config.head_dim
+            ):
                 raise ValueError(
-                    f"store table sizes {store.get_table_vocab_sizes()} do not match this layer's "
-                    f"{list(self.config.table_sizes)}"
+                    f"store tables {store.get_table_vocab_sizes()} x D={store.get_embedding_dim()} do not match "
+                    f"this layer's {list(self.config.table_sizes)} x D={self.config.head_dim}"
                 )
             e = store.lookup(ids).to(device=h.device, dtype=h.dtype)
         e = e.flatten(2).to(h.dtype)

@@ -225,14 +225,17 @@ class TableStore:
     def _rollback(self, head: int, key: str, written: list[str], exc: Exception) -> None:
         # Best effort: a failing delete is collected and reported, never allowed to replace `exc`.
         failures: list[str] = []
-        for k in reversed(written):
+        # the failing key too: populate checked it did not exist, and a backend may have stored
+        # it before raising (a lost acknowledgement), which would block every retry
+        for k in [key, *reversed(written)]:
             try:
                 self.backend.delete(k)
             except Exception as del_exc:  # noqa: BLE001 - reported in the message below
                 failures.append(f"{k!r}: {del_exc!r}")
+        undeleted = sum(1 for f in failures if not f.startswith(repr(key) + ":"))
         msg = (
             f"populate failed at head {head} (key {key!r}): {exc!r}; "
-            f"rolled back {len(written) - len(failures)} of {len(written)} key(s) written by this call"
+            f"rolled back {len(written) - undeleted} of {len(written)} key(s) written by this call"
         )
         if failures:
             msg += f"; rollback incomplete, could not delete {', '.join(failures)}"
