@@ -15,8 +15,9 @@ def check_doc_ids(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> None:
     """Fail closed on doc_ids a mixer cannot trust: wrong shape or dtype, or ids going backwards.
 
     Masks compare ids for equality only, so ids that go backwards (0,0,1,0) would silently join
-    two documents. Eager raises ValueError with the row and offset; under torch.compile the
-    check is a device assert (no graph break), which fails the run instead of the numbers.
+    two documents. On CPU this raises ValueError with the row and offset. On a GPU, and under
+    torch.compile, it is an asynchronous device assert: no host sync in the hot path and no
+    graph break, and a bad batch still stops the run (PackedBatch names the row and offset).
     """
     if doc_ids is None:
         return
@@ -27,7 +28,7 @@ def check_doc_ids(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> None:
     if doc_ids.shape[1] < 2:
         return
     backwards = doc_ids[:, 1:] < doc_ids[:, :-1]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or doc_ids.device.type != "cpu":
         torch._assert_async(~backwards.any(), "doc_ids go backwards inside a row")
         return
     if bool(backwards.any()):

@@ -181,9 +181,10 @@ def ngram_row_ids(
 def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
     """Fail closed on ids outside the vocab: they would hash, silently, to valid rows.
 
-    Under torch.compile the check is a device assert (no graph break).
+    On a GPU and under torch.compile the check is an asynchronous device assert (no host
+    sync, no graph break).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or tokens.device.type != "cpu":
         torch._assert_async(((tokens >= 0) & (tokens < vocab_size)).all(), "token id outside [0, vocab_size)")
         return
     lo, hi = int(tokens.min()), int(tokens.max())
