@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.data import PackedBatch, load_sample
+from megacpp_lab.data import PackedBatch, boundary_windows, load_sample
 from megacpp_lab.nn.engram import (
     CONV_IMPLS,
     DocCausalDepthwiseConv,
@@ -92,18 +92,8 @@ def test_conv_isolation_survives_nan_in_previous_document():
 
 def _real_rows(T: int = 96) -> tuple[torch.Tensor, torch.Tensor]:
     """Two windows of real packed C++ rows, each straddling a document boundary."""
-    rows, _ = load_sample()
-    b = rows.batch
-    tokens, doc_ids = [], []
-    for r in range(b.batch_size):
-        starts = [s for _, s, _ in b.segments(r) if T // 3 <= s <= b.seq_len - 2 * T // 3]
-        if starts:
-            lo = starts[0] - T // 3
-            tokens.append(b.tokens[r, lo : lo + T])
-            doc_ids.append(b.doc_ids[r, lo : lo + T])
-        if len(tokens) == 2:
-            break
-    return torch.stack(tokens), torch.stack(doc_ids)
+    w = boundary_windows(load_sample()[0].batch, 2, T)
+    return w.tokens, w.doc_ids
 
 
 @pytest.mark.parametrize("mode", MODES)

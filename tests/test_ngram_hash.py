@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from megacpp_lab.data import ByteTokenizer, PackedBatch, load_sample
+from megacpp_lab.data import ByteTokenizer, PackedBatch, boundary_windows, load_sample
 from megacpp_lab.nn.ngram_hash import (
     NgramHashConfig,
     NgramHashMemory,
@@ -23,18 +23,8 @@ CFG = NgramHashConfig(vocab_size=259, d_model=32, n_layers=4, pad_id=TOK.pad_id,
 
 
 def _real_rows(T: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, _ = load_sample()
-    b = rows.batch
-    picked = []
-    for r in range(b.batch_size):
-        starts = [s for _, s, _ in b.segments(r) if T // 2 <= s <= b.seq_len - T // 2]
-        if starts:
-            picked.append((r, starts[0] - T // 2))
-        if len(picked) == 2:
-            break
-    tokens = torch.stack([b.tokens[r, lo : lo + T] for r, lo in picked])
-    doc_ids = torch.stack([b.doc_ids[r, lo : lo + T] for r, lo in picked])
-    return tokens, doc_ids
+    w = boundary_windows(load_sample()[0].batch, 2, T, lead=T // 2)
+    return w.tokens, w.doc_ids
 
 
 def test_tables_are_distinct_primes_per_head():

@@ -149,3 +149,14 @@ def test_packed_batch_validates_on_gpu():
     bad[1, 6] = 3
     with pytest.raises(ValueError, match=r"row 1, offset 6"):
         PackedBatch(b.tokens, b.doc_ids, bad, b.cu_seqlens)
+
+
+def test_boundary_windows_cut_real_rows_around_a_boundary():
+    from megacpp_lab.data import boundary_windows
+
+    b = PackedBatch.from_doc_ids(torch.arange(24).reshape(2, 12), torch.tensor([[0] * 7 + [1] * 5, [0] * 3 + [1] * 9]))
+    w = boundary_windows(b, 2, 6, lead=2)
+    assert w.tokens.tolist() == [[5, 6, 7, 8, 9, 10], [13, 14, 15, 16, 17, 18]]
+    assert [s for _, s, _ in w.segments(0)] == [0, 2]
+    with pytest.raises(ValueError, match="only 2 of the 2 rows"):
+        boundary_windows(b, 3, 6, lead=2)

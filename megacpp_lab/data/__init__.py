@@ -4,6 +4,7 @@ from megacpp_lab.data.corpus import SourceFile, list_cpp_files, load_corpus, tor
 from megacpp_lab.data.packing import (
     PackedBatch,
     PackedRows,
+    boundary_windows,
     cu_seqlens_from_doc_ids,
     doc_starts,
     pack_documents,
@@ -19,6 +20,7 @@ __all__ = [
     "PackedRows",
     "SampleConfig",
     "SourceFile",
+    "boundary_windows",
     "build_sample",
     "cu_seqlens_from_doc_ids",
     "doc_starts",

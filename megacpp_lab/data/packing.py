@@ -282,3 +282,23 @@ def pack_documents(
         np.stack([flat_starts // seq_len, flat_starts % seq_len, seg_len, source, source_offset], axis=1)
     ).to(torch.int64)
     return PackedRows(batch=batch, segments=segments)
+
+
+def boundary_windows(batch: PackedBatch, rows: int, length: int, *, lead: int | None = None) -> PackedBatch:
+    """`rows` windows of `length` tokens cut from packed rows, each with a document boundary
+    `lead` tokens in (default length // 3): small real inputs for leak tests and plots."""
+    lead = length // 3 if lead is None else lead
+    if not 0 < lead < length <= batch.seq_len:
+        raise ValueError(f"need 0 < lead ({lead}) < length ({length}) <= seq_len ({batch.seq_len})")
+    picked: list[tuple[int, int]] = []
+    for r in range(batch.batch_size):
+        starts = [s for _, s, _ in batch.segments(r) if lead <= s <= batch.seq_len - (length - lead)]
+        if starts:
+            picked.append((r, starts[0] - lead))
+        if len(picked) == rows:
+            break
+    if len(picked) < rows:
+        raise ValueError(f"only {len(picked)} of the {batch.batch_size} rows have a boundary that fits a window")
+    tokens = torch.stack([batch.tokens[r, lo : lo + length] for r, lo in picked])
+    doc_ids = torch.stack([batch.doc_ids[r, lo : lo + length] for r, lo in picked])
+    return PackedBatch.from_doc_ids(tokens, doc_ids)
