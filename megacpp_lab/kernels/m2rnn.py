@@ -1,0 +1,394 @@
+"""M2RNN scan: the torch reference loop and the Triton forward/backward kernels, side by side.
+
+Per head, with state h [K, V] (fp32), W [V, V], and per step q_t, k_t [K], v_t [V], f_t:
+
+    z_t = tanh(h_{t-1} @ W + k_t (x) v_t)
+    h_t = f_t * h_{t-1} + (1 - f_t) * z_t
+    y_t = q_t @ h_t                                   [V]
+
+At every document start the previous state is replaced by the initial state h0.
+
+Layout (all contiguous): q, k [B,S,H,K]; v [B,S,H,V]; f [B,S,H]; W [H,V,V]; y [B,S,H,V].
+The kernels see the flattened time axis split into *ranges* (rows, or varlen sequences from
+cu_seqlens), each with its own h0 [P,H,K,V], and a per-token reset flag for document starts
+inside a range. One program runs one (range, head) from start to end.
+
+Backward states: the forward stores the state every CHUNK steps (fp32); the backward walks the
+chunks in reverse, recomputes the chunk's states into a scratch buffer, then runs the reverse
+recurrence over it. CHUNK=1 degenerates to storing every state.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------- reference
+
+
+@torch.compiler.disable
+def _torch_m2rnn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    W: torch.Tensor,
+    h0: torch.Tensor,
+    reset: torch.Tensor,
+    h0_index: torch.Tensor,
+    grad_clip: float = 0.0,
+) -> torch.Tensor:
+    """Plain step loop, fp32 state. reset [B,S] bool: document starts (row starts included);
+    h0 [N,H,K,V]; h0_index [B,S]: which h0 a reset at (b,t) loads. Returns y [B,S,H,V] (input dtype).
+
+    Disabled for torch.compile: dynamo would unroll the S steps into one enormous graph.
+    grad_clip > 0 clamps the gradient of every state h_t to [-clip, clip] in the backward.
+    """
+    B, S, H, K = q.shape
+    V = v.shape[-1]
+    Wf = W.float()
+    h = h0.float()[h0_index[:, 0]]  # [B,H,K,V]
+    ys = []
+    for t in range(S):
+        r = reset[:, t].view(B, 1, 1, 1)
+        h = torch.where(r, h0.float()[h0_index[:, t]], h)
+        kt, vt, qt = k[:, t].float(), v[:, t].float(), q[:, t].float()
+        z = torch.tanh(h @ Wf + kt[..., :, None] * vt[..., None, :])
+        ft = f[:, t].float().view(B, H, 1, 1)
+        h = ft * h + (1 - ft) * z
+        if grad_clip > 0 and h.requires_grad:
+            h.register_hook(lambda g: g.clamp(-grad_clip, grad_clip))
+        ys.append((qt[..., None, :] @ h).squeeze(-2))
+    return torch.stack(ys, dim=1).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _m2rnn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr,
+    y_ptr, ckpt_ptr,
+    H,
+    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr,
+):  # fmt: skip
+    p = tl.program_id(0)
+    hd = tl.program_id(1)
+    start = tl.load(ranges_ptr + p)
+    end = tl.load(ranges_ptr + p + 1)
+    rk = tl.arange(0, K)
+    rv = tl.arange(0, V)
+    kv = rk[:, None] * V + rv[None, :]
+    W = tl.load(w_ptr + hd * V * V + rv[:, None] * V + rv[None, :]).to(tl.float32)
+    h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
+    h = h0
+    slot = tl.load(ckpt_off_ptr + p)
+    for t in range(start, end):
+        if SAVE:
+            rel = t - start
+            if rel % CHUNK == 0:
+                tl.store(ckpt_ptr + ((slot + rel // CHUNK) * H + hd) * K * V + kv, h)
+        r = tl.load(reset_ptr + t)
+        h = tl.where(r != 0, h0, h)
+        row = t * H + hd
+        qt = tl.load(q_ptr + row * K + rk).to(tl.float32)
+        kt = tl.load(k_ptr + row * K + rk).to(tl.float32)
+        vt = tl.load(v_ptr + row * V + rv).to(tl.float32)
+        ft = tl.load(f_ptr + row).to(tl.float32)
+        z = _tanh(tl.dot(h, W, input_precision="ieee") + kt[:, None] * vt[None, :])
+        h = ft * h + (1.0 - ft) * z
+        yt = tl.sum(qt[:, None] * h, axis=0)
+        tl.store(y_ptr + row * V + rv, yt.to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _m2rnn_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, ckpt_ptr, dy_ptr,
+    dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
+    H, clip,
+    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
+):  # fmt: skip
+    p = tl.program_id(0)
+    hd = tl.program_id(1)
+    start = tl.load(ranges_ptr + p)
+    end = tl.load(ranges_ptr + p + 1)
+    rk = tl.arange(0, K)
+    rv = tl.arange(0, V)
+    kv = rk[:, None] * V + rv[None, :]
+    W = tl.load(w_ptr + hd * V * V + rv[:, None] * V + rv[None, :]).to(tl.float32)
+    h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
+    slot = tl.load(ckpt_off_ptr + p)
+    scratch = (p * H + hd) * CHUNK * K * V
+    dh = tl.zeros((K, V), dtype=tl.float32)
+    dW = tl.zeros((V, V), dtype=tl.float32)
+    dh0 = tl.zeros((K, V), dtype=tl.float32)
+    n_chunks = (end - start + CHUNK - 1) // CHUNK
+    for cc in range(0, n_chunks):
+        c = n_chunks - 1 - cc
+        t0 = start + c * CHUNK
+        t1 = tl.minimum(t0 + CHUNK, end)
+        # recompute this chunk's states: the previous state each step used, and z
+        h = tl.load(ckpt_ptr + ((slot + c) * H + hd) * K * V + kv)
+        for t in range(t0, t1):
+            r = tl.load(reset_ptr + t)
+            h = tl.where(r != 0, h0, h)
+            row = t * H + hd
+            kt = tl.load(k_ptr + row * K + rk).to(tl.float32)
+            vt = tl.load(v_ptr + row * V + rv).to(tl.float32)
+            ft = tl.load(f_ptr + row).to(tl.float32)
+            z = _tanh(tl.dot(h, W, input_precision="ieee") + kt[:, None] * vt[None, :])
+            tl.store(prev_ptr + scratch + (t - t0) * K * V + kv, h)
+            tl.store(z_ptr + scratch + (t - t0) * K * V + kv, z)
+            h = ft * h + (1.0 - ft) * z
+        # reverse over the chunk
+        for tt in range(t0, t1):
+            t = t1 - 1 - (tt - t0)
+            i = t - t0
+            hp = tl.load(prev_ptr + scratch + i * K * V + kv)
+            z = tl.load(z_ptr + scratch + i * K * V + kv)
+            row = t * H + hd
+            qt = tl.load(q_ptr + row * K + rk).to(tl.float32)
+            kt = tl.load(k_ptr + row * K + rk).to(tl.float32)
+            vt = tl.load(v_ptr + row * V + rv).to(tl.float32)
+            ft = tl.load(f_ptr + row).to(tl.float32)
+            dyt = tl.load(dy_ptr + row * V + rv).to(tl.float32)
+            ht = ft * hp + (1.0 - ft) * z
+            dh = dh + qt[:, None] * dyt[None, :]
+            if CLIP:
+                dh = tl.minimum(tl.maximum(dh, -clip), clip)
+            tl.store(dq_ptr + row * K + rk, tl.sum(ht * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty))
+            tl.store(df_ptr + row, tl.sum(tl.sum(dh * (hp - z), axis=1), axis=0).to(df_ptr.dtype.element_ty))
+            da = dh * (1.0 - ft) * (1.0 - z * z)
+            tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty))
+            tl.store(dv_ptr + row * V + rv, tl.sum(da * kt[:, None], axis=0).to(dv_ptr.dtype.element_ty))
+            dW += tl.dot(tl.trans(hp), da, input_precision="ieee")
+            dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision="ieee")
+            r = tl.load(reset_ptr + t)
+            dh0 += tl.where(r != 0, dprev, 0.0)
+            dh = tl.where(r != 0, 0.0, dprev)
+    tl.store(dw_ptr + (p * H + hd) * V * V + rv[:, None] * V + rv[None, :], dW)
+    tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+NUM_WARPS = 4
+
+
+def _ckpt_layout(ranges: torch.Tensor, chunk: int, total: int) -> tuple[torch.Tensor, int]:
+    """First checkpoint slot of every range, and a slot count that bounds them (no host sync)."""
+    lens = (ranges[1:] - ranges[:-1]).to(torch.int64)
+    per = (lens + chunk - 1) // chunk
+    offsets = (torch.cumsum(per, 0) - per).to(torch.int32)
+    return offsets, total // chunk + ranges.numel() - 1
+
+
+@torch.library.custom_op("megacpp::m2rnn_scan_fwd", mutates_args=())
+def m2rnn_scan_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor,
+    ranges: torch.Tensor, reset: torch.Tensor, chunk: int, save: bool, clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """y [B,S,H,V] and the every-`chunk`-steps state checkpoints (empty unless save).
+
+    clip is only carried to the backward (gradient clipping of the state)."""
+    B, S, H, K = q.shape
+    V = v.shape[-1]
+    P = ranges.numel() - 1
+    y = torch.empty_like(v)
+    offsets, slots = _ckpt_layout(ranges, chunk, B * S)
+    ckpt = torch.empty((slots if save else 0, H, K, V), device=q.device, dtype=torch.float32)
+    _m2rnn_fwd_kernel[(P, H)](
+        q, k, v, f, W, h0, ranges, reset, offsets, y, ckpt if save else h0, H,
+        K=K, V=V, CHUNK=chunk, SAVE=save, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return y, ckpt
+
+
+@m2rnn_scan_fwd.register_fake
+def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip):
+    B, S, H, K = q.shape
+    slots = B * S // chunk + ranges.shape[0] - 1
+    return torch.empty_like(v), q.new_empty((slots if save else 0, H, K, v.shape[-1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("megacpp::m2rnn_scan_bwd", mutates_args=())
+def m2rnn_scan_bwd(
+    dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor,
+    h0: torch.Tensor, ranges: torch.Tensor, reset: torch.Tensor, ckpt: torch.Tensor, chunk: int, clip: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Gradients for q, k, v, f, W and h0."""
+    B, S, H, K = q.shape
+    V = v.shape[-1]
+    P = ranges.numel() - 1
+    offsets, _ = _ckpt_layout(ranges, chunk, B * S)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    df = torch.empty(f.shape, device=f.device, dtype=torch.float32)
+    dW = torch.empty((P, H, V, V), device=q.device, dtype=torch.float32)
+    dh0 = torch.empty((P, H, K, V), device=q.device, dtype=torch.float32)
+    prev = torch.empty((P * H * chunk, K, V), device=q.device, dtype=torch.float32)
+    zbuf = torch.empty_like(prev)
+    _m2rnn_bwd_kernel[(P, H)](
+        q, k, v, f, W, h0, ranges, reset, offsets, ckpt, dy.contiguous(),
+        dq, dk, dv, df, dW, dh0, prev, zbuf, H, float(clip),
+        K=K, V=V, CHUNK=chunk, CLIP=clip > 0, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return dq, dk, dv, df.to(f.dtype), dW.sum(0).to(W.dtype), dh0
+
+
+@m2rnn_scan_bwd.register_fake
+def _(dy, q, k, v, f, W, h0, ranges, reset, ckpt, chunk, clip):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
+            torch.empty_like(W), torch.empty_like(h0))  # fmt: skip
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, f, W, h0, ranges, reset, chunk, save, clip = inputs
+    ctx.save_for_backward(q, k, v, f, W, h0, ranges, reset, output[1])
+    ctx.chunk = chunk
+    ctx.clip = clip
+
+
+def _backward(ctx, dy, _dckpt):
+    q, k, v, f, W, h0, ranges, reset, ckpt = ctx.saved_tensors
+    if ckpt.numel() == 0:
+        raise RuntimeError("m2rnn_scan_fwd ran with save=False; its output cannot be differentiated")
+    dq, dk, dv, df, dW, dh0 = m2rnn_scan_bwd(dy, q, k, v, f, W, h0, ranges, reset, ckpt, ctx.chunk, ctx.clip)
+    return dq, dk, dv, df, dW, dh0, None, None, None, None, None
+
+
+m2rnn_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public entry
+
+KERNELS = ("auto", "triton", "reference")
+# read once at import: a dynamo-friendly constant, never polled per step
+DEFAULT_KERNEL = os.environ.get("MEGACPP_M2RNN_KERNEL", "auto").strip().lower()
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if DEFAULT_KERNEL not in KERNELS:
+    raise ValueError(f"MEGACPP_M2RNN_KERNEL must be one of {KERNELS}, got {DEFAULT_KERNEL!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_reference_fallback(reason: str) -> None:
+    warnings.warn(
+        f"M2RNN is running the reference step loop ({reason}). It is a correctness reference, "
+        "orders of magnitude slower than the Triton kernel; pass kernel='reference' to silence this.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """'triton' or 'reference'. 'auto' is Triton on a GPU; without one it falls back to the
+    reference loop with a loud one-time warning, never silently."""
+    kernel = DEFAULT_KERNEL if kernel == "auto" else kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    triton_ok = device.type == "cuda" or (device.type == "cpu" and TRITON_INTERPRET)
+    if kernel == "auto":
+        if device.type == "cuda":
+            return "triton"
+        _warn_reference_fallback(f"no GPU: inputs are on {device.type}")
+        return "reference"
+    if kernel == "triton" and not triton_ok:
+        raise RuntimeError(
+            f"kernel='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); inputs are on {device}. "
+            "Pass kernel='reference' to run the step loop explicitly."
+        )
+    return kernel
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], floating: bool = True) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if floating and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def m2rnn_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    W: torch.Tensor,
+    h0: torch.Tensor | None = None,
+    *,
+    doc_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk: int = 64,
+    grad_clip: float = 0.0,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """The M2RNN recurrence over [B,S,H,*] inputs; returns y [B,S,H,V] in q's dtype.
+
+    Document starts reset the state to h0: give doc_ids [B,S] (h0 is [B,H,K,V], one per row),
+    or cu_seqlens [N+1] int32 for packed varlen input with B=1 (h0 is [N,H,K,V], one per
+    sequence), or neither (each row is one document). h0=None means zeros.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B,S,H,K], got shape {tuple(q.shape)}")
+    B, S, H, K = q.shape
+    if v.dim() != 4:
+        raise ValueError(f"v must be [B,S,H,V], got shape {tuple(v.shape)}")
+    V = v.shape[-1]
+    _check("k", k, (B, S, H, K))
+    _check("v", v, (B, S, H, V))
+    _check("f", f, (B, S, H))
+    _check("W", W, (H, V, V))
+    _check("q", q, (B, S, H, K))
+    if doc_ids is not None and cu_seqlens is not None:
+        raise ValueError("give doc_ids or cu_seqlens, not both")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    dev = q.device
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs packed input with B=1, got B={B}")
+        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D int32 with >= 2 entries, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if not torch.compiler.is_compiling():
+            if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != S or bool((cu_seqlens[1:] <= cu_seqlens[:-1]).any()):
+                raise ValueError(f"cu_seqlens must rise strictly from 0 to S={S}, got {cu_seqlens.tolist()[:8]}...")
+        ranges = cu_seqlens.to(dev)
+        reset = torch.zeros(S, dtype=torch.int8, device=dev)
+        reset[ranges[:-1].long()] = 1
+        reset2d = reset.view(1, S).bool()
+        seq_of_token = torch.searchsorted(ranges, torch.arange(S, device=dev, dtype=torch.int32), right=True) - 1
+        h0_index = seq_of_token.view(1, S).long()
+    else:
+        ranges = torch.arange(B + 1, device=dev, dtype=torch.int32) * S
+        if doc_ids is not None:
+            if doc_ids.shape != (B, S) or doc_ids.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"doc_ids must be int32/int64 [B,S] = {(B, S)}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+            reset2d = torch.ones((B, S), dtype=torch.bool, device=dev)
+            reset2d[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        else:
+            reset2d = torch.zeros((B, S), dtype=torch.bool, device=dev)
+            reset2d[:, 0] = True
+        reset = reset2d.reshape(-1).to(torch.int8)
+        h0_index = torch.arange(B, device=dev).view(B, 1).expand(B, S)
+    P = ranges.numel() - 1
+    if h0 is None:
+        h0 = torch.zeros((P, H, K, V), device=dev, dtype=torch.float32)
+    else:
+        _check("h0", h0, (P, H, K, V))
+    which = resolve_kernel(kernel, dev)
+    if which == "reference":
+        return _torch_m2rnn_forward(q, k, v, f, W, h0, reset2d, h0_index, grad_clip)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, f, W, h0))
+    y, _ = m2rnn_scan_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), f.contiguous(), W.contiguous(), h0.float().contiguous(),
+        ranges, reset, chunk, needs_grad, float(grad_clip),
+    )  # fmt: skip
+    return y
