@@ -76,11 +76,30 @@ def _tanh(x):
 
 
 @triton.jit
+def _state_times_w(h, W, USE_DOT: tl.constexpr):
+    """h [K,V] @ W [V,V]: an MMA, or a broadcast-and-sum that keeps the state in registers."""
+    if USE_DOT:
+        return tl.dot(h, W, input_precision="ieee")
+    return tl.sum(h[:, :, None] * W[None, :, :], axis=1)
+
+
+@triton.jit
+def _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, hd, H, rk, rv, K: tl.constexpr, V: tl.constexpr):
+    row = t * H + hd
+    qt = tl.load(q_ptr + row * K + rk).to(tl.float32)
+    kt = tl.load(k_ptr + row * K + rk).to(tl.float32)
+    vt = tl.load(v_ptr + row * V + rv).to(tl.float32)
+    ft = tl.load(f_ptr + row).to(tl.float32)
+    rt = tl.load(reset_ptr + t)
+    return qt, kt, vt, ft, rt
+
+
+@triton.jit
 def _m2rnn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr,
     y_ptr, ckpt_ptr,
     H,
-    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     hd = tl.program_id(1)
@@ -93,22 +112,22 @@ def _m2rnn_fwd_kernel(
     h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
     h = h0
     slot = tl.load(ckpt_off_ptr + p)
+    # software pipelining: step t+1's inputs are loaded before step t's math, off the state's critical path
+    qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, start, hd, H, rk, rv, K, V)
     for t in range(start, end):
+        qt, kt, vt, ft, rt = qn, kn, vn, fn, rn
+        qn, kn, vn, fn, rn = _load_step(
+            q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, end - 1), hd, H, rk, rv, K, V
+        )
         if SAVE:
             rel = t - start
             if rel % CHUNK == 0:
                 tl.store(ckpt_ptr + ((slot + rel // CHUNK) * H + hd) * K * V + kv, h)
-        r = tl.load(reset_ptr + t)
-        h = tl.where(r != 0, h0, h)
-        row = t * H + hd
-        qt = tl.load(q_ptr + row * K + rk).to(tl.float32)
-        kt = tl.load(k_ptr + row * K + rk).to(tl.float32)
-        vt = tl.load(v_ptr + row * V + rv).to(tl.float32)
-        ft = tl.load(f_ptr + row).to(tl.float32)
-        z = _tanh(tl.dot(h, W, input_precision="ieee") + kt[:, None] * vt[None, :])
+        h = tl.where(rt != 0, h0, h)
+        z = _tanh(_state_times_w(h, W, USE_DOT) + kt[:, None] * vt[None, :])
         h = ft * h + (1.0 - ft) * z
         yt = tl.sum(qt[:, None] * h, axis=0)
-        tl.store(y_ptr + row * V + rv, yt.to(y_ptr.dtype.element_ty))
+        tl.store(y_ptr + (t * H + hd) * V + rv, yt.to(y_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -116,7 +135,7 @@ def _m2rnn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, ckpt_ptr, dy_ptr,
     dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
     H, clip,
-    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     hd = tl.program_id(1)
@@ -137,31 +156,34 @@ def _m2rnn_bwd_kernel(
         c = n_chunks - 1 - cc
         t0 = start + c * CHUNK
         t1 = tl.minimum(t0 + CHUNK, end)
-        # recompute this chunk's states: the previous state each step used, and z
+        # recompute the chunk: the previous state each step used (after any reset), and z
         h = tl.load(ckpt_ptr + ((slot + c) * H + hd) * K * V + kv)
+        qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t0, hd, H, rk, rv, K, V)
         for t in range(t0, t1):
-            r = tl.load(reset_ptr + t)
-            h = tl.where(r != 0, h0, h)
-            row = t * H + hd
-            kt = tl.load(k_ptr + row * K + rk).to(tl.float32)
-            vt = tl.load(v_ptr + row * V + rv).to(tl.float32)
-            ft = tl.load(f_ptr + row).to(tl.float32)
-            z = _tanh(tl.dot(h, W, input_precision="ieee") + kt[:, None] * vt[None, :])
+            qt, kt, vt, ft, rt = qn, kn, vn, fn, rn
+            qn, kn, vn, fn, rn = _load_step(
+                q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, t1 - 1), hd, H, rk, rv, K, V
+            )
+            h = tl.where(rt != 0, h0, h)
+            z = _tanh(_state_times_w(h, W, USE_DOT) + kt[:, None] * vt[None, :])
             tl.store(prev_ptr + scratch + (t - t0) * K * V + kv, h)
             tl.store(z_ptr + scratch + (t - t0) * K * V + kv, z)
             h = ft * h + (1.0 - ft) * z
-        # reverse over the chunk
+        # reverse over the chunk, next (earlier) step's inputs prefetched
+        i = t1 - 1 - t0
+        qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t1 - 1, hd, H, rk, rv, K, V)
+        dyn = tl.load(dy_ptr + ((t1 - 1) * H + hd) * V + rv).to(tl.float32)
+        hpn = tl.load(prev_ptr + scratch + i * K * V + kv)
+        zn = tl.load(z_ptr + scratch + i * K * V + kv)
         for tt in range(t0, t1):
             t = t1 - 1 - (tt - t0)
-            i = t - t0
-            hp = tl.load(prev_ptr + scratch + i * K * V + kv)
-            z = tl.load(z_ptr + scratch + i * K * V + kv)
+            qt, kt, vt, ft, rt, dyt, hp, z = qn, kn, vn, fn, rn, dyn, hpn, zn
+            tp = tl.maximum(t - 1, t0)
+            qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
+            dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
+            hpn = tl.load(prev_ptr + scratch + (tp - t0) * K * V + kv)
+            zn = tl.load(z_ptr + scratch + (tp - t0) * K * V + kv)
             row = t * H + hd
-            qt = tl.load(q_ptr + row * K + rk).to(tl.float32)
-            kt = tl.load(k_ptr + row * K + rk).to(tl.float32)
-            vt = tl.load(v_ptr + row * V + rv).to(tl.float32)
-            ft = tl.load(f_ptr + row).to(tl.float32)
-            dyt = tl.load(dy_ptr + row * V + rv).to(tl.float32)
             ht = ft * hp + (1.0 - ft) * z
             dh = dh + qt[:, None] * dyt[None, :]
             if CLIP:
@@ -171,18 +193,23 @@ def _m2rnn_bwd_kernel(
             da = dh * (1.0 - ft) * (1.0 - z * z)
             tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty))
             tl.store(dv_ptr + row * V + rv, tl.sum(da * kt[:, None], axis=0).to(dv_ptr.dtype.element_ty))
-            dW += tl.dot(tl.trans(hp), da, input_precision="ieee")
-            dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision="ieee")
-            r = tl.load(reset_ptr + t)
-            dh0 += tl.where(r != 0, dprev, 0.0)
-            dh = tl.where(r != 0, 0.0, dprev)
+            if USE_DOT:
+                dW += tl.dot(tl.trans(hp), da, input_precision="ieee")
+                dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision="ieee")
+            else:
+                dW += tl.sum(hp[:, :, None] * da[:, None, :], axis=0)
+                dprev = ft * dh + tl.sum(da[:, None, :] * W[None, :, :], axis=2)
+            dh0 += tl.where(rt != 0, dprev, 0.0)
+            dh = tl.where(rt != 0, 0.0, dprev)
     tl.store(dw_ptr + (p * H + hd) * V * V + rv[:, None] * V + rv[None, :], dW)
     tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
 
 
 # ----------------------------------------------------------------------------- launchers
 
-NUM_WARPS = 4
+# (USE_DOT, num_warps) per kernel, picked on an H100 (see megacpp-lab bench m2rnn)
+FWD_CONFIG = (False, 8)
+BWD_CONFIG = (False, 8)
 
 
 def _ckpt_layout(ranges: torch.Tensor, chunk: int, total: int) -> tuple[torch.Tensor, int]:
@@ -209,7 +236,7 @@ def m2rnn_scan_fwd(
     ckpt = torch.empty((slots if save else 0, H, K, V), device=q.device, dtype=torch.float32)
     _m2rnn_fwd_kernel[(P, H)](
         q, k, v, f, W, h0, ranges, reset, offsets, y, ckpt if save else h0, H,
-        K=K, V=V, CHUNK=chunk, SAVE=save, num_warps=NUM_WARPS,
+        K=K, V=V, CHUNK=chunk, SAVE=save, USE_DOT=FWD_CONFIG[0], num_warps=FWD_CONFIG[1],
     )  # fmt: skip
     return y, ckpt
 
@@ -240,7 +267,7 @@ def m2rnn_scan_bwd(
     _m2rnn_bwd_kernel[(P, H)](
         q, k, v, f, W, h0, ranges, reset, offsets, ckpt, dy.contiguous(),
         dq, dk, dv, df, dW, dh0, prev, zbuf, H, float(clip),
-        K=K, V=V, CHUNK=chunk, CLIP=clip > 0, num_warps=NUM_WARPS,
+        K=K, V=V, CHUNK=chunk, CLIP=clip > 0, USE_DOT=BWD_CONFIG[0], num_warps=BWD_CONFIG[1],
     )  # fmt: skip
     return dq, dk, dv, df.to(f.dtype), dW.sum(0).to(W.dtype), dh0
 
