@@ -1,0 +1,188 @@
+"""M2RNN layer: a matrix-state recurrent mixer (state K x V per head).
+
+    x -> input_proj -> [q k v | decay input | output gate]
+      -> doc-masked causal conv1d + SiLU over q, k, v
+      -> f = exp(-A * softplus(decay + dt_bias))                      (_softplus_decay_gate)
+      -> recurrence (megacpp_lab.kernels.m2rnn: Triton by default on a GPU)
+      -> + v * D  -> * SiLU(gate) -> RMSNorm -> output_proj
+
+The recurrence runs through a registered custom op, so a regionally compiled block that holds
+this layer has no graph break; the reference loop is disabled for dynamo so that a whole-model
+compile never unrolls S steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
+from megacpp_lab.nn.doc_masking import check_doc_ids
+from megacpp_lab.nn.engram import DocCausalDepthwiseConv
+
+
+def _fail(field_name: str, allowed: str, got: object) -> ValueError:
+    return ValueError(f"M2RNNConfig.{field_name} must be {allowed}, got {got!r}")
+
+
+@dataclass(frozen=True)
+class M2RNNConfig:
+    """M2RNN layer settings; build it with M2RNNConfig.build. Frozen, checked on construction."""
+
+    d_model: int
+    n_heads: int
+    k_head_dim: int = 64
+    v_head_dim: int = 16
+    conv_kernel: int = 4
+    gradient_clipping: float = 0.0
+    residual: bool = True
+    A_init_range: tuple[float, float] = (1.0, 16.0)
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    chunk: int = 64
+    kernel: str = "auto"
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "A_init_range", tuple(self.A_init_range))
+        for name in ("d_model", "n_heads", "k_head_dim", "v_head_dim", "conv_kernel", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _fail(name, "an int", value)
+        if self.d_model < 1 or self.n_heads < 1:
+            raise _fail("d_model" if self.d_model < 1 else "n_heads", "an int >= 1", min(self.d_model, self.n_heads))
+        for name in ("k_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise _fail(name, "a power of two >= 16 (the Triton kernel's block shape)", value)
+        if not 0 <= self.conv_kernel <= 16:
+            raise _fail("conv_kernel", "0 (no conv) or a kernel size in 1..16", self.conv_kernel)
+        if not isinstance(self.gradient_clipping, (int, float)) or isinstance(self.gradient_clipping, bool) or not (
+            0 <= self.gradient_clipping < math.inf
+        ):
+            raise _fail("gradient_clipping", "a finite float >= 0 (0 = off)", self.gradient_clipping)
+        if not isinstance(self.residual, bool):
+            raise _fail("residual", "a bool", self.residual)
+        lo, hi = self.A_init_range if len(self.A_init_range) == 2 else (None, None)
+        if lo is None or not 0 < lo <= hi:
+            raise _fail("A_init_range", "(lo, hi) with 0 < lo <= hi", self.A_init_range)
+        if not 0 < self.dt_min <= self.dt_max < 1:
+            raise _fail("dt_min" if not 0 < self.dt_min else "dt_max", "0 < dt_min <= dt_max < 1", (self.dt_min, self.dt_max))
+        if not 0 < self.dt_init_floor <= self.dt_min:
+            raise _fail("dt_init_floor", f"in (0, dt_min={self.dt_min}]", self.dt_init_floor)
+        if self.chunk < 1:
+            raise _fail("chunk", "an int >= 1 (steps between stored states)", self.chunk)
+        if self.kernel not in KERNELS:
+            raise _fail("kernel", f"one of {KERNELS}", self.kernel)
+        if not isinstance(self.eps, float) or not 0 < self.eps < 1:
+            raise _fail("eps", "a float in (0, 1)", self.eps)
+
+    @classmethod
+    def build(cls, source: Any = None, **overrides: Any) -> M2RNNConfig:
+        """The one builder: fields from a model config object (attributes with these names, or
+        Megatron's hidden_size / num_attention_heads) and keyword overrides, else the defaults."""
+        fields = dict(cls.__dataclass_fields__)
+        values: dict[str, Any] = {}
+        if source is not None:
+            aliases = {"d_model": ("d_model", "hidden_size"), "n_heads": ("m2rnn_heads", "n_heads", "num_attention_heads")}
+            for name in fields:
+                for attr in aliases.get(name, (f"m2rnn_{name}", name)):
+                    if hasattr(source, attr):
+                        values[name] = getattr(source, attr)
+                        break
+        values.update(overrides)
+        unknown = set(values) - set(fields)
+        if unknown:
+            raise ValueError(f"M2RNNConfig has no field(s) {sorted(unknown)}")
+        missing = [n for n in ("d_model", "n_heads") if n not in values]
+        if missing:
+            raise ValueError(f"M2RNNConfig.build needs {missing} (from the source config or as keywords)")
+        return cls(**values)
+
+
+def _softplus_decay_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Forget factor f = exp(-A * softplus(x + dt_bias)) in (0, 1), A = exp(A_log) > 0, in fp32."""
+    return torch.exp(-torch.exp(A_log.float()) * F.softplus(x.float() + dt_bias.float()))
+
+
+class M2RNN(nn.Module):
+    """[B,S,d_model] -> [B,S,d_model] matrix-state recurrent mixer with document resets."""
+
+    def __init__(self, config: M2RNNConfig) -> None:
+        super().__init__()
+        if not isinstance(config, M2RNNConfig):
+            raise TypeError(f"M2RNN needs an M2RNNConfig, got {type(config).__name__}")
+        self.config = c = config
+        H, K, V = c.n_heads, c.k_head_dim, c.v_head_dim
+        self.qkv_dim = H * (2 * K + V)
+        self.input_proj = nn.Linear(c.d_model, self.qkv_dim + H + H * V, bias=False)
+        self.conv = DocCausalDepthwiseConv(self.qkv_dim, c.conv_kernel) if c.conv_kernel else None
+        lo, hi = c.A_init_range
+        self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(lo, hi)))
+        dt = torch.exp(torch.rand(H) * (math.log(c.dt_max) - math.log(c.dt_min)) + math.log(c.dt_min))
+        dt = dt.clamp(min=c.dt_init_floor)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.W = nn.Parameter(torch.randn(H, V, V) / math.sqrt(V))
+        self.D = nn.Parameter(torch.ones(H, V)) if c.residual else None
+        self.norm = nn.RMSNorm(H * V, eps=c.eps)
+        self.output_proj = nn.Linear(H * V, c.d_model, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        kernel: str | None = None,
+    ) -> torch.Tensor:
+        c = self.config
+        if x.dim() != 3 or x.shape[-1] != c.d_model:
+            raise ValueError(f"M2RNN input must be [B,S,{c.d_model}], got {tuple(x.shape)}")
+        B, S, _ = x.shape
+        H, K, V = c.n_heads, c.k_head_dim, c.v_head_dim
+        check_doc_ids(doc_ids, (B, S))
+        conv_ids = doc_ids
+        if cu_seqlens is not None:  # varlen: the conv still needs to see the boundaries
+            conv_ids = (torch.searchsorted(cu_seqlens, torch.arange(S, device=x.device, dtype=cu_seqlens.dtype), right=True) - 1).view(1, S)
+        qkv, decay, gate = self.input_proj(x).split([self.qkv_dim, H, H * V], dim=-1)
+        if self.conv is not None:
+            qkv = F.silu(self.conv(qkv, conv_ids))
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+        q = q.reshape(B, S, H, K) / math.sqrt(K)
+        k = k.reshape(B, S, H, K) / math.sqrt(K)
+        v = v.reshape(B, S, H, V)
+        f = _softplus_decay_gate(decay, self.A_log, self.dt_bias).to(q.dtype)
+        y = m2rnn_scan(
+            q, k, v, f, self.W.to(q.dtype), doc_ids=doc_ids, cu_seqlens=cu_seqlens, chunk=c.chunk,
+            grad_clip=c.gradient_clipping, kernel=kernel or c.kernel,
+        )  # fmt: skip
+        if self.D is not None:
+            y = y + v * self.D.to(v.dtype)
+        y = y.reshape(B, S, H * V) * F.silu(gate)
+        return self.output_proj(self.norm(y))
+
+
+class M2RNNMegatronMixer(nn.Module):
+    """Megatron mixer protocol: hidden_states [seq, batch, hidden] -> (output, None)."""
+
+    def __init__(self, config: Any, **overrides: Any) -> None:
+        super().__init__()
+        self.m2rnn = M2RNN(config if isinstance(config, M2RNNConfig) else M2RNNConfig.build(config, **overrides))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        **_: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """attention_mask is ignored (the recurrence is causal); doc_ids are [batch, seq]."""
+        out = self.m2rnn(hidden_states.transpose(0, 1), doc_ids)
+        return out.transpose(0, 1), None
