@@ -73,7 +73,8 @@ class M2RNNConfig:
         if lo is None or not 0 < lo <= hi:
             raise _fail("A_init_range", "(lo, hi) with 0 < lo <= hi", self.A_init_range)
         if not 0 < self.dt_min <= self.dt_max < 1:
-            raise _fail("dt_min" if not 0 < self.dt_min else "dt_max", "0 < dt_min <= dt_max < 1", (self.dt_min, self.dt_max))
+            bad = "dt_max" if 0 < self.dt_min <= self.dt_max else "dt_min"
+            raise _fail(bad, "0 < dt_min <= dt_max < 1", (self.dt_min, self.dt_max))
         if not 0 < self.dt_init_floor <= self.dt_min:
             raise _fail("dt_init_floor", f"in (0, dt_min={self.dt_min}]", self.dt_init_floor)
         if self.chunk < 1:

@@ -1,0 +1,264 @@
+"""M2RNN: reference loop, Triton scan (TRITON_INTERPRET=1 on CPU), kernel selection, layer, compile boundary."""
+
+import types
+import warnings
+
+import pytest
+import torch
+
+import megacpp_lab.kernels.m2rnn as m2k
+from megacpp_lab.data import boundary_windows, load_sample
+from megacpp_lab.kernels.m2rnn import _torch_m2rnn_forward, m2rnn_scan, resolve_kernel
+from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, M2RNNMegatronMixer
+from megacpp_lab.testing import check_leaks
+
+ON_GPU = torch.cuda.is_available()
+
+
+def _inputs(B, S, H, K, V, *, dtype=torch.float32, device="cpu", seed=0, n_h0=None):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+    q, k, v = mk(B, S, H, K, scale=0.5), mk(B, S, H, K, scale=0.5), mk(B, S, H, V)
+    f = torch.sigmoid(torch.randn(B, S, H, generator=g) + 1.0).to(device=device, dtype=dtype)
+    W = mk(H, V, V, scale=V**-0.5)
+    h0 = (torch.randn(n_h0 or B, H, K, V, generator=g) * 0.5).to(device=device, dtype=torch.float32)
+    return [t.requires_grad_() for t in (q, k, v, f, W, h0)]
+
+
+def _compare(kw_triton, kw_ref, inputs, *, fwd_tol, grad_rtol):
+    q, k, v, f, W, h0 = inputs
+    y = m2rnn_scan(q, k, v, f, W, h0, kernel="triton", **kw_triton)
+    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    yr = m2rnn_scan(*ref_inputs, kernel="reference", **kw_ref)
+    assert (y.float() - yr).abs().max() <= fwd_tol
+    g = torch.randn_like(yr)
+    grads = torch.autograd.grad(y, inputs, g.to(y.dtype))
+    grads_ref = torch.autograd.grad(yr, ref_inputs, g)
+    for name, a, b in zip(("q", "k", "v", "f", "W", "h0"), grads, grads_ref):
+        rel = (a.float() - b).norm() / b.norm().clamp_min(1e-12)
+        assert rel <= grad_rtol, f"d{name}: relative error {rel:.2e}"
+    return y, yr
+
+
+def test_reference_gradcheck_fp64():
+    B, S, H, K, V = 1, 4, 1, 3, 2
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+            for s in ((B, S, H, K), (B, S, H, K), (B, S, H, V))]  # fmt: skip
+    f = torch.rand(B, S, H, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(H, V, V, generator=g, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(B, H, K, V, generator=g, dtype=torch.float64, requires_grad=True)
+    reset = torch.tensor([[True, False, True, False]])
+    idx = torch.zeros(B, S, dtype=torch.long)
+    fn = lambda q, k, v, f, W, h0: _torch_m2rnn_forward(q, k, v, f, W, h0, reset, idx)
+    assert torch.autograd.gradcheck(fn, (*args, f, W, h0))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_triton_matches_reference_on_packed_rows_with_initial_state(chunk):
+    """Two rows, several documents, non-zero h0, K != V, every gradient (TRITON_INTERPRET on CPU)."""
+    inputs = _inputs(2, 13, 2, 32, 16)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 1 + [2] * 7, [0] * 13])
+    kw = dict(doc_ids=doc_ids, chunk=chunk)
+    _compare(kw, dict(doc_ids=doc_ids), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
+
+
+def test_triton_matches_reference_varlen_cu_seqlens():
+    cu = torch.tensor([0, 6, 7, 15], dtype=torch.int32)
+    inputs = _inputs(1, 15, 2, 16, 16, n_h0=3)
+    _compare(dict(cu_seqlens=cu, chunk=4), dict(cu_seqlens=cu), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
+
+
+def test_doc_resets_make_documents_independent():
+    """Each document of a packed row gives what it gives alone, starting from h0."""
+    q, k, v, f, W, h0 = (t.detach() for t in _inputs(1, 12, 1, 16, 16))
+    doc_ids = torch.tensor([[0] * 7 + [1] * 5])
+    y = m2rnn_scan(q, k, v, f, W, h0, doc_ids=doc_ids, kernel="triton")
+    alone = m2rnn_scan(q[:, 7:], k[:, 7:], v[:, 7:], f[:, 7:], W, h0, kernel="triton")
+    assert torch.allclose(y[:, 7:], alone, atol=1e-6)
+
+
+def test_gradient_clipping_matches_reference_hooks():
+    inputs = _inputs(1, 10, 1, 16, 16)
+    kw = dict(grad_clip=0.05)
+    _compare(kw, kw, inputs, fwd_tol=1e-5, grad_rtol=1e-5)
+
+
+def test_bf16_inputs_keep_an_fp32_state():
+    inputs = _inputs(1, 32, 2, 16, 16, dtype=torch.bfloat16)
+    y, yr = _compare({}, {}, inputs, fwd_tol=0.06, grad_rtol=5e-2)
+    assert y.dtype == torch.bfloat16
+
+
+def test_scan_validation_names_the_field():
+    q, k, v, f, W, h0 = (t.detach() for t in _inputs(1, 8, 1, 16, 16))
+    with pytest.raises(ValueError, match=r"W must have shape \(1, 16, 16\)"):
+        m2rnn_scan(q, k, v, f, W[:, :8], kernel="triton")
+    with pytest.raises(ValueError, match="not both"):
+        m2rnn_scan(q, k, v, f, W, doc_ids=torch.zeros(1, 8, dtype=torch.long), cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must rise strictly from 0 to S=8"):
+        m2rnn_scan(q, k, v, f, W, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32), kernel="triton")
+    with pytest.raises(ValueError, match=r"h0 must have shape \(1, 1, 16, 16\)"):
+        m2rnn_scan(q, k, v, f, W, h0[:, :, :8], kernel="triton")
+
+
+# ------------------------------------------------------------------ kernel selection (tripwires)
+
+
+def test_tripwire_no_silent_fallback_to_the_reference_loop(monkeypatch):
+    """Without a GPU, 'auto' runs the reference loop only with a loud warning, once."""
+    if ON_GPU:
+        assert resolve_kernel("auto", torch.device("cuda")) == "triton"
+        return
+    m2k._warn_reference_fallback.cache_clear()
+    monkeypatch.setattr(m2k, "DEFAULT_KERNEL", "auto")
+    q, k, v, f, W, _ = (t.detach() for t in _inputs(1, 4, 1, 16, 16))
+    with pytest.warns(RuntimeWarning, match="reference step loop"):
+        m2rnn_scan(q, k, v, f, W)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call does not warn again
+        m2rnn_scan(q, k, v, f, W)
+        m2rnn_scan(q, k, v, f, W, kernel="reference")  # the explicit switch is silent
+
+
+def test_triton_without_gpu_or_interpreter_fails_closed(monkeypatch):
+    monkeypatch.setattr(m2k, "TRITON_INTERPRET", False)
+    with pytest.raises(RuntimeError, match="kernel='triton' needs CUDA tensors"):
+        resolve_kernel("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        resolve_kernel("xla", torch.device("cpu"))
+
+
+def test_environment_knob_is_read_once_at_import(monkeypatch):
+    before = m2k.DEFAULT_KERNEL
+    monkeypatch.setenv("MEGACPP_M2RNN_KERNEL", "reference")
+    assert m2k.DEFAULT_KERNEL == before  # a constant, not polled per step
+    assert resolve_kernel("triton", torch.device("cuda")) == "triton"
+
+
+# ------------------------------------------------------------------ compile boundary
+
+
+def _graph_nodes(fn, *args) -> tuple[int, int]:
+    explained = torch._dynamo.explain(fn)(*args)
+    nodes = sum(len(list(g.graph.nodes)) for g in explained.graphs)
+    return explained.graph_break_count, nodes
+
+
+def test_tripwire_whole_model_compile_does_not_unroll_the_reference_loop():
+    """The reference is @torch.compiler.disable: compiling around it breaks the graph instead
+    of unrolling S steps, so the traced graph does not grow with S."""
+    sizes = {}
+    for S in (8, 32):
+        q, k, v, f, W, h0 = (t.detach() for t in _inputs(1, S, 1, 16, 16))
+        fn = lambda q, k, v, f, W: m2rnn_scan(q, k, v, f, W, kernel="reference") * 2
+        breaks, nodes = _graph_nodes(fn, q, k, v, f, W)
+        assert breaks >= 1
+        sizes[S] = nodes
+    assert sizes[8] == sizes[32]
+
+
+def test_regional_compile_of_the_layer_has_no_graph_break():
+    layer = M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton"))
+    x = torch.randn(2, 16, 32)
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 16])
+    breaks, _ = _graph_nodes(layer, x, doc_ids)
+    assert breaks == 0
+
+
+# ------------------------------------------------------------------ layer, config, adapter
+
+
+def _layer(**kw) -> M2RNN:
+    torch.manual_seed(0)
+    return M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton", **kw))
+
+
+def test_layer_passes_the_leak_harness_on_real_packed_rows():
+    w = boundary_windows(load_sample()[0].batch, 2, 24, lead=9)
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(259, 32)
+    layer = _layer()
+    report = check_leaks(lambda t, d: layer(emb(t), d), w.tokens, w.doc_ids, vocab_size=259, causal_positions=range(0, 24, 2))
+    assert report.passed, str(report)
+    leaky = check_leaks(lambda t, d: layer(emb(t), None), w.tokens, w.doc_ids, vocab_size=259, causal=False)
+    assert not leaky.passed
+
+
+def test_layer_triton_equals_reference_and_varlen_equals_doc_ids():
+    layer = _layer()
+    x = torch.randn(1, 20, 32)
+    doc_ids = torch.tensor([[0] * 8 + [1] * 12])
+    y = layer(x, doc_ids)
+    assert torch.allclose(y, layer(x, doc_ids, kernel="reference"), atol=1e-5)
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    assert torch.allclose(y, layer(x, cu_seqlens=cu), atol=1e-5)
+
+
+def test_megatron_adapter_is_seq_first_and_returns_no_bias():
+    layer = _layer()
+    mixer = M2RNNMegatronMixer(layer.config)
+    mixer.m2rnn.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 12, 32)
+    out, bias = mixer(x.transpose(0, 1), attention_mask=None)
+    assert bias is None and out.shape == (12, 2, 32)
+    assert torch.allclose(out.transpose(0, 1), layer(x), atol=1e-6)
+
+
+def test_config_builder_reads_a_megatron_style_config():
+    src = types.SimpleNamespace(hidden_size=64, num_attention_heads=4, m2rnn_conv_kernel=2)
+    cfg = M2RNNConfig.build(src, gradient_clipping=1.0)
+    assert (cfg.d_model, cfg.n_heads, cfg.conv_kernel, cfg.gradient_clipping) == (64, 4, 2, 1.0)
+    assert (cfg.k_head_dim, cfg.v_head_dim) == (64, 16)
+    with pytest.raises(ValueError, match=r"needs \['n_heads'\]"):
+        M2RNNConfig.build(d_model=8)
+    with pytest.raises(ValueError, match="no field"):
+        M2RNNConfig.build(d_model=8, n_heads=1, heads=2)
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("k_head_dim", 48, "a power of two >= 16"),
+        ("v_head_dim", 8, "a power of two >= 16"),
+        ("conv_kernel", 17, r"0 \(no conv\) or a kernel size in 1\.\.16"),
+        ("gradient_clipping", -1.0, "a finite float >= 0"),
+        ("residual", "yes", "a bool"),
+        ("A_init_range", (0.0, 1.0), r"\(lo, hi\) with 0 < lo <= hi"),
+        ("dt_min", 0.5, "0 < dt_min <= dt_max < 1"),
+        ("dt_init_floor", 0.01, r"in \(0, dt_min=0.001\]"),
+        ("chunk", 0, "an int >= 1"),
+        ("kernel", "cuda", "one of"),
+        ("n_heads", True, "an int"),
+    ],
+)
+def test_config_fails_closed_naming_the_field(field, value, allowed):
+    with pytest.raises(ValueError, match=rf"M2RNNConfig\.{field} must be {allowed}"):
+        M2RNNConfig.build(**{"d_model": 32, "n_heads": 2, field: value})
+
+
+# ------------------------------------------------------------------ GPU, real shapes
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_reference_on_gpu_at_real_shapes(dtype):
+    B, S, H, K, V = 2, 512, 8, 64, 16
+    inputs = _inputs(B, S, H, K, V, dtype=dtype, device="cuda")
+    doc_ids = torch.zeros(B, S, dtype=torch.long, device="cuda")
+    doc_ids[0, 200:] = 1
+    doc_ids[0, 333:] = 2
+    tol = dict(fwd_tol=1e-4, grad_rtol=1e-4) if dtype == torch.float32 else dict(fwd_tol=0.06, grad_rtol=3e-2)
+    _compare(dict(doc_ids=doc_ids), dict(doc_ids=doc_ids), inputs, **tol)
+
+
+@pytest.mark.cuda
+def test_layer_on_gpu_bf16_leak_free_and_compiles_without_breaks():
+    layer = M2RNN(M2RNNConfig.build(d_model=256, n_heads=4)).cuda().to(torch.bfloat16)
+    w = boundary_windows(load_sample()[0].batch, 2, 256)
+    x = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16)
+    doc_ids = w.doc_ids.cuda()
+    report = check_leaks(layer, x, doc_ids, causal_positions=range(0, 256, 17))
+    assert report.passed, str(report)
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.allclose(compiled(x, doc_ids).float(), layer(x, doc_ids).float(), atol=5e-2)
