@@ -1,0 +1,189 @@
+"""M2RNN benchmark: Triton scan vs the reference step loop, one run, one receipt.
+
+`megacpp-lab bench m2rnn` on a GPU writes under profiles/<device-slug>/m2rnn/:
+  m2rnn_fwd_bwd.json/.png     B=2, S=4096, H=8, K=64, V=16, bf16: Triton (state checkpoints every
+                              1/16/64/256 steps) and the reference loop, fwd and fwd+bwd, peak memory, error
+  m2rnn_seq_sweep.json/.png   S from 512 to 16384 (reference loop up to 2048)
+  m2rnn_triton.*.pt.trace.json  profiler trace of one Triton forward+backward
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megacpp_lab.kernels.m2rnn import m2rnn_scan
+from megacpp_lab.profiling import profile_trace, time_ms
+from megacpp_lab.receipts import device_slug, make_receipt, profiles_dir, write_receipt
+
+BAR = {"ms": 7.0, "fwd_ms": 1.7, "max_abs_err": 0.06, "peak_mib": 150.0}
+
+
+@dataclass(frozen=True)
+class M2RNNShape:
+    B: int
+    S: int
+    H: int
+    K: int
+    V: int
+
+
+FULL_SHAPE = M2RNNShape(B=2, S=4096, H=8, K=64, V=16)
+SMALL_SHAPE = M2RNNShape(B=1, S=64, H=2, K=16, V=16)
+
+
+def make_inputs(shape: M2RNNShape, dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
+    """q, k, v, f, W with the scales the layer produces (q, k / sqrt(K); f near 0.9)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, S, H, K, V = asdict(shape).values()
+    rnd = lambda *s: torch.randn(*s, generator=g, device=device)
+    q = (rnd(B, S, H, K) / K**0.5).to(dtype)
+    k = (rnd(B, S, H, K) / K**0.5).to(dtype)
+    v = rnd(B, S, H, V).to(dtype)
+    f = torch.sigmoid(rnd(B, S, H) + 2.0).to(dtype)
+    W = (rnd(H, V, V) / V**0.5).to(dtype)
+    return [t.requires_grad_() for t in (q, k, v, f, W)]
+
+
+def _measure(inputs: list[torch.Tensor], grad: torch.Tensor, *, kernel: str, chunk: int, device: str, rep: int) -> dict[str, float]:
+    def fwd() -> torch.Tensor:
+        with torch.no_grad():
+            return m2rnn_scan(*inputs, kernel=kernel, chunk=chunk)
+
+    def fwd_bwd() -> None:
+        y = m2rnn_scan(*inputs, kernel=kernel, chunk=chunk)
+        torch.autograd.grad(y, inputs, grad)
+
+    out: dict[str, float] = {}
+    if device == "cuda":
+        fwd_bwd()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        out["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    out["ms"] = time_ms(fwd_bwd, warmup=1 if rep <= 2 else 3, rep=rep, device=device)
+    out["fwd_ms"] = time_ms(fwd, warmup=1 if rep <= 2 else 3, rep=rep, device=device)
+    out["bwd_ms"] = out["ms"] - out["fwd_ms"]
+    return out
+
+
+def _slow_ms(fn, device: str) -> float:
+    """One timed call after one warm-up: for the reference loop, which takes seconds."""
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def bench_m2rnn(shape: M2RNNShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+                chunks: tuple[int, ...] = (1, 16, 64, 256), progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    from tqdm.auto import tqdm
+
+    inputs = make_inputs(shape, dtype, device)
+    grad = torch.randn_like(inputs[2])
+    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    bar = tqdm(total=len(chunks) + 2, desc="m2rnn contenders", disable=not progress)
+    y_ref = m2rnn_scan(*ref_inputs, kernel="reference")
+    grads_ref = torch.autograd.grad(y_ref, ref_inputs, grad.float())
+    bar.update()
+    results = []
+    for chunk in chunks:
+        row: dict[str, Any] = {"contender": f"triton (states every {chunk})" if chunk != 64 else "triton", "chunk": chunk}
+        row.update(_measure(inputs, grad, kernel="triton", chunk=chunk, device=device, rep=20))
+        y = m2rnn_scan(*inputs, kernel="triton", chunk=chunk)
+        grads = torch.autograd.grad(y, inputs, grad)
+        row["max_abs_err"] = float((y.float() - y_ref).abs().max())
+        row["grad_rel_err"] = {
+            n: float((a.float() - b).norm() / b.norm()) for n, a, b in zip(("q", "k", "v", "f", "W"), grads, grads_ref)
+        }
+        results.append(row)
+        bar.update()
+    ref_row: dict[str, Any] = {"contender": "reference_loop"}
+    ref_row["fwd_ms"] = _slow_ms(lambda: m2rnn_scan(*[t.detach() for t in inputs], kernel="reference"), device)
+    ref_row["ms"] = _slow_ms(lambda: torch.autograd.grad(m2rnn_scan(*inputs, kernel="reference"), inputs, grad), device)
+    results.append(ref_row)
+    bar.update()
+    bar.close()
+    main = next(r for r in results if r["contender"] == "triton")
+    main["speedup"] = ref_row["ms"] / main["ms"]
+    return make_receipt(
+        "m2rnn_fwd_bwd", "m2rnn", shape=asdict(shape), dtype=dtype, results=results, device=device,
+        bar=BAR, meets_bar={k: bool(main[k] <= v) for k, v in BAR.items() if k in main},
+        notes=(
+            "Triton scan forward+backward (do_bench median) vs the reference step loop (one timed call after a "
+            "warm-up), same inputs; max_abs_err = y vs the fp32-state reference loop on the same values; "
+            "chunk = steps between stored fp32 states (1 = every state stored; the backward recomputes the rest)"
+        ),
+    )
+
+
+def bench_m2rnn_sweep(shape: M2RNNShape = FULL_SHAPE, seq_lens: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384),
+                      *, ref_up_to: int = 2048, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+                      progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    from tqdm.auto import tqdm
+
+    results = []
+    for S in tqdm(seq_lens, desc="m2rnn S sweep", disable=not progress):
+        s = M2RNNShape(B=shape.B, S=S, H=shape.H, K=shape.K, V=shape.V)
+        inputs = make_inputs(s, dtype, device)
+        grad = torch.randn_like(inputs[2])
+        results.append({"contender": "triton", "shape": asdict(s), **_measure(inputs, grad, kernel="triton", chunk=64, device=device, rep=10)})
+        if S <= ref_up_to:
+            results.append({
+                "contender": "reference_loop", "shape": asdict(s),
+                "ms": _slow_ms(lambda: torch.autograd.grad(m2rnn_scan(*inputs, kernel="reference"), inputs, grad), device),
+            })  # fmt: skip
+    return make_receipt("m2rnn_seq_sweep", "m2rnn", shape=asdict(shape) | {"S": list(seq_lens)}, dtype=dtype,
+                        results=results, device=device)  # fmt: skip
+
+
+def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool = True) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megacpp_lab.plots import plot_contenders, plot_sweep
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not small:
+        raise RuntimeError("megacpp-lab bench m2rnn needs a GPU (or --small, which runs the Triton interpreter)")
+    shape = SMALL_SHAPE if small else FULL_SHAPE
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    root = Path(out_root) if out_root is not None else profiles_dir()
+    written: list[Path] = []
+    main = bench_m2rnn(shape, dtype=dtype, device=device, chunks=(4, 64) if small else (1, 16, 64, 256))
+    written.append(write_receipt(main, root))
+    ax = plot_contenders(main, "ms")
+    ax.set_xscale("log")
+    ax.figure.tight_layout()
+    ax.figure.savefig(written[-1].with_suffix(".png"), dpi=110)
+    written.append(written[-1].with_suffix(".png"))
+    plt.close(ax.figure)
+    seqs = (16, 32, 64) if small else (512, 1024, 2048, 4096, 8192, 16384)
+    sweep = bench_m2rnn_sweep(shape, seqs, ref_up_to=32 if small else 2048, dtype=dtype, device=device)
+    written.append(write_receipt(sweep, root))
+    ax = plot_sweep(sweep, "S", "ms")
+    ax.figure.tight_layout()
+    ax.figure.savefig(written[-1].with_suffix(".png"), dpi=110)
+    written.append(written[-1].with_suffix(".png"))
+    plt.close(ax.figure)
+    if trace:
+        inputs = make_inputs(shape, dtype, device)
+        grad = torch.randn_like(inputs[2])
+        path, _ = profile_trace(
+            lambda: torch.autograd.grad(m2rnn_scan(*inputs, kernel="triton"), inputs, grad),
+            root / device_slug(main["device"]) / "m2rnn", "m2rnn_triton", steps=2, warmup=2,
+        )  # fmt: skip
+        written.append(path)
+    return written
