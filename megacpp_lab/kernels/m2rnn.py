@@ -133,10 +133,9 @@ def _m2rnn_fwd_kernel(
 @triton.jit
 def _m2rnn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, ckpt_ptr, dy_ptr,
-    dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr, da_ptr, dhs_ptr,
+    dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
     H, clip,
     K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr, USE_DOT: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     hd = tl.program_id(1)
@@ -170,88 +169,47 @@ def _m2rnn_bwd_kernel(
             tl.store(prev_ptr + scratch + (t - t0) * K * V + kv, h)
             tl.store(z_ptr + scratch + (t - t0) * K * V + kv, z)
             h = ft * h + (1.0 - ft) * z
-        if SPLIT:
-            # 1) the sequential part only: dh, da and the carry; da and dh overwrite z and prev's slots
-            #    of a second scratch pair, so 2) can form every other gradient without a carried chain
-            zn = tl.load(z_ptr + scratch + (t1 - 1 - t0) * K * V + kv)
-            qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t1 - 1, hd, H, rk, rv, K, V)
-            dyn = tl.load(dy_ptr + ((t1 - 1) * H + hd) * V + rv).to(tl.float32)
-            for tt in range(t0, t1):
-                t = t1 - 1 - (tt - t0)
-                i = t - t0
-                z, qt, ft, rt, dyt = zn, qn, fn, rn, dyn
-                tp = tl.maximum(t - 1, t0)
-                zn = tl.load(z_ptr + scratch + (tp - t0) * K * V + kv)
-                qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
-                dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
-                dh = dh + qt[:, None] * dyt[None, :]
-                if CLIP:
-                    dh = tl.minimum(tl.maximum(dh, -clip), clip)
-                da = dh * (1.0 - ft) * (1.0 - z * z)
-                tl.store(da_ptr + scratch + i * K * V + kv, da)
-                tl.store(dhs_ptr + scratch + i * K * V + kv, dh)
-                dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision="ieee")
-                dh0 += tl.where(rt != 0, dprev, 0.0)
-                dh = tl.where(rt != 0, 0.0, dprev)
-            # 2) independent steps
-            for t in range(t0, t1):
-                i = t - t0
-                row = t * H + hd
-                hp = tl.load(prev_ptr + scratch + i * K * V + kv)
-                z = tl.load(z_ptr + scratch + i * K * V + kv)
-                da = tl.load(da_ptr + scratch + i * K * V + kv)
-                dhs = tl.load(dhs_ptr + scratch + i * K * V + kv)
-                qt, kt, vt, ft, rt = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, hd, H, rk, rv, K, V)
-                dyt = tl.load(dy_ptr + row * V + rv).to(tl.float32)
-                ht = ft * hp + (1.0 - ft) * z
-                tl.store(dq_ptr + row * K + rk, tl.sum(ht * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty))
-                tl.store(df_ptr + row, tl.sum(tl.sum(dhs * (hp - z), axis=1), axis=0).to(df_ptr.dtype.element_ty))
-                tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty))
-                tl.store(dv_ptr + row * V + rv, tl.sum(da * kt[:, None], axis=0).to(dv_ptr.dtype.element_ty))
+        # reverse over the chunk, next (earlier) step's inputs prefetched
+        i = t1 - 1 - t0
+        qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t1 - 1, hd, H, rk, rv, K, V)
+        dyn = tl.load(dy_ptr + ((t1 - 1) * H + hd) * V + rv).to(tl.float32)
+        hpn = tl.load(prev_ptr + scratch + i * K * V + kv)
+        zn = tl.load(z_ptr + scratch + i * K * V + kv)
+        for tt in range(t0, t1):
+            t = t1 - 1 - (tt - t0)
+            qt, kt, vt, ft, rt, dyt, hp, z = qn, kn, vn, fn, rn, dyn, hpn, zn
+            tp = tl.maximum(t - 1, t0)
+            qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
+            dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
+            hpn = tl.load(prev_ptr + scratch + (tp - t0) * K * V + kv)
+            zn = tl.load(z_ptr + scratch + (tp - t0) * K * V + kv)
+            row = t * H + hd
+            ht = ft * hp + (1.0 - ft) * z
+            dh = dh + qt[:, None] * dyt[None, :]
+            if CLIP:
+                dh = tl.minimum(tl.maximum(dh, -clip), clip)
+            tl.store(dq_ptr + row * K + rk, tl.sum(ht * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty))
+            tl.store(df_ptr + row, tl.sum(tl.sum(dh * (hp - z), axis=1), axis=0).to(df_ptr.dtype.element_ty))
+            da = dh * (1.0 - ft) * (1.0 - z * z)
+            tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty))
+            tl.store(dv_ptr + row * V + rv, tl.sum(da * kt[:, None], axis=0).to(dv_ptr.dtype.element_ty))
+            if USE_DOT:
                 dW += tl.dot(tl.trans(hp), da, input_precision="ieee")
-        else:
-            # reverse over the chunk, next (earlier) step's inputs prefetched
-            i = t1 - 1 - t0
-            qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t1 - 1, hd, H, rk, rv, K, V)
-            dyn = tl.load(dy_ptr + ((t1 - 1) * H + hd) * V + rv).to(tl.float32)
-            hpn = tl.load(prev_ptr + scratch + i * K * V + kv)
-            zn = tl.load(z_ptr + scratch + i * K * V + kv)
-            for tt in range(t0, t1):
-                t = t1 - 1 - (tt - t0)
-                qt, kt, vt, ft, rt, dyt, hp, z = qn, kn, vn, fn, rn, dyn, hpn, zn
-                tp = tl.maximum(t - 1, t0)
-                qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
-                dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
-                hpn = tl.load(prev_ptr + scratch + (tp - t0) * K * V + kv)
-                zn = tl.load(z_ptr + scratch + (tp - t0) * K * V + kv)
-                row = t * H + hd
-                ht = ft * hp + (1.0 - ft) * z
-                dh = dh + qt[:, None] * dyt[None, :]
-                if CLIP:
-                    dh = tl.minimum(tl.maximum(dh, -clip), clip)
-                tl.store(dq_ptr + row * K + rk, tl.sum(ht * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty))
-                tl.store(df_ptr + row, tl.sum(tl.sum(dh * (hp - z), axis=1), axis=0).to(df_ptr.dtype.element_ty))
-                da = dh * (1.0 - ft) * (1.0 - z * z)
-                tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty))
-                tl.store(dv_ptr + row * V + rv, tl.sum(da * kt[:, None], axis=0).to(dv_ptr.dtype.element_ty))
-                if USE_DOT:
-                    dW += tl.dot(tl.trans(hp), da, input_precision="ieee")
-                    dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision="ieee")
-                else:
-                    dW += tl.sum(hp[:, :, None] * da[:, None, :], axis=0)
-                    dprev = ft * dh + tl.sum(da[:, None, :] * W[None, :, :], axis=2)
-                dh0 += tl.where(rt != 0, dprev, 0.0)
-                dh = tl.where(rt != 0, 0.0, dprev)
+                dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision="ieee")
+            else:
+                dW += tl.sum(hp[:, :, None] * da[:, None, :], axis=0)
+                dprev = ft * dh + tl.sum(da[:, None, :] * W[None, :, :], axis=2)
+            dh0 += tl.where(rt != 0, dprev, 0.0)
+            dh = tl.where(rt != 0, 0.0, dprev)
     tl.store(dw_ptr + (p * H + hd) * V * V + rv[:, None] * V + rv[None, :], dW)
     tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
 
 
 # ----------------------------------------------------------------------------- launchers
 
-# picked on an H100 (scratch sweeps, then megacpp-lab bench m2rnn):
-# forward (USE_DOT, num_warps); backward (USE_DOT, num_warps, SPLIT: sequential dh chain, then the rest)
+# (USE_DOT, num_warps) per kernel, picked on an H100 (see megacpp-lab bench m2rnn)
 FWD_CONFIG = (False, 8)
-BWD_CONFIG = (True, 4, True)
+BWD_CONFIG = (True, 4)
 
 
 def _ckpt_layout(ranges: torch.Tensor, chunk: int, total: int) -> tuple[torch.Tensor, int]:
@@ -306,13 +264,10 @@ def m2rnn_scan_bwd(
     dh0 = torch.empty((P, H, K, V), device=q.device, dtype=torch.float32)
     prev = torch.empty((P * H * chunk, K, V), device=q.device, dtype=torch.float32)
     zbuf = torch.empty_like(prev)
-    split = BWD_CONFIG[2]
-    da = torch.empty_like(prev) if split else prev
-    dhs = torch.empty_like(prev) if split else prev
     _m2rnn_bwd_kernel[(P, H)](
         q, k, v, f, W, h0, ranges, reset, offsets, ckpt, dy.contiguous(),
-        dq, dk, dv, df, dW, dh0, prev, zbuf, da, dhs, H, float(clip),
-        K=K, V=V, CHUNK=chunk, CLIP=clip > 0, USE_DOT=BWD_CONFIG[0], SPLIT=split, num_warps=BWD_CONFIG[1],
+        dq, dk, dv, df, dW, dh0, prev, zbuf, H, float(clip),
+        K=K, V=V, CHUNK=chunk, CLIP=clip > 0, USE_DOT=BWD_CONFIG[0], num_warps=BWD_CONFIG[1],
     )  # fmt: skip
     return dq, dk, dv, df.to(f.dtype), dW.sum(0).to(W.dtype), dh0
 
