@@ -13,14 +13,16 @@ from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, M2RNNMegatronMixer
 from megacpp_lab.testing import check_leaks
 
 ON_GPU = torch.cuda.is_available()
+# Triton runs on the GPU where there is one, else under TRITON_INTERPRET=1 (tests/conftest.py)
+DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-def _inputs(B, S, H, K, V, *, dtype=torch.float32, device="cpu", seed=0, n_h0=None):
+def _inputs(B, S, H, K, V, *, dtype=torch.float32, device=DEVICE, seed=0, n_h0=None):
     g = torch.Generator(device="cpu").manual_seed(seed)
     mk = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
     q, k, v = mk(B, S, H, K, scale=0.5), mk(B, S, H, K, scale=0.5), mk(B, S, H, V)
     f = torch.sigmoid(torch.randn(B, S, H, generator=g) + 1.0).to(device=device, dtype=dtype)
-    W = mk(H, V, V, scale=V**-0.5)
+    W = mk(H, V, V, scale=0.5 * V**-0.5)  # contractive: rounding differences do not grow with S
     h0 = (torch.randn(n_h0 or B, H, K, V, generator=g) * 0.5).to(device=device, dtype=torch.float32)
     return [t.requires_grad_() for t in (q, k, v, f, W, h0)]
 
@@ -58,13 +60,13 @@ def test_reference_gradcheck_fp64():
 def test_triton_matches_reference_on_packed_rows_with_initial_state(chunk):
     """Two rows, several documents, non-zero h0, K != V, every gradient (TRITON_INTERPRET on CPU)."""
     inputs = _inputs(2, 13, 2, 32, 16)
-    doc_ids = torch.tensor([[0] * 5 + [1] * 1 + [2] * 7, [0] * 13])
+    doc_ids = torch.tensor([[0] * 5 + [1] * 1 + [2] * 7, [0] * 13], device=DEVICE)
     kw = dict(doc_ids=doc_ids, chunk=chunk)
     _compare(kw, dict(doc_ids=doc_ids), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
 
 
 def test_triton_matches_reference_varlen_cu_seqlens():
-    cu = torch.tensor([0, 6, 7, 15], dtype=torch.int32)
+    cu = torch.tensor([0, 6, 7, 15], dtype=torch.int32, device=DEVICE)
     inputs = _inputs(1, 15, 2, 16, 16, n_h0=3)
     _compare(dict(cu_seqlens=cu, chunk=4), dict(cu_seqlens=cu), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
 
@@ -72,7 +74,7 @@ def test_triton_matches_reference_varlen_cu_seqlens():
 def test_doc_resets_make_documents_independent():
     """Each document of a packed row gives what it gives alone, starting from h0."""
     q, k, v, f, W, h0 = (t.detach() for t in _inputs(1, 12, 1, 16, 16))
-    doc_ids = torch.tensor([[0] * 7 + [1] * 5])
+    doc_ids = torch.tensor([[0] * 7 + [1] * 5], device=DEVICE)
     y = m2rnn_scan(q, k, v, f, W, h0, doc_ids=doc_ids, kernel="triton")
     alone = m2rnn_scan(q[:, 7:], k[:, 7:], v[:, 7:], f[:, 7:], W, h0, kernel="triton")
     assert torch.allclose(y[:, 7:], alone, atol=1e-6)
@@ -95,9 +97,10 @@ def test_scan_validation_names_the_field():
     with pytest.raises(ValueError, match=r"W must have shape \(1, 16, 16\)"):
         m2rnn_scan(q, k, v, f, W[:, :8], kernel="triton")
     with pytest.raises(ValueError, match="not both"):
-        m2rnn_scan(q, k, v, f, W, doc_ids=torch.zeros(1, 8, dtype=torch.long), cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+        m2rnn_scan(q, k, v, f, W, doc_ids=torch.zeros(1, 8, dtype=torch.long, device=DEVICE),
+                   cu_seqlens=torch.tensor([0, 8], dtype=torch.int32, device=DEVICE))  # fmt: skip
     with pytest.raises(ValueError, match="cu_seqlens must rise strictly from 0 to S=8"):
-        m2rnn_scan(q, k, v, f, W, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32), kernel="triton")
+        m2rnn_scan(q, k, v, f, W, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE), kernel="triton")
     with pytest.raises(ValueError, match=r"h0 must have shape \(1, 1, 16, 16\)"):
         m2rnn_scan(q, k, v, f, W, h0[:, :, :8], kernel="triton")
 
@@ -112,7 +115,7 @@ def test_tripwire_no_silent_fallback_to_the_reference_loop(monkeypatch):
         return
     m2k._warn_reference_fallback.cache_clear()
     monkeypatch.setattr(m2k, "DEFAULT_KERNEL", "auto")
-    q, k, v, f, W, _ = (t.detach() for t in _inputs(1, 4, 1, 16, 16))
+    q, k, v, f, W, _ = (t.detach() for t in _inputs(1, 4, 1, 16, 16, device="cpu"))
     with pytest.warns(RuntimeWarning, match="reference step loop"):
         m2rnn_scan(q, k, v, f, W)
     with warnings.catch_warnings():
@@ -150,7 +153,7 @@ def test_tripwire_whole_model_compile_does_not_unroll_the_reference_loop():
     of unrolling S steps, so the traced graph does not grow with S."""
     sizes = {}
     for S in (8, 32):
-        q, k, v, f, W, h0 = (t.detach() for t in _inputs(1, S, 1, 16, 16))
+        q, k, v, f, W, h0 = (t.detach() for t in _inputs(1, S, 1, 16, 16, device="cpu"))
         fn = lambda q, k, v, f, W: m2rnn_scan(q, k, v, f, W, kernel="reference") * 2
         breaks, nodes = _graph_nodes(fn, q, k, v, f, W)
         assert breaks >= 1
@@ -159,9 +162,9 @@ def test_tripwire_whole_model_compile_does_not_unroll_the_reference_loop():
 
 
 def test_regional_compile_of_the_layer_has_no_graph_break():
-    layer = M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton"))
-    x = torch.randn(2, 16, 32)
-    doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 16])
+    layer = M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton")).to(DEVICE)
+    x = torch.randn(2, 16, 32, device=DEVICE)
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 16], device=DEVICE)
     breaks, _ = _graph_nodes(layer, x, doc_ids)
     assert breaks == 0
 
@@ -171,35 +174,36 @@ def test_regional_compile_of_the_layer_has_no_graph_break():
 
 def _layer(**kw) -> M2RNN:
     torch.manual_seed(0)
-    return M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton", **kw))
+    return M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton", **kw)).to(DEVICE)
 
 
 def test_layer_passes_the_leak_harness_on_real_packed_rows():
     w = boundary_windows(load_sample()[0].batch, 2, 24, lead=9)
     torch.manual_seed(0)
-    emb = torch.nn.Embedding(259, 32)
+    emb = torch.nn.Embedding(259, 32).to(DEVICE)
     layer = _layer()
-    report = check_leaks(lambda t, d: layer(emb(t), d), w.tokens, w.doc_ids, vocab_size=259, causal_positions=range(0, 24, 2))
+    tokens, doc_ids = w.tokens.to(DEVICE), w.doc_ids.to(DEVICE)
+    report = check_leaks(lambda t, d: layer(emb(t), d), tokens, doc_ids, vocab_size=259, causal_positions=range(0, 24, 2))
     assert report.passed, str(report)
-    leaky = check_leaks(lambda t, d: layer(emb(t), None), w.tokens, w.doc_ids, vocab_size=259, causal=False)
+    leaky = check_leaks(lambda t, d: layer(emb(t), None), tokens, doc_ids, vocab_size=259, causal=False)
     assert not leaky.passed
 
 
 def test_layer_triton_equals_reference_and_varlen_equals_doc_ids():
     layer = _layer()
-    x = torch.randn(1, 20, 32)
-    doc_ids = torch.tensor([[0] * 8 + [1] * 12])
+    x = torch.randn(1, 20, 32, device=DEVICE)
+    doc_ids = torch.tensor([[0] * 8 + [1] * 12], device=DEVICE)
     y = layer(x, doc_ids)
     assert torch.allclose(y, layer(x, doc_ids, kernel="reference"), atol=1e-5)
-    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32, device=DEVICE)
     assert torch.allclose(y, layer(x, cu_seqlens=cu), atol=1e-5)
 
 
 def test_megatron_adapter_is_seq_first_and_returns_no_bias():
     layer = _layer()
-    mixer = M2RNNMegatronMixer(layer.config)
+    mixer = M2RNNMegatronMixer(layer.config).to(DEVICE)
     mixer.m2rnn.load_state_dict(layer.state_dict())
-    x = torch.randn(2, 12, 32)
+    x = torch.randn(2, 12, 32, device=DEVICE)
     out, bias = mixer(x.transpose(0, 1), attention_mask=None)
     assert bias is None and out.shape == (12, 2, 32)
     assert torch.allclose(out.transpose(0, 1), layer(x), atol=1e-6)

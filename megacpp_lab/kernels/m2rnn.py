@@ -413,7 +413,10 @@ def m2rnn_scan(
     which = resolve_kernel(kernel, dev)
     if which == "reference":
         return _torch_m2rnn_forward(q, k, v, f, W, h0, reset2d, h0_index, grad_clip)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, f, W, h0))
+    # no generator expression: dynamo on torch 2.11 cannot trace one under fullgraph
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or f.requires_grad or W.requires_grad or h0.requires_grad
+    )
     y, _ = m2rnn_scan_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), f.contiguous(), W.contiguous(), h0.float().contiguous(),
         ranges, reset, chunk, needs_grad, float(grad_clip),

@@ -129,7 +129,8 @@ class M2RNN(nn.Module):
         dt = torch.exp(torch.rand(H) * (math.log(c.dt_max) - math.log(c.dt_min)) + math.log(c.dt_min))
         dt = dt.clamp(min=c.dt_init_floor)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
-        self.W = nn.Parameter(torch.randn(H, V, V) / math.sqrt(V))
+        # spectral norm about 1: the state map starts near the edge of contraction, not chaotic
+        self.W = nn.Parameter(torch.randn(H, V, V) * (0.5 / math.sqrt(V)))
         self.D = nn.Parameter(torch.ones(H, V)) if c.residual else None
         self.norm = nn.RMSNorm(H * V, eps=c.eps)
         self.output_proj = nn.Linear(H * V, c.d_model, bias=False)
