@@ -37,7 +37,7 @@ SMALL_SHAPE = M2RNNShape(B=1, S=64, H=2, K=16, V=16)
 
 
 def make_inputs(shape: M2RNNShape, dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
-    """q, k, v, f, W with the scales the layer produces (q, k / sqrt(K); f near 0.9)."""
+    """q, k, v, f, W with the scales the layer produces (q, k / sqrt(K); f near 0.9; W as initialised)."""
     g = torch.Generator(device=device).manual_seed(seed)
     B, S, H, K, V = asdict(shape).values()
     rnd = lambda *s: torch.randn(*s, generator=g, device=device)
@@ -45,7 +45,7 @@ def make_inputs(shape: M2RNNShape, dtype: torch.dtype, device: str, seed: int = 
     k = (rnd(B, S, H, K) / K**0.5).to(dtype)
     v = rnd(B, S, H, V).to(dtype)
     f = torch.sigmoid(rnd(B, S, H) + 2.0).to(dtype)
-    W = (rnd(H, V, V) / V**0.5).to(dtype)
+    W = (rnd(H, V, V) * (0.5 / V**0.5)).to(dtype)  # the layer's init: spectral norm about 1
     return [t.requires_grad_() for t in (q, k, v, f, W)]
 
 
