@@ -76,11 +76,13 @@ def _tanh(x):
 
 
 @triton.jit
-def _state_times_w(h, W, USE_DOT: tl.constexpr):
-    """h [K,V] @ W [V,V]: an MMA, or a broadcast-and-sum that keeps the state in registers."""
-    if USE_DOT:
-        return tl.dot(h, W, input_precision="ieee")
-    return tl.sum(h[:, :, None] * W[None, :, :], axis=1)
+def _state_times_w(h, W, PRECISION: tl.constexpr):
+    """h [K,V] @ W [V,V] on the tensor cores; PRECISION is "ieee" for fp32 inputs, "tf32" for bf16/fp16.
+
+    (A broadcast-and-sum written out by hand is rewritten by Triton into the same MMA at its
+    default TF32 precision, so the precision is chosen here, explicitly.)
+    """
+    return tl.dot(h, W, input_precision=PRECISION)
 
 
 @triton.jit
@@ -99,7 +101,7 @@ def _m2rnn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr,
     y_ptr, ckpt_ptr,
     H,
-    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr, USE_DOT: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     hd = tl.program_id(1)
@@ -124,7 +126,7 @@ def _m2rnn_fwd_kernel(
             if rel % CHUNK == 0:
                 tl.store(ckpt_ptr + ((slot + rel // CHUNK) * H + hd) * K * V + kv, h)
         h = tl.where(rt != 0, h0, h)
-        z = _tanh(_state_times_w(h, W, USE_DOT) + kt[:, None] * vt[None, :])
+        z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :])
         h = ft * h + (1.0 - ft) * z
         yt = tl.sum(qt[:, None] * h, axis=0)
         tl.store(y_ptr + (t * H + hd) * V + rv, yt.to(y_ptr.dtype.element_ty))
@@ -135,7 +137,7 @@ def _m2rnn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, ckpt_ptr, dy_ptr,
     dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
     H, clip,
-    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr, USE_DOT: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     hd = tl.program_id(1)
@@ -165,7 +167,7 @@ def _m2rnn_bwd_kernel(
                 q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, t1 - 1), hd, H, rk, rv, K, V
             )
             h = tl.where(rt != 0, h0, h)
-            z = _tanh(_state_times_w(h, W, USE_DOT) + kt[:, None] * vt[None, :])
+            z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :])
             tl.store(prev_ptr + scratch + (t - t0) * K * V + kv, h)
             tl.store(z_ptr + scratch + (t - t0) * K * V + kv, z)
             h = ft * h + (1.0 - ft) * z
@@ -193,12 +195,8 @@ def _m2rnn_bwd_kernel(
             da = dh * (1.0 - ft) * (1.0 - z * z)
             tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty))
             tl.store(dv_ptr + row * V + rv, tl.sum(da * kt[:, None], axis=0).to(dv_ptr.dtype.element_ty))
-            if USE_DOT:
-                dW += tl.dot(tl.trans(hp), da, input_precision="ieee")
-                dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision="ieee")
-            else:
-                dW += tl.sum(hp[:, :, None] * da[:, None, :], axis=0)
-                dprev = ft * dh + tl.sum(da[:, None, :] * W[None, :, :], axis=2)
+            dW += tl.dot(tl.trans(hp), da, input_precision=PRECISION)
+            dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision=PRECISION)
             dh0 += tl.where(rt != 0, dprev, 0.0)
             dh = tl.where(rt != 0, 0.0, dprev)
     tl.store(dw_ptr + (p * H + hd) * V * V + rv[:, None] * V + rv[None, :], dW)
@@ -236,7 +234,7 @@ def m2rnn_scan_fwd(
     ckpt = torch.empty((slots if save else 0, H, K, V), device=q.device, dtype=torch.float32)
     _m2rnn_fwd_kernel[(P, H)](
         q, k, v, f, W, h0, ranges, reset, offsets, y, ckpt if save else h0, H,
-        K=K, V=V, CHUNK=chunk, SAVE=save, USE_DOT=FWD_CONFIG[0], num_warps=FWD_CONFIG[1],
+        K=K, V=V, CHUNK=chunk, SAVE=save, PRECISION=_precision(q.dtype), num_warps=FWD_WARPS[_precision(q.dtype)],
     )  # fmt: skip
     return y, ckpt
 
@@ -267,7 +265,7 @@ def m2rnn_scan_bwd(
     _m2rnn_bwd_kernel[(P, H)](
         q, k, v, f, W, h0, ranges, reset, offsets, ckpt, dy.contiguous(),
         dq, dk, dv, df, dW, dh0, prev, zbuf, H, float(clip),
-        K=K, V=V, CHUNK=chunk, CLIP=clip > 0, USE_DOT=BWD_CONFIG[0], num_warps=BWD_CONFIG[1],
+        K=K, V=V, CHUNK=chunk, CLIP=clip > 0, PRECISION=_precision(q.dtype), num_warps=BWD_WARPS[_precision(q.dtype)],
     )  # fmt: skip
     return dq, dk, dv, df.to(f.dtype), dW.sum(0).to(W.dtype), dh0
 
@@ -339,8 +337,8 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], floating: bool = True) -> None:
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if floating and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if floating and t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"{name} must be float32, bfloat16, float16 (or float64 for the reference), got {t.dtype}")
 
 
 def m2rnn_scan(
@@ -413,6 +411,8 @@ def m2rnn_scan(
     which = resolve_kernel(kernel, dev)
     if which == "reference":
         return _torch_m2rnn_forward(q, k, v, f, W, h0, reset2d, h0_index, grad_clip)
+    if q.dtype == torch.float64:
+        raise ValueError("the Triton kernel takes float32, bfloat16 or float16 inputs; float64 is for kernel='reference'")
     # no generator expression: dynamo on torch 2.11 cannot trace one under fullgraph
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or f.requires_grad or W.requires_grad or h0.requires_grad
