@@ -205,9 +205,14 @@ def _m2rnn_bwd_kernel(
 
 # ----------------------------------------------------------------------------- launchers
 
-# (USE_DOT, num_warps) per kernel, picked on an H100 (see megacpp-lab bench m2rnn)
-FWD_CONFIG = (False, 8)
-BWD_CONFIG = (True, 4)
+# num_warps per kernel and state-matmul precision, picked on an H100 (megacpp-lab bench m2rnn)
+FWD_WARPS = {"tf32": 8, "ieee": 4}
+BWD_WARPS = {"tf32": 4, "ieee": 4}
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """TF32 tensor cores for bf16/fp16 inputs (finer than the inputs' own rounding); IEEE fp32 for fp32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _ckpt_layout(ranges: torch.Tensor, chunk: int, total: int) -> tuple[torch.Tensor, int]:
