@@ -100,14 +100,18 @@ def _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, hd, H, rk, rv, K: tl.co
 def _m2rnn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr,
     y_ptr, ckpt_ptr,
-    H,
-    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
+    H, n_rows,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # rows of the state evolve independently (W acts on V), so a program may own BK of the K rows;
+    # with BK < K its y is a partial sum over its rows, written as fp32 [K/BK, n_rows, V]
     p = tl.program_id(0)
     hd = tl.program_id(1)
+    kb = tl.program_id(2)
     start = tl.load(ranges_ptr + p)
     end = tl.load(ranges_ptr + p + 1)
-    rk = tl.arange(0, K)
+    rk = kb * BK + tl.arange(0, BK)
     rv = tl.arange(0, V)
     kv = rk[:, None] * V + rv[None, :]
     W = tl.load(w_ptr + hd * V * V + rv[:, None] * V + rv[None, :]).to(tl.float32)
@@ -129,7 +133,10 @@ def _m2rnn_fwd_kernel(
         z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :])
         h = ft * h + (1.0 - ft) * z
         yt = tl.sum(qt[:, None] * h, axis=0)
-        tl.store(y_ptr + (t * H + hd) * V + rv, yt.to(y_ptr.dtype.element_ty))
+        if BK == K:
+            tl.store(y_ptr + (t * H + hd) * V + rv, yt.to(y_ptr.dtype.element_ty))
+        else:
+            tl.store(y_ptr + (kb * n_rows + t * H + hd) * V + rv, yt)
 
 
 @triton.jit
@@ -207,6 +214,7 @@ def _m2rnn_bwd_kernel(
 
 # num_warps per kernel and state-matmul precision, picked on an H100 (megacpp-lab bench m2rnn)
 FWD_WARPS = {"tf32": 8, "ieee": 4}
+FWD_BLOCK_K = {"tf32": 64, "ieee": 64}  # state rows per forward program (K-split when < K)
 BWD_WARPS = {"tf32": 4, "ieee": 4}
 
 
@@ -234,13 +242,18 @@ def m2rnn_scan_fwd(
     B, S, H, K = q.shape
     V = v.shape[-1]
     P = ranges.numel() - 1
-    y = torch.empty_like(v)
+    precision = _precision(q.dtype)
+    bk, warps = FWD_BLOCK_K[precision], FWD_WARPS[precision]
+    bk = min(bk, K)
+    y = torch.empty_like(v) if bk == K else torch.empty((K // bk, B * S * H, V), device=q.device, dtype=torch.float32)
     offsets, slots = _ckpt_layout(ranges, chunk, B * S)
     ckpt = torch.empty((slots if save else 0, H, K, V), device=q.device, dtype=torch.float32)
-    _m2rnn_fwd_kernel[(P, H)](
-        q, k, v, f, W, h0, ranges, reset, offsets, y, ckpt if save else h0, H,
-        K=K, V=V, CHUNK=chunk, SAVE=save, PRECISION=_precision(q.dtype), num_warps=FWD_WARPS[_precision(q.dtype)],
+    _m2rnn_fwd_kernel[(P, H, K // bk)](
+        q, k, v, f, W, h0, ranges, reset, offsets, y, ckpt if save else h0, H, B * S * H,
+        K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, num_warps=warps,
     )  # fmt: skip
+    if bk != K:
+        y = y.sum(0).view(v.shape).to(v.dtype)
     return y, ckpt
 
 
