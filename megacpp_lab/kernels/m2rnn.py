@@ -143,23 +143,30 @@ def _m2rnn_fwd_kernel(
 def _m2rnn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, ckpt_ptr, dy_ptr,
     dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
-    H, clip,
-    K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr, PRECISION: tl.constexpr,
+    H, n_rows, clip,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # one program per (range, head, block of BK state rows): dq, dk, dh0 are row-local; dv, df and
+    # dW sum over rows, so each block writes fp32 partials [K/BK, ...] that the launcher adds up
     p = tl.program_id(0)
     hd = tl.program_id(1)
+    kb = tl.program_id(2)
+    NKB: tl.constexpr = K // BK
     start = tl.load(ranges_ptr + p)
     end = tl.load(ranges_ptr + p + 1)
-    rk = tl.arange(0, K)
+    rk = kb * BK + tl.arange(0, BK)
     rv = tl.arange(0, V)
     kv = rk[:, None] * V + rv[None, :]
+    local = tl.arange(0, BK)[:, None] * V + rv[None, :]
     W = tl.load(w_ptr + hd * V * V + rv[:, None] * V + rv[None, :]).to(tl.float32)
     h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
     slot = tl.load(ckpt_off_ptr + p)
-    scratch = (p * H + hd) * CHUNK * K * V
-    dh = tl.zeros((K, V), dtype=tl.float32)
+    prog = (p * H + hd) * NKB + kb
+    scratch = prog * CHUNK * BK * V
+    dh = tl.zeros((BK, V), dtype=tl.float32)
     dW = tl.zeros((V, V), dtype=tl.float32)
-    dh0 = tl.zeros((K, V), dtype=tl.float32)
+    dh0 = tl.zeros((BK, V), dtype=tl.float32)
     n_chunks = (end - start + CHUNK - 1) // CHUNK
     for cc in range(0, n_chunks):
         c = n_chunks - 1 - cc
@@ -175,47 +182,52 @@ def _m2rnn_bwd_kernel(
             )
             h = tl.where(rt != 0, h0, h)
             z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :])
-            tl.store(prev_ptr + scratch + (t - t0) * K * V + kv, h)
-            tl.store(z_ptr + scratch + (t - t0) * K * V + kv, z)
+            tl.store(prev_ptr + scratch + (t - t0) * BK * V + local, h)
+            tl.store(z_ptr + scratch + (t - t0) * BK * V + local, z)
             h = ft * h + (1.0 - ft) * z
         # reverse over the chunk, next (earlier) step's inputs prefetched
         i = t1 - 1 - t0
         qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t1 - 1, hd, H, rk, rv, K, V)
         dyn = tl.load(dy_ptr + ((t1 - 1) * H + hd) * V + rv).to(tl.float32)
-        hpn = tl.load(prev_ptr + scratch + i * K * V + kv)
-        zn = tl.load(z_ptr + scratch + i * K * V + kv)
+        hpn = tl.load(prev_ptr + scratch + i * BK * V + local)
+        zn = tl.load(z_ptr + scratch + i * BK * V + local)
         for tt in range(t0, t1):
             t = t1 - 1 - (tt - t0)
             qt, kt, vt, ft, rt, dyt, hp, z = qn, kn, vn, fn, rn, dyn, hpn, zn
             tp = tl.maximum(t - 1, t0)
             qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
             dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
-            hpn = tl.load(prev_ptr + scratch + (tp - t0) * K * V + kv)
-            zn = tl.load(z_ptr + scratch + (tp - t0) * K * V + kv)
+            hpn = tl.load(prev_ptr + scratch + (tp - t0) * BK * V + local)
+            zn = tl.load(z_ptr + scratch + (tp - t0) * BK * V + local)
             row = t * H + hd
             ht = ft * hp + (1.0 - ft) * z
             dh = dh + qt[:, None] * dyt[None, :]
             if CLIP:
                 dh = tl.minimum(tl.maximum(dh, -clip), clip)
             tl.store(dq_ptr + row * K + rk, tl.sum(ht * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty))
-            tl.store(df_ptr + row, tl.sum(tl.sum(dh * (hp - z), axis=1), axis=0).to(df_ptr.dtype.element_ty))
+            tl.store(df_ptr + kb * n_rows + row, tl.sum(tl.sum(dh * (hp - z), axis=1), axis=0))
             da = dh * (1.0 - ft) * (1.0 - z * z)
             tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty))
-            tl.store(dv_ptr + row * V + rv, tl.sum(da * kt[:, None], axis=0).to(dv_ptr.dtype.element_ty))
+            dvt = tl.sum(da * kt[:, None], axis=0)
+            if NKB == 1:
+                tl.store(dv_ptr + row * V + rv, dvt.to(dv_ptr.dtype.element_ty))
+            else:
+                tl.store(dv_ptr + (kb * n_rows + row) * V + rv, dvt)
             dW += tl.dot(tl.trans(hp), da, input_precision=PRECISION)
             dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision=PRECISION)
             dh0 += tl.where(rt != 0, dprev, 0.0)
             dh = tl.where(rt != 0, 0.0, dprev)
-    tl.store(dw_ptr + (p * H + hd) * V * V + rv[:, None] * V + rv[None, :], dW)
+    tl.store(dw_ptr + prog * V * V + rv[:, None] * V + rv[None, :], dW)
     tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
 
 
 # ----------------------------------------------------------------------------- launchers
 
 # num_warps per kernel and state-matmul precision, picked on an H100 (megacpp-lab bench m2rnn)
-FWD_WARPS = {"tf32": 8, "ieee": 4}
-FWD_BLOCK_K = {"tf32": 64, "ieee": 64}  # state rows per forward program (K-split when < K)
+FWD_WARPS = {"tf32": 4, "ieee": 4}
+FWD_BLOCK_K = {"tf32": 32, "ieee": 16}  # state rows per forward program (K-split when < K)
 BWD_WARPS = {"tf32": 4, "ieee": 4}
+BWD_BLOCK_K = {"tf32": 64, "ieee": 64}
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -274,18 +286,24 @@ def m2rnn_scan_bwd(
     V = v.shape[-1]
     P = ranges.numel() - 1
     offsets, _ = _ckpt_layout(ranges, chunk, B * S)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    df = torch.empty(f.shape, device=f.device, dtype=torch.float32)
-    dW = torch.empty((P, H, V, V), device=q.device, dtype=torch.float32)
+    precision = _precision(q.dtype)
+    bk, warps = min(BWD_BLOCK_K[precision], K), BWD_WARPS[precision]
+    nkb, n_rows = K // bk, B * S * H
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dv = torch.empty_like(v) if nkb == 1 else torch.empty((nkb, n_rows, V), device=q.device, dtype=torch.float32)
+    df = torch.empty((nkb, n_rows), device=f.device, dtype=torch.float32)
+    dW = torch.empty((P, H, nkb, V, V), device=q.device, dtype=torch.float32)
     dh0 = torch.empty((P, H, K, V), device=q.device, dtype=torch.float32)
-    prev = torch.empty((P * H * chunk, K, V), device=q.device, dtype=torch.float32)
+    prev = torch.empty((P * H * nkb * chunk, bk, V), device=q.device, dtype=torch.float32)
     zbuf = torch.empty_like(prev)
-    _m2rnn_bwd_kernel[(P, H)](
+    _m2rnn_bwd_kernel[(P, H, nkb)](
         q, k, v, f, W, h0, ranges, reset, offsets, ckpt, dy.contiguous(),
-        dq, dk, dv, df, dW, dh0, prev, zbuf, H, float(clip),
-        K=K, V=V, CHUNK=chunk, CLIP=clip > 0, PRECISION=_precision(q.dtype), num_warps=BWD_WARPS[_precision(q.dtype)],
+        dq, dk, dv, df, dW, dh0, prev, zbuf, H, n_rows, float(clip),
+        K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision, num_warps=warps,
     )  # fmt: skip
-    return dq, dk, dv, df.to(f.dtype), dW.sum(0).to(W.dtype), dh0
+    if nkb > 1:
+        dv = dv.sum(0).view(v.shape).to(v.dtype)
+    return dq, dk, dv, df.sum(0).view(f.shape).to(f.dtype), dW.sum((0, 2)).to(W.dtype), dh0
 
 
 @m2rnn_scan_bwd.register_fake
