@@ -71,13 +71,7 @@ def _torch_m2rnn_forward(
 
 
 @triton.jit
-def _tanh(x, FAST: tl.constexpr):
-    """Exact-form tanh, or the GPU's tanh.approx.f32 (one MUFU op, rel. error ~5e-4) for bf16/fp16
-    inputs, whose own rounding is coarser; it shortens the per-step dependency chain."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
+def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
@@ -108,7 +102,7 @@ def _m2rnn_fwd_kernel(
     y_ptr, ckpt_ptr,
     H, n_rows,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr,
-    PRECISION: tl.constexpr, FAST_TANH: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     # rows of the state evolve independently (W acts on V), so a program may own BK of the K rows;
     # with BK < K its y is a partial sum over its rows, written as fp32 [K/BK, n_rows, V]
@@ -136,7 +130,7 @@ def _m2rnn_fwd_kernel(
             if rel % CHUNK == 0:
                 tl.store(ckpt_ptr + ((slot + rel // CHUNK) * H + hd) * K * V + kv, h)
         h = tl.where(rt != 0, h0, h)
-        z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :], FAST_TANH)
+        z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :])
         h = ft * h + (1.0 - ft) * z
         yt = tl.sum(qt[:, None] * h, axis=0)
         if BK == K:
@@ -151,7 +145,7 @@ def _m2rnn_bwd_kernel(
     dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
     H, n_rows, clip,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
-    PRECISION: tl.constexpr, FAST_TANH: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     # one program per (range, head, block of BK state rows): dq, dk, dh0 are row-local; dv, df and
     # dW sum over rows, so each block writes fp32 partials [K/BK, ...] that the launcher adds up
@@ -187,7 +181,7 @@ def _m2rnn_bwd_kernel(
                 q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, t1 - 1), hd, H, rk, rv, K, V
             )
             h = tl.where(rt != 0, h0, h)
-            z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :], FAST_TANH)
+            z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :])
             tl.store(prev_ptr + scratch + (t - t0) * BK * V + local, h)
             tl.store(z_ptr + scratch + (t - t0) * BK * V + local, z)
             h = ft * h + (1.0 - ft) * z
@@ -230,16 +224,10 @@ def _m2rnn_bwd_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 # num_warps per kernel and state-matmul precision, picked on an H100 (megacpp-lab bench m2rnn)
-FAST_TANH_LOW_PRECISION = True
 FWD_WARPS = {"tf32": 4, "ieee": 4}
 FWD_BLOCK_K = {"tf32": 32, "ieee": 16}  # state rows per forward program (K-split when < K)
 BWD_WARPS = {"tf32": 4, "ieee": 4}  # with BWD_BLOCK_K: the H100 sweep's fastest
 BWD_BLOCK_K = {"tf32": 16, "ieee": 16}  # state rows per backward program
-
-
-def _fast_tanh(q: torch.Tensor) -> bool:
-    """tanh.approx.f32 on a real GPU for bf16/fp16 inputs; never for fp32, never in the interpreter."""
-    return FAST_TANH_LOW_PRECISION and q.is_cuda and q.dtype != torch.float32
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -274,7 +262,7 @@ def m2rnn_scan_fwd(
     ckpt = torch.empty((slots if save else 0, H, K, V), device=q.device, dtype=torch.float32)
     _m2rnn_fwd_kernel[(P, H, K // bk)](
         q, k, v, f, W, h0, ranges, reset, offsets, y, ckpt if save else h0, H, B * S * H,
-        K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, FAST_TANH=_fast_tanh(q), num_warps=warps,
+        K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, num_warps=warps,
     )  # fmt: skip
     if bk != K:
         y = y.sum(0).view(v.shape).to(v.dtype)
@@ -311,7 +299,7 @@ def m2rnn_scan_bwd(
     _m2rnn_bwd_kernel[(P, H, nkb)](
         q, k, v, f, W, h0, ranges, reset, offsets, ckpt, dy.contiguous(),
         dq, dk, dv, df, dW, dh0, prev, zbuf, H, n_rows, float(clip),
-        K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision, FAST_TANH=_fast_tanh(q), num_warps=warps,
+        K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision, num_warps=warps,
     )  # fmt: skip
     if nkb > 1:
         dv = dv.sum(0).view(v.shape).to(v.dtype)
