@@ -102,7 +102,7 @@ def _m2rnn_fwd_kernel(
     y_ptr, ckpt_ptr,
     H, n_rows,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr,
-    PRECISION: tl.constexpr, DIST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     # rows of the state evolve independently (W acts on V), so a program may own BK of the K rows;
     # with BK < K its y is a partial sum over its rows, written as fp32 [K/BK, n_rows, V]
@@ -118,22 +118,13 @@ def _m2rnn_fwd_kernel(
     h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
     h = h0
     slot = tl.load(ckpt_off_ptr + p)
-    # software pipelining: inputs are loaded DIST steps ahead of the math, off the state's critical path
+    # software pipelining: step t+1's inputs are loaded before step t's math, off the state's critical path
     qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, start, hd, H, rk, rv, K, V)
-    qm, km, vm, fm, rm = _load_step(
-        q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(start + 1, end - 1), hd, H, rk, rv, K, V
-    )
     for t in range(start, end):
         qt, kt, vt, ft, rt = qn, kn, vn, fn, rn
-        if DIST == 2:
-            qn, kn, vn, fn, rn = qm, km, vm, fm, rm
-            qm, km, vm, fm, rm = _load_step(
-                q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 2, end - 1), hd, H, rk, rv, K, V
-            )
-        else:
-            qn, kn, vn, fn, rn = _load_step(
-                q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, end - 1), hd, H, rk, rv, K, V
-            )
+        qn, kn, vn, fn, rn = _load_step(
+            q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, end - 1), hd, H, rk, rv, K, V
+        )
         if SAVE:
             rel = t - start
             if rel % CHUNK == 0:
@@ -233,7 +224,6 @@ def _m2rnn_bwd_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 # num_warps per kernel and state-matmul precision, picked on an H100 (megacpp-lab bench m2rnn)
-FWD_PREFETCH = 2  # steps the forward loads ahead
 FWD_WARPS = {"tf32": 4, "ieee": 4}
 FWD_BLOCK_K = {"tf32": 32, "ieee": 16}  # state rows per forward program (K-split when < K)
 BWD_WARPS = {"tf32": 4, "ieee": 4}  # with BWD_BLOCK_K: the H100 sweep's fastest
@@ -272,7 +262,7 @@ def m2rnn_scan_fwd(
     ckpt = torch.empty((slots if save else 0, H, K, V), device=q.device, dtype=torch.float32)
     _m2rnn_fwd_kernel[(P, H, K // bk)](
         q, k, v, f, W, h0, ranges, reset, offsets, y, ckpt if save else h0, H, B * S * H,
-        K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, DIST=FWD_PREFETCH, num_warps=warps,
+        K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, num_warps=warps,
     )  # fmt: skip
     if bk != K:
         y = y.sum(0).view(v.shape).to(v.dtype)
