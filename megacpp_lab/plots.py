@@ -48,3 +48,13 @@ def plot_sweep(
     ax.legend(fontsize=8)
     ax.set_title(title or f"{receipt['name']} ({receipt['dtype']})\n{receipt['device']}", fontsize=9)
     return ax
+
+
+def save_figure(ax: Any, path: Any, *, dpi: int = 110) -> Any:
+    """Lay out, save and close the figure that holds ax; returns the path (for a receipt's PNG)."""
+    import matplotlib.pyplot as plt
+
+    ax.figure.tight_layout()
+    ax.figure.savefig(path, dpi=dpi)
+    plt.close(ax.figure)
+    return path

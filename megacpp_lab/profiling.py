@@ -95,3 +95,13 @@ def trace_summary(trace_path: str | Path, *, category: str | None = None, top: i
     rows = [{"name": name, "total_us": t, "calls": int(n)} for name, (t, n) in totals.items()]
     rows.sort(key=lambda r: -float(r["total_us"]))
     return rows[:top]
+
+
+def peak_extra_mib(fn: Callable[[], object]) -> float:
+    """Peak CUDA memory that one call of fn allocates beyond what is already held, in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20

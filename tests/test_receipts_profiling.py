@@ -91,6 +91,21 @@ def test_time_ms_and_profile_trace(tmp_path):
     assert summary == sorted(summary, key=lambda r: -r["total_us"])
 
 
+def test_plots_of_a_receipt_are_saved(tmp_path):
+    from megacpp_lab.plots import plot_contenders, save_figure
+
+    r = _receipt()
+    path = save_figure(plot_contenders(r, "ms"), tmp_path / "r.png")
+    assert path.exists() and path.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.cuda
+def test_peak_extra_mib_counts_a_new_allocation():
+    from megacpp_lab.profiling import peak_extra_mib
+
+    assert 60 < peak_extra_mib(lambda: torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")) < 70
+
+
 @pytest.mark.cuda
 def test_receipt_on_gpu_names_the_gpu(tmp_path):
     x = torch.randn(1024, 1024, device="cuda")

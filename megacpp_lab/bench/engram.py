@@ -20,7 +20,7 @@ from torch import nn
 
 from megacpp_lab.data import ByteTokenizer, load_corpus, pack_documents
 from megacpp_lab.nn.engram import EngramBranch, EngramConfig, _RMSNorm
-from megacpp_lab.profiling import profile_trace, time_ms
+from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
 from megacpp_lab.receipts import device_slug, make_receipt, profiles_dir, write_receipt
 
 
@@ -74,20 +74,13 @@ def _measure(module: nn.Module, x: torch.Tensor, doc_ids: torch.Tensor, grad: to
         module(x, doc_ids).backward(grad)
 
     out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    fwd_bwd()  # for a compiled module, this call compiles
     if device == "cuda":
-        t0 = time.perf_counter()
-        fwd_bwd()
         torch.cuda.synchronize()
-        out["first_call_s"] = time.perf_counter() - t0
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fwd_bwd()
-        torch.cuda.synchronize()
-        out["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    else:
-        t0 = time.perf_counter()
-        fwd_bwd()
-        out["first_call_s"] = time.perf_counter() - t0
+    out["first_call_s"] = time.perf_counter() - t0
+    if device == "cuda":
+        out["peak_mib"] = peak_extra_mib(fwd_bwd)
     rep = 20 if device == "cuda" else 5
     out["ms"] = time_ms(fwd_bwd, warmup=3, rep=rep, device=device)
     out["fwd_ms"] = time_ms(fwd, warmup=3, rep=rep, device=device)
@@ -234,9 +227,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from megacpp_lab.plots import plot_contenders, plot_sweep
+    from megacpp_lab.plots import plot_contenders, plot_sweep, save_figure
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape, sweep = (SMALL_SHAPE, SMALL_SWEEP_T) if small else (FULL_SHAPE, FULL_SWEEP_T)
@@ -246,19 +237,11 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
 
     main = bench_engram_branch(shape, dtype=dtype, device=device)
     written.append(write_receipt(main, root))
-    ax = plot_contenders(main, "ms")
-    ax.figure.tight_layout()
-    ax.figure.savefig(written[-1].with_suffix(".png"), dpi=110)
-    written.append(written[-1].with_suffix(".png"))
-    plt.close(ax.figure)
+    written.append(save_figure(plot_contenders(main, "ms"), written[-1].with_suffix(".png")))
 
     curve = bench_engram_sweep(shape, sweep, dtype=dtype, device=device)
     written.append(write_receipt(curve, root))
-    ax = plot_sweep(curve, "T", "ms")
-    ax.figure.tight_layout()
-    ax.figure.savefig(written[-1].with_suffix(".png"), dpi=110)
-    written.append(written[-1].with_suffix(".png"))
-    plt.close(ax.figure)
+    written.append(save_figure(plot_sweep(curve, "T", "ms"), written[-1].with_suffix(".png")))
 
     written.append(write_receipt(rmsnorm_overflow_sweep(device), root))
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from megacpp_lab.kernels.m2rnn import m2rnn_scan
-from megacpp_lab.profiling import profile_trace, time_ms
+from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
 from megacpp_lab.receipts import device_slug, make_receipt, profiles_dir, write_receipt
 
 BAR = {"ms": 7.0, "fwd_ms": 1.7, "max_abs_err": 0.06, "peak_mib": 150.0}
@@ -61,12 +61,7 @@ def _measure(inputs: list[torch.Tensor], grad: torch.Tensor, *, kernel: str, chu
     out: dict[str, float] = {}
     if device == "cuda":
         fwd_bwd()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fwd_bwd()
-        torch.cuda.synchronize()
-        out["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        out["peak_mib"] = peak_extra_mib(fwd_bwd)
     out["ms"] = time_ms(fwd_bwd, warmup=1 if rep <= 2 else 3, rep=rep, device=device)
     out["fwd_ms"] = time_ms(fwd, warmup=1 if rep <= 2 else 3, rep=rep, device=device)
     out["bwd_ms"] = out["ms"] - out["fwd_ms"]
@@ -151,9 +146,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from megacpp_lab.plots import plot_contenders, plot_sweep
+    from megacpp_lab.plots import plot_contenders, plot_sweep, save_figure
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not small:
@@ -165,19 +158,12 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     main = bench_m2rnn(shape, dtype=dtype, device=device, chunks=(4, 64) if small else (1, 16, 64, 256))
     written.append(write_receipt(main, root))
     ax = plot_contenders(main, "ms")
-    ax.set_xscale("log")
-    ax.figure.tight_layout()
-    ax.figure.savefig(written[-1].with_suffix(".png"), dpi=110)
-    written.append(written[-1].with_suffix(".png"))
-    plt.close(ax.figure)
+    ax.set_xscale("log")  # the reference loop is ~1000x the kernel
+    written.append(save_figure(ax, written[-1].with_suffix(".png")))
     seqs = (16, 32, 64) if small else (512, 1024, 2048, 4096, 8192, 16384)
     sweep = bench_m2rnn_sweep(shape, seqs, ref_up_to=32 if small else 2048, dtype=dtype, device=device)
     written.append(write_receipt(sweep, root))
-    ax = plot_sweep(sweep, "S", "ms")
-    ax.figure.tight_layout()
-    ax.figure.savefig(written[-1].with_suffix(".png"), dpi=110)
-    written.append(written[-1].with_suffix(".png"))
-    plt.close(ax.figure)
+    written.append(save_figure(plot_sweep(sweep, "S", "ms"), written[-1].with_suffix(".png")))
     if trace:
         inputs = make_inputs(shape, dtype, device)
         grad = torch.randn_like(inputs[2])
