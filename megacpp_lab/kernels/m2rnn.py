@@ -28,6 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+# read once at import: kernels run under the Triton interpreter (CPU tests)
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = tl.constexpr(TRITON_INTERPRET)
+
 # ----------------------------------------------------------------------------- reference
 
 
@@ -85,6 +89,31 @@ def _state_times_w(h, W, PRECISION: tl.constexpr):
     return tl.dot(h, W, input_precision=PRECISION)
 
 
+L2_AHEAD = tl.constexpr(8)  # steps between the L2 prefetch and the use (2 was enough on an H100)
+
+
+@triton.jit
+def _prefetch_l2(ptr):
+    if not _INTERPRETED:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, hd, H, k0, K: tl.constexpr, V: tl.constexpr):
+    """Pull step t's inputs into L2 without waiting for them.
+
+    The scan is one dependent chain: a step's loads issued one step ahead still wait on DRAM
+    (about twice a step's math on an H100); from L2 they arrive in time."""
+    row = t * H + hd
+    _prefetch_l2(q_ptr + row * K + k0)
+    _prefetch_l2(k_ptr + row * K + k0)
+    _prefetch_l2(v_ptr + row * V)
+    _prefetch_l2(f_ptr + row)
+    _prefetch_l2(reset_ptr + t)
+
+
 @triton.jit
 def _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, hd, H, rk, rv, K: tl.constexpr, V: tl.constexpr):
     row = t * H + hd
@@ -122,6 +151,7 @@ def _m2rnn_fwd_kernel(
     qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, start, hd, H, rk, rv, K, V)
     for t in range(start, end):
         qt, kt, vt, ft, rt = qn, kn, vn, fn, rn
+        _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + L2_AHEAD, end - 1), hd, H, kb * BK, K, V)
         qn, kn, vn, fn, rn = _load_step(
             q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, end - 1), hd, H, rk, rv, K, V
         )
@@ -177,6 +207,7 @@ def _m2rnn_bwd_kernel(
         qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t0, hd, H, rk, rv, K, V)
         for t in range(t0, t1):
             qt, kt, vt, ft, rt = qn, kn, vn, fn, rn
+            _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + L2_AHEAD, t1 - 1), hd, H, kb * BK, K, V)
             qn, kn, vn, fn, rn = _load_step(
                 q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, t1 - 1), hd, H, rk, rv, K, V
             )
@@ -195,6 +226,9 @@ def _m2rnn_bwd_kernel(
             t = t1 - 1 - (tt - t0)
             qt, kt, vt, ft, rt, dyt, hp, z = qn, kn, vn, fn, rn, dyn, hpn, zn
             tp = tl.maximum(t - 1, t0)
+            ta = tl.maximum(t - L2_AHEAD, t0)
+            _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, ta, hd, H, kb * BK, K, V)
+            _prefetch_l2(dy_ptr + (ta * H + hd) * V)
             qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
             dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
             hpn = tl.load(prev_ptr + scratch + (tp - t0) * BK * V + local)
@@ -224,9 +258,9 @@ def _m2rnn_bwd_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 # num_warps per kernel and state-matmul precision, picked on an H100 (megacpp-lab bench m2rnn)
-FWD_WARPS = {"tf32": 4, "ieee": 4}
-FWD_BLOCK_K = {"tf32": 32, "ieee": 16}  # state rows per forward program (K-split when < K)
-BWD_WARPS = {"tf32": 4, "ieee": 4}  # with BWD_BLOCK_K: the H100 sweep's fastest
+FWD_WARPS = {"tf32": 2, "ieee": 4}
+FWD_BLOCK_K = {"tf32": 16, "ieee": 16}  # state rows per forward program (K-split when < K)
+BWD_WARPS = {"tf32": 2, "ieee": 2}  # with BWD_BLOCK_K: the H100 sweep's fastest
 BWD_BLOCK_K = {"tf32": 16, "ieee": 16}  # state rows per backward program
 
 
@@ -335,7 +369,6 @@ m2rnn_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 KERNELS = ("auto", "triton", "reference")
 # read once at import: a dynamo-friendly constant, never polled per step
 DEFAULT_KERNEL = os.environ.get("MEGACPP_M2RNN_KERNEL", "auto").strip().lower()
-TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if DEFAULT_KERNEL not in KERNELS:
     raise ValueError(f"MEGACPP_M2RNN_KERNEL must be one of {KERNELS}, got {DEFAULT_KERNEL!r}")
 
