@@ -1,0 +1,515 @@
+"""Rotary embeddings for MLA and for plain GQA attention: torch reference and Triton kernels.
+
+One numerical contract everywhere (the reference, both kernel families, forward and backward):
+a rope slice of even size d is split in halves x1 = x[:d/2], x2 = x[d/2:] and rotated as
+
+    y1 =  x1 cos + x2 sin        backward (the transposed rotation):  dx1 = dy1 cos - dy2 sin
+    y2 = -x1 sin + x2 cos                                             dx2 = dy1 sin + dy2 cos
+
+with cos/sin tables [P, d/2] fp32 from `megacpp_lab.nn.rope_freqs.rope_cos_sin` (plain, YaRN or
+piecewise frequencies all feed the same tables). Each token's table row is its position:
+- "bthd": x is [B, T, H, D] (or [B*T, H, D] with seq_len=T) and the position is t;
+- "thd":  x is packed [N, H, D] and `cu_seqlens` [S+1] give the documents; the position is the
+  offset from the token's document start (the kernel binary-searches cu_seqlens);
+- explicit `positions` [N] (e.g. packed rows in bthd whose positions reset at every document).
+
+Kernels:
+- MLA Q side (`mla_rope_q_`): rotates the last d_rope dims of each of H heads of q [*, H, d_nope+d_rope],
+  in place; its backward rotates dq in place. Autotuned over BLOCK_H (heads per program).
+- MLA KV side (`mla_rope_kv`): split + rope + broadcast + concat in one pass: from the up-projected
+  kv [*, H, d_nope+d_v] and the single shared rope row k_pe [*, d_rope] it writes key
+  [*, H, d_nope+d_rope] (the rotated row copied to every head) and value [*, H, d_v]. Its backward
+  writes dkv and dk_pe (the heads' rope gradients summed, then rotated back). It is not in place: the
+  rotated row has to be broadcast into H heads, so an output buffer is written anyway. (Rotating the
+  cached k_pe row in place, for decode, is the Q-side kernel with H=1.)
+- Generic full-head RoPE for Q and K with GQA (`rope_qk_`): head counts are constexpr, ROPE_GROUP_SIZE
+  heads per program share one cos/sin load, K heads beyond n_heads_k are skipped. In place.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------- reference
+
+
+def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """The split-half rotation of x's full last dim; cos/sin broadcast against x[..., :d/2]. fp32 math."""
+    d = x.shape[-1]
+    x1, x2 = x[..., : d // 2].float(), x[..., d // 2 :].float()
+    s = -sin if inverse else sin
+    return torch.cat((x1 * cos + x2 * s, -x1 * s + x2 * cos), dim=-1).to(x.dtype)
+
+
+def token_positions(n_tokens: int, seq_len: int | None, positions: torch.Tensor | None,
+                    cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor:  # fmt: skip
+    """The table row of each of n_tokens flattened tokens, by the same rule as the kernels."""
+    if positions is not None:
+        return positions.reshape(-1).long()
+    idx = torch.arange(n_tokens, device=device)
+    if cu_seqlens is not None:
+        doc = torch.searchsorted(cu_seqlens.long(), idx, right=True) - 1
+        return idx - cu_seqlens.long()[doc]
+    return idx % seq_len
+
+
+def mla_rope_q_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d_nope: int, *,
+                         positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                         inverse: bool = False) -> torch.Tensor:  # fmt: skip
+    """Split q [..., H, d_nope + d_rope] into nope and rope parts, rotate the rope part, concat. Out of place."""
+    shape = q.shape
+    flat = q.reshape(-1, shape[-2], shape[-1])
+    seq_len = shape[1] if q.dim() == 4 else None
+    pos = token_positions(flat.shape[0], seq_len, positions, cu_seqlens, q.device)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    rope = rotate_half_split(flat[..., d_nope:], c, s, inverse=inverse)
+    return torch.cat((flat[..., :d_nope], rope), dim=-1).reshape(shape)
+
+
+def mla_rope_kv_reference(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d_nope: int, *,
+                          positions: torch.Tensor | None = None,
+                          cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """key = cat(kv[..., :d_nope], rope(k_pe) broadcast over heads), value = kv[..., d_nope:]."""
+    shape = kv.shape
+    H = shape[-2]
+    flat = kv.reshape(-1, H, shape[-1])
+    seq_len = shape[1] if kv.dim() == 4 else None
+    pos = token_positions(flat.shape[0], seq_len, positions, cu_seqlens, kv.device)
+    pe = rotate_half_split(k_pe.reshape(flat.shape[0], -1), cos[pos], sin[pos])
+    key = torch.cat((flat[..., :d_nope], pe[:, None, :].expand(-1, H, -1)), dim=-1)
+    return key.reshape(*shape[:-1], -1), flat[..., d_nope:].reshape(*shape[:-1], -1)
+
+
+def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                      positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                      inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Full-head rotation of q [..., Hq, D] and k [..., Hk, D]. Out of place."""
+    return (mla_rope_q_reference(q, cos, sin, 0, positions=positions, cu_seqlens=cu_seqlens, inverse=inverse),
+            mla_rope_q_reference(k, cos, sin, 0, positions=positions, cu_seqlens=cu_seqlens, inverse=inverse))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    if POS_MODE == 0:  # bthd: the token's index within its row
+        return n % seq_len
+    elif POS_MODE == 1:  # thd: offset from its document's start, by binary search over cu_seqlens
+        lo = 0
+        hi = n_seqs - 1
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            go_right = tl.load(cu_ptr + mid) <= n
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid - 1)
+        return n - tl.load(cu_ptr + lo)
+    else:  # explicit positions
+        return tl.load(pos_ptr + n)
+
+
+@triton.jit
+def _rotate(x1, x2, c, s, BACKWARD: tl.constexpr):
+    if BACKWARD:  # the transposed rotation
+        return x1 * c - x2 * s, x1 * s + x2 * c
+    return x1 * c + x2 * s, x2 * c - x1 * s
+
+
+# read once at import; the interpreter cannot benchmark, so it gets one small config (masking still exercised)
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _head_configs() -> list[triton.Config]:
+    if TRITON_INTERPRET:
+        return [triton.Config({"BLOCK_H": 2}, num_warps=1)]
+    return [triton.Config({"BLOCK_H": bh}, num_warps=w) for bh in (1, 2, 4, 8, 16, 32, 64, 128) for w in (1, 2, 4)
+            if not (bh <= 2 and w > 1)]  # fmt: skip
+
+
+@triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_ROPE", "POS_MODE"], restore_value=["x_ptr"])
+@triton.jit
+def _mla_rope_q_kernel(
+    x_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, n_seqs, seq_len, stride_n, stride_h, H,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = D_ROPE // 2
+    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH_STEPS)
+    ri = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + pos * HALF + ri)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + ri)[None, :]
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rh < H)[:, None]
+    p1 = x_ptr + n * stride_n + rh[:, None] * stride_h + D_NOPE + ri[None, :]
+    x1 = tl.load(p1, mask=mask).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask).to(tl.float32)
+    y1, y2 = _rotate(x1, x2, c, s, BACKWARD)
+    tl.store(p1, y1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, y2.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
+@triton.jit
+def _mla_rope_kv_fwd_kernel(
+    kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, v_ptr, n_seqs, seq_len, stride_kpe, H,
+    D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = D_ROPE // 2
+    DKV: tl.constexpr = D_NOPE + D_V
+    DK: tl.constexpr = D_NOPE + D_ROPE
+    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH_STEPS)
+    ri = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + pos * HALF + ri)
+    s = tl.load(sin_ptr + pos * HALF + ri)
+    x1 = tl.load(kpe_ptr + n * stride_kpe + ri).to(tl.float32)
+    x2 = tl.load(kpe_ptr + n * stride_kpe + HALF + ri).to(tl.float32)
+    y1, y2 = _rotate(x1, x2, c, s, False)  # the one shared row, rotated once per token
+    y1 = y1.to(k_ptr.dtype.element_ty)[None, :]
+    y2 = y2.to(k_ptr.dtype.element_ty)[None, :]
+    rn = tl.arange(0, D_NOPE)
+    rv = tl.arange(0, D_V)
+    for h0 in range(0, H, BLOCK_H):
+        rh = h0 + tl.arange(0, BLOCK_H)
+        mask = (rh < H)[:, None]
+        src = kv_ptr + n * H * DKV + rh[:, None] * DKV
+        dst = k_ptr + n * H * DK + rh[:, None] * DK
+        tl.store(dst + rn[None, :], tl.load(src + rn[None, :], mask=mask), mask=mask)
+        tl.store(v_ptr + n * H * D_V + rh[:, None] * D_V + rv[None, :], tl.load(src + D_NOPE + rv[None, :], mask=mask), mask=mask)
+        tl.store(dst + D_NOPE + ri[None, :], tl.broadcast_to(y1, (BLOCK_H, HALF)), mask=mask)
+        tl.store(dst + D_NOPE + HALF + ri[None, :], tl.broadcast_to(y2, (BLOCK_H, HALF)), mask=mask)
+
+
+@triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
+@triton.jit
+def _mla_rope_kv_bwd_kernel(
+    dk_ptr, dv_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, dkv_ptr, dkpe_ptr, n_seqs, seq_len, H,
+    D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = D_ROPE // 2
+    DKV: tl.constexpr = D_NOPE + D_V
+    DK: tl.constexpr = D_NOPE + D_ROPE
+    ri = tl.arange(0, HALF)
+    rn = tl.arange(0, D_NOPE)
+    rv = tl.arange(0, D_V)
+    g1 = tl.zeros((HALF,), dtype=tl.float32)
+    g2 = tl.zeros((HALF,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        rh = h0 + tl.arange(0, BLOCK_H)
+        mask = (rh < H)[:, None]
+        src = dk_ptr + n * H * DK + rh[:, None] * DK
+        dst = dkv_ptr + n * H * DKV + rh[:, None] * DKV
+        tl.store(dst + rn[None, :], tl.load(src + rn[None, :], mask=mask), mask=mask)
+        tl.store(dst + D_NOPE + rv[None, :], tl.load(dv_ptr + n * H * D_V + rh[:, None] * D_V + rv[None, :], mask=mask), mask=mask)
+        g1 += tl.sum(tl.load(src + D_NOPE + ri[None, :], mask=mask, other=0.0).to(tl.float32), axis=0)
+        g2 += tl.sum(tl.load(src + D_NOPE + HALF + ri[None, :], mask=mask, other=0.0).to(tl.float32), axis=0)
+    # the rope row was shared by every head: its gradient is the heads' sum, rotated back
+    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH_STEPS)
+    c = tl.load(cos_ptr + pos * HALF + ri)
+    s = tl.load(sin_ptr + pos * HALF + ri)
+    d1, d2 = _rotate(g1, g2, c, s, True)
+    tl.store(dkpe_ptr + n * D_ROPE + ri, d1.to(dkpe_ptr.dtype.element_ty))
+    tl.store(dkpe_ptr + n * D_ROPE + HALF + ri, d2.to(dkpe_ptr.dtype.element_ty))
+
+
+@triton.autotune(
+    configs=[triton.Config({}, num_warps=w) for w in ((1,) if TRITON_INTERPRET else (1, 2, 4, 8))],
+    key=["N_HEADS_Q", "N_HEADS_K", "D", "ROPE_GROUP_SIZE", "POS_MODE"],
+    restore_value=["q_ptr", "k_ptr"],
+)
+@triton.jit
+def _rope_qk_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, n_seqs, seq_len,
+    N_HEADS_Q: tl.constexpr, N_HEADS_K: tl.constexpr, D: tl.constexpr, ROPE_GROUP_SIZE: tl.constexpr,
+    POS_MODE: tl.constexpr, SEARCH_STEPS: tl.constexpr, BACKWARD: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = D // 2
+    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH_STEPS)
+    ri = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + pos * HALF + ri)[None, :]  # one cos/sin load for ROPE_GROUP_SIZE heads
+    s = tl.load(sin_ptr + pos * HALF + ri)[None, :]
+    rh = tl.program_id(1) * ROPE_GROUP_SIZE + tl.arange(0, ROPE_GROUP_SIZE)
+    mq = (rh < N_HEADS_Q)[:, None]
+    pq = q_ptr + n * N_HEADS_Q * D + rh[:, None] * D + ri[None, :]
+    y1, y2 = _rotate(tl.load(pq, mask=mq).to(tl.float32), tl.load(pq + HALF, mask=mq).to(tl.float32), c, s, BACKWARD)
+    tl.store(pq, y1.to(q_ptr.dtype.element_ty), mask=mq)
+    tl.store(pq + HALF, y2.to(q_ptr.dtype.element_ty), mask=mq)
+    if tl.program_id(1) * ROPE_GROUP_SIZE < N_HEADS_K:  # GQA: fewer K heads; the rest of the grid skips K
+        mk = (rh < N_HEADS_K)[:, None]
+        pk = k_ptr + n * N_HEADS_K * D + rh[:, None] * D + ri[None, :]
+        z1, z2 = _rotate(tl.load(pk, mask=mk).to(tl.float32), tl.load(pk + HALF, mask=mk).to(tl.float32), c, s, BACKWARD)
+        tl.store(pk, z1.to(k_ptr.dtype.element_ty), mask=mk)
+        tl.store(pk + HALF, z2.to(k_ptr.dtype.element_ty), mask=mk)
+
+
+# ----------------------------------------------------------------------------- launchers and checks
+
+ROPE_GROUP_SIZE = 4  # heads per program in the generic kernel, sharing one cos/sin load
+
+
+def _pos_args(n_tokens: int, seq_len: int | None, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+              device: torch.device, table_len: int) -> tuple[int, torch.Tensor, torch.Tensor, int, int, int]:  # fmt: skip
+    """(POS_MODE, positions, cu_seqlens, n_seqs, seq_len, SEARCH_STEPS) for a launch; fails closed on bad input."""
+    dummy = torch.zeros(1, dtype=torch.int32, device=device)
+    if positions is not None and cu_seqlens is not None:
+        raise ValueError("give positions or cu_seqlens, not both")
+    if positions is not None:
+        if positions.numel() != n_tokens or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"positions must be int32/int64 with {n_tokens} entries, got {positions.dtype} {tuple(positions.shape)}")
+        if positions.device.type == "cpu" and positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= table_len):
+            bad = int(((positions < 0) | (positions >= table_len)).nonzero()[0, 0])
+            raise ValueError(f"positions[{bad}] = {int(positions.reshape(-1)[bad])} is outside the cos/sin table [0, {table_len})")
+        if positions.device.type != "cpu":
+            torch._assert_async(((positions >= 0) & (positions < table_len)).all(), "positions outside the cos/sin table")
+        return 2, positions.reshape(-1).contiguous(), dummy, 1, 1, 1
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype != torch.int32:
+            raise ValueError(f"cu_seqlens must be 1-D int32 with >= 2 entries, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device.type == "cpu":
+            lens = cu_seqlens[1:] - cu_seqlens[:-1]
+            if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n_tokens or bool((lens <= 0).any()):
+                raise ValueError(f"cu_seqlens must rise strictly from 0 to the {n_tokens} tokens, got {cu_seqlens.tolist()[:8]}...")
+            if int(lens.max()) > table_len:
+                raise ValueError(f"a document of {int(lens.max())} tokens is longer than the cos/sin table ({table_len} rows)")
+        else:
+            lens = cu_seqlens[1:] - cu_seqlens[:-1]
+            torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == n_tokens) & (lens > 0).all() & (lens <= table_len).all(),
+                                "cu_seqlens must rise strictly from 0 to the token count, documents within the cos/sin table")  # fmt: skip
+        n_seqs = cu_seqlens.numel() - 1
+        return 1, dummy, cu_seqlens, n_seqs, 1, max(1, (n_seqs - 1).bit_length())
+    if seq_len is None:
+        raise ValueError("a packed [N, H, D] input needs cu_seqlens or positions (bthd inputs are [B, T, H, D])")
+    if seq_len > table_len:
+        raise ValueError(f"seq_len {seq_len} is longer than the cos/sin table ({table_len} rows)")
+    return 0, dummy, dummy, 1, seq_len, 1
+
+
+def _check_tables(cos: torch.Tensor, sin: torch.Tensor, d_rope: int, device: torch.device) -> None:
+    if d_rope < 2 or d_rope % 2:
+        raise ValueError(f"d_rope must be even and >= 2, got {d_rope}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 2 or t.shape[1] != d_rope // 2 or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 [P, {d_rope // 2}], got {t.dtype} {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the input on {device}")
+
+
+def _check_heads(name: str, x: torch.Tensor, last: int) -> None:
+    if x.dim() not in (3, 4) or x.shape[-1] != last:
+        raise ValueError(f"{name} must be [B, T, H, {last}] or packed [N, H, {last}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {x.stride()}")
+
+
+def _tokens_view(name: str, x: torch.Tensor) -> torch.Tensor:
+    """x as [N, H, D] without a copy (the kernels write in place), or a ValueError."""
+    if x.dim() == 3:
+        return x
+    try:
+        return x.view(-1, x.shape[-2], x.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{name} must flatten to [B*T, H, D] without a copy, got strides {x.stride()}") from None
+
+
+def _launch_mla_rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+                       cu_seqlens: torch.Tensor | None, d_nope: int, backward: bool) -> None:  # fmt: skip
+    d_rope = x.shape[-1] - d_nope
+    _check_tables(cos, sin, d_rope, x.device)
+    flat = _tokens_view("q", x)
+    N, H = flat.shape[0], flat.shape[1]
+    mode, pos, cu, n_seqs, seq_len, steps = _pos_args(N, x.shape[1] if x.dim() == 4 else None, positions, cu_seqlens, x.device, cos.shape[0])
+    grid = lambda meta: (N, triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+    _mla_rope_q_kernel[grid](
+        flat, cos, sin, pos, cu, n_seqs, seq_len, flat.stride(0), flat.stride(1), H,
+        D_NOPE=d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH_STEPS=steps, BACKWARD=backward,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("megacpp::mla_rope_q_", mutates_args={"x"})
+def _mla_rope_q_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor | None, d_nope: int, backward: bool) -> None:  # fmt: skip
+    _launch_mla_rope_q(x, cos, sin, positions, cu_seqlens, d_nope, backward)
+
+
+@_mla_rope_q_op.register_fake
+def _(x, cos, sin, positions, cu_seqlens, d_nope, backward):
+    return None
+
+
+class _MLARopeQ(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, cos, sin, positions, cu_seqlens, d_nope):
+        _mla_rope_q_op(q, cos, sin, positions, cu_seqlens, d_nope, False)
+        ctx.mark_dirty(q)
+        ctx.save_for_backward(cos, sin, positions, cu_seqlens)
+        ctx.d_nope = d_nope
+        return q
+
+    @staticmethod
+    def backward(ctx, dq):
+        cos, sin, positions, cu_seqlens = ctx.saved_tensors
+        dq = dq.contiguous().clone() if not dq.is_contiguous() else dq
+        _mla_rope_q_op(dq, cos, sin, positions, cu_seqlens, ctx.d_nope, True)  # in place on the incoming gradient
+        return dq, None, None, None, None, None
+
+
+def mla_rope_q_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d_nope: int, *,
+                positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Rotate the last d_rope = D - d_nope dims of every head of q [B,T,H,D] (or packed [N,H,D]) in place.
+
+    Differentiable; the backward rotates the incoming gradient in place with the transposed rotation."""
+    _check_heads("q", q, q.shape[-1] if q.dim() in (3, 4) else -1)
+    if not 0 <= d_nope < q.shape[-1]:
+        raise ValueError(f"d_nope must be in [0, {q.shape[-1]}), got {d_nope}")
+    if not (torch.is_grad_enabled() and q.requires_grad):  # no autograd node (dynamo traces mark_dirty only under grad)
+        _mla_rope_q_op(q, cos, sin, positions, cu_seqlens, d_nope, False)
+        return q
+    return _MLARopeQ.apply(q, cos, sin, positions, cu_seqlens, d_nope)
+
+
+@torch.library.custom_op("megacpp::mla_rope_kv_fwd", mutates_args=())
+def _mla_rope_kv_fwd_op(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seq_len: int,
+                        d_nope: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    N, H, DKV = kv.shape
+    d_rope = k_pe.shape[-1]
+    d_v = DKV - d_nope
+    key = kv.new_empty((N, H, d_nope + d_rope))
+    value = kv.new_empty((N, H, d_v))
+    mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, kv.device, cos.shape[0])
+    _mla_rope_kv_fwd_kernel[(N,)](
+        kv, k_pe, cos, sin, pos, cu, key, value, n_seqs, sl, k_pe.stride(0), H,
+        D_NOPE=d_nope, D_V=d_v, D_ROPE=d_rope, POS_MODE=mode, SEARCH_STEPS=steps,
+    )  # fmt: skip
+    return key, value
+
+
+@_mla_rope_kv_fwd_op.register_fake
+def _(kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope):
+    N, H, DKV = kv.shape
+    return kv.new_empty((N, H, d_nope + k_pe.shape[-1])), kv.new_empty((N, H, DKV - d_nope))
+
+
+@torch.library.custom_op("megacpp::mla_rope_kv_bwd", mutates_args=())
+def _mla_rope_kv_bwd_op(dkey: torch.Tensor, dvalue: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seq_len: int,
+                        d_nope: int, kpe_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    N, H, DK = dkey.shape
+    d_rope, d_v = DK - d_nope, dvalue.shape[-1]
+    dkey, dvalue = dkey.contiguous(), dvalue.contiguous()
+    dkv = dkey.new_empty((N, H, d_nope + d_v))
+    dkpe = torch.empty((N, d_rope), device=dkey.device, dtype=kpe_dtype)
+    mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, dkey.device, cos.shape[0])
+    _mla_rope_kv_bwd_kernel[(N,)](
+        dkey, dvalue, cos, sin, pos, cu, dkv, dkpe, n_seqs, sl, H,
+        D_NOPE=d_nope, D_V=d_v, D_ROPE=d_rope, POS_MODE=mode, SEARCH_STEPS=steps,
+    )  # fmt: skip
+    return dkv, dkpe
+
+
+@_mla_rope_kv_bwd_op.register_fake
+def _(dkey, dvalue, cos, sin, positions, cu_seqlens, seq_len, d_nope, kpe_dtype):
+    N, H, DK = dkey.shape
+    return dkey.new_empty((N, H, d_nope + dvalue.shape[-1])), dkey.new_empty((N, DK - d_nope), dtype=kpe_dtype)
+
+
+def _kv_setup_context(ctx, inputs, output):
+    kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope = inputs
+    ctx.save_for_backward(cos, sin, positions, cu_seqlens)
+    ctx.seq_len, ctx.d_nope, ctx.kpe_dtype, ctx.kpe_stride = seq_len, d_nope, k_pe.dtype, k_pe.stride()
+
+
+def _kv_backward(ctx, dkey, dvalue):
+    cos, sin, positions, cu_seqlens = ctx.saved_tensors
+    dkv, dkpe = _mla_rope_kv_bwd_op(dkey, dvalue, cos, sin, positions, cu_seqlens, ctx.seq_len, ctx.d_nope, ctx.kpe_dtype)
+    return dkv, dkpe, None, None, None, None, None, None
+
+
+_mla_rope_kv_fwd_op.register_autograd(_kv_backward, setup_context=_kv_setup_context)
+
+
+def mla_rope_kv(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d_nope: int, *,
+                positions: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(key, value) from the up-projected kv [B,T,H,d_nope+d_v] (or packed [N,H,...]) and the shared rope
+    row k_pe [B,T,d_rope] (or [N,d_rope]; a strided slice of the down-projection is fine): key =
+    cat(kv[..., :d_nope], rope(k_pe) on every head), value = kv[..., d_nope:]. One pass, differentiable."""
+    _check_heads("kv", kv, kv.shape[-1] if kv.dim() in (3, 4) else -1)
+    d_rope = k_pe.shape[-1]
+    _check_tables(cos, sin, d_rope, kv.device)
+    if not 0 < d_nope < kv.shape[-1]:
+        raise ValueError(f"d_nope must be in (0, {kv.shape[-1]}), got {d_nope}")
+    if tuple(k_pe.shape[:-1]) != tuple(kv.shape[:-2]) or k_pe.stride(-1) != 1:
+        raise ValueError(f"k_pe must be {tuple(kv.shape[:-2])} + (d_rope,) with a contiguous last dim, got {tuple(k_pe.shape)}")
+    for name, d in (("d_nope", d_nope), ("d_v", kv.shape[-1] - d_nope), ("d_rope / 2", d_rope // 2)):
+        if d & (d - 1):
+            raise ValueError(f"{name} must be a power of two for the kernel, got {d}")
+    shape = kv.shape
+    flat = kv.reshape(-1, shape[-2], shape[-1]).contiguous()
+    pe = k_pe.reshape(-1, d_rope)
+    if pe.stride(-1) != 1:
+        pe = pe.contiguous()
+    key, value = _mla_rope_kv_fwd_op(flat, pe, cos, sin, positions, cu_seqlens, shape[1] if kv.dim() == 4 else 0, d_nope)
+    return key.view(*shape[:-1], -1), value.view(*shape[:-1], -1)
+
+
+@torch.library.custom_op("megacpp::rope_qk_", mutates_args={"q", "k"})
+def _rope_qk_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None, seq_len: int, backward: bool) -> None:  # fmt: skip
+    q, k = _tokens_view("q", q), _tokens_view("k", k)
+    N, HQ, D = q.shape
+    mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, q.device, cos.shape[0])
+    _rope_qk_kernel[(N, triton.cdiv(HQ, ROPE_GROUP_SIZE))](
+        q, k, cos, sin, pos, cu, n_seqs, sl, N_HEADS_Q=HQ, N_HEADS_K=k.shape[1], D=D,
+        ROPE_GROUP_SIZE=ROPE_GROUP_SIZE, POS_MODE=mode, SEARCH_STEPS=steps, BACKWARD=backward,
+    )  # fmt: skip
+
+
+@_rope_qk_op.register_fake
+def _(q, k, cos, sin, positions, cu_seqlens, seq_len, backward):
+    return None
+
+
+class _RopeQK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, positions, cu_seqlens, seq_len):
+        _rope_qk_op(q, k, cos, sin, positions, cu_seqlens, seq_len, False)
+        ctx.mark_dirty(q, k)
+        ctx.save_for_backward(cos, sin, positions, cu_seqlens)
+        ctx.seq_len = seq_len
+        return q, k
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin, positions, cu_seqlens = ctx.saved_tensors
+        dq, dk = dq.contiguous(), dk.contiguous()
+        _rope_qk_op(dq, dk, cos, sin, positions, cu_seqlens, ctx.seq_len, True)
+        return dq, dk, None, None, None, None, None
+
+
+def rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+             positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Full-head RoPE of q [B,T,Hq,D] and k [B,T,Hk,D] (or packed [N,H,D]) in place, Hk <= Hq (GQA). Differentiable."""
+    _check_heads("q", q, q.shape[-1] if q.dim() in (3, 4) else -1)
+    _check_heads("k", k, q.shape[-1])
+    _check_tables(cos, sin, q.shape[-1], q.device)
+    if q.shape[:-2] != k.shape[:-2] or k.shape[-2] > q.shape[-2]:
+        raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} except for fewer (or equal) heads")
+    if not (q.is_contiguous() and k.is_contiguous()):
+        raise ValueError("q and k must be contiguous (the kernel rotates them in place)")
+    seq_len = q.shape[1] if q.dim() == 4 else 0
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        _rope_qk_op(q, k, cos, sin, positions, cu_seqlens, seq_len, False)
+        return q, k
+    return _RopeQK.apply(q, k, cos, sin, positions, cu_seqlens, seq_len)
