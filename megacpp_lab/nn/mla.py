@@ -1,0 +1,386 @@
+"""Multi-Latent Attention: the training path, the fused down-norm-up projection, the compressed KV
+cache and decode (expanded and absorbed-weights).
+
+Training (no weight absorption):
+
+    x -> w_dq -> RMSNorm -> w_uq -> q [B,T,H,d_nope+d_rope] -> partial RoPE on the last d_rope dims
+    x -> w_dkv -> [c_kv (kv_lora_rank) | k_pe (d_rope)]
+         c_kv -> RMSNorm -> w_ukv -> [k_nope (d_nope) | v (d_v)] per head
+         key = cat(k_nope, RoPE(k_pe) shared by every head), value = v
+    attention over packed documents (causal and same-document mask) -> w_o
+
+(`fused_down_proj` computes w_dq and w_dkv as one matmul, w_dqkv.) `recompute_kv_upproj` (default on)
+drops the H*(d_nope+d_v) up-projection and the key/value build after the forward and recomputes
+them from the small latent in the backward; `recompute_q_upproj` does the same for the Q side.
+
+Decode keeps only the normed latent c_kv and one rotated rope row per token (`MLAKVCache`). The
+expanded path re-projects keys and values from it; the absorbed path folds W_uk into the query and
+W_uv into the output, so attention runs in kv_lora_rank dims: a decode-only choice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megacpp_lab.kernels.rope import mla_rope_kv, mla_rope_kv_reference, mla_rope_q_, mla_rope_q_reference
+from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
+
+ROPE_IMPLS = ("auto", "triton", "reference")
+ATTN_IMPLS = ("sdpa", "flex")
+
+
+def _fail(field_name: str, allowed: str, got: object) -> ValueError:
+    return ValueError(f"MLAConfig.{field_name} must be {allowed}, got {got!r}")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """MLA settings; build it with MLAConfig.build. Frozen, checked on construction."""
+
+    d_model: int
+    n_heads: int
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    d_nope: int = 128
+    d_rope: int = 64
+    d_v: int = 128
+    max_positions: int = 4096
+    rope_base: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    fused_down_proj: bool = False
+    kv_fused_down_norm_up: bool = False
+    recompute_kv_upproj: bool = True
+    recompute_q_upproj: bool = False
+    rope_impl: str = "auto"
+    attn_impl: str = "sdpa"
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_heads", "q_lora_rank", "kv_lora_rank", "d_nope", "d_rope", "d_v", "max_positions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _fail(name, "an int >= 1", value)
+        if self.d_rope % 2:
+            raise _fail("d_rope", "even (the rotation pairs its two halves)", self.d_rope)
+        for name in ("fused_down_proj", "kv_fused_down_norm_up", "recompute_kv_upproj", "recompute_q_upproj"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, "a bool", getattr(self, name))
+        if self.rope_impl not in ROPE_IMPLS:
+            raise _fail("rope_impl", f"one of {ROPE_IMPLS}", self.rope_impl)
+        if self.attn_impl not in ATTN_IMPLS:
+            raise _fail("attn_impl", f"one of {ATTN_IMPLS}", self.attn_impl)
+        if not isinstance(self.rope_scaling, RopeScaling):
+            raise _fail("rope_scaling", "a RopeScaling", self.rope_scaling)
+        if not self.rope_base > 1:
+            raise _fail("rope_base", "> 1", self.rope_base)
+        if not 0 < self.eps < 1:
+            raise _fail("eps", "in (0, 1)", self.eps)
+
+    @classmethod
+    def build(cls, source: Any = None, **overrides: Any) -> MLAConfig:
+        """The one builder: fields from a model config object (these names, mla_<name>, or Megatron's
+        hidden_size / num_attention_heads / qk_head_dim / qk_pos_emb_head_dim / v_head_dim) and keyword
+        overrides, else the defaults."""
+        fields = dict(cls.__dataclass_fields__)
+        aliases = {
+            "d_model": ("d_model", "hidden_size"),
+            "n_heads": ("mla_n_heads", "n_heads", "num_attention_heads"),
+            "d_nope": ("mla_d_nope", "d_nope", "qk_head_dim", "qk_nope_head_dim"),
+            "d_rope": ("mla_d_rope", "d_rope", "qk_pos_emb_head_dim", "qk_rope_head_dim"),
+            "d_v": ("mla_d_v", "d_v", "v_head_dim"),
+        }
+        values: dict[str, Any] = {}
+        if source is not None:
+            for name in fields:
+                for attr in aliases.get(name, (f"mla_{name}", name)):
+                    if hasattr(source, attr):
+                        values[name] = getattr(source, attr)
+                        break
+        values.update(overrides)
+        unknown = set(values) - set(fields)
+        if unknown:
+            raise ValueError(f"MLAConfig has no field(s) {sorted(unknown)}")
+        missing = [n for n in ("d_model", "n_heads") if n not in values]
+        if missing:
+            raise ValueError(f"MLAConfig.build needs {missing} (from the source config or as keywords)")
+        return cls(**values)
+
+
+def cache_bytes_per_token(config: MLAConfig, bytes_per_value: int = 2) -> dict[str, float]:
+    """KV-cache bytes per token per layer: MLA's latent + one rope row vs MHA with the same heads and head
+    dims (K of d_nope + d_rope, V of d_v per head)."""
+    mla = (config.kv_lora_rank + config.d_rope) * bytes_per_value
+    mha = config.n_heads * (config.d_nope + config.d_rope + config.d_v) * bytes_per_value
+    return {"mla_bytes": float(mla), "mha_bytes": float(mha), "ratio": mha / mla}
+
+
+# ----------------------------------------------------------------------------- fused down-norm-up
+
+
+class FusedDownNormUp(torch.autograd.Function):
+    """y = W_up @ RMSNorm(W_down @ x) * rms_weight, saving only x, rrms and the weights.
+
+    The latent [*, rank] is recomputed in the backward, and the RMSNorm gradient is written out
+    (grad_latent = rrms * (g - n * mean(g * n)), n = latent * rrms), not taken through autograd."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_down: torch.Tensor, rms_weight: torch.Tensor, w_up: torch.Tensor, eps: float):
+        acc = torch.promote_types(x.dtype, torch.float32)  # norm math in fp32 (fp64 stays fp64 for gradcheck)
+        latent = (x @ w_down.t()).to(acc)
+        rrms = torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps)
+        normed = (latent * rrms * rms_weight.to(acc)).to(x.dtype)
+        ctx.save_for_backward(x, rrms, w_down, rms_weight, w_up)
+        return normed @ w_up.t()
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, rrms, w_down, rms_weight, w_up = ctx.saved_tensors
+        acc = rrms.dtype
+        n = (x @ w_down.t()).to(acc) * rrms  # the latent, recomputed: the one [*, rank] tensor not kept
+        normed = (n * rms_weight.to(acc)).to(x.dtype)
+        d_normed = (dy @ w_up).to(acc)
+        d_up = dy.reshape(-1, dy.shape[-1]).t() @ normed.reshape(-1, normed.shape[-1])
+        d_weight = (d_normed * n).reshape(-1, n.shape[-1]).sum(0)
+        g = d_normed * rms_weight.to(acc)
+        d_latent = (rrms * (g - n * (g * n).mean(-1, keepdim=True))).to(x.dtype)
+        dx = d_latent @ w_down
+        d_down = d_latent.reshape(-1, d_latent.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return dx, d_down, d_weight.to(rms_weight.dtype), d_up, None
+
+
+def down_norm_up_reference(x: torch.Tensor, w_down: torch.Tensor, rms_weight: torch.Tensor, w_up: torch.Tensor,
+                           eps: float) -> torch.Tensor:  # fmt: skip
+    """The unfused chain FusedDownNormUp must match."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    latent = (x @ w_down.t()).to(acc)
+    return F.rms_norm(latent, (latent.shape[-1],), rms_weight.to(acc), eps).to(x.dtype) @ w_up.t()
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+class MLAKVCache:
+    """Per layer: low_rank_main [B, T_max, kv_lora_rank] (the normed latent) and a rope cache
+    [B, T_max, 1, d_rope] (the rotated key row). The length is uniform across the batch.
+
+    Every layer `update`s at the current length; `advance` moves the length once, after the whole
+    layer stack. With strict=True (the default) advance fails unless every layer wrote exactly once
+    at this length: a per-layer advance (an early bring-up bug) would make each layer write a different
+    slot and read a cache with holes."""
+
+    def __init__(self, n_layers: int, batch: int, max_len: int, kv_lora_rank: int, d_rope: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, strict: bool = True):  # fmt: skip
+        if min(n_layers, batch, max_len, kv_lora_rank, d_rope) < 1:
+            raise ValueError(f"MLAKVCache sizes must be >= 1, got n_layers={n_layers} batch={batch} "
+                             f"max_len={max_len} kv_lora_rank={kv_lora_rank} d_rope={d_rope}")  # fmt: skip
+        self.low_rank_main = [torch.zeros(batch, max_len, kv_lora_rank, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.rope_caches = [torch.zeros(batch, max_len, 1, d_rope, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.length = 0  # host mirror of cache_seqlens (uniform), so update needs no device sync
+        self.pending = 0  # tokens written at this length, awaiting advance
+        self.strict = strict
+        self._written: set[int] = set()
+
+    @property
+    def max_len(self) -> int:
+        return self.low_rank_main[0].shape[1]
+
+    def update(self, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write T_new tokens of `layer` at the current length; return its cache up to length + T_new."""
+        if not 0 <= layer < len(self.low_rank_main):
+            raise ValueError(f"layer must be in [0, {len(self.low_rank_main)}), got {layer}")
+        main, rope = self.low_rank_main[layer], self.rope_caches[layer]
+        B, T_new = c_kv.shape[:2]
+        if c_kv.shape != (B, T_new, main.shape[2]) or B != main.shape[0]:
+            raise ValueError(f"c_kv must be [{main.shape[0]}, T_new, {main.shape[2]}], got {tuple(c_kv.shape)}")
+        if k_pe.shape != (B, T_new, 1, rope.shape[3]):
+            raise ValueError(f"k_pe must be [{B}, {T_new}, 1, {rope.shape[3]}], got {tuple(k_pe.shape)}")
+        if self.length + T_new > self.max_len:
+            raise ValueError(f"cache overflow: length {self.length} + {T_new} new tokens > max_len {self.max_len}")
+        if self.strict and layer in self._written:
+            raise ValueError(f"layer {layer} already wrote at length {self.length}: call advance once after the whole stack")
+        if self.pending and T_new != self.pending:
+            raise ValueError(f"layer {layer} writes {T_new} tokens but this step's other layers wrote {self.pending}")
+        start = self.length
+        main[:, start : start + T_new] = c_kv.to(main.dtype)
+        rope[:, start : start + T_new] = k_pe.to(rope.dtype)
+        self._written.add(layer)
+        self.pending = T_new
+        return main[:, : start + T_new], rope[:, : start + T_new]
+
+    def advance(self) -> None:
+        """Move the length past this step's tokens; once per step, after every layer updated."""
+        if self.strict and len(self._written) != len(self.low_rank_main):
+            missing = sorted(set(range(len(self.low_rank_main))) - self._written)
+            raise ValueError(f"advance before every layer updated (missing layers {missing}); advance once per step, "
+                             "after the whole layer stack, never per layer")  # fmt: skip
+        self.length += self.pending
+        self.cache_seqlens += self.pending
+        self.pending = 0
+        self._written.clear()
+
+    def nbytes_per_token(self) -> int:
+        """Bytes per token per layer held by this cache."""
+        return (self.low_rank_main[0].shape[2] + self.rope_caches[0].shape[3]) * self.low_rank_main[0].element_size()
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+def _doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B,1,T,T] bool: query t sees key s iff s <= t and both lie in the same document."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+
+
+class MultiLatentAttention(nn.Module):
+    """[B,T,d_model] -> [B,T,d_model] MLA over packed rows (doc_ids keep documents apart)."""
+
+    def __init__(self, config: MLAConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        H = c.n_heads
+        if c.fused_down_proj:
+            self.w_dqkv = nn.Linear(c.d_model, c.q_lora_rank + c.kv_lora_rank + c.d_rope, bias=False)
+        else:
+            self.w_dq = nn.Linear(c.d_model, c.q_lora_rank, bias=False)
+            self.w_dkv = nn.Linear(c.d_model, c.kv_lora_rank + c.d_rope, bias=False)
+        self.q_norm = nn.RMSNorm(c.q_lora_rank, eps=c.eps)
+        self.kv_norm = nn.RMSNorm(c.kv_lora_rank, eps=c.eps)
+        self.w_uq = nn.Linear(c.q_lora_rank, H * (c.d_nope + c.d_rope), bias=False)
+        self.w_ukv = nn.Linear(c.kv_lora_rank, H * (c.d_nope + c.d_v), bias=False)
+        self.w_o = nn.Linear(H * c.d_v, c.d_model, bias=False)
+        cos, sin = rope_cos_sin(c.max_positions, c.d_rope, c.rope_base, c.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # -- pieces
+
+    def _use_triton(self, device: torch.device) -> bool:
+        impl = self.config.rope_impl
+        if impl == "auto":
+            return device.type == "cuda"  # the kernels need a GPU; on CPU the reference is the only path
+        if impl == "triton" and device.type != "cuda":
+            from megacpp_lab.kernels.rope import TRITON_INTERPRET
+
+            if not TRITON_INTERPRET:
+                raise RuntimeError("rope_impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")
+        return impl == "triton"
+
+    def _down(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        if c.fused_down_proj:
+            return self.w_dqkv(x).split((c.q_lora_rank, c.kv_lora_rank, c.d_rope), dim=-1)
+        q_lat = self.w_dq(x)
+        c_lat, k_pe = self.w_dkv(x).split((c.kv_lora_rank, c.d_rope), dim=-1)
+        return q_lat, c_lat, k_pe
+
+    def _q_up_rope(self, q_lat: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        c = self.config
+        B, T = q_lat.shape[:2]
+        q = self.w_uq(self.q_norm(q_lat)).view(B, T, c.n_heads, c.d_nope + c.d_rope)
+        return self._rope(q, c.d_nope, positions)
+
+    def _rope(self, x: torch.Tensor, d_nope: int, positions: torch.Tensor | None) -> torch.Tensor:
+        """Partial RoPE of x [B,T,H,d_nope+d_rope]: the Triton kernel (in place) or the reference."""
+        if self._use_triton(x.device):
+            return mla_rope_q_(x, self.rope_cos, self.rope_sin, d_nope, positions=positions)
+        return mla_rope_q_reference(x, self.rope_cos, self.rope_sin, d_nope, positions=positions)
+
+    def _kv_up_rope(self, x: torch.Tensor, c_lat: torch.Tensor, k_pe: torch.Tensor,
+                    positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        c = self.config
+        B, T = c_lat.shape[:2]
+        if c.kv_fused_down_norm_up:  # latent recomputed from x in the backward, only rrms kept
+            w_down = (self.w_dqkv.weight[c.q_lora_rank : c.q_lora_rank + c.kv_lora_rank] if c.fused_down_proj
+                      else self.w_dkv.weight[: c.kv_lora_rank])  # fmt: skip
+            kv = FusedDownNormUp.apply(x, w_down, self.kv_norm.weight, self.w_ukv.weight, c.eps)
+        else:
+            kv = self.w_ukv(self.kv_norm(c_lat))
+        kv = kv.view(B, T, c.n_heads, c.d_nope + c.d_v)
+        if self._use_triton(kv.device):
+            return mla_rope_kv(kv, k_pe, self.rope_cos, self.rope_sin, c.d_nope, positions=positions)
+        return mla_rope_kv_reference(kv, k_pe, self.rope_cos, self.rope_sin, c.d_nope, positions=positions)
+
+    def _attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        c = self.config
+        q, key, value = (t.transpose(1, 2) for t in (q, key, value))
+        scale = 1.0 / math.sqrt(c.d_nope + c.d_rope)
+        if c.attn_impl == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            B, _, T, _ = q.shape
+            ids = doc_ids if doc_ids is not None else torch.zeros(B, T, dtype=torch.long, device=q.device)
+            mask_mod = lambda b, h, qi, ki: (ki <= qi) & (ids[b, qi] == ids[b, ki])  # noqa: E731
+            block_mask = create_block_mask(mask_mod, B, None, T, T, device=q.device)
+            out = flex_attention(q, key, value, block_mask=block_mask, scale=scale)
+        elif doc_ids is None:
+            out = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(q, key, value, attn_mask=_doc_causal_mask(doc_ids), scale=scale)
+        return out.transpose(1, 2)
+
+    # -- training forward
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B,T,d_model]; doc_ids [B,T] keep documents apart; positions [B,T] (reset at each document
+        start, as PackedBatch gives them) pick the RoPE rows, else 0..T-1 per row."""
+        c = self.config
+        B, T, _ = x.shape
+        if T > c.max_positions:
+            raise ValueError(f"sequence length {T} exceeds MLAConfig.max_positions={c.max_positions}")
+        if doc_ids is not None and doc_ids.shape != (B, T):
+            raise ValueError(f"doc_ids must be [B, T] = {(B, T)}, got {tuple(doc_ids.shape)}")
+        if positions is not None and positions.shape != (B, T):
+            raise ValueError(f"positions must be [B, T] = {(B, T)}, got {tuple(positions.shape)}")
+        q_lat, c_lat, k_pe = self._down(x)
+        if c.recompute_q_upproj and torch.is_grad_enabled():
+            q = checkpoint(self._q_up_rope, q_lat, positions, use_reentrant=False)
+        else:
+            q = self._q_up_rope(q_lat, positions)
+        if c.recompute_kv_upproj and torch.is_grad_enabled():
+            key, value = checkpoint(self._kv_up_rope, x, c_lat, k_pe, positions, use_reentrant=False)
+        else:
+            key, value = self._kv_up_rope(x, c_lat, k_pe, positions)
+        out = self._attend(q, key, value, doc_ids)
+        return self.w_o(out.reshape(B, T, c.n_heads * c.d_v))
+
+    # -- decode
+
+    def decode(self, x: torch.Tensor, cache: MLAKVCache, layer: int, *, absorbed: bool = False) -> torch.Tensor:
+        """T_new tokens [B,T_new,d_model] that follow the cache's current length (one document per row).
+        Writes this layer's latent and rope row; the caller advances the cache after all layers."""
+        c = self.config
+        B, T_new, _ = x.shape
+        L = cache.length
+        positions = (L + torch.arange(T_new, device=x.device)).expand(B, T_new)
+        q_lat, c_lat, k_pe = self._down(x)
+        q = self._q_up_rope(q_lat, positions)
+        pe = self._rope(k_pe.unsqueeze(2).contiguous(), 0, positions)  # the cached row: the Q-side kernel, H=1
+        c_all, pe_all = cache.update(layer, self.kv_norm(c_lat), pe)
+        S = c_all.shape[1]
+        visible = torch.arange(S, device=x.device)[None, :] <= positions[0][:, None]  # [T_new, S]
+        scale = 1.0 / math.sqrt(c.d_nope + c.d_rope)
+        w_ukv = self.w_ukv.weight.view(c.n_heads, c.d_nope + c.d_v, c.kv_lora_rank)
+        q_nope, q_pe = q[..., : c.d_nope], q[..., c.d_nope :]
+        if absorbed:  # W_uk folded into q, W_uv into the output: attention in kv_lora_rank dims
+            q_abs = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_ukv[:, : c.d_nope].float())
+            scores = torch.einsum("bthr,bsr->bhts", q_abs, c_all.float())
+            scores = scores + torch.einsum("bthd,bsd->bhts", q_pe.float(), pe_all[:, :, 0].float())
+            p = (scores * scale).masked_fill(~visible, float("-inf")).softmax(-1)
+            o_lat = torch.einsum("bhts,bsr->bthr", p, c_all.float())
+            out = torch.einsum("bthr,hvr->bthv", o_lat, w_ukv[:, c.d_nope :].float()).to(x.dtype)
+        else:
+            kv = self.w_ukv(c_all.to(x.dtype)).view(B, S, c.n_heads, c.d_nope + c.d_v)
+            key = torch.cat((kv[..., : c.d_nope], pe_all.to(x.dtype).expand(-1, -1, c.n_heads, -1)), dim=-1)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), key.transpose(1, 2), kv[..., c.d_nope :].transpose(1, 2),
+                                                 attn_mask=visible, scale=scale).transpose(1, 2)  # fmt: skip
+        return self.w_o(out.reshape(B, T_new, c.n_heads * c.d_v))

@@ -1,0 +1,240 @@
+"""MLA: config, training path (rope kernels vs reference, recompute flags, fused projections, leak
+harness, compile boundary), FusedDownNormUp, the compressed KV cache and decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megacpp_lab.data import boundary_windows, load_sample
+from megacpp_lab.nn.mla import (
+    FusedDownNormUp,
+    MLAConfig,
+    MLAKVCache,
+    MultiLatentAttention,
+    cache_bytes_per_token,
+    down_norm_up_reference,
+)
+from megacpp_lab.testing import check_leaks
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=8, d_v=8, max_positions=64)
+
+
+def _layer(**kw) -> MultiLatentAttention:
+    torch.manual_seed(0)
+    return MultiLatentAttention(MLAConfig.build(**{**SMALL, **kw})).to(DEV)
+
+
+def _grads(layer: nn.Module, x: torch.Tensor, **kw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.clone().requires_grad_()
+    y = layer(x, **kw)
+    y.square().sum().backward()
+    grads = [x.grad] + [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    return y.detach(), grads
+
+
+def test_config_fails_closed_naming_the_field() -> None:
+    for bad, name in ((dict(d_rope=7), "d_rope"), (dict(n_heads=0), "n_heads"), (dict(rope_impl="cuda"), "rope_impl"),
+                      (dict(attn_impl="fa9"), "attn_impl"), (dict(recompute_kv_upproj=1), "recompute_kv_upproj")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"MLAConfig.{name}"):
+            MLAConfig.build(**{**SMALL, **bad})
+    with pytest.raises(ValueError, match="no field"):
+        MLAConfig.build(**SMALL, kv_rank=3)
+
+    class Megatron:
+        hidden_size, num_attention_heads, qk_head_dim, qk_pos_emb_head_dim, v_head_dim = 64, 4, 16, 8, 16
+
+    c = MLAConfig.build(Megatron(), q_lora_rank=8)
+    assert (c.d_model, c.n_heads, c.d_nope, c.d_rope, c.d_v) == (64, 4, 16, 8, 16)
+
+
+@pytest.mark.parametrize("doc", [False, True])
+def test_triton_rope_path_equals_reference_forward_and_backward(doc: bool) -> None:
+    x = torch.randn(2, 24, 32, device=DEV)
+    kw = {}
+    if doc:
+        kw["doc_ids"] = torch.tensor([[0] * 10 + [1] * 14, [0] * 24], device=DEV)
+        kw["positions"] = torch.tensor([list(range(10)) + list(range(14)), list(range(24))], device=DEV)
+    y_ref, g_ref = _grads(_layer(rope_impl="reference"), x, **kw)
+    y_tri, g_tri = _grads(_layer(rope_impl="triton"), x, **kw)
+    torch.testing.assert_close(y_tri, y_ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_tri, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("flags", [dict(recompute_kv_upproj=False), dict(recompute_q_upproj=True),
+                                   dict(recompute_kv_upproj=False, recompute_q_upproj=True), dict(kv_fused_down_norm_up=True)])  # fmt: skip
+def test_recompute_and_fusion_flags_change_no_numbers(flags: dict) -> None:
+    x = torch.randn(2, 16, 32, device=DEV)
+    y0, g0 = _grads(_layer(rope_impl="triton"), x)
+    y1, g1 = _grads(_layer(rope_impl="triton", **flags), x)
+    torch.testing.assert_close(y1, y0, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_down_proj_equals_separate_matmuls() -> None:
+    sep, fused = _layer(), _layer(fused_down_proj=True)
+    with torch.no_grad():
+        fused.w_dqkv.weight.copy_(torch.cat((sep.w_dq.weight, sep.w_dkv.weight)))
+        for name in ("w_uq", "w_ukv", "w_o", "q_norm", "kv_norm"):
+            getattr(fused, name).load_state_dict(getattr(sep, name).state_dict())
+    x = torch.randn(1, 12, 32, device=DEV)
+    torch.testing.assert_close(fused(x), sep(x), atol=1e-5, rtol=1e-5)
+    fk = _layer(fused_down_proj=True, kv_fused_down_norm_up=True)
+    fk.load_state_dict(fused.state_dict())
+    torch.testing.assert_close(fk(x), fused(x), atol=1e-5, rtol=1e-5)
+
+
+def test_layer_passes_the_leak_harness_on_real_packed_rows() -> None:
+    w = boundary_windows(load_sample()[0].batch, 2, 24, lead=9)
+    torch.manual_seed(0)
+    emb = nn.Embedding(259, 32).to(DEV)
+    layer = _layer(rope_impl="triton").eval()
+    tokens, doc_ids = w.tokens.to(DEV), w.doc_ids.to(DEV)
+    positions = w.positions.to(DEV)
+    report = check_leaks(lambda t, d: layer(emb(t), d, positions), tokens, doc_ids, vocab_size=259)
+    assert report.passed, str(report)
+    leaky = check_leaks(lambda t, d: layer(emb(t), None), tokens, doc_ids, vocab_size=259, causal=False)
+    assert not leaky.passed  # without doc_ids the next document attends to the previous one
+
+
+def test_compiled_layer_has_no_graph_break() -> None:
+    import torch._dynamo.testing
+
+    layer = _layer(rope_impl="triton")
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    x = torch.randn(2, 16, 32, device=DEV, requires_grad=True)
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10] * 2, device=DEV)
+    y = compiled(x, doc_ids)
+    torch.testing.assert_close(y, layer(x, doc_ids), atol=1e-5, rtol=1e-5)
+    y.sum().backward()
+    assert counter.frame_count == 1
+
+
+def test_fused_down_norm_up_matches_the_chain_and_saves_no_latent() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 12, dtype=torch.float64, requires_grad=True)
+    w_down = torch.randn(16, 12, dtype=torch.float64, requires_grad=True)
+    rms_w = (1 + 0.1 * torch.randn(16, dtype=torch.float64)).requires_grad_()
+    w_up = torch.randn(20, 16, dtype=torch.float64, requires_grad=True)
+    args = (x, w_down, rms_w, w_up)
+    assert torch.autograd.gradcheck(lambda *a: FusedDownNormUp.apply(*a, 1e-6), args)
+    y = FusedDownNormUp.apply(*args, 1e-6)
+    torch.testing.assert_close(y, down_norm_up_reference(*args, 1e-6))
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, args, g)
+    ref = torch.autograd.grad(down_norm_up_reference(*args, 1e-6), args, g)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b)
+
+    def saved_activation_shapes(fn) -> list[tuple[int, ...]]:
+        shapes: list[tuple[int, ...]] = []
+        params = {p.data_ptr() for p in args[1:]}
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) if t.data_ptr() not in params else None or t,
+                                                      lambda t: t):  # fmt: skip
+            fn(*args, 1e-6)
+        return shapes
+
+    fused = saved_activation_shapes(FusedDownNormUp.apply)
+    chain = saved_activation_shapes(down_norm_up_reference)
+    assert (3, 5, 16) not in fused and (3, 5, 16) in chain  # the [*, rank] latent is not kept
+    assert sorted(fused) == [(3, 5, 1), (3, 5, 12)]  # x and rrms
+
+
+def _stack(n_layers: int = 2, **kw) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(MultiLatentAttention(MLAConfig.build(**{**SMALL, **kw})) for _ in range(n_layers)).to(DEV).eval()
+
+
+def _full_forward(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = x + layer(x)
+    return x
+
+
+def _decode(layers: nn.ModuleList, x: torch.Tensor, *, absorbed: bool, per_layer_advance: bool = False,
+            prefill: int = 0) -> torch.Tensor:  # fmt: skip
+    c = layers[0].config
+    max_len = x.shape[1] * (len(layers) if per_layer_advance else 1)  # room for the buggy advance's extra slots
+    cache = MLAKVCache(len(layers), x.shape[0], max_len, c.kv_lora_rank, c.d_rope, dtype=torch.float32,
+                       device=DEV, strict=not per_layer_advance)  # fmt: skip
+    outs, t = [], 0
+    for n in ([prefill] if prefill else []) + [1] * (x.shape[1] - prefill):
+        h = x[:, t : t + n]
+        for i, layer in enumerate(layers):
+            h = h + layer.decode(h, cache, i, absorbed=absorbed)
+            if per_layer_advance:
+                cache.advance()
+        if not per_layer_advance:
+            cache.advance()
+        outs.append(h)
+        t += n
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("absorbed", [False, True])
+@pytest.mark.parametrize("prefill", [0, 5])
+def test_step_by_step_decode_equals_the_full_forward(absorbed: bool, prefill: int) -> None:
+    layers = _stack()
+    x = torch.randn(2, 12, 32, device=DEV)
+    with torch.no_grad():
+        torch.testing.assert_close(_decode(layers, x, absorbed=absorbed, prefill=prefill), _full_forward(layers, x),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_absorbed_decode_equals_expanded() -> None:
+    layers = _stack(1)
+    x = torch.randn(2, 9, 32, device=DEV)
+    with torch.no_grad():
+        torch.testing.assert_close(_decode(layers, x, absorbed=True), _decode(layers, x, absorbed=False), atol=1e-5, rtol=1e-5)
+
+
+def test_tripwire_per_layer_advance_corrupts_decode_and_strict_cache_refuses_it() -> None:
+    layers = _stack(2)
+    x = torch.randn(1, 8, 32, device=DEV)
+    with torch.no_grad():
+        full = _full_forward(layers, x)
+        wrong = _decode(layers, x, absorbed=False, per_layer_advance=True)
+    assert (wrong - full)[:, 1:].abs().max() > 1e-2  # later layers read slots that were never written
+    cache = MLAKVCache(2, 1, 8, 16, 8, dtype=torch.float32, device=DEV)
+    layers[0].decode(x[:, :1], cache, 0)
+    with pytest.raises(ValueError, match="never per layer"):
+        cache.advance()
+    with pytest.raises(ValueError, match="already wrote"):
+        layers[0].decode(x[:, :1], cache, 0)
+
+
+def test_cache_fails_closed_on_overflow_and_shape() -> None:
+    cache = MLAKVCache(1, 2, 4, 16, 8, dtype=torch.float32, device=DEV)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(0, torch.zeros(2, 5, 16, device=DEV), torch.zeros(2, 5, 1, 8, device=DEV))
+    with pytest.raises(ValueError, match="c_kv must be"):
+        cache.update(0, torch.zeros(2, 1, 15, device=DEV), torch.zeros(2, 1, 1, 8, device=DEV))
+
+
+def test_cache_bytes_per_token_against_mha() -> None:
+    c = MLAConfig.build(d_model=4096, n_heads=32)
+    got = cache_bytes_per_token(c)
+    assert got == {"mla_bytes": 1152.0, "mha_bytes": 32 * 320 * 2.0, "ratio": 32 * 320 * 2 / 1152}
+    assert MLAKVCache(1, 1, 2, 512, 64).nbytes_per_token() == 1152
+
+
+@pytest.mark.cuda
+def test_cuda_layer_bf16_triton_vs_reference_at_real_width() -> None:
+    cfg = dict(d_model=1024, n_heads=16, q_lora_rank=384, kv_lora_rank=512, d_nope=128, d_rope=64, d_v=128, max_positions=2048)
+    x = torch.randn(2, 1024, 1024, device="cuda", dtype=torch.bfloat16)
+    doc_ids = torch.zeros(2, 1024, dtype=torch.long, device="cuda")
+    doc_ids[:, 600:] = 1
+    outs = []
+    for impl in ("reference", "triton"):
+        torch.manual_seed(0)
+        layer = MultiLatentAttention(MLAConfig.build(**cfg, rope_impl=impl)).cuda().to(torch.bfloat16)
+        outs.append(_grads(layer, x, doc_ids=doc_ids))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=2e-2, rtol=2e-2)
+    for a, b in zip(outs[1][1], outs[0][1]):
+        assert (a.float() - b.float()).norm() <= 2e-2 * b.float().norm()
