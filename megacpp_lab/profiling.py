@@ -10,10 +10,13 @@ from pathlib import Path
 import torch
 
 
-def time_ms(fn: Callable[[], object], *, warmup: int = 3, rep: int = 20, device: torch.device | str | None = None) -> float:
+def time_ms(fn: Callable[[], object], *, warmup: int = 3, rep: int = 20, device: torch.device | str | None = None,
+            cuda_graph: bool = False) -> float:  # fmt: skip
     """Median milliseconds of fn() after warm-up.
 
-    CUDA: triton.testing.do_bench (CUDA events, L2 flushed between runs).
+    CUDA: triton.testing.do_bench (CUDA events, L2 flushed between runs); with cuda_graph=True,
+    triton.testing.do_bench_cudagraph (fn captured once and replayed, so host-side dispatch is out of
+    the number: for kernels of tens of microseconds, where Python launch cost would otherwise dominate).
     CPU: perf_counter around each call.
     """
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -25,6 +28,10 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 3, rep: int = 20, device:
         for _ in range(warmup):
             fn()
         torch.cuda.synchronize(dev)
+        if cuda_graph:
+            from triton.testing import do_bench_cudagraph
+
+            return float(do_bench_cudagraph(fn, rep=max(rep, 20), return_mode="median"))
         return float(do_bench(fn, warmup=25, rep=max(rep * 5, 100), return_mode="median"))
     for _ in range(warmup):
         fn()

@@ -238,3 +238,9 @@ def test_cuda_layer_bf16_triton_vs_reference_at_real_width() -> None:
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=2e-2, rtol=2e-2)
     for a, b in zip(outs[1][1], outs[0][1]):
         assert (a.float() - b.float()).norm() <= 2e-2 * b.float().norm()
+
+
+def test_rope_tables_stay_fp32_when_the_layer_is_cast() -> None:
+    layer = _layer().to(torch.bfloat16)
+    assert layer.rope_cos.dtype == torch.float32 and layer.rope_sin.dtype == torch.float32
+    torch.testing.assert_close(layer.rope_cos, _layer().rope_cos)

@@ -47,13 +47,6 @@ FULL_SHAPE = RopeShape(B=4, T=4096, H=32, d_nope=128, d_rope=64, d_v=128, kv_lor
 SMALL_SHAPE = RopeShape(B=1, T=32, H=4, d_nope=16, d_rope=16, d_v=16, kv_lora_rank=32, gqa_heads_q=4, gqa_heads_k=2, gqa_head_dim=16)
 
 
-def _copy_ms(nbytes: int, device: str, rep: int) -> float:
-    """A plain device copy that reads and writes nbytes / 2 each: the bandwidth yardstick."""
-    src = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return time_ms(lambda: dst.copy_(src), warmup=5, rep=rep, device=device)
-
-
 def _rope_cases(s: RopeShape, dtype: torch.dtype, device: str) -> list[dict[str, Any]]:
     """(name, bytes moved, Triton call, compiled-reference call) for every kernel."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -84,7 +77,8 @@ def _rope_cases(s: RopeShape, dtype: torch.dtype, device: str) -> list[dict[str,
     )}  # fmt: skip
     rope_bytes = 2 * N * H * dr * b
     qk_bytes = 2 * N * (s.gqa_heads_q + s.gqa_heads_k) * s.gqa_head_dim * b
-    kv_fwd_bytes = (N * H * (dn + dv) + N * dr + N * H * (dn + dr) + N * H * dv) * b
+    kv_fwd_bytes = (N * H * dn + N * dr + N * H * (dn + dr)) * b  # value stays a view of kv: not moved
+    kv_bwd_bytes = (N * H * (dn + dr) + N * H * dv + N * H * (dn + dv) + N * dr) * b
     return [
         {"kernel": "mla_q_fwd", "bytes": rope_bytes,
          "triton": lambda: R._mla_rope_q_op(q, cos, sin, None, None, dn, False), "compiled": lambda: compiled["q"](q, False)},
@@ -95,7 +89,7 @@ def _rope_cases(s: RopeShape, dtype: torch.dtype, device: str) -> list[dict[str,
         {"kernel": "mla_kv_fwd", "bytes": kv_fwd_bytes,
          "triton": lambda: R._mla_rope_kv_fwd_op(kv.view(N, H, -1), k_pe.reshape(N, dr), cos, sin, None, None, s.T, dn),
          "compiled": lambda: compiled["kv"](kv, k_pe)},
-        {"kernel": "mla_kv_bwd", "bytes": kv_fwd_bytes,
+        {"kernel": "mla_kv_bwd", "bytes": kv_bwd_bytes,
          "triton": lambda: R._mla_rope_kv_bwd_op(dkey, dval, cos, sin, None, None, s.T, dn, dtype),
          "compiled": lambda: compiled["kv_bwd"](dkey, dval)},
         {"kernel": "gqa_qk_fwd", "bytes": qk_bytes,
@@ -115,10 +109,15 @@ def bench_rope(s: RopeShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bfloat16
         rows = {}
         for contender in ("triton", "compiled", "copy"):
             fn = (lambda: None) if contender == "copy" else case[contender]
-            ms = _copy_ms(case["bytes"], device, rep) if contender == "copy" else time_ms(fn, warmup=5, rep=rep, device=device)
+            if contender == "copy":
+                src = torch.empty(max(1, case["bytes"] // 2), dtype=torch.uint8, device=device)
+                dst = torch.empty_like(src)
+                fn = lambda src=src, dst=dst: dst.copy_(src)  # noqa: E731
+            ms = time_ms(fn, warmup=5, rep=rep, device=device, cuda_graph=device == "cuda")
             name = {"triton": "triton", "compiled": "torch.compile(reference)", "copy": "copy (same bytes)"}[contender]
             rows[contender] = {"contender": name, "kernel": case["kernel"], "bytes": case["bytes"], "ms": ms,
-                               "gb_per_s": case["bytes"] / ms / 1e6}  # fmt: skip
+                               "gb_per_s": case["bytes"] / ms / 1e6,
+                               "ms_eager_launch": time_ms(fn, warmup=2, rep=rep, device=device)}  # fmt: skip
         for contender in ("triton", "compiled"):
             rows[contender]["pct_of_copy"] = 100.0 * rows["copy"]["ms"] / rows[contender]["ms"]
         rows["triton"]["speedup"] = rows["compiled"]["ms"] / rows["triton"]["ms"]
@@ -130,7 +129,9 @@ def bench_rope(s: RopeShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bfloat16
         notes=("bytes = the bytes each kernel must read and write (in-place Q side: the rope slice only; KV side: kv "
                "and k_pe in, key and value out; GQA: q and k in place); gb_per_s = bytes / time for every contender; "
                "copy = torch copy_ of a buffer moving the same bytes, timed in the same run; pct_of_copy = copy time / "
-               "contender time; times are do_bench-style medians of the kernel alone (no autograd wrapper)"),
+               "contender time; ms = median of the call captured in a CUDA graph and replayed (do_bench_cudagraph), so host "
+               "dispatch is not in it; ms_eager_launch = the same call launched from Python each time (do_bench), "
+               "host dispatch included; calls are the ops without the autograd wrapper"),
     )  # fmt: skip
 
 

@@ -18,8 +18,9 @@ Kernels:
   in place; its backward rotates dq in place. Autotuned over BLOCK_H (heads per program).
 - MLA KV side (`mla_rope_kv`): split + rope + broadcast + concat in one pass: from the up-projected
   kv [*, H, d_nope+d_v] and the single shared rope row k_pe [*, d_rope] it writes key
-  [*, H, d_nope+d_rope] (the rotated row copied to every head) and value [*, H, d_v]. Its backward
-  writes dkv and dk_pe (the heads' rope gradients summed, then rotated back). It is not in place: the
+  [*, H, d_nope+d_rope] (the rotated row copied to every head); value is returned as a strided view of
+  kv (attention reads it in place, so it is never copied). Its backward writes dkv (dk_nope and dv) and
+  dk_pe (the heads' rope gradients summed, then rotated back) in one pass. It is not in place: the
   rotated row has to be broadcast into H heads, so an output buffer is written anyway. (Rotating the
   cached k_pe row in place, for decode, is the Q-side kernel with H=1.)
 - Generic full-head RoPE for Q and K with GQA (`rope_qk_`): head counts are constexpr, ROPE_GROUP_SIZE
@@ -156,7 +157,7 @@ def _mla_rope_q_kernel(
 @triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
 @triton.jit
 def _mla_rope_kv_fwd_kernel(
-    kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, v_ptr, n_seqs, seq_len, stride_kpe, H,
+    kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, n_seqs, seq_len, stride_kpe, H,
     D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
@@ -174,14 +175,12 @@ def _mla_rope_kv_fwd_kernel(
     y1 = y1.to(k_ptr.dtype.element_ty)[None, :]
     y2 = y2.to(k_ptr.dtype.element_ty)[None, :]
     rn = tl.arange(0, D_NOPE)
-    rv = tl.arange(0, D_V)
     for h0 in range(0, H, BLOCK_H):
         rh = h0 + tl.arange(0, BLOCK_H)
         mask = (rh < H)[:, None]
         src = kv_ptr + n * H * DKV + rh[:, None] * DKV
         dst = k_ptr + n * H * DK + rh[:, None] * DK
         tl.store(dst + rn[None, :], tl.load(src + rn[None, :], mask=mask), mask=mask)
-        tl.store(v_ptr + n * H * D_V + rh[:, None] * D_V + rv[None, :], tl.load(src + D_NOPE + rv[None, :], mask=mask), mask=mask)
         tl.store(dst + D_NOPE + ri[None, :], tl.broadcast_to(y1, (BLOCK_H, HALF)), mask=mask)
         tl.store(dst + D_NOPE + HALF + ri[None, :], tl.broadcast_to(y2, (BLOCK_H, HALF)), mask=mask)
 
@@ -381,24 +380,22 @@ def mla_rope_q_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d_nope: i
 @torch.library.custom_op("megacpp::mla_rope_kv_fwd", mutates_args=())
 def _mla_rope_kv_fwd_op(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seq_len: int,
-                        d_nope: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                        d_nope: int) -> torch.Tensor:  # fmt: skip
     N, H, DKV = kv.shape
     d_rope = k_pe.shape[-1]
-    d_v = DKV - d_nope
     key = kv.new_empty((N, H, d_nope + d_rope))
-    value = kv.new_empty((N, H, d_v))
     mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, kv.device, cos.shape[0])
     _mla_rope_kv_fwd_kernel[(N,)](
-        kv, k_pe, cos, sin, pos, cu, key, value, n_seqs, sl, k_pe.stride(0), H,
-        D_NOPE=d_nope, D_V=d_v, D_ROPE=d_rope, POS_MODE=mode, SEARCH_STEPS=steps,
+        kv, k_pe, cos, sin, pos, cu, key, n_seqs, sl, k_pe.stride(0), H,
+        D_NOPE=d_nope, D_V=DKV - d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH_STEPS=steps,
     )  # fmt: skip
-    return key, value
+    return key
 
 
 @_mla_rope_kv_fwd_op.register_fake
 def _(kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope):
     N, H, DKV = kv.shape
-    return kv.new_empty((N, H, d_nope + k_pe.shape[-1])), kv.new_empty((N, H, DKV - d_nope))
+    return kv.new_empty((N, H, d_nope + k_pe.shape[-1]))
 
 
 @torch.library.custom_op("megacpp::mla_rope_kv_bwd", mutates_args=())
@@ -424,19 +421,22 @@ def _(dkey, dvalue, cos, sin, positions, cu_seqlens, seq_len, d_nope, kpe_dtype)
     return dkey.new_empty((N, H, d_nope + dvalue.shape[-1])), dkey.new_empty((N, DK - d_nope), dtype=kpe_dtype)
 
 
-def _kv_setup_context(ctx, inputs, output):
-    kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope = inputs
-    ctx.save_for_backward(cos, sin, positions, cu_seqlens)
-    ctx.seq_len, ctx.d_nope, ctx.kpe_dtype, ctx.kpe_stride = seq_len, d_nope, k_pe.dtype, k_pe.stride()
+class _MLARopeKV(torch.autograd.Function):
+    """key from the kernel; value is a view of kv (attention reads it strided), so it is never copied.
+    The backward kernel writes the whole dkv (dk_nope and dv) and dk_pe in one pass."""
 
+    @staticmethod
+    def forward(ctx, kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope):
+        key = _mla_rope_kv_fwd_op(kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope)
+        ctx.save_for_backward(cos, sin, positions, cu_seqlens)
+        ctx.seq_len, ctx.d_nope, ctx.kpe_dtype = seq_len, d_nope, k_pe.dtype
+        return key, kv[..., d_nope:]
 
-def _kv_backward(ctx, dkey, dvalue):
-    cos, sin, positions, cu_seqlens = ctx.saved_tensors
-    dkv, dkpe = _mla_rope_kv_bwd_op(dkey, dvalue, cos, sin, positions, cu_seqlens, ctx.seq_len, ctx.d_nope, ctx.kpe_dtype)
-    return dkv, dkpe, None, None, None, None, None, None
-
-
-_mla_rope_kv_fwd_op.register_autograd(_kv_backward, setup_context=_kv_setup_context)
+    @staticmethod
+    def backward(ctx, dkey, dvalue):
+        cos, sin, positions, cu_seqlens = ctx.saved_tensors
+        dkv, dkpe = _mla_rope_kv_bwd_op(dkey, dvalue, cos, sin, positions, cu_seqlens, ctx.seq_len, ctx.d_nope, ctx.kpe_dtype)
+        return dkv, dkpe, None, None, None, None, None, None
 
 
 def mla_rope_kv(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d_nope: int, *,
@@ -460,7 +460,7 @@ def mla_rope_kv(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: to
     pe = k_pe.reshape(-1, d_rope)
     if pe.stride(-1) != 1:
         pe = pe.contiguous()
-    key, value = _mla_rope_kv_fwd_op(flat, pe, cos, sin, positions, cu_seqlens, shape[1] if kv.dim() == 4 else 0, d_nope)
+    key, value = _MLARopeKV.apply(flat, pe, cos, sin, positions, cu_seqlens, shape[1] if kv.dim() == 4 else 0, d_nope)
     return key.view(*shape[:-1], -1), value.view(*shape[:-1], -1)
 
 

@@ -262,6 +262,15 @@ class MultiLatentAttention(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # the cos/sin tables stay fp32 whatever dtype the module is cast to: rebuilt, not cast back
+        super()._apply(fn, recurse)
+        if self.rope_cos.dtype != torch.float32:
+            c = self.config
+            cos, sin = rope_cos_sin(c.max_positions, c.d_rope, c.rope_base, c.rope_scaling)
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        return self
+
     # -- pieces
 
     def _use_triton(self, device: torch.device) -> bool:
@@ -364,7 +373,7 @@ class MultiLatentAttention(nn.Module):
         positions = (L + torch.arange(T_new, device=x.device)).expand(B, T_new)
         q_lat, c_lat, k_pe = self._down(x)
         q = self._q_up_rope(q_lat, positions)
-        pe = self._rope(k_pe.unsqueeze(2).contiguous(), 0, positions)  # the cached row: the Q-side kernel, H=1
+        pe = self._rope(k_pe.unsqueeze(2).clone(), 0, positions)  # the cached row: the Q-side kernel, H=1
         c_all, pe_all = cache.update(layer, self.kv_norm(c_lat), pe)
         S = c_all.shape[1]
         visible = torch.arange(S, device=x.device)[None, :] <= positions[0][:, None]  # [T_new, S]
