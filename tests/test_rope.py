@@ -34,9 +34,14 @@ def _shape(layout: str, B: int, T: int, *rest: int) -> tuple[int, ...]:
     return (B, T, *rest) if layout == "bthd" else (B * T, *rest)
 
 
-@pytest.mark.parametrize("layout", ["bthd", "thd", "positions"])
+@pytest.mark.parametrize("layout", ["bthd", "thd", "thd_binary_search", "positions"])
 @pytest.mark.parametrize("scaling", ["none", "yarn"])
-def test_mla_rope_q_matches_reference_forward_and_backward(layout: str, scaling: str) -> None:
+def test_mla_rope_q_matches_reference_forward_and_backward(layout: str, scaling: str, monkeypatch) -> None:
+    if layout == "thd_binary_search":  # many documents: the kernel switches from counting starts to bisection
+        import megacpp_lab.kernels.rope as R
+
+        monkeypatch.setattr(R, "COUNT_SEARCH_MAX_DOCS", 1)
+        layout = "thd"
     B, T, H, dn, dr = 2, 12, 3, 8, 8
     cos, sin = rope_cos_sin(32, dr, scaling=RopeScaling(kind=scaling, factor=4.0 if scaling == "yarn" else 1.0,
                                                         original_max_positions=8))  # fmt: skip

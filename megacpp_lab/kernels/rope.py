@@ -97,13 +97,20 @@ def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 @triton.jit
-def _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+def _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE: tl.constexpr, SEARCH: tl.constexpr):
     if POS_MODE == 0:  # bthd: the token's index within its row
         return n % seq_len
-    elif POS_MODE == 1:  # thd: offset from its document's start, by binary search over cu_seqlens
+    elif POS_MODE == 1:  # thd, few documents: count the document starts <= n in SEARCH-wide vector loads
+        count = tl.zeros((), dtype=tl.int32)
+        for s0 in range(1, n_seqs, SEARCH):  # independent loads: one memory latency, not log2(S) in a row
+            rs = s0 + tl.arange(0, SEARCH)
+            starts = tl.load(cu_ptr + rs, mask=rs < n_seqs, other=2147483647)
+            count += tl.sum((starts <= n).to(tl.int32))
+        return n - tl.load(cu_ptr + count)
+    elif POS_MODE == 3:  # thd, many documents: binary search, SEARCH steps
         lo = 0
         hi = n_seqs - 1
-        for _ in tl.static_range(SEARCH_STEPS):
+        for _ in tl.static_range(SEARCH):
             mid = (lo + hi + 1) // 2
             go_right = tl.load(cu_ptr + mid) <= n
             lo = tl.where(go_right, mid, lo)
@@ -135,12 +142,12 @@ def _head_configs() -> list[triton.Config]:
 @triton.jit
 def _mla_rope_q_kernel(
     x_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, n_seqs, seq_len, stride_n, stride_h, H,
-    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr, SEARCH: tl.constexpr,
     BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D_ROPE // 2
-    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH_STEPS)
+    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
     ri = tl.arange(0, HALF)
     c = tl.load(cos_ptr + pos * HALF + ri)[None, :]
     s = tl.load(sin_ptr + pos * HALF + ri)[None, :]
@@ -159,30 +166,30 @@ def _mla_rope_q_kernel(
 def _mla_rope_kv_fwd_kernel(
     kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, n_seqs, seq_len, stride_kpe, H,
     D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, BLOCK_H: tl.constexpr,
+    SEARCH: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D_ROPE // 2
     DKV: tl.constexpr = D_NOPE + D_V
     DK: tl.constexpr = D_NOPE + D_ROPE
-    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH_STEPS)
+    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
     ri = tl.arange(0, HALF)
     c = tl.load(cos_ptr + pos * HALF + ri)
     s = tl.load(sin_ptr + pos * HALF + ri)
     x1 = tl.load(kpe_ptr + n * stride_kpe + ri).to(tl.float32)
     x2 = tl.load(kpe_ptr + n * stride_kpe + HALF + ri).to(tl.float32)
     y1, y2 = _rotate(x1, x2, c, s, False)  # the one shared row, rotated once per token
-    y1 = y1.to(k_ptr.dtype.element_ty)[None, :]
-    y2 = y2.to(k_ptr.dtype.element_ty)[None, :]
+    # [y1 | y2] as one row, so each head gets one contiguous D_ROPE store
+    row = tl.reshape(tl.permute(tl.join(y1, y2), (1, 0)), (D_ROPE,)).to(k_ptr.dtype.element_ty)[None, :]
+    rr = tl.arange(0, D_ROPE)
     rn = tl.arange(0, D_NOPE)
     for h0 in range(0, H, BLOCK_H):
         rh = h0 + tl.arange(0, BLOCK_H)
         mask = (rh < H)[:, None]
         src = kv_ptr + n * H * DKV + rh[:, None] * DKV
         dst = k_ptr + n * H * DK + rh[:, None] * DK
-        tl.store(dst + rn[None, :], tl.load(src + rn[None, :], mask=mask), mask=mask)
-        tl.store(dst + D_NOPE + ri[None, :], tl.broadcast_to(y1, (BLOCK_H, HALF)), mask=mask)
-        tl.store(dst + D_NOPE + HALF + ri[None, :], tl.broadcast_to(y2, (BLOCK_H, HALF)), mask=mask)
+        tl.store(dst + rn[None, :], tl.load(src + rn[None, :], mask=mask, eviction_policy="evict_first"), mask=mask)
+        tl.store(dst + D_NOPE + rr[None, :], tl.broadcast_to(row, (BLOCK_H, D_ROPE)), mask=mask)
 
 
 @triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
@@ -190,7 +197,7 @@ def _mla_rope_kv_fwd_kernel(
 def _mla_rope_kv_bwd_kernel(
     dk_ptr, dv_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, dkv_ptr, dkpe_ptr, n_seqs, seq_len, H,
     D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, BLOCK_H: tl.constexpr,
+    SEARCH: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D_ROPE // 2
@@ -211,7 +218,7 @@ def _mla_rope_kv_bwd_kernel(
         g1 += tl.sum(tl.load(src + D_NOPE + ri[None, :], mask=mask, other=0.0).to(tl.float32), axis=0)
         g2 += tl.sum(tl.load(src + D_NOPE + HALF + ri[None, :], mask=mask, other=0.0).to(tl.float32), axis=0)
     # the rope row was shared by every head: its gradient is the heads' sum, rotated back
-    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH_STEPS)
+    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
     c = tl.load(cos_ptr + pos * HALF + ri)
     s = tl.load(sin_ptr + pos * HALF + ri)
     d1, d2 = _rotate(g1, g2, c, s, True)
@@ -228,11 +235,11 @@ def _mla_rope_kv_bwd_kernel(
 def _rope_qk_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, n_seqs, seq_len,
     N_HEADS_Q: tl.constexpr, N_HEADS_K: tl.constexpr, D: tl.constexpr, ROPE_GROUP_SIZE: tl.constexpr,
-    POS_MODE: tl.constexpr, SEARCH_STEPS: tl.constexpr, BACKWARD: tl.constexpr,
+    POS_MODE: tl.constexpr, SEARCH: tl.constexpr, BACKWARD: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
-    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH_STEPS)
+    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
     ri = tl.arange(0, HALF)
     c = tl.load(cos_ptr + pos * HALF + ri)[None, :]  # one cos/sin load for ROPE_GROUP_SIZE heads
     s = tl.load(sin_ptr + pos * HALF + ri)[None, :]
@@ -252,12 +259,13 @@ def _rope_qk_kernel(
 
 # ----------------------------------------------------------------------------- launchers and checks
 
+COUNT_SEARCH_MAX_DOCS = 2048  # thd: up to this many documents, count starts; beyond, binary search
 ROPE_GROUP_SIZE = 4  # heads per program in the generic kernel, sharing one cos/sin load
 
 
 def _pos_args(n_tokens: int, seq_len: int | None, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
               device: torch.device, table_len: int) -> tuple[int, torch.Tensor, torch.Tensor, int, int, int]:  # fmt: skip
-    """(POS_MODE, positions, cu_seqlens, n_seqs, seq_len, SEARCH_STEPS) for a launch; fails closed on bad input."""
+    """(POS_MODE, positions, cu_seqlens, n_seqs, seq_len, SEARCH) for a launch; fails closed on bad input."""
     dummy = torch.zeros(1, dtype=torch.int32, device=device)
     if positions is not None and cu_seqlens is not None:
         raise ValueError("give positions or cu_seqlens, not both")
@@ -284,7 +292,9 @@ def _pos_args(n_tokens: int, seq_len: int | None, positions: torch.Tensor | None
             torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == n_tokens) & (lens > 0).all() & (lens <= table_len).all(),
                                 "cu_seqlens must rise strictly from 0 to the token count, documents within the cos/sin table")  # fmt: skip
         n_seqs = cu_seqlens.numel() - 1
-        return 1, dummy, cu_seqlens, n_seqs, 1, max(1, (n_seqs - 1).bit_length())
+        if n_seqs <= COUNT_SEARCH_MAX_DOCS:
+            return 1, dummy, cu_seqlens, n_seqs, 1, min(triton.next_power_of_2(max(n_seqs, 2)), 512)
+        return 3, dummy, cu_seqlens, n_seqs, 1, (n_seqs - 1).bit_length()
     if seq_len is None:
         raise ValueError("a packed [N, H, D] input needs cu_seqlens or positions (bthd inputs are [B, T, H, D])")
     if seq_len > table_len:
@@ -331,7 +341,7 @@ def _launch_mla_rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     grid = lambda meta: (N, triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
     _mla_rope_q_kernel[grid](
         flat, cos, sin, pos, cu, n_seqs, seq_len, flat.stride(0), flat.stride(1), H,
-        D_NOPE=d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH_STEPS=steps, BACKWARD=backward,
+        D_NOPE=d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH=steps, BACKWARD=backward,
     )  # fmt: skip
 
 
@@ -387,7 +397,7 @@ def _mla_rope_kv_fwd_op(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
     mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, kv.device, cos.shape[0])
     _mla_rope_kv_fwd_kernel[(N,)](
         kv, k_pe, cos, sin, pos, cu, key, n_seqs, sl, k_pe.stride(0), H,
-        D_NOPE=d_nope, D_V=DKV - d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH_STEPS=steps,
+        D_NOPE=d_nope, D_V=DKV - d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH=steps,
     )  # fmt: skip
     return key
 
@@ -410,7 +420,7 @@ def _mla_rope_kv_bwd_op(dkey: torch.Tensor, dvalue: torch.Tensor, cos: torch.Ten
     mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, dkey.device, cos.shape[0])
     _mla_rope_kv_bwd_kernel[(N,)](
         dkey, dvalue, cos, sin, pos, cu, dkv, dkpe, n_seqs, sl, H,
-        D_NOPE=d_nope, D_V=d_v, D_ROPE=d_rope, POS_MODE=mode, SEARCH_STEPS=steps,
+        D_NOPE=d_nope, D_V=d_v, D_ROPE=d_rope, POS_MODE=mode, SEARCH=steps,
     )  # fmt: skip
     return dkv, dkpe
 
@@ -472,7 +482,7 @@ def _rope_qk_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, q.device, cos.shape[0])
     _rope_qk_kernel[(N, triton.cdiv(HQ, ROPE_GROUP_SIZE))](
         q, k, cos, sin, pos, cu, n_seqs, sl, N_HEADS_Q=HQ, N_HEADS_K=k.shape[1], D=D,
-        ROPE_GROUP_SIZE=ROPE_GROUP_SIZE, POS_MODE=mode, SEARCH_STEPS=steps, BACKWARD=backward,
+        ROPE_GROUP_SIZE=ROPE_GROUP_SIZE, POS_MODE=mode, SEARCH=steps, BACKWARD=backward,
     )  # fmt: skip
 
 
