@@ -147,15 +147,16 @@ def _mla_rope_q_kernel(
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D_ROPE // 2
-    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
     ri = tl.arange(0, HALF)
-    c = tl.load(cos_ptr + pos * HALF + ri)[None, :]
-    s = tl.load(sin_ptr + pos * HALF + ri)[None, :]
     rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (rh < H)[:, None]
     p1 = x_ptr + n * stride_n + rh[:, None] * stride_h + D_NOPE + ri[None, :]
+    # the HBM loads go out first; the position lookup (a loop for thd) and the table loads overlap them
     x1 = tl.load(p1, mask=mask).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask).to(tl.float32)
+    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
+    c = tl.load(cos_ptr + pos * HALF + ri)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + ri)[None, :]
     y1, y2 = _rotate(x1, x2, c, s, BACKWARD)
     tl.store(p1, y1.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(p1 + HALF, y2.to(x_ptr.dtype.element_ty), mask=mask)
@@ -168,28 +169,28 @@ def _mla_rope_kv_fwd_kernel(
     D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
     SEARCH: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
+    # one program per (token, block of BLOCK_H heads)
     n = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D_ROPE // 2
     DKV: tl.constexpr = D_NOPE + D_V
     DK: tl.constexpr = D_NOPE + D_ROPE
-    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rh < H)[:, None]
+    rn = tl.arange(0, D_NOPE)
     ri = tl.arange(0, HALF)
-    c = tl.load(cos_ptr + pos * HALF + ri)
-    s = tl.load(sin_ptr + pos * HALF + ri)
+    dst = k_ptr + n * H * DK + rh[:, None] * DK
+    # the bulk copy's loads go out first; the rope row's chain (position, tables, k_pe) overlaps them
+    k_nope = tl.load(kv_ptr + n * H * DKV + rh[:, None] * DKV + rn[None, :], mask=mask, eviction_policy="evict_first")
     x1 = tl.load(kpe_ptr + n * stride_kpe + ri).to(tl.float32)
     x2 = tl.load(kpe_ptr + n * stride_kpe + HALF + ri).to(tl.float32)
-    y1, y2 = _rotate(x1, x2, c, s, False)  # the one shared row, rotated once per token
+    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
+    c = tl.load(cos_ptr + pos * HALF + ri)
+    s = tl.load(sin_ptr + pos * HALF + ri)
+    y1, y2 = _rotate(x1, x2, c, s, False)  # the one shared row, rotated once per program
     # [y1 | y2] as one row, so each head gets one contiguous D_ROPE store
     row = tl.reshape(tl.permute(tl.join(y1, y2), (1, 0)), (D_ROPE,)).to(k_ptr.dtype.element_ty)[None, :]
-    rr = tl.arange(0, D_ROPE)
-    rn = tl.arange(0, D_NOPE)
-    for h0 in range(0, H, BLOCK_H):
-        rh = h0 + tl.arange(0, BLOCK_H)
-        mask = (rh < H)[:, None]
-        src = kv_ptr + n * H * DKV + rh[:, None] * DKV
-        dst = k_ptr + n * H * DK + rh[:, None] * DK
-        tl.store(dst + rn[None, :], tl.load(src + rn[None, :], mask=mask, eviction_policy="evict_first"), mask=mask)
-        tl.store(dst + D_NOPE + rr[None, :], tl.broadcast_to(row, (BLOCK_H, D_ROPE)), mask=mask)
+    tl.store(dst + rn[None, :], k_nope, mask=mask)
+    tl.store(dst + D_NOPE + tl.arange(0, D_ROPE)[None, :], tl.broadcast_to(row, (BLOCK_H, D_ROPE)), mask=mask)
 
 
 @triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
@@ -395,7 +396,8 @@ def _mla_rope_kv_fwd_op(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
     d_rope = k_pe.shape[-1]
     key = kv.new_empty((N, H, d_nope + d_rope))
     mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, kv.device, cos.shape[0])
-    _mla_rope_kv_fwd_kernel[(N,)](
+    grid = lambda meta: (N, triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+    _mla_rope_kv_fwd_kernel[grid](
         kv, k_pe, cos, sin, pos, cu, key, n_seqs, sl, k_pe.stride(0), H,
         D_NOPE=d_nope, D_V=DKV - d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH=steps,
     )  # fmt: skip
