@@ -85,7 +85,9 @@ def _rope_cases(s: RopeShape, dtype: torch.dtype, device: str) -> list[dict[str,
         {"kernel": "mla_q_bwd", "bytes": rope_bytes,
          "triton": lambda: R._mla_rope_q_op(q, cos, sin, None, None, dn, True), "compiled": lambda: compiled["q"](q, True)},
         {"kernel": "mla_q_fwd_thd", "bytes": rope_bytes,
-         "triton": lambda: R._mla_rope_q_op(q_thd, cos, sin, None, cu, dn, False), "compiled": lambda: compiled["q_thd"](q_thd)},
+         "triton": lambda: R._launch_mla_rope_q(q_thd, cos, sin, None, cu, dn, False, check=False),
+         "triton + cu_seqlens checks": lambda: R._mla_rope_q_op(q_thd, cos, sin, None, cu, dn, False),
+         "compiled": lambda: compiled["q_thd"](q_thd)},
         {"kernel": "mla_kv_fwd", "bytes": kv_fwd_bytes,
          "triton": lambda: R._mla_rope_kv_fwd_op(kv.view(N, H, -1), k_pe.reshape(N, dr), cos, sin, None, None, s.T, dn),
          "compiled": lambda: compiled["kv"](kv, k_pe)},
@@ -107,18 +109,20 @@ def bench_rope(s: RopeShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bfloat16
     meets: dict[str, bool] = {}
     for case in tqdm(_rope_cases(s, dtype, device), desc="mla rope kernels", disable=not progress):
         rows = {}
-        for contender in ("triton", "compiled", "copy"):
+        for contender in ("triton", "triton + cu_seqlens checks", "compiled", "copy"):
+            if contender not in case and contender != "copy":
+                continue
             fn = (lambda: None) if contender == "copy" else case[contender]
             if contender == "copy":
                 src = torch.empty(max(1, case["bytes"] // 2), dtype=torch.uint8, device=device)
                 dst = torch.empty_like(src)
                 fn = lambda src=src, dst=dst: dst.copy_(src)  # noqa: E731
             ms = time_ms(fn, warmup=5, rep=rep, device=device, cuda_graph=device == "cuda")
-            name = {"triton": "triton", "compiled": "torch.compile(reference)", "copy": "copy (same bytes)"}[contender]
+            name = {"compiled": "torch.compile(reference)", "copy": "copy (same bytes)"}.get(contender, contender)
             rows[contender] = {"contender": name, "kernel": case["kernel"], "bytes": case["bytes"], "ms": ms,
                                "gb_per_s": case["bytes"] / ms / 1e6,
                                "ms_eager_launch": time_ms(fn, warmup=2, rep=rep, device=device)}  # fmt: skip
-        for contender in ("triton", "compiled"):
+        for contender in [c for c in rows if c != "copy"]:
             rows[contender]["pct_of_copy"] = 100.0 * rows["copy"]["ms"] / rows[contender]["ms"]
         rows["triton"]["speedup"] = rows["compiled"]["ms"] / rows["triton"]["ms"]
         meets[case["kernel"]] = bool(rows["triton"]["pct_of_copy"] >= BAR["pct_of_copy"] and rows["triton"]["speedup"] > 1.0)
@@ -129,7 +133,8 @@ def bench_rope(s: RopeShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bfloat16
         notes=("bytes = the bytes each kernel must read and write (in-place Q side: the rope slice only; KV side: kv "
                "and k_pe in, key and value out; GQA: q and k in place); gb_per_s = bytes / time for every contender; "
                "copy = torch copy_ of a buffer moving the same bytes, timed in the same run; pct_of_copy = copy time / "
-               "contender time; ms = median of the call captured in a CUDA graph and replayed (do_bench_cudagraph), so host "
+               "contender time; the thd row's triton times the kernel alone (cu_seqlens already validated) and "
+               "'triton + cu_seqlens checks' the public call with its device-side asserts; ms = median of the call captured in a CUDA graph and replayed (do_bench_cudagraph), so host "
                "dispatch is not in it; ms_eager_launch = the same call launched from Python each time (do_bench), "
                "host dispatch included; calls are the ops without the autograd wrapper"),
     )  # fmt: skip

@@ -162,35 +162,46 @@ def _mla_rope_q_kernel(
     tl.store(p1 + HALF, y2.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
+def _kv_fwd_configs() -> list[triton.Config]:
+    if TRITON_INTERPRET:
+        return [triton.Config({"BLOCK_H": 2, "BLOCK_N": 2}, num_warps=1)]
+    return [triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w)
+            for bh in (8, 16, 32, 64) for bn in (1, 2, 4) for w in (2, 4, 8)]  # fmt: skip
+
+
+@triton.autotune(configs=_kv_fwd_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
 @triton.jit
 def _mla_rope_kv_fwd_kernel(
-    kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, n_seqs, seq_len, stride_kpe, H,
+    kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, N, n_seqs, seq_len, stride_kpe, H,
     D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
-    SEARCH: tl.constexpr, BLOCK_H: tl.constexpr,
+    SEARCH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # one program per (token, block of BLOCK_H heads)
-    n = tl.program_id(0).to(tl.int64)
+    # one program per (BLOCK_N tokens, block of BLOCK_H heads)
     HALF: tl.constexpr = D_ROPE // 2
     DKV: tl.constexpr = D_NOPE + D_V
     DK: tl.constexpr = D_NOPE + D_ROPE
     rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (rh < H)[:, None]
     rn = tl.arange(0, D_NOPE)
     ri = tl.arange(0, HALF)
-    dst = k_ptr + n * H * DK + rh[:, None] * DK
-    # the bulk copy's loads go out first; the rope row's chain (position, tables, k_pe) overlaps them
-    k_nope = tl.load(kv_ptr + n * H * DKV + rh[:, None] * DKV + rn[None, :], mask=mask, eviction_policy="evict_first")
-    x1 = tl.load(kpe_ptr + n * stride_kpe + ri).to(tl.float32)
-    x2 = tl.load(kpe_ptr + n * stride_kpe + HALF + ri).to(tl.float32)
-    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
-    c = tl.load(cos_ptr + pos * HALF + ri)
-    s = tl.load(sin_ptr + pos * HALF + ri)
-    y1, y2 = _rotate(x1, x2, c, s, False)  # the one shared row, rotated once per program
-    # [y1 | y2] as one row, so each head gets one contiguous D_ROPE store
-    row = tl.reshape(tl.permute(tl.join(y1, y2), (1, 0)), (D_ROPE,)).to(k_ptr.dtype.element_ty)[None, :]
-    tl.store(dst + rn[None, :], k_nope, mask=mask)
-    tl.store(dst + D_NOPE + tl.arange(0, D_ROPE)[None, :], tl.broadcast_to(row, (BLOCK_H, D_ROPE)), mask=mask)
+    for i in tl.static_range(BLOCK_N):
+        n = tl.program_id(0).to(tl.int64) * BLOCK_N + i
+        live = (n + 0 * ri) < N  # as a vector: the interpreter rejects a scalar bool in a mask
+        mask = (rh < H)[:, None] & (n + 0 * rn < N)[None, :]
+        dst = k_ptr + n * H * DK + rh[:, None] * DK
+        # the bulk copy's loads go out first; the rope row's chain (position, tables, k_pe) overlaps them
+        k_nope = tl.load(kv_ptr + n * H * DKV + rh[:, None] * DKV + rn[None, :], mask=mask, eviction_policy="evict_first")
+        x1 = tl.load(kpe_ptr + n * stride_kpe + ri, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(kpe_ptr + n * stride_kpe + HALF + ri, mask=live, other=0.0).to(tl.float32)
+        pos = _token_position(tl.minimum(n, N - 1), pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
+        c = tl.load(cos_ptr + pos * HALF + ri)
+        s = tl.load(sin_ptr + pos * HALF + ri)
+        y1, y2 = _rotate(x1, x2, c, s, False)  # the one shared row, rotated once per program
+        # [y1 | y2] as one row, so each head gets one contiguous D_ROPE store
+        row = tl.reshape(tl.permute(tl.join(y1, y2), (1, 0)), (D_ROPE,)).to(k_ptr.dtype.element_ty)[None, :]
+        tl.store(dst + rn[None, :], k_nope, mask=mask)
+        rr = tl.arange(0, D_ROPE)
+        mask_r = (rh < H)[:, None] & (n + 0 * rr < N)[None, :]
+        tl.store(dst + D_NOPE + rr[None, :], tl.broadcast_to(row, (BLOCK_H, D_ROPE)), mask=mask_r)
 
 
 @triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
@@ -265,8 +276,11 @@ ROPE_GROUP_SIZE = 4  # heads per program in the generic kernel, sharing one cos/
 
 
 def _pos_args(n_tokens: int, seq_len: int | None, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-              device: torch.device, table_len: int) -> tuple[int, torch.Tensor, torch.Tensor, int, int, int]:  # fmt: skip
-    """(POS_MODE, positions, cu_seqlens, n_seqs, seq_len, SEARCH) for a launch; fails closed on bad input."""
+              device: torch.device, table_len: int, check: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, int, int, int]:  # fmt: skip
+    """(POS_MODE, positions, cu_seqlens, n_seqs, seq_len, SEARCH) for a launch; fails closed on bad input.
+
+    check=False skips only the device-side value asserts on CUDA tensors (a few tiny kernels per call); the
+    benchmark uses it to time the kernel alone and reports the checked call beside it."""
     dummy = torch.zeros(1, dtype=torch.int32, device=device)
     if positions is not None and cu_seqlens is not None:
         raise ValueError("give positions or cu_seqlens, not both")
@@ -276,7 +290,7 @@ def _pos_args(n_tokens: int, seq_len: int | None, positions: torch.Tensor | None
         if positions.device.type == "cpu" and positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= table_len):
             bad = int(((positions < 0) | (positions >= table_len)).nonzero()[0, 0])
             raise ValueError(f"positions[{bad}] = {int(positions.reshape(-1)[bad])} is outside the cos/sin table [0, {table_len})")
-        if positions.device.type != "cpu":
+        if positions.device.type != "cpu" and check:
             torch._assert_async(((positions >= 0) & (positions < table_len)).all(), "positions outside the cos/sin table")
         return 2, positions.reshape(-1).contiguous(), dummy, 1, 1, 1
     if cu_seqlens is not None:
@@ -288,7 +302,7 @@ def _pos_args(n_tokens: int, seq_len: int | None, positions: torch.Tensor | None
                 raise ValueError(f"cu_seqlens must rise strictly from 0 to the {n_tokens} tokens, got {cu_seqlens.tolist()[:8]}...")
             if int(lens.max()) > table_len:
                 raise ValueError(f"a document of {int(lens.max())} tokens is longer than the cos/sin table ({table_len} rows)")
-        else:
+        elif check:
             lens = cu_seqlens[1:] - cu_seqlens[:-1]
             torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == n_tokens) & (lens > 0).all() & (lens <= table_len).all(),
                                 "cu_seqlens must rise strictly from 0 to the token count, documents within the cos/sin table")  # fmt: skip
@@ -333,12 +347,13 @@ def _tokens_view(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_mla_rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
-                       cu_seqlens: torch.Tensor | None, d_nope: int, backward: bool) -> None:  # fmt: skip
+                       cu_seqlens: torch.Tensor | None, d_nope: int, backward: bool, check: bool = True) -> None:  # fmt: skip
     d_rope = x.shape[-1] - d_nope
     _check_tables(cos, sin, d_rope, x.device)
     flat = _tokens_view("q", x)
     N, H = flat.shape[0], flat.shape[1]
-    mode, pos, cu, n_seqs, seq_len, steps = _pos_args(N, x.shape[1] if x.dim() == 4 else None, positions, cu_seqlens, x.device, cos.shape[0])
+    mode, pos, cu, n_seqs, seq_len, steps = _pos_args(N, x.shape[1] if x.dim() == 4 else None, positions, cu_seqlens,
+                                                      x.device, cos.shape[0], check)  # fmt: skip
     grid = lambda meta: (N, triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
     _mla_rope_q_kernel[grid](
         flat, cos, sin, pos, cu, n_seqs, seq_len, flat.stride(0), flat.stride(1), H,
@@ -396,9 +411,9 @@ def _mla_rope_kv_fwd_op(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
     d_rope = k_pe.shape[-1]
     key = kv.new_empty((N, H, d_nope + d_rope))
     mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, kv.device, cos.shape[0])
-    grid = lambda meta: (N, triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
     _mla_rope_kv_fwd_kernel[grid](
-        kv, k_pe, cos, sin, pos, cu, key, n_seqs, sl, k_pe.stride(0), H,
+        kv, k_pe, cos, sin, pos, cu, key, N, n_seqs, sl, k_pe.stride(0), H,
         D_NOPE=d_nope, D_V=DKV - d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH=steps,
     )  # fmt: skip
     return key
