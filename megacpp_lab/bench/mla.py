@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +148,20 @@ def _layer_cfg(small: bool) -> dict[str, Any]:
     return dict(d_model=2048, n_heads=16, q_lora_rank=1536, kv_lora_rank=512, d_nope=128, d_rope=64, d_v=128, max_positions=4096)
 
 
+@contextlib.contextmanager
+def _saved_storages() -> Iterator[dict[int, int]]:
+    """Distinct storages autograd saves for the backward (views and repeats counted once): ptr -> bytes."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
 def bench_memory(*, small: bool = False, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> dict[str, Any]:
     """Peak extra memory of one MLA layer fwd+bwd per flag, and FusedDownNormUp vs the unfused chain."""
     B, T = (1, 32) if small else (2, 4096)
@@ -154,7 +170,7 @@ def bench_memory(*, small: bool = False, dtype: torch.dtype = torch.bfloat16, de
         "no recompute": dict(recompute_kv_upproj=False),
         "recompute_kv_upproj (default)": dict(),
         "recompute_kv_upproj + recompute_q_upproj": dict(recompute_q_upproj=True),
-        "recompute_kv + kv_fused_down_norm_up": dict(kv_fused_down_norm_up=True),
+        "kv_fused_down_norm_up (no recompute)": dict(recompute_kv_upproj=False, kv_fused_down_norm_up=True),
     }
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(B, T, base["d_model"], generator=g, device=device).to(dtype).requires_grad_()
@@ -165,13 +181,11 @@ def bench_memory(*, small: bool = False, dtype: torch.dtype = torch.bfloat16, de
         layer = MultiLatentAttention(MLAConfig.build(**base, **flags)).to(device=device, dtype=dtype)
         step = lambda: layer(x, doc_ids).float().square().mean().backward()  # noqa: E731
         step()
-        saved: list[int] = []
-        params = {p.data_ptr() for p in layer.parameters()}
-        with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: saved.append(0 if t.data_ptr() in params else t.numel() * t.element_size()) or t, lambda t: t
-        ):
-            layer(x, doc_ids)  # activations kept for the backward (inside a checkpoint: none)
-        row = {"contender": name, "saved_mib": sum(saved) / 2**20, "ms": time_ms(step, warmup=2, rep=10, device=device)}
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        with _saved_storages() as saved:
+            layer(x, doc_ids)  # activations kept for the backward (inside a checkpoint: only its inputs)
+        mib = sum(n for ptr, n in saved.items() if ptr not in params) / 2**20
+        row = {"contender": name, "saved_mib": mib, "ms": time_ms(step, warmup=2, rep=10, device=device)}
         if device == "cuda":
             row["peak_mib"] = peak_extra_mib(step)
         results.append(row)
@@ -183,21 +197,21 @@ def bench_memory(*, small: bool = False, dtype: torch.dtype = torch.bfloat16, de
     w_up = (torch.randn(up, rank, generator=g, device=device) / math.sqrt(rank)).to(dtype).requires_grad_()
     args = (xs, w_down, rms_w, w_up, 1e-6)
     for name, fn in (("FusedDownNormUp", FusedDownNormUp.apply), ("unfused down/RMSNorm/up", down_norm_up_reference)):
-        saved: list[int] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+        with _saved_storages() as saved:
             fn(*args)
         step = lambda fn=fn: fn(*args).float().square().mean().backward()  # noqa: E731
         step()
-        row = {"contender": name, "saved_mib": sum(saved) / 2**20, "ms": time_ms(step, warmup=2, rep=10, device=device)}
+        row = {"contender": name, "saved_mib": sum(saved.values()) / 2**20, "ms": time_ms(step, warmup=2, rep=10, device=device)}
         if device == "cuda":
             row["peak_mib"] = peak_extra_mib(step)
         results.append(row)
     return make_receipt(
         "mla_memory", "mla", shape={"B": B, "T": T, **base}, dtype=dtype, results=results, device=device,
         notes=("layer rows: one MLA layer forward+backward on packed rows (two documents), doc-masked SDPA, "
-               "saved_mib = activation bytes autograd keeps for the backward (parameters excluded); "
+               "saved_mib = bytes of the distinct storages autograd keeps for the backward (parameters excluded; "
+               "a view keeps its whole base storage); "
                "projection rows: y = W_up RMSNorm(W_down x) alone, saved_mib = bytes autograd keeps for the backward "
-               "(weights included), peak_mib = peak extra CUDA memory of forward+backward"),
+               "(distinct storages, weights included), peak_mib = peak extra CUDA memory of forward+backward"),
     )  # fmt: skip
 
 
@@ -295,7 +309,8 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
         torch.manual_seed(0)
         layer = MultiLatentAttention(MLAConfig.build(**_layer_cfg(small))).to(device=device, dtype=dtype)
         x = torch.randn(1 if small else 2, 32 if small else 4096, layer.config.d_model, device=device, dtype=dtype, requires_grad=True)
-        path, _ = profile_trace(lambda: layer(x).float().sum().backward(), root / device_slug(rope["device"]) / "mla",
+        ids = (torch.arange(x.shape[1], device=device) >= x.shape[1] // 3).long().expand(x.shape[0], -1).contiguous()
+        path, _ = profile_trace(lambda: layer(x, ids).float().sum().backward(), root / device_slug(rope["device"]) / "mla",
                                 "mla_layer", steps=2, warmup=2)  # fmt: skip
         written.append(path)
     return written
@@ -310,7 +325,8 @@ def plot_rope_receipt(receipt: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(10, 3.8))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        vals = [next(r["gb_per_s"] for r in receipt["results"] if r["kernel"] == k and r["contender"] == name) for k in kernels]
+        by_kernel = {r["kernel"]: r["gb_per_s"] for r in receipt["results"] if r["contender"] == name}
+        vals = [by_kernel.get(k, 0.0) for k in kernels]  # a contender measured for some kernels only
         ax.bar([j + i * width for j in range(len(kernels))], vals, width, label=name)
     for j, k in enumerate(kernels):
         copy = next(r["gb_per_s"] for r in receipt["results"] if r["kernel"] == k and r["contender"].startswith("copy"))

@@ -10,8 +10,11 @@ Training (no weight absorption):
     attention over packed documents (causal and same-document mask) -> w_o
 
 (`fused_down_proj` computes w_dq and w_dkv as one matmul, w_dqkv.) `recompute_kv_upproj` (default on)
-drops the H*(d_nope+d_v) up-projection and the key/value build after the forward and recomputes
-them from the small latent in the backward; `recompute_q_upproj` does the same for the Q side.
+runs the KV norm, up-projection and key build under a checkpoint: what those steps save for their own
+backward (the normed latent) is recomputed from the small latent instead. Attention still keeps key
+and value (value is a view of the up-projection output), so the big H*(d_nope+d_v) buffer lives on
+either way; `megacpp-lab bench mla` measures what each flag saves. `recompute_q_upproj` does the same
+for the Q side.
 
 Decode keeps only the normed latent c_kv and one rotated rope row per token (`MLAKVCache`). The
 expanded path re-projects keys and values from it; the absorbed path folds W_uk into the query and
