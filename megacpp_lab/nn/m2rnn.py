@@ -115,6 +115,10 @@ def _softplus_decay_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Te
 class M2RNN(nn.Module):
     """[B,S,d_model] -> [B,S,d_model] matrix-state recurrent mixer with document resets."""
 
+    # the decay path: f = exp(-exp(A_log) * softplus(x + dt_bias)) near 1 needs fp32 inputs, as does
+    # the skip D (megacpp_lab.model.precision keeps these fp32 under bf16 mixed precision)
+    _fp32_params = ("A_log", "dt_bias", "D")
+
     def __init__(self, config: M2RNNConfig) -> None:
         super().__init__()
         if not isinstance(config, M2RNNConfig):
@@ -159,7 +163,7 @@ class M2RNN(nn.Module):
         q = q.reshape(B, S, H, K) / math.sqrt(K)
         k = k.reshape(B, S, H, K) / math.sqrt(K)
         v = v.reshape(B, S, H, V)
-        f = _softplus_decay_gate(decay, self.A_log, self.dt_bias).to(q.dtype)
+        f = _softplus_decay_gate(decay, self.A_log, self.dt_bias)  # fp32 into the scan: bf16 would round f near 1
         y = m2rnn_scan(
             q, k, v, f, self.W.to(q.dtype), doc_ids=doc_ids, cu_seqlens=cu_seqlens, chunk=c.chunk,
             grad_clip=c.gradient_clipping, kernel=kernel or c.kernel,
