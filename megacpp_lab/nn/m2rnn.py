@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
+from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.doc_masking import check_doc_ids
 from megacpp_lab.nn.engram import DocCausalDepthwiseConv
 
@@ -88,23 +89,8 @@ class M2RNNConfig:
     def build(cls, source: Any = None, **overrides: Any) -> M2RNNConfig:
         """The one builder: fields from a model config object (attributes with these names, or
         Megatron's hidden_size / num_attention_heads) and keyword overrides, else the defaults."""
-        fields = dict(cls.__dataclass_fields__)
-        values: dict[str, Any] = {}
-        if source is not None:
-            aliases = {"d_model": ("d_model", "hidden_size"), "n_heads": ("m2rnn_heads", "n_heads", "num_attention_heads")}
-            for name in fields:
-                for attr in aliases.get(name, (f"m2rnn_{name}", name)):
-                    if hasattr(source, attr):
-                        values[name] = getattr(source, attr)
-                        break
-        values.update(overrides)
-        unknown = set(values) - set(fields)
-        if unknown:
-            raise ValueError(f"M2RNNConfig has no field(s) {sorted(unknown)}")
-        missing = [n for n in ("d_model", "n_heads") if n not in values]
-        if missing:
-            raise ValueError(f"M2RNNConfig.build needs {missing} (from the source config or as keywords)")
-        return cls(**values)
+        aliases = {"d_model": ("d_model", "hidden_size"), "n_heads": ("m2rnn_heads", "n_heads", "num_attention_heads")}
+        return build_config(cls, source, overrides, prefix="m2rnn", aliases=aliases, required=("d_model", "n_heads"))
 
 
 def _softplus_decay_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:

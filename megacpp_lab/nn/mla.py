@@ -32,7 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megacpp_lab.kernels.rope import mla_rope_kv, mla_rope_kv_reference, mla_rope_q_, mla_rope_q_reference
+from megacpp_lab.kernels.rope import (
+    TRITON_INTERPRET,
+    mla_rope_kv,
+    mla_rope_kv_reference,
+    mla_rope_q_,
+    mla_rope_q_reference,
+)
+from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
 
 ROPE_IMPLS = ("auto", "triton", "reference")
@@ -91,7 +98,6 @@ class MLAConfig:
         """The one builder: fields from a model config object (these names, mla_<name>, or Megatron's
         hidden_size / num_attention_heads / qk_head_dim / qk_pos_emb_head_dim / v_head_dim) and keyword
         overrides, else the defaults."""
-        fields = dict(cls.__dataclass_fields__)
         aliases = {
             "d_model": ("d_model", "hidden_size"),
             "n_heads": ("mla_n_heads", "n_heads", "num_attention_heads"),
@@ -99,21 +105,7 @@ class MLAConfig:
             "d_rope": ("mla_d_rope", "d_rope", "qk_pos_emb_head_dim", "qk_rope_head_dim"),
             "d_v": ("mla_d_v", "d_v", "v_head_dim"),
         }
-        values: dict[str, Any] = {}
-        if source is not None:
-            for name in fields:
-                for attr in aliases.get(name, (f"mla_{name}", name)):
-                    if hasattr(source, attr):
-                        values[name] = getattr(source, attr)
-                        break
-        values.update(overrides)
-        unknown = set(values) - set(fields)
-        if unknown:
-            raise ValueError(f"MLAConfig has no field(s) {sorted(unknown)}")
-        missing = [n for n in ("d_model", "n_heads") if n not in values]
-        if missing:
-            raise ValueError(f"MLAConfig.build needs {missing} (from the source config or as keywords)")
-        return cls(**values)
+        return build_config(cls, source, overrides, prefix="mla", aliases=aliases, required=("d_model", "n_heads"))
 
 
 def cache_bytes_per_token(config: MLAConfig, bytes_per_value: int = 2) -> dict[str, float]:
@@ -281,8 +273,6 @@ class MultiLatentAttention(nn.Module):
         if impl == "auto":
             return device.type == "cuda"  # the kernels need a GPU; on CPU the reference is the only path
         if impl == "triton" and device.type != "cuda":
-            from megacpp_lab.kernels.rope import TRITON_INTERPRET
-
             if not TRITON_INTERPRET:
                 raise RuntimeError("rope_impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")
         return impl == "triton"
