@@ -1,0 +1,97 @@
+"""Fused linear cross-entropy against F.cross_entropy over materialised logits: loss and both gradients."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import megacpp_lab.kernels.linear_cross_entropy as L
+from megacpp_lab.kernels.linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(T: int, H: int, V: int, dtype: torch.dtype, ignore_frac: float = 0.2):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(T, H, generator=g) / H**0.25).to(DEV, dtype)
+    w = (torch.randn(V, H, generator=g) / H**0.5).to(DEV, dtype)
+    t = torch.randint(0, V, (T,), generator=g)
+    t[torch.rand(T, generator=g) < ignore_frac] = -100
+    return x, w, t.to(DEV)
+
+
+def _both(fn, x, w, t, **kw):
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fn(xa, wa, t, **kw)
+    loss.backward()
+    return loss.detach(), xa.grad, wa.grad
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+@pytest.mark.parametrize("impl,chunk", [("eager", 7), ("eager", 64), ("compiled", 16)])
+def test_matches_materialised_cross_entropy_fp32(reduction: str, z_loss: float, impl: str, chunk: int) -> None:
+    x, w, t = _inputs(50, 16, 97, torch.float32)
+    ref = _both(linear_cross_entropy_reference, x, w, t, reduction=reduction, z_loss=z_loss)
+    got = _both(fused_linear_cross_entropy, x, w, t, reduction=reduction, z_loss=z_loss, chunk_size=chunk, impl=impl)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_bf16_close_to_the_fp32_reference_and_leading_dims() -> None:
+    x, w, t = _inputs(64, 32, 128, torch.bfloat16)
+    ref = _both(linear_cross_entropy_reference, x.float(), w.float(), t)
+    got = _both(fused_linear_cross_entropy, x.view(4, 16, 32), w, t.view(4, 16), chunk_size=24, impl="eager")
+    torch.testing.assert_close(got[0], ref[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1].float().view(64, 32), ref[1], atol=2e-2, rtol=5e-2)
+    torch.testing.assert_close(got[2].float(), ref[2], atol=2e-2, rtol=5e-2)
+
+
+def test_all_ignored_gives_zero_loss_and_zero_grads() -> None:
+    x, w, t = _inputs(8, 8, 11, torch.float32)
+    loss, dx, dw = _both(fused_linear_cross_entropy, x, w, torch.full_like(t, -100), impl="eager")
+    assert float(loss) == 0.0 and float(dx.abs().max()) == 0.0 and float(dw.abs().max()) == 0.0
+
+
+def test_no_cuda_warns_and_falls_back_instead_of_failing() -> None:
+    """Tripwire: the historical bug was a hard error on every non-Blackwell GPU."""
+    if DEV == "cuda":
+        pytest.skip("this machine has CUDA; the fallback is exercised on CPU")
+    L._warn_fallback.cache_clear()
+    x, w, t = _inputs(10, 8, 13, torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = fused_linear_cross_entropy(x, w, t)
+    assert any(issubclass(c.category, RuntimeWarning) and "fallback" in str(c.message) for c in caught)
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(x, w, t))
+
+
+def test_bad_inputs_fail_closed() -> None:
+    x, w, t = _inputs(6, 8, 13, torch.float32)
+    with pytest.raises(ValueError, match=r"target\[2\] = 13"):
+        bad = t.clone(); bad[2] = 13
+        fused_linear_cross_entropy(x, w, bad, impl="eager")
+    with pytest.raises(ValueError, match="reduction"):
+        fused_linear_cross_entropy(x, w, t, reduction="none")
+    with pytest.raises(ValueError, match="weight must be"):
+        fused_linear_cross_entropy(x, w.t(), t)
+    with pytest.raises(ValueError, match="share a dtype"):
+        fused_linear_cross_entropy(x, w.double(), t)
+    with pytest.raises(ValueError, match="impl must be"):
+        fused_linear_cross_entropy(x, w, t, impl="triton")
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_compiled_path_matches_reference_and_keeps_logits_out_of_memory() -> None:
+    x, w, t = _inputs(4096, 1024, 32768, torch.bfloat16)
+    ref = _both(linear_cross_entropy_reference, x, w, t)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    got = _both(fused_linear_cross_entropy, x, w, t)
+    peak = torch.cuda.max_memory_allocated() - base
+    torch.testing.assert_close(got[0], ref[0], atol=1e-2, rtol=1e-2)
+    for a, b in zip(got[1:], ref[1:]):
+        assert (a.float() - b.float()).norm() <= 2e-2 * b.float().norm()
+    assert peak < 4096 * 32768 * 4  # less than one fp32 copy of the logits
