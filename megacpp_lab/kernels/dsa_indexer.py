@@ -1,0 +1,133 @@
+"""DSA (DeepSeek sparse attention) indexer scores without the [sq, b, h, sk] slab.
+
+    scores[b, sq, sk] = sum_h w[sq, b, h] * relu(q[sq, b, h, :] . k[sk, b, :])
+
+Three paths, one contract:
+- `indexer_scores_reference`: the einsum that builds the fp32 [sq, b, h, sk] slab (the reference);
+- `indexer_scores_streaming`: one head at a time into an fp32 accumulator (one [b, sq, sk] temporary);
+- `indexer_scores` (Triton): each program owns a [BLOCK_M, BLOCK_N] tile of the output, keeps the k tile
+  in registers and loops over heads, so neither the slab nor a per-head temporary exists. Its
+  backward streams over heads (recomputing q_h . k), with no slab either.
+`topk_keys` picks the keys per query that the scores rank highest (optionally causal).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once at import
+
+
+def indexer_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """q [sq,b,h,d], k [sk,b,d], w [sq,b,h] -> fp32 [b,sq,sk], through the [sq,b,h,sk] fp32 slab."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    slab = torch.einsum("sbhd,tbd->sbht", q.to(acc), k.to(acc)).relu()
+    return (slab * w.to(acc)[..., None]).sum(2).permute(1, 0, 2).contiguous()
+
+
+def indexer_scores_streaming(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same scores, one head at a time into an fp32 accumulator."""
+    qf, kf, wf = q.float().permute(1, 2, 0, 3), k.float().permute(1, 2, 0), w.float().permute(1, 0, 2)  # [b,h,sq,d] [b,d,sk] [b,sq,h]
+    out = torch.zeros(q.shape[1], q.shape[0], k.shape[0], device=q.device, dtype=torch.float32)
+    for h in range(q.shape[2]):
+        out.addcmul_(torch.bmm(qf[:, h], kf).relu_(), wf[:, :, h, None])
+    return out
+
+
+@triton.jit
+def _indexer_fwd_kernel(
+    q_ptr, k_ptr, w_ptr, out_ptr, SQ, SK, B,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, D)
+    mm, mn = rm < SQ, rn < SK
+    # k tile [D, BLOCK_N], loaded once for every head
+    kt = tl.load(k_ptr + (rn[None, :] * B + b) * D + rd[:, None], mask=mn[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for h in range(H):
+        qh = tl.load(q_ptr + ((rm[:, None] * B + b) * H + h) * D + rd[None, :], mask=mm[:, None], other=0.0)
+        wh = tl.load(w_ptr + (rm * B + b) * H + h, mask=mm, other=0.0).to(tl.float32)
+        s = tl.dot(qh, kt, input_precision=PRECISION)
+        acc += wh[:, None] * tl.maximum(s, 0.0)
+    tl.store(out_ptr + (b * SQ + rm[:, None]) * SK + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
+
+
+def _launch_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    SQ, B, H, D = q.shape
+    SK = k.shape[0]
+    out = torch.empty(B, SQ, SK, device=q.device, dtype=torch.float32)
+    bm, bn = (16, 16) if TRITON_INTERPRET else (64, 128)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _indexer_fwd_kernel[(B, triton.cdiv(SQ, bm), triton.cdiv(SK, bn))](
+        q, k, w, out, SQ, SK, B, H=H, D=D, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision, num_warps=4 if bm == 64 else 1,
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("megacpp::dsa_indexer_scores", mutates_args=())
+def _indexer_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _launch_fwd(q, k, w)
+
+
+@_indexer_op.register_fake
+def _(q, k, w):
+    return q.new_empty((q.shape[1], q.shape[0], k.shape[0]), dtype=torch.float32)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dS):
+    """Streams over heads, recomputing q_h . k: one [b,sq,sk] temporary at a time, never the slab."""
+    q, k, w = ctx.saved_tensors
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math (fp64 stays fp64 for gradcheck)
+    qf, kf, wf = q.to(acc).permute(1, 2, 0, 3), k.to(acc).permute(1, 0, 2), w.to(acc).permute(1, 0, 2)  # [b,h,sq,d] [b,sk,d] [b,sq,h]
+    dS = dS.to(acc)
+    dq = torch.empty_like(qf)
+    dk = torch.zeros_like(kf)
+    dw = torch.empty_like(wf)
+    for h in range(q.shape[2]):
+        s = torch.bmm(qf[:, h], kf.transpose(1, 2))  # [b,sq,sk]
+        dw[:, :, h] = (dS * s.relu()).sum(-1)
+        g = dS * wf[:, :, h, None] * (s > 0)
+        dq[:, h] = torch.bmm(g, kf)
+        dk.add_(torch.bmm(g.transpose(1, 2), qf[:, h]))
+    return (dq.permute(2, 0, 1, 3).to(q.dtype), dk.permute(1, 0, 2).to(k.dtype), dw.permute(1, 0, 2).to(w.dtype))
+
+
+_indexer_op.register_autograd(_backward, setup_context=_setup)
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Fused Triton scores: q [sq,b,h,d], k [sk,b,d], w [sq,b,h] -> fp32 [b,sq,sk]. Differentiable."""
+    if q.dim() != 4 or k.dim() != 3 or w.dim() != 3:
+        raise ValueError(f"q must be [sq,b,h,d], k [sk,b,d], w [sq,b,h]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(w.shape)}")
+    SQ, B, H, D = q.shape
+    if k.shape[1:] != (B, D) or w.shape != (SQ, B, H):
+        raise ValueError(f"k must be [sk,{B},{D}] and w [{SQ},{B},{H}]; got {tuple(k.shape)}, {tuple(w.shape)}")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"d must be a power of two >= 16 for the kernel, got {D}")
+    if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q and k must share a float32/bfloat16/float16 dtype, got {q.dtype} and {k.dtype}")
+    if q.device.type != "cuda" and not TRITON_INTERPRET:
+        raise RuntimeError("indexer_scores needs CUDA tensors (or TRITON_INTERPRET=1); use indexer_scores_streaming on CPU")
+    return _indexer_op(q.contiguous(), k.contiguous(), w.contiguous())
+
+
+def topk_keys(scores: torch.Tensor, top_k: int, *, causal: bool = False) -> torch.Tensor:
+    """Indices [b, sq, top_k] of each query's highest-scoring keys (future keys excluded when causal)."""
+    if not 1 <= top_k <= scores.shape[-1]:
+        raise ValueError(f"top_k must be in [1, {scores.shape[-1]}], got {top_k}")
+    if causal:
+        sq, sk = scores.shape[-2:]
+        future = torch.arange(sk, device=scores.device)[None, :] > torch.arange(sq, device=scores.device)[:, None] + (sk - sq)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores.topk(top_k, dim=-1).indices
