@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -68,6 +69,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from megacpp_lab.bench.m2rnn import run
     elif args.subsystem == "mla":
         from megacpp_lab.bench.mla import run
+    elif args.subsystem in ("loss", "dsa"):
+        from megacpp_lab.bench.loss import run as run_loss
+
+        run = functools.partial(run_loss, which=args.subsystem)
     else:  # argparse choices keep this unreachable
         raise ValueError(f"unknown subsystem {args.subsystem!r}")
     written = run(args.out, small=args.small, trace=not args.no_trace)
@@ -94,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_data)
 
     p = sub.add_parser("bench", help="benchmark a subsystem and write receipts (run it on a GPU)")
-    p.add_argument("subsystem", choices=("engram", "m2rnn", "mla"))
+    p.add_argument("subsystem", choices=("engram", "m2rnn", "mla", "loss", "dsa"))
     p.add_argument("--out", default=None, help="receipt root (default: profiles/)")
     p.add_argument("--small", action="store_true", help="CPU-sized shapes (smoke run, not a receipt to commit)")
     p.add_argument("--no-trace", action="store_true", help="skip the profiler trace")

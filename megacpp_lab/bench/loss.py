@@ -1,0 +1,139 @@
+"""`megacpp-lab bench loss` and `megacpp-lab bench dsa`: the loss-and-memory receipts.
+
+  flce_fwd_bwd.json/.png   T=8192, H=4096, V=151552, bf16, forward+backward: materialised logits
+                           (F.cross_entropy), the fused chunked path, and liger-kernel / cut-cross-entropy
+                           when they are installed; time and peak extra memory, all from one run
+  flce_vocab_sweep.json    the same two built-in contenders against vocabulary size
+  dsa_scores.json/.png     sq=sk=4096, b=8, h=32, d=64, fp32 output: einsum slab, per-head stream, fused
+                           Triton; time, working memory beyond the [b,sq,sk] output, drift
+  dsa_seq_sweep.json       the three against sequence length
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from megacpp_lab.kernels.dsa_indexer import indexer_scores, indexer_scores_reference, indexer_scores_streaming
+from megacpp_lab.kernels.linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
+from megacpp_lab.profiling import peak_extra_mib, time_ms
+from megacpp_lab.receipts import make_receipt, profiles_dir, write_receipt
+
+FLCE_BAR = {"ms": 60.0, "peak_mib": 1.3 * 1024}
+DSA_BAR = {"ms": 10.0, "peak_mib": 1024.0}
+
+
+def _peers() -> dict[str, Callable[..., torch.Tensor]]:
+    """Optional peer FLCE implementations, when their packages are installed."""
+    peers: dict[str, Callable[..., torch.Tensor]] = {}
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        peers["liger-kernel"] = lambda x, w, t: liger_fused_linear_cross_entropy(x, w, t)
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        peers["cut-cross-entropy"] = lambda x, w, t: linear_cross_entropy(x, w, t)
+    except ImportError:
+        pass
+    return peers
+
+
+def _measure(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], device: str, rep: int) -> dict[str, float]:
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        loss_fn().backward()
+
+    step()
+    row = {"ms": time_ms(step, warmup=2, rep=rep, device=device)}
+    if device == "cuda":
+        for p in params:
+            p.grad = None
+        row["peak_mib"] = peak_extra_mib(step)
+    return row
+
+
+def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dtype = torch.bfloat16,
+               device: str = "cuda", rep: int = 5, peers: bool = True) -> dict[str, Any]:  # fmt: skip
+    g = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(T, H, generator=g, device=device) / H**0.25).to(dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=g, device=device) / H**0.5).to(dtype).requires_grad_()
+    t = torch.randint(0, V, (T,), generator=g, device=device)
+    ref_loss = float(linear_cross_entropy_reference(x.detach(), w.detach(), t))
+    contenders = {"materialised logits": lambda: linear_cross_entropy_reference(x, w, t),
+                  "fused (chunked)": lambda: fused_linear_cross_entropy(x, w, t)}  # fmt: skip
+    if peers:
+        contenders |= {name: (lambda fn=fn: fn(x, w, t)) for name, fn in _peers().items()}
+    results = []
+    for name, fn in contenders.items():
+        row: dict[str, Any] = {"contender": name, **_measure(fn, [x, w], device, rep)}
+        row["rel_err"] = abs(float(fn().detach()) - ref_loss) / abs(ref_loss)
+        results.append(row)
+    main = next(r for r in results if r["contender"] == "fused (chunked)")
+    return make_receipt("flce_fwd_bwd", "loss", shape={"T": T, "H": H, "V": V}, dtype=dtype, results=results,
+                        device=device, bar=FLCE_BAR, meets_bar={k: bool(main.get(k, 0) <= v) for k, v in FLCE_BAR.items()},
+                        notes="forward+backward of the mean CE; rel_err = loss vs the materialised fp32-logit loss")  # fmt: skip
+
+
+def bench_dsa(sq: int = 4096, b: int = 8, h: int = 32, d: int = 64, *, device: str = "cuda", rep: int = 10,
+              slab_max_bytes: int = 48 * 2**30) -> dict[str, Any]:  # fmt: skip
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(sq, b, h, d, generator=g, device=device)
+    k = torch.randn(sq, b, d, generator=g, device=device)
+    w = torch.randn(sq, b, h, generator=g, device=device)
+    out_mib = b * sq * sq * 4 / 2**20
+    ref = indexer_scores_streaming(q, k, w)
+    contenders = {"per-head stream": indexer_scores_streaming, "fused triton": indexer_scores}
+    if sq * b * h * sq * 4 <= slab_max_bytes:
+        contenders = {"einsum slab": indexer_scores_reference, **contenders}
+    results = []
+    for name, fn in contenders.items():
+        row: dict[str, Any] = {"contender": name, "ms": time_ms(lambda fn=fn: fn(q, k, w), warmup=2, rep=rep, device=device)}
+        if device == "cuda":
+            row["peak_mib"] = peak_extra_mib(lambda fn=fn: fn(q, k, w)) - out_mib  # working memory beyond the output
+        row["rel_err"] = float((fn(q, k, w) - ref).norm() / ref.norm())
+        results.append(row)
+    main = next(r for r in results if r["contender"] == "fused triton")
+    return make_receipt("dsa_scores", "dsa", shape={"sq": sq, "sk": sq, "b": b, "h": h, "d": d}, dtype=torch.float32,
+                        results=results, device=device, bar=DSA_BAR,
+                        meets_bar={k: bool(main.get(k, 0) <= v) for k, v in DSA_BAR.items()},
+                        notes="forward only; peak_mib = peak extra memory minus the [b,sq,sk] fp32 output; rel_err vs the per-head stream")  # fmt: skip
+
+
+def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool = True, which: str = "loss") -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from megacpp_lab.plots import plot_contenders, save_figure
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not small:
+        raise RuntimeError(f"megacpp-lab bench {which} needs a GPU (or --small, a CPU smoke run)")
+    root = Path(out_root) if out_root is not None else profiles_dir()
+    written: list[Path] = []
+    if which == "loss":
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        main = bench_flce(*((64, 32, 512) if small else (8192, 4096, 151552)), dtype=dtype, device=device, rep=2 if small else 5)
+        written.append(write_receipt(main, root))
+        written.append(save_figure(plot_contenders(main, "ms"), written[-1].with_suffix(".png")))
+        sweep = [bench_flce(64 if small else 8192, 32 if small else 4096, V, dtype=dtype, device=device, rep=2, peers=False)
+                 for V in ((256, 512) if small else (32768, 65536, 131072, 151552))]  # fmt: skip
+        rows = [{**r, "V": s["shape"]["V"]} for s in sweep for r in s["results"]]
+        written.append(write_receipt(make_receipt("flce_vocab_sweep", "loss", shape={"T": sweep[0]["shape"]["T"], "H": sweep[0]["shape"]["H"],
+                                                                                  "V": [s["shape"]["V"] for s in sweep]},
+                                                  dtype=dtype, results=rows, device=device), root))  # fmt: skip
+    else:
+        main = bench_dsa(*((32, 1, 2, 16) if small else (4096, 8, 32, 64)), device=device, rep=2 if small else 10)
+        written.append(write_receipt(main, root))
+        written.append(save_figure(plot_contenders(main, "ms"), written[-1].with_suffix(".png")))
+        sweep = [bench_dsa(s, *((1, 2, 16) if small else (8, 32, 64)), device=device, rep=3)
+                 for s in ((16, 32) if small else (1024, 2048, 4096, 8192))]  # fmt: skip
+        rows = [{**r, "S": s["shape"]["sq"]} for s in sweep for r in s["results"]]
+        written.append(write_receipt(make_receipt("dsa_seq_sweep", "dsa", shape={**sweep[0]["shape"], "sq": [s["shape"]["sq"] for s in sweep]},
+                                                  dtype=torch.float32, results=rows, device=device), root))  # fmt: skip
+    return written
