@@ -13,13 +13,12 @@ Three paths, one contract:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once at import
+from megacpp_lab.kernels import TRITON_INTERPRET
+
 
 
 def indexer_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

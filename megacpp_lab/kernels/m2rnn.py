@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-# read once at import: kernels run under the Triton interpreter (CPU tests)
-TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from megacpp_lab.kernels import TRITON_INTERPRET
+
 _INTERPRETED = tl.constexpr(TRITON_INTERPRET)
 
 # ----------------------------------------------------------------------------- reference

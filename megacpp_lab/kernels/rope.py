@@ -29,11 +29,11 @@ Kernels:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from megacpp_lab.kernels import TRITON_INTERPRET
 
 # ----------------------------------------------------------------------------- reference
 
@@ -127,12 +127,8 @@ def _rotate(x1, x2, c, s, BACKWARD: tl.constexpr):
     return x1 * c + x2 * s, x2 * c - x1 * s
 
 
-# read once at import; the interpreter cannot benchmark, so it gets one small config (masking still exercised)
-TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _head_configs() -> list[triton.Config]:
-    if TRITON_INTERPRET:
+    if TRITON_INTERPRET:  # the interpreter cannot benchmark: one small config (masking still exercised)
         return [triton.Config({"BLOCK_H": 2}, num_warps=1)]
     return [triton.Config({"BLOCK_H": bh}, num_warps=w) for bh in (1, 2, 4, 8, 16, 32, 64, 128) for w in (1, 2, 4)
             if not (bh <= 2 and w > 1)]  # fmt: skip
