@@ -1,10 +1,15 @@
-"""The one way a layer config is built from a model config object plus keyword overrides."""
+"""How layer configs are built (from a model config object plus overrides) and how they fail closed."""
 
 from __future__ import annotations
 
 from typing import Any, TypeVar
 
 C = TypeVar("C")
+
+
+def config_error(config_name: str, field_name: str, allowed: str, got: object) -> ValueError:
+    """The fail-closed message every layer config uses: it names the config, the field and the value."""
+    return ValueError(f"{config_name}.{field_name} must be {allowed}, got {got!r}")
 
 
 def build_config(cls: type[C], source: Any, overrides: dict[str, Any], *, prefix: str,

@@ -16,6 +16,7 @@ document boundary sees zeros, exactly as if each document were left-padded on it
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp_lab.nn.config_builder import config_error
 from megacpp_lab.nn.doc_masking import check_doc_ids, doc_causal_shift, same_doc_as_lag
 
 CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
@@ -32,8 +34,7 @@ MAX_ORDER = 16
 MAX_CONV_KERNEL = 16
 
 
-def _fail(field_name: str, allowed: str, got: object) -> ValueError:
-    return ValueError(f"EngramConfig.{field_name} must be {allowed}, got {got!r}")
+_fail = functools.partial(config_error, "EngramConfig")
 
 
 def _parse_layers(value: str | Sequence[int] | None, n_layers: int) -> tuple[int, ...] | None:

@@ -13,6 +13,7 @@ compile never unrolls S steps.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,13 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
-from megacpp_lab.nn.config_builder import build_config
+from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.doc_masking import check_doc_ids
 from megacpp_lab.nn.engram import DocCausalDepthwiseConv
 
 
-def _fail(field_name: str, allowed: str, got: object) -> ValueError:
-    return ValueError(f"M2RNNConfig.{field_name} must be {allowed}, got {got!r}")
+_fail = functools.partial(config_error, "M2RNNConfig")
 
 
 @dataclass(frozen=True)

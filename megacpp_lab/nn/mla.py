@@ -23,6 +23,7 @@ W_uv into the output, so attention runs in kv_lora_rank dims: a decode-only choi
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,15 +40,14 @@ from megacpp_lab.kernels.rope import (
     mla_rope_q_,
     mla_rope_q_reference,
 )
-from megacpp_lab.nn.config_builder import build_config
+from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
 
 ROPE_IMPLS = ("auto", "triton", "reference")
 ATTN_IMPLS = ("sdpa", "flex")
 
 
-def _fail(field_name: str, allowed: str, got: object) -> ValueError:
-    return ValueError(f"MLAConfig.{field_name} must be {allowed}, got {got!r}")
+_fail = functools.partial(config_error, "MLAConfig")
 
 
 @dataclass(frozen=True)

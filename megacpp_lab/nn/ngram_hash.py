@@ -18,6 +18,7 @@ TableStore (keys engram:l{layer}:h{head}), and forward(store=...) reads rows fro
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp_lab.nn.config_builder import config_error
 from megacpp_lab.nn.doc_masking import check_doc_ids, doc_causal_shift
 from megacpp_lab.nn.engram import DocCausalDepthwiseConv, _RMSNorm, context_gate
 from megacpp_lab.nn.table_store import TableBackend, TableStore, TableStoreConfig
@@ -36,8 +38,7 @@ MAX_VOCAB = 1 << 20
 MULTIPLIER_BITS = 31
 
 
-def _fail(field_name: str, allowed: str, got: object) -> ValueError:
-    return ValueError(f"NgramHashConfig.{field_name} must be {allowed}, got {got!r}")
+_fail = functools.partial(config_error, "NgramHashConfig")
 
 
 def is_prime(n: int) -> bool:

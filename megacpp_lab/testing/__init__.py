@@ -1,5 +1,6 @@
 """Test helpers: the packed-row leak harness and small reference mixers with planted leaks."""
 
+from megacpp_lab.testing import leaks
 from megacpp_lab.testing.leaks import (
     LeakReport,
     Violation,
@@ -11,16 +12,4 @@ from megacpp_lab.testing.leaks import (
 )
 from megacpp_lab.testing.planted import CausalSmoother, CenteredSmoother, DocCausalAttention, TokenMixer
 
-__all__ = [
-    "Violation",
-    "LeakReport",
-    "check_leaks",
-    "assert_no_leaks",
-    "influence_matrix",
-    "influence_violation",
-    "plot_influence",
-    "CausalSmoother",
-    "CenteredSmoother",
-    "TokenMixer",
-    "DocCausalAttention",
-]
+__all__ = [*leaks.__all__, "CausalSmoother", "CenteredSmoother", "TokenMixer", "DocCausalAttention"]
