@@ -76,6 +76,22 @@ def test_topk_follows_the_scores_and_respects_causality() -> None:
     assert bool((causal[..., 0] <= torch.arange(16, device=DEV)).all())
 
 
+def test_topk_never_selects_a_key_of_another_document() -> None:
+    q, k, w = _inputs(24, 24, 2, 2, 16)
+    doc_ids = torch.tensor([[0] * 10 + [1] * 14, [0] * 3 + [1] * 5 + [2] * 16], device=DEV)
+    scores = indexer_scores(q, k, w)
+    idx = topk_keys(scores, 3, causal=True, doc_ids=doc_ids)
+    picked = torch.gather(doc_ids[:, None, :].expand(-1, 24, -1), 2, idx)
+    pos = torch.arange(24, device=DEV)
+    start = torch.stack([(doc_ids[r][:, None] == doc_ids[r][None, :]).float().argmax(-1) for r in range(2)])  # first token of the doc
+    real = pos[None, :, None] - start[:, :, None] >= torch.arange(3, device=DEV)  # the query's doc has that many keys so far
+    assert bool((picked == doc_ids[:, :, None])[real].all())
+    assert bool((idx <= pos[None, :, None])[real].all())
+    # and without the doc mask, queries do pick keys across the boundary (the mask is not vacuous)
+    free = torch.gather(doc_ids[:, None, :].expand(-1, 24, -1), 2, topk_keys(scores, 3, causal=True))
+    assert bool((free != doc_ids[:, :, None]).any())
+
+
 def test_bad_inputs_fail_closed() -> None:
     q, k, w = _inputs(8, 8, 1, 2, 16)
     with pytest.raises(ValueError, match="k must be"):
@@ -84,6 +100,8 @@ def test_bad_inputs_fail_closed() -> None:
         indexer_scores(q[..., :12], k[..., :12], w)
     with pytest.raises(ValueError, match="top_k"):
         topk_keys(torch.zeros(1, 2, 3), 4)
+    with pytest.raises(ValueError, match="doc_ids"):
+        topk_keys(torch.zeros(1, 3, 3), 2, doc_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
 @pytest.mark.cuda

@@ -31,7 +31,7 @@ def _both(fn, x, w, t, **kw):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("z_loss", [0.0, 1e-3])
-@pytest.mark.parametrize("impl,chunk", [("eager", 7), ("eager", 64), ("compiled", 16)])
+@pytest.mark.parametrize("impl,chunk", [("eager", 7), ("eager", 64), ("triton", 16), ("triton", 50)])
 def test_matches_materialised_cross_entropy_fp32(reduction: str, z_loss: float, impl: str, chunk: int) -> None:
     x, w, t = _inputs(50, 16, 97, torch.float32)
     ref = _both(linear_cross_entropy_reference, x, w, t, reduction=reduction, z_loss=z_loss)
@@ -80,11 +80,37 @@ def test_bad_inputs_fail_closed() -> None:
     with pytest.raises(ValueError, match="share a dtype"):
         fused_linear_cross_entropy(x, w.double(), t)
     with pytest.raises(ValueError, match="impl must be"):
-        fused_linear_cross_entropy(x, w, t, impl="triton")
+        fused_linear_cross_entropy(x, w, t, impl="compiled")
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+def test_inplace_kernel_matches_its_torch_twin(z_loss: float) -> None:
+    """The Triton row kernel against `_ce_grad_torch_`: gradient rows, losses, ignored rows zeroed,
+    a V that is not a multiple of the block, and a large logit range (the online max must hold)."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(9, 203, generator=g) * 30).to(DEV)
+    target = torch.randint(0, 203, (9,), generator=g).to(DEV)
+    target[[1, 6]] = -100
+    scale = torch.tensor(0.25, device=DEV)
+    a, b = logits.clone(), logits.clone()
+    loss_a = L._ce_grad_triton_(a, target, scale, -100, z_loss)
+    loss_b = L._ce_grad_torch_(b, target, scale, -100, z_loss)
+    torch.testing.assert_close(loss_a, loss_b, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert float(a[[1, 6]].abs().max()) == 0.0 and float(loss_a[[1, 6]].abs().max()) == 0.0
+
+
+def test_a_second_backward_fails_instead_of_scaling_twice() -> None:
+    x, w, t = _inputs(12, 8, 13, torch.float32)
+    xa = x.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(xa, w, t, impl="eager")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()
 
 
 @pytest.mark.cuda
-def test_cuda_bf16_compiled_path_matches_reference_and_keeps_logits_out_of_memory() -> None:
+def test_cuda_bf16_triton_path_matches_reference_and_keeps_logits_out_of_memory() -> None:
     x, w, t = _inputs(4096, 1024, 32768, torch.bfloat16)
     ref = _both(linear_cross_entropy_reference, x, w, t)
     torch.cuda.reset_peak_memory_stats()

@@ -121,12 +121,26 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
     return _indexer_op(q.contiguous(), k.contiguous(), w.contiguous())
 
 
-def topk_keys(scores: torch.Tensor, top_k: int, *, causal: bool = False) -> torch.Tensor:
-    """Indices [b, sq, top_k] of each query's highest-scoring keys (future keys excluded when causal)."""
+def topk_keys(scores: torch.Tensor, top_k: int, *, causal: bool = False,
+              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices [b, sq, top_k] of each query's highest-scoring keys.
+
+    causal: future keys are excluded. doc_ids [b, s] (packed rows, sq == sk): keys of another document
+    are excluded. Excluded keys score -inf, so they are picked only when a query has fewer than top_k
+    allowed keys; `allowed_keys` says which picks are real."""
     if not 1 <= top_k <= scores.shape[-1]:
         raise ValueError(f"top_k must be in [1, {scores.shape[-1]}], got {top_k}")
+    return scores.masked_fill(~allowed_keys(scores, causal=causal, doc_ids=doc_ids), float("-inf")).topk(top_k, dim=-1).indices
+
+
+def allowed_keys(scores: torch.Tensor, *, causal: bool = False, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool mask broadcastable to scores [b, sq, sk]: which keys each query may select."""
+    b, sq, sk = scores.shape
+    allowed = torch.ones(1, sq, sk, dtype=torch.bool, device=scores.device)
     if causal:
-        sq, sk = scores.shape[-2:]
-        future = torch.arange(sk, device=scores.device)[None, :] > torch.arange(sq, device=scores.device)[:, None] + (sk - sq)
-        scores = scores.masked_fill(future, float("-inf"))
-    return scores.topk(top_k, dim=-1).indices
+        allowed = allowed & (torch.arange(sk, device=scores.device)[None, :] <= torch.arange(sq, device=scores.device)[:, None] + (sk - sq))
+    if doc_ids is not None:
+        if tuple(doc_ids.shape) != (b, sq) or sq != sk:
+            raise ValueError(f"doc_ids must be [b, s] = [{b}, {sq}] with sq == sk, got {tuple(doc_ids.shape)} (sk={sk})")
+        allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    return allowed

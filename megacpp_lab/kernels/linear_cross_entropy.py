@@ -1,15 +1,17 @@
 """Fused linear cross-entropy: loss and gradients of CE(x @ W.T, y) without the [T, V] logits.
 
-The tokens are walked in chunks of C rows. Each chunk's logits [C, V] (fp32) live only inside the
-chunk: the forward computes the loss and, at once, the chunk's gradient dlogits = softmax - onehot
-(plus the z-loss term), folds it into dx = dlogits @ W and dW += dlogits.T @ x, and drops it. The
-backward only scales the stored dx, dW by the incoming gradient. Memory beyond the inputs: dx, dW and
-one chunk's logits; the chunk size follows a byte budget.
+The tokens are walked in chunks of C rows. One [C, V] buffer (in x's dtype) is reused by every chunk:
+1. logits = x_c @ W.T (cuBLAS) into the buffer;
+2. `_ce_grad_inplace_kernel` (Triton, one program per row) makes two passes over the row: an online
+   max / sum-exp for lse, then it overwrites the logits with dlogits = (softmax * (1 + 2z lse) - onehot)
+   * scale (scale = 1/n_valid for the mean, on the device: no host sync), and writes the row's loss;
+3. dx_c = dlogits @ W and dW += dlogits.T @ x_c (cuBLAS, fp32 accumulation inside each GEMM).
+The backward only scales dx and dW by the incoming gradient, in place. Memory beyond the inputs: dx,
+dW and the one [C, V] buffer; the chunk size follows a byte budget for that buffer.
 
-Dispatch: on CUDA with bf16/fp32 inputs (sm80+) the chunk step runs torch.compile'd (inductor fuses
-the softmax, the target gather and the z-loss term into the GEMM epilogues' neighbours). Anywhere
-else the same chunked math runs eagerly, after a RuntimeWarning: never a crash, never silently.
-The reference is `linear_cross_entropy_reference`, F.cross_entropy over materialised logits.
+Dispatch: on CUDA with bf16/fp32 inputs (sm80+) step 2 is the Triton kernel. Anywhere else the same
+chunked loop runs with a torch version of step 2, after a RuntimeWarning: never a crash, never
+silently. The reference is `linear_cross_entropy_reference`, F.cross_entropy over materialised logits.
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from megacpp_lab.kernels import TRITON_INTERPRET
 
 REDUCTIONS = ("mean", "sum")
-IMPLS = ("auto", "compiled", "eager")
-DEFAULT_CHUNK_BYTES = 128 * 2**20  # one chunk's fp32 logits plus their low-precision gradient copy
+IMPLS = ("auto", "triton", "eager")
+DEFAULT_CHUNK_BYTES = 96 * 2**20  # the one reused [C, V] logits/gradient buffer
+CHUNK_MULTIPLE = 64  # GEMM-tile friendly row count
 
 
 def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
@@ -39,25 +46,62 @@ def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target
     return loss
 
 
-def _chunk_step(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(summed loss of the chunk, dlogits [C, V] in x's dtype) for unscaled (sum) reduction."""
-    logits = (x @ weight.t()).float()
-    lse = torch.logsumexp(logits, dim=-1)
+def _ce_grad_torch_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int,
+                    z_loss: float) -> torch.Tensor:  # fmt: skip
+    """The torch twin of `_ce_grad_inplace_kernel`: logits [C, V] become dlogits * scale; returns row losses."""
+    f = logits.float()
+    lse = torch.logsumexp(f, dim=-1)
     valid = target != ignore_index
     safe = torch.where(valid, target, 0)
-    target_logit = logits.gather(1, safe[:, None]).squeeze(1)
-    loss = torch.where(valid, lse - target_logit + z_loss * lse * lse, 0.0).sum()
-    probs = torch.exp(logits - lse[:, None])
-    grad = probs * (1.0 + 2.0 * z_loss * lse)[:, None]  # d/dlogits of lse - logit_y + z * lse^2
-    grad = grad.scatter_add(1, safe[:, None], -torch.ones_like(lse)[:, None])
-    grad = torch.where(valid[:, None], grad, 0.0)
-    return loss, grad.to(x.dtype)
+    loss = torch.where(valid, lse - f.gather(1, safe[:, None]).squeeze(1) + z_loss * lse * lse, 0.0)
+    grad = torch.exp(f - lse[:, None]) * (1.0 + 2.0 * z_loss * lse)[:, None]  # d/dlogits of lse - logit_y + z lse^2
+    grad.scatter_add_(1, safe[:, None], -torch.ones_like(lse)[:, None])
+    logits.copy_(torch.where(valid[:, None], grad * scale, 0.0))
+    return loss
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_chunk_step():
-    return torch.compile(_chunk_step, dynamic=True)
+@triton.jit
+def _ce_grad_inplace_kernel(
+    logits_ptr, target_ptr, loss_ptr, scale_ptr, stride_row, V, ignore_index, z_loss,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    ptr = logits_ptr + row * stride_row
+    y = tl.load(target_ptr + row)
+    valid = y != ignore_index
+    cols = tl.arange(0, BLOCK_V)
+    # pass 1: per-lane running max and sum of exp, merged once at the end
+    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    acc = tl.zeros((BLOCK_V,), tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        x = tl.load(ptr + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+        acc = acc * alpha + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    lse = m_row + tl.log(tl.sum(acc * tl.exp(m - m_row), axis=0))
+    y_safe = tl.where(valid, y, 0)
+    target_logit = tl.load(ptr + y_safe).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - target_logit + z_loss * lse * lse, 0.0))
+    coef = tl.where(valid, (1.0 + 2.0 * z_loss * lse) * tl.load(scale_ptr), 0.0)
+    hit = tl.where(valid, tl.load(scale_ptr), 0.0)  # the onehot term, scaled alike
+    # pass 2: overwrite the row with its gradient
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        x = tl.load(ptr + c, mask=c < V, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse) * coef - tl.where(c == y_safe, hit, 0.0)
+        tl.store(ptr + c, g.to(logits_ptr.dtype.element_ty), mask=c < V)
+
+
+def _ce_grad_triton_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int,
+                     z_loss: float) -> torch.Tensor:  # fmt: skip
+    C, V = logits.shape
+    loss = torch.empty(C, device=logits.device, dtype=torch.float32)
+    block = 64 if TRITON_INTERPRET else min(4096, triton.next_power_of_2(V))
+    _ce_grad_inplace_kernel[(C,)](logits, target, loss, scale, logits.stride(0), V, ignore_index, z_loss,
+                                  BLOCK_V=block, num_warps=1 if TRITON_INTERPRET else 8)  # fmt: skip
+    return loss
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,10 +111,12 @@ def _warn_fallback(reason: str) -> None:
 
 
 def resolve_impl(impl: str, x: torch.Tensor) -> str:
-    """'compiled' on CUDA with bf16/fp32 on sm80+; otherwise 'eager' with a one-time RuntimeWarning."""
+    """'triton' on CUDA with bf16/fp32 on sm80+; otherwise 'eager' with a one-time RuntimeWarning."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
+        if impl == "triton" and x.device.type != "cuda" and not TRITON_INTERPRET:
+            raise RuntimeError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1); use impl='auto' or 'eager'")
         return impl
     if x.device.type != "cuda":
         _warn_fallback(f"no CUDA device (inputs on {x.device.type})")
@@ -81,37 +127,47 @@ def resolve_impl(impl: str, x: torch.Tensor) -> str:
     if torch.cuda.get_device_capability(x.device) < (8, 0):
         _warn_fallback(f"GPU capability {torch.cuda.get_device_capability(x.device)} is below sm80")
         return "eager"
-    return "compiled"
+    return "triton"
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, ignore_index, reduction, z_loss, chunk, impl):
-        step = _compiled_chunk_step() if impl == "compiled" else _chunk_step
-        T = x.shape[0]
+        grad_step = _ce_grad_triton_ if impl == "triton" else _ce_grad_torch_
+        T, V = x.shape[0], weight.shape[0]
         dx = torch.empty_like(x) if x.requires_grad else None
         dw = torch.zeros_like(weight) if weight.requires_grad else None
-        total = torch.zeros((), device=x.device, dtype=torch.float32)
-        for s in range(0, T, chunk):
-            xc, tc = x[s : s + chunk], target[s : s + chunk]
-            loss, grad = step(xc, weight, tc, ignore_index, z_loss)
-            total = total + loss
-            if dx is not None:
-                torch.mm(grad, weight, out=dx[s : s + chunk])
-            if dw is not None:
-                dw.addmm_(grad.t(), xc)  # fp32 accumulation inside the GEMM, weight dtype between chunks
-        scale = torch.ones((), device=x.device)
+        scale = torch.ones((), device=x.device, dtype=torch.float32)
         if reduction == "mean":  # no host sync: the count stays on the device
             scale = 1.0 / (target != ignore_index).sum().clamp(min=1).float()
-        ctx.save_for_backward(dx, dw, scale)
-        return total * scale
+        buf = x.new_empty((min(chunk, T), V))
+        losses = torch.empty(T, device=x.device, dtype=torch.float32)
+        for s in range(0, T, chunk):
+            xc, tc = x[s : s + chunk], target[s : s + chunk]
+            logits = buf[: xc.shape[0]]
+            torch.mm(xc, weight.t(), out=logits)
+            losses[s : s + chunk] = grad_step(logits, tc, scale, ignore_index, z_loss)  # logits -> dlogits * scale
+            if dx is not None:
+                torch.mm(logits, weight, out=dx[s : s + chunk])
+            if dw is not None:
+                dw.addmm_(logits.t(), xc)  # fp32 accumulation inside the GEMM, weight dtype between chunks
+        del buf
+        ctx.save_for_backward(dx, dw)
+        ctx.backward_done = False
+        return losses.sum() * scale
 
     @staticmethod
     def backward(ctx, g):
-        dx, dw, scale = ctx.saved_tensors
-        s = (g.float() * scale)
-        return (None if dx is None else dx * s.to(dx.dtype), None if dw is None else dw * s.to(dw.dtype),
-                None, None, None, None, None, None)  # fmt: skip
+        if ctx.backward_done:  # the stored gradients are scaled in place: a second pass would scale them twice
+            raise RuntimeError("fused_linear_cross_entropy supports one backward per forward (no retain_graph reuse)")
+        ctx.backward_done = True
+        dx, dw = ctx.saved_tensors
+        s = g.float()
+        if dx is not None:
+            dx.mul_(s.to(dx.dtype))
+        if dw is not None:
+            dw.mul_(s.to(dw.dtype))
+        return dx, dw, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
@@ -120,7 +176,7 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     """Drop-in LM-head loss: x [..., H] hidden states, weight [V, H] (the LM head), target [...] int64.
 
     Returns the scalar loss (mean over non-ignored tokens, or sum) plus z_loss * lse^2 on the same
-    tokens; gradients flow to x and weight. chunk_size defaults to what fits DEFAULT_CHUNK_BYTES."""
+    tokens; gradients flow to x and weight. chunk_size defaults to the rows whose [C, V] buffer fits DEFAULT_CHUNK_BYTES. One backward per forward."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -141,7 +197,8 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     elif t2.numel():
         torch._assert_async(((t2 == ignore_index) | ((t2 >= 0) & (t2 < V))).all(), "target outside [0, V)")
     if chunk_size is None:
-        chunk_size = max(16, min(x2.shape[0], DEFAULT_CHUNK_BYTES // (V * (4 + x.element_size()))))
+        rows = DEFAULT_CHUNK_BYTES // (V * x.element_size())
+        chunk_size = max(16, min(x2.shape[0], rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE or rows))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     which = resolve_impl(impl, x2)
