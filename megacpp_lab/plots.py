@@ -14,7 +14,7 @@ def plot_contenders(receipt: dict[str, Any], metric: str = "ms", *, ax: Any = No
         raise ValueError(f"receipt {receipt['name']!r} has no contender with metric {metric!r}")
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
-    names = [r["contender"] for r in rows]
+    names = [r["contender"] + (f" ({r['inputs']} in)" if "inputs" in r else "") for r in rows]
     values = [r[metric] for r in rows]
     bars = ax.barh(names, values, color="tab:blue")
     ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], padding=3, fontsize=8)

@@ -114,3 +114,17 @@ def test_cuda_bar_shape_parity_without_the_slab() -> None:
     extra = torch.cuda.max_memory_allocated() - base - out.numel() * 4
     assert _rel(out, ref) <= 1e-6
     assert extra < 2**30
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_bar_shape_gradients_match_autograd_through_the_stream(dtype: torch.dtype) -> None:
+    q, k, w = _inputs(4096, 4096, 1, 32, 64, dtype)  # b=1: autograd through the stream keeps every head's scores
+    dS = torch.randn(1, 4096, 4096, generator=torch.Generator(device=DEV).manual_seed(2), device=DEV)
+    grads = []
+    for fn in (indexer_scores_streaming, indexer_scores):
+        args = [t.clone().requires_grad_() for t in (q, k, w)]
+        fn(*args).backward(dS)
+        grads.append([a.grad.float() for a in args])
+    for a, b in zip(grads[1], grads[0]):
+        assert _rel(a, b) <= (1e-5 if dtype == torch.float32 else 1e-2)

@@ -4,8 +4,9 @@
                            (F.cross_entropy), the fused chunked path, and liger-kernel / cut-cross-entropy
                            when they are installed; time and peak extra memory, all from one run
   flce_vocab_sweep.json    the same two built-in contenders against vocabulary size
-  dsa_scores.json/.png     sq=sk=4096, b=8, h=32, d=64, fp32 output: einsum slab, per-head stream, fused
-                           Triton; time, working memory beyond the [b,sq,sk] output, drift
+  dsa_scores.json/.png     sq=sk=4096, b=8, h=32, d=64, fp32 output, bf16 and fp32 inputs: einsum slab,
+                           per-head stream, fused Triton (and its fwd+bwd); time, working memory beyond the
+                           [b,sq,sk] output, drift
   dsa_seq_sweep.json       the three against sequence length
 """
 
@@ -81,28 +82,49 @@ def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dt
 
 
 def bench_dsa(sq: int = 4096, b: int = 8, h: int = 32, d: int = 64, *, device: str = "cuda", rep: int = 10,
-              slab_max_bytes: int = 48 * 2**30) -> dict[str, Any]:  # fmt: skip
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(sq, b, h, d, generator=g, device=device)
-    k = torch.randn(sq, b, d, generator=g, device=device)
-    w = torch.randn(sq, b, h, generator=g, device=device)
+              slab_max_bytes: int = 48 * 2**30, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
+              backward: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Every contender for each input dtype (the output is fp32 throughout). The bar is read on the bf16 fused row."""
     out_mib = b * sq * sq * 4 / 2**20
-    ref = indexer_scores_streaming(q, k, w)
-    contenders = {"per-head stream": indexer_scores_streaming, "fused triton": indexer_scores}
-    if sq * b * h * sq * 4 <= slab_max_bytes:
-        contenders = {"einsum slab": indexer_scores_reference, **contenders}
     results = []
-    for name, fn in contenders.items():
-        row: dict[str, Any] = {"contender": name, "ms": time_ms(lambda fn=fn: fn(q, k, w), warmup=2, rep=rep, device=device)}
-        if device == "cuda":
-            row["peak_mib"] = peak_extra_mib(lambda fn=fn: fn(q, k, w)) - out_mib  # working memory beyond the output
-        row["rel_err"] = float((fn(q, k, w) - ref).norm() / ref.norm())
-        results.append(row)
-    main = next(r for r in results if r["contender"] == "fused triton")
-    return make_receipt("dsa_scores", "dsa", shape={"sq": sq, "sk": sq, "b": b, "h": h, "d": d}, dtype=torch.float32,
+    for dtype in dtypes:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(sq, b, h, d, generator=g, device=device).to(dtype)
+        k = torch.randn(sq, b, d, generator=g, device=device).to(dtype)
+        w = torch.randn(sq, b, h, generator=g, device=device).to(dtype)
+        ref = indexer_scores_streaming(q, k, w)
+        contenders = {"per-head stream": indexer_scores_streaming, "fused triton": indexer_scores}
+        if sq * b * h * sq * 4 <= slab_max_bytes:
+            contenders = {"einsum slab": indexer_scores_reference, **contenders}
+        for name, fn in contenders.items():
+            row: dict[str, Any] = {"contender": name, "inputs": str(dtype).removeprefix("torch."),
+                                   "ms": time_ms(lambda fn=fn: fn(q, k, w), warmup=2, rep=rep, device=device)}  # fmt: skip
+            if device == "cuda":
+                row["peak_mib"] = peak_extra_mib(lambda fn=fn: fn(q, k, w)) - out_mib  # working memory beyond the output
+            row["rel_err"] = float((fn(q, k, w) - ref).norm() / ref.norm())
+            results.append(row)
+        if backward:  # the fused op's forward+backward (head-streaming torch backward), timed for the record
+            qg, kg, wg = (t.clone().requires_grad_() for t in (q, k, w))
+            dS = torch.randn(b, sq, sq, generator=g, device=device)
+
+            def fwd_bwd() -> None:
+                for t in (qg, kg, wg):
+                    t.grad = None
+                indexer_scores(qg, kg, wg).backward(dS)
+
+            row = {"contender": "fused triton fwd+bwd", "inputs": str(dtype).removeprefix("torch."),
+                   "ms": time_ms(fwd_bwd, warmup=1, rep=max(2, rep // 3), device=device)}  # fmt: skip
+            if device == "cuda":
+                row["peak_mib"] = peak_extra_mib(fwd_bwd) - out_mib
+            results.append(row)
+    main = next(r for r in results if r["contender"] == "fused triton" and r["inputs"] == str(dtypes[0]).removeprefix("torch."))
+    return make_receipt("dsa_scores", "dsa", shape={"sq": sq, "sk": sq, "b": b, "h": h, "d": d}, dtype=dtypes[0],
                         results=results, device=device, bar=DSA_BAR,
                         meets_bar={k: bool(main.get(k, 0) <= v) for k, v in DSA_BAR.items()},
-                        notes="forward only; peak_mib = peak extra memory minus the [b,sq,sk] fp32 output; rel_err vs the per-head stream")  # fmt: skip
+                        notes=("inputs = q, k, w dtype; output fp32 always; bar read on the fused row of the first input dtype; "
+                               "peak_mib = peak extra memory minus the [b,sq,sk] fp32 output (for fwd+bwd it also holds the "
+                               "gradients); rel_err = ||out - ref|| / ||ref|| against the per-head stream on the same inputs; "
+                               "the fused kernel runs 3xTF32 for fp32 inputs"))  # fmt: skip
 
 
 def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool = True, which: str = "loss") -> list[Path]:
@@ -128,12 +150,13 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
                                                                                   "V": [s["shape"]["V"] for s in sweep]},
                                                   dtype=dtype, results=rows, device=device), root))  # fmt: skip
     else:
-        main = bench_dsa(*((32, 1, 2, 16) if small else (4096, 8, 32, 64)), device=device, rep=2 if small else 10)
+        dtypes = (torch.float32,) if device == "cpu" else (torch.bfloat16, torch.float32)
+        main = bench_dsa(*((32, 1, 2, 16) if small else (4096, 8, 32, 64)), device=device, rep=2 if small else 10, dtypes=dtypes)
         written.append(write_receipt(main, root))
         written.append(save_figure(plot_contenders(main, "ms"), written[-1].with_suffix(".png")))
-        sweep = [bench_dsa(s, *((1, 2, 16) if small else (8, 32, 64)), device=device, rep=3)
+        sweep = [bench_dsa(s, *((1, 2, 16) if small else (8, 32, 64)), device=device, rep=3, dtypes=dtypes[:1], backward=False)
                  for s in ((16, 32) if small else (1024, 2048, 4096, 8192))]  # fmt: skip
         rows = [{**r, "S": s["shape"]["sq"]} for s in sweep for r in s["results"]]
         written.append(write_receipt(make_receipt("dsa_seq_sweep", "dsa", shape={**sweep[0]["shape"], "sq": [s["shape"]["sq"] for s in sweep]},
-                                                  dtype=torch.float32, results=rows, device=device), root))  # fmt: skip
+                                                  dtype=dtypes[0], results=rows, device=device), root))  # fmt: skip
     return written
