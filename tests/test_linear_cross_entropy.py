@@ -100,6 +100,30 @@ def test_inplace_kernel_matches_its_torch_twin(z_loss: float) -> None:
     assert float(a[[1, 6]].abs().max()) == 0.0 and float(loss_a[[1, 6]].abs().max()) == 0.0
 
 
+def test_no_grad_computes_the_loss_without_the_gradient_gemms() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x, w, t = _inputs(20, 8, 13, torch.float32)
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.no_grad(), Ops() as ops:
+        loss = fused_linear_cross_entropy(xa, wa, t, chunk_size=8, impl="eager")
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(x, w, t))
+    assert sum("mm" in op for op in ops.seen) == 3  # one logits GEMM per chunk, no dx / dW GEMMs
+    with Ops() as ops:
+        fused_linear_cross_entropy(xa, wa, t, chunk_size=8, impl="eager")
+    assert sum("mm" in op for op in ops.seen) == 9
+
+
 def test_a_second_backward_fails_instead_of_scaling_twice() -> None:
     x, w, t = _inputs(12, 8, 13, torch.float32)
     xa = x.clone().requires_grad_()

@@ -3,11 +3,13 @@
   flce_fwd_bwd.json/.png   T=8192, H=4096, V=151552, bf16, forward+backward: materialised logits
                            (F.cross_entropy), the fused chunked path, and liger-kernel / cut-cross-entropy
                            when they are installed; time and peak extra memory, all from one run
-  flce_vocab_sweep.json    the same two built-in contenders against vocabulary size
+  flce_vocab_sweep.json/.png  materialised and fused (default chunk) against vocabulary size
+  flce.*.pt.trace.json     profiler trace of the fused loss forward+backward (T=2048)
   dsa_scores.json/.png     sq=sk=4096, b=8, h=32, d=64, fp32 output, bf16 and fp32 inputs: einsum slab,
                            per-head stream, fused Triton (and its fwd+bwd); time, working memory beyond the
                            [b,sq,sk] output, drift
-  dsa_seq_sweep.json       the three against sequence length
+  dsa_seq_sweep.json/.png  the three against sequence length (bf16 inputs)
+  dsa_scores.*.pt.trace.json  profiler trace of the fused scores forward+backward (b=1)
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from typing import Any, Callable
 import torch
 
 from megacpp_lab.kernels.dsa_indexer import indexer_scores, indexer_scores_reference, indexer_scores_streaming
-from megacpp_lab.kernels.linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
-from megacpp_lab.profiling import peak_extra_mib, time_ms
-from megacpp_lab.receipts import make_receipt, profiles_dir, write_receipt
+from megacpp_lab.kernels.linear_cross_entropy import (
+    default_chunk_size,
+    fused_linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
+from megacpp_lab.receipts import device_slug, make_receipt, profiles_dir, write_receipt
 
 FLCE_BAR = {"ms": 60.0, "peak_mib": 1.3 * 1024}
 DSA_BAR = {"ms": 10.0, "peak_mib": 1024.0}
@@ -60,25 +66,36 @@ def _measure(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], de
 
 
 def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dtype = torch.bfloat16,
-               device: str = "cuda", rep: int = 5, peers: bool = True) -> dict[str, Any]:  # fmt: skip
+               device: str = "cuda", rep: int = 5, peers: bool = True, chunk_sizes: tuple[int, ...] = (),
+               progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Forward+backward of the mean CE: materialised logits, the fused path at its default chunk (the bar
+    row) and at each of chunk_sizes (the time / memory trade), and the installed peers."""
+    from tqdm.auto import tqdm
+
     g = torch.Generator(device=device).manual_seed(0)
     x = (torch.randn(T, H, generator=g, device=device) / H**0.25).to(dtype).requires_grad_()
     w = (torch.randn(V, H, generator=g, device=device) / H**0.5).to(dtype).requires_grad_()
     t = torch.randint(0, V, (T,), generator=g, device=device)
     ref_loss = float(linear_cross_entropy_reference(x.detach(), w.detach(), t))
-    contenders = {"materialised logits": lambda: linear_cross_entropy_reference(x, w, t),
-                  "fused (chunked)": lambda: fused_linear_cross_entropy(x, w, t)}  # fmt: skip
+    contenders: dict[str, tuple[Callable[[], torch.Tensor], dict[str, Any]]] = {
+        "materialised logits": (lambda: linear_cross_entropy_reference(x, w, t), {}),
+        "fused (default chunk)": (lambda: fused_linear_cross_entropy(x, w, t), {"chunk_size": default_chunk_size(T, V, dtype)}),
+    }  # fmt: skip
+    for c in chunk_sizes:
+        contenders[f"fused (chunk={c})"] = (lambda c=c: fused_linear_cross_entropy(x, w, t, chunk_size=c), {"chunk_size": c})
     if peers:
-        contenders |= {name: (lambda fn=fn: fn(x, w, t)) for name, fn in _peers().items()}
+        contenders |= {name: (lambda fn=fn: fn(x, w, t), {}) for name, fn in _peers().items()}
     results = []
-    for name, fn in contenders.items():
-        row: dict[str, Any] = {"contender": name, **_measure(fn, [x, w], device, rep)}
+    for name, (fn, extra) in tqdm(contenders.items(), desc=f"flce V={V}", disable=not progress):
+        row: dict[str, Any] = {"contender": name, **extra, **_measure(fn, [x, w], device, rep)}
         row["rel_err"] = abs(float(fn().detach()) - ref_loss) / abs(ref_loss)
         results.append(row)
-    main = next(r for r in results if r["contender"] == "fused (chunked)")
+    main = next(r for r in results if r["contender"] == "fused (default chunk)")
     return make_receipt("flce_fwd_bwd", "loss", shape={"T": T, "H": H, "V": V}, dtype=dtype, results=results,
                         device=device, bar=FLCE_BAR, meets_bar={k: bool(main.get(k, 0) <= v) for k, v in FLCE_BAR.items()},
-                        notes="forward+backward of the mean CE; rel_err = loss vs the materialised fp32-logit loss")  # fmt: skip
+                        notes=("forward+backward of the mean CE; peak_mib = peak extra memory of one step, dW and dx "
+                               "included; rel_err = loss vs the materialised fp32-logit loss; the bar is read on the "
+                               "default-chunk row, the chunk rows show the time / memory trade"))  # fmt: skip
 
 
 def bench_dsa(sq: int = 4096, b: int = 8, h: int = 32, d: int = 64, *, device: str = "cuda", rep: int = 10,
@@ -131,7 +148,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     import matplotlib
 
     matplotlib.use("Agg")
-    from megacpp_lab.plots import plot_contenders, save_figure
+    from megacpp_lab.plots import plot_contenders, plot_sweep, save_figure
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not small:
@@ -140,23 +157,48 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     written: list[Path] = []
     if which == "loss":
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        main = bench_flce(*((64, 32, 512) if small else (8192, 4096, 151552)), dtype=dtype, device=device, rep=2 if small else 5)
+        T, H = (64, 32) if small else (8192, 4096)
+        main = bench_flce(T, H, 512 if small else 151552, dtype=dtype, device=device, rep=2 if small else 5,
+                          chunk_sizes=(16, 32) if small else (128, 384, 512, 1024))  # fmt: skip
         written.append(write_receipt(main, root))
         written.append(save_figure(plot_contenders(main, "ms"), written[-1].with_suffix(".png")))
-        sweep = [bench_flce(64 if small else 8192, 32 if small else 4096, V, dtype=dtype, device=device, rep=2, peers=False)
+        sweep = [bench_flce(T, H, V, dtype=dtype, device=device, rep=2, peers=False, progress=False)
                  for V in ((256, 512) if small else (32768, 65536, 131072, 151552))]  # fmt: skip
-        rows = [{**r, "V": s["shape"]["V"]} for s in sweep for r in s["results"]]
-        written.append(write_receipt(make_receipt("flce_vocab_sweep", "loss", shape={"T": sweep[0]["shape"]["T"], "H": sweep[0]["shape"]["H"],
-                                                                                  "V": [s["shape"]["V"] for s in sweep]},
-                                                  dtype=dtype, results=rows, device=device), root))  # fmt: skip
+        rows = [{**r, "shape": s["shape"]} for s in sweep for r in s["results"]]
+        vs = make_receipt("flce_vocab_sweep", "loss", shape={"T": T, "H": H, "V": [s["shape"]["V"] for s in sweep]},
+                          dtype=dtype, results=rows, device=device)  # fmt: skip
+        written.append(write_receipt(vs, root))
+        written.append(save_figure(plot_sweep(vs, "V", "peak_mib" if device == "cuda" else "ms"), written[-1].with_suffix(".png")))
+        if trace:
+            g = torch.Generator(device=device).manual_seed(0)
+            Tt, V = (64, 512) if small else (2048, 151552)
+            x = torch.randn(Tt, H, generator=g, device=device).to(dtype).requires_grad_()
+            w = (torch.randn(V, H, generator=g, device=device) / H**0.5).to(dtype).requires_grad_()
+            t = torch.randint(0, V, (Tt,), generator=g, device=device)
+            path, _ = profile_trace(lambda: fused_linear_cross_entropy(x, w, t).backward(), root / device_slug(main["device"]) / "loss",
+                                    "flce", steps=1, warmup=1)  # fmt: skip
+            written.append(path)
     else:
         dtypes = (torch.float32,) if device == "cpu" else (torch.bfloat16, torch.float32)
-        main = bench_dsa(*((32, 1, 2, 16) if small else (4096, 8, 32, 64)), device=device, rep=2 if small else 10, dtypes=dtypes)
+        b, h, d = (1, 2, 16) if small else (8, 32, 64)
+        main = bench_dsa(32 if small else 4096, b, h, d, device=device, rep=2 if small else 10, dtypes=dtypes)
         written.append(write_receipt(main, root))
         written.append(save_figure(plot_contenders(main, "ms"), written[-1].with_suffix(".png")))
-        sweep = [bench_dsa(s, *((1, 2, 16) if small else (8, 32, 64)), device=device, rep=3, dtypes=dtypes[:1], backward=False)
+        sweep = [bench_dsa(s, b, h, d, device=device, rep=3, dtypes=dtypes[:1], backward=False)
                  for s in ((16, 32) if small else (1024, 2048, 4096, 8192))]  # fmt: skip
-        rows = [{**r, "S": s["shape"]["sq"]} for s in sweep for r in s["results"]]
-        written.append(write_receipt(make_receipt("dsa_seq_sweep", "dsa", shape={**sweep[0]["shape"], "sq": [s["shape"]["sq"] for s in sweep]},
-                                                  dtype=dtypes[0], results=rows, device=device), root))  # fmt: skip
+        rows = [{**r, "shape": s["shape"]} for s in sweep for r in s["results"]]
+        seqs = [s["shape"]["sq"] for s in sweep]
+        ss = make_receipt("dsa_seq_sweep", "dsa", shape={"sq": seqs, "sk": seqs, "b": b, "h": h, "d": d},
+                          dtype=dtypes[0], results=rows, device=device,
+                          notes="sq = sk in every row; inputs in the first dtype, fp32 output")  # fmt: skip
+        written.append(write_receipt(ss, root))
+        written.append(save_figure(plot_sweep(ss, "sq", "ms"), written[-1].with_suffix(".png")))
+        if trace:
+            g = torch.Generator(device=device).manual_seed(0)
+            S = 32 if small else 4096
+            q, k, w = (torch.randn(*shape, generator=g, device=device).to(dtypes[0]).requires_grad_()
+                       for shape in ((S, 1, h, d), (S, 1, d), (S, 1, h)))  # fmt: skip
+            path, _ = profile_trace(lambda: indexer_scores(q, k, w).sum().backward(), root / device_slug(main["device"]) / "dsa",
+                                    "dsa_scores", steps=1, warmup=1)  # fmt: skip
+            written.append(path)
     return written

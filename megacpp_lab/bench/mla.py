@@ -83,23 +83,27 @@ def _rope_cases(s: RopeShape, dtype: torch.dtype, device: str) -> list[dict[str,
     kv_bwd_bytes = (N * H * (dn + dr) + N * H * dv + N * H * (dn + dv) + N * dr) * b
     return [
         {"kernel": "mla_q_fwd", "bytes": rope_bytes,
-         "triton": lambda: R._mla_rope_q_op(q, cos, sin, None, None, dn, False), "compiled": lambda: compiled["q"](q, False)},
+         "triton": lambda: R._mla_rope_q_op(q, cos, sin, None, None, dn, False), "compiled": lambda: compiled["q"](q, False),
+         "autotuner": R._mla_rope_q_kernel},
         {"kernel": "mla_q_bwd", "bytes": rope_bytes,
-         "triton": lambda: R._mla_rope_q_op(q, cos, sin, None, None, dn, True), "compiled": lambda: compiled["q"](q, True)},
+         "triton": lambda: R._mla_rope_q_op(q, cos, sin, None, None, dn, True), "compiled": lambda: compiled["q"](q, True),
+         "autotuner": R._mla_rope_q_kernel},
         {"kernel": "mla_q_fwd_thd", "bytes": rope_bytes,
          "triton": lambda: R._launch_mla_rope_q(q_thd, cos, sin, None, cu, dn, False, check=False),
          "triton + cu_seqlens checks": lambda: R._mla_rope_q_op(q_thd, cos, sin, None, cu, dn, False),
-         "compiled": lambda: compiled["q_thd"](q_thd)},
+         "compiled": lambda: compiled["q_thd"](q_thd), "autotuner": R._mla_rope_q_kernel},
         {"kernel": "mla_kv_fwd", "bytes": kv_fwd_bytes,
          "triton": lambda: R._mla_rope_kv_fwd_op(kv.view(N, H, -1), k_pe.reshape(N, dr), cos, sin, None, None, s.T, dn),
-         "compiled": lambda: compiled["kv"](kv, k_pe)},
+         "compiled": lambda: compiled["kv"](kv, k_pe), "autotuner": R._mla_rope_kv_fwd_kernel},
         {"kernel": "mla_kv_bwd", "bytes": kv_bwd_bytes,
          "triton": lambda: R._mla_rope_kv_bwd_op(dkey, dval, cos, sin, None, None, s.T, dn, dtype),
-         "compiled": lambda: compiled["kv_bwd"](dkey, dval)},
+         "compiled": lambda: compiled["kv_bwd"](dkey, dval), "autotuner": R._mla_rope_kv_bwd_kernel},
         {"kernel": "gqa_qk_fwd", "bytes": qk_bytes,
-         "triton": lambda: R._rope_qk_op(qg, kg, cos_g, sin_g, None, None, s.T, False), "compiled": lambda: compiled["qk"](qg, kg, False)},
+         "triton": lambda: R._rope_qk_op(qg, kg, cos_g, sin_g, None, None, s.T, False), "compiled": lambda: compiled["qk"](qg, kg, False),
+         "autotuner": R._rope_qk_kernel},
         {"kernel": "gqa_qk_bwd", "bytes": qk_bytes,
-         "triton": lambda: R._rope_qk_op(qg, kg, cos_g, sin_g, None, None, s.T, True), "compiled": lambda: compiled["qk"](qg, kg, True)},
+         "triton": lambda: R._rope_qk_op(qg, kg, cos_g, sin_g, None, None, s.T, True), "compiled": lambda: compiled["qk"](qg, kg, True),
+         "autotuner": R._rope_qk_kernel},
     ]  # fmt: skip
 
 
@@ -124,6 +128,8 @@ def bench_rope(s: RopeShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bfloat16
             rows[contender] = {"contender": name, "kernel": case["kernel"], "bytes": case["bytes"], "ms": ms,
                                "gb_per_s": case["bytes"] / ms / 1e6,
                                "ms_eager_launch": time_ms(fn, warmup=2, rep=rep, device=device)}  # fmt: skip
+            if contender == "triton" and getattr(case["autotuner"], "best_config", None) is not None:
+                rows[contender]["config"] = str(case["autotuner"].best_config)  # what autotune picked in this run
         for contender in [c for c in rows if c != "copy"]:
             rows[contender]["pct_of_copy"] = 100.0 * rows["copy"]["ms"] / rows[contender]["ms"]
         rows["triton"]["speedup"] = rows["compiled"]["ms"] / rows["triton"]["ms"]

@@ -28,7 +28,10 @@ from megacpp_lab.kernels import TRITON_INTERPRET
 
 REDUCTIONS = ("mean", "sum")
 IMPLS = ("auto", "triton", "eager")
-DEFAULT_CHUNK_BYTES = 96 * 2**20  # the one reused [C, V] logits/gradient buffer
+# The one reused [C, V] logits/gradient buffer. 80 MiB gives C = 256 at V = 151552 in bf16: with dW (V x H)
+# and dx that keeps the LM-head loss under 1.3 GiB of extra memory at T=8192, H=4096. A larger chunk
+# is faster (fewer passes over W and dW; see profiles/*/loss/flce_fwd_bwd.json) and costs C * V * 2 bytes.
+DEFAULT_CHUNK_BYTES = 80 * 2**20
 CHUNK_MULTIPLE = 64  # GEMM-tile friendly row count
 
 
@@ -132,11 +135,11 @@ def resolve_impl(impl: str, x: torch.Tensor) -> str:
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, ignore_index, reduction, z_loss, chunk, impl):
+    def forward(ctx, x, weight, target, ignore_index, reduction, z_loss, chunk, impl, need_dx, need_dw):
         grad_step = _ce_grad_triton_ if impl == "triton" else _ce_grad_torch_
         T, V = x.shape[0], weight.shape[0]
-        dx = torch.empty_like(x) if x.requires_grad else None
-        dw = torch.zeros_like(weight) if weight.requires_grad else None
+        dx = torch.empty_like(x) if need_dx else None
+        dw = torch.zeros_like(weight) if need_dw else None
         scale = torch.ones((), device=x.device, dtype=torch.float32)
         if reduction == "mean":  # no host sync: the count stays on the device
             scale = 1.0 / (target != ignore_index).sum().clamp(min=1).float()
@@ -167,7 +170,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             dx.mul_(s.to(dx.dtype))
         if dw is not None:
             dw.mul_(s.to(dw.dtype))
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
+
+
+def default_chunk_size(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
+    """Rows per chunk whose [C, V] buffer fits DEFAULT_CHUNK_BYTES, rounded down to CHUNK_MULTIPLE."""
+    rows = DEFAULT_CHUNK_BYTES // (vocab * torch.tensor([], dtype=dtype).element_size())
+    return max(16, min(n_tokens, rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE or rows))
 
 
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
@@ -197,9 +206,10 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     elif t2.numel():
         torch._assert_async(((t2 == ignore_index) | ((t2 >= 0) & (t2 < V))).all(), "target outside [0, V)")
     if chunk_size is None:
-        rows = DEFAULT_CHUNK_BYTES // (V * x.element_size())
-        chunk_size = max(16, min(x2.shape[0], rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE or rows))
+        chunk_size = default_chunk_size(x2.shape[0], V, x.dtype)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     which = resolve_impl(impl, x2)
-    return _FusedLinearCrossEntropy.apply(x2, weight, t2, ignore_index, reduction, float(z_loss), int(chunk_size), which)
+    grad_on = torch.is_grad_enabled()  # under no_grad the gradients are not computed at all
+    return _FusedLinearCrossEntropy.apply(x2, weight, t2, ignore_index, reduction, float(z_loss), int(chunk_size), which,
+                                          grad_on and x2.requires_grad, grad_on and weight.requires_grad)  # fmt: skip
