@@ -44,7 +44,8 @@ def _peers() -> dict[str, Callable[..., torch.Tensor]]:
     try:
         from cut_cross_entropy import linear_cross_entropy
 
-        peers["cut-cross-entropy"] = lambda x, w, t: linear_cross_entropy(x, w, t)
+        peers["cut-cross-entropy"] = lambda x, w, t: linear_cross_entropy(x, w, t)  # its default: gradient filtering
+        peers["cut-cross-entropy (filter_eps=None)"] = lambda x, w, t: linear_cross_entropy(x, w, t, filter_eps=None)  # exact
     except ImportError:
         pass
     return peers
