@@ -160,41 +160,46 @@ def _mla_rope_q_kernel(
 
 def _kv_fwd_configs() -> list[triton.Config]:
     if TRITON_INTERPRET:
-        return [triton.Config({"BLOCK_H": 2}, num_warps=1)]
-    # H100 sweep (bench shape, CUDA-graph timing): one token per program and wide head blocks win; several
-    # tokens per program, or 8-head blocks, were 2-15% slower
-    return [triton.Config({"BLOCK_H": bh}, num_warps=w) for bh in (16, 32, 64) for w in (4, 8)]
+        return [triton.Config({"BLOCK_H": 2, "BLOCK_N": 2}, num_warps=1)]
+    # H100 sweep (bench shape, CUDA-graph timing): one token per program and wide head blocks win; 2 or 4
+    # tokens per program, or 8-head blocks, were 2-15% slower. BLOCK_N stays a parameter (and its masks,
+    # which this sweep measured as part of the fastest variant); the interpreter runs BLOCK_N=2.
+    return [triton.Config({"BLOCK_H": bh, "BLOCK_N": 1}, num_warps=w) for bh in (16, 32, 64) for w in (4, 8)]
 
 
 @triton.autotune(configs=_kv_fwd_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
 @triton.jit
 def _mla_rope_kv_fwd_kernel(
-    kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, n_seqs, seq_len, stride_kpe, H,
+    kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, N, n_seqs, seq_len, stride_kpe, H,
     D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
-    SEARCH: tl.constexpr, BLOCK_H: tl.constexpr,
+    SEARCH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # one program per (token, block of BLOCK_H heads)
+    # one program per (BLOCK_N tokens, block of BLOCK_H heads)
     HALF: tl.constexpr = D_ROPE // 2
     DKV: tl.constexpr = D_NOPE + D_V
     DK: tl.constexpr = D_NOPE + D_ROPE
-    n = tl.program_id(0).to(tl.int64)
     rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (rh < H)[:, None]
     rn = tl.arange(0, D_NOPE)
     ri = tl.arange(0, HALF)
-    dst = k_ptr + n * H * DK + rh[:, None] * DK
-    # the bulk copy's loads go out first; the rope row's chain (position, tables, k_pe) overlaps them
-    k_nope = tl.load(kv_ptr + n * H * DKV + rh[:, None] * DKV + rn[None, :], mask=mask, eviction_policy="evict_first")
-    x1 = tl.load(kpe_ptr + n * stride_kpe + ri).to(tl.float32)
-    x2 = tl.load(kpe_ptr + n * stride_kpe + HALF + ri).to(tl.float32)
-    pos = _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
-    c = tl.load(cos_ptr + pos * HALF + ri)
-    s = tl.load(sin_ptr + pos * HALF + ri)
-    y1, y2 = _rotate(x1, x2, c, s, False)  # the one shared row, rotated once per program
-    # [y1 | y2] as one row, so each head gets one contiguous D_ROPE store
-    row = tl.reshape(tl.permute(tl.join(y1, y2), (1, 0)), (D_ROPE,)).to(k_ptr.dtype.element_ty)[None, :]
-    tl.store(dst + rn[None, :], k_nope, mask=mask)
-    tl.store(dst + D_NOPE + tl.arange(0, D_ROPE)[None, :], tl.broadcast_to(row, (BLOCK_H, D_ROPE)), mask=mask)
+    for i in tl.static_range(BLOCK_N):
+        n = tl.program_id(0).to(tl.int64) * BLOCK_N + i
+        live = (n + 0 * ri) < N  # as a vector: the interpreter rejects a scalar bool in a mask
+        mask = (rh < H)[:, None] & (n + 0 * rn < N)[None, :]
+        dst = k_ptr + n * H * DK + rh[:, None] * DK
+        # the bulk copy's loads go out first; the rope row's chain (position, tables, k_pe) overlaps them
+        k_nope = tl.load(kv_ptr + n * H * DKV + rh[:, None] * DKV + rn[None, :], mask=mask, eviction_policy="evict_first")
+        x1 = tl.load(kpe_ptr + n * stride_kpe + ri, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(kpe_ptr + n * stride_kpe + HALF + ri, mask=live, other=0.0).to(tl.float32)
+        pos = _token_position(tl.minimum(n, N - 1), pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE, SEARCH)
+        c = tl.load(cos_ptr + pos * HALF + ri)
+        s = tl.load(sin_ptr + pos * HALF + ri)
+        y1, y2 = _rotate(x1, x2, c, s, False)  # the one shared row, rotated once per program
+        # [y1 | y2] as one row, so each head gets one contiguous D_ROPE store
+        row = tl.reshape(tl.permute(tl.join(y1, y2), (1, 0)), (D_ROPE,)).to(k_ptr.dtype.element_ty)[None, :]
+        tl.store(dst + rn[None, :], k_nope, mask=mask)
+        rr = tl.arange(0, D_ROPE)
+        mask_r = (rh < H)[:, None] & (n + 0 * rr < N)[None, :]
+        tl.store(dst + D_NOPE + rr[None, :], tl.broadcast_to(row, (BLOCK_H, D_ROPE)), mask=mask_r)
 
 
 @triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
@@ -404,9 +409,9 @@ def _mla_rope_kv_fwd_op(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
     d_rope = k_pe.shape[-1]
     key = kv.new_empty((N, H, d_nope + d_rope))
     mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, kv.device, cos.shape[0])
-    grid = lambda meta: (N, triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
     _mla_rope_kv_fwd_kernel[grid](
-        kv, k_pe, cos, sin, pos, cu, key, n_seqs, sl, k_pe.stride(0), H,
+        kv, k_pe, cos, sin, pos, cu, key, N, n_seqs, sl, k_pe.stride(0), H,
         D_NOPE=d_nope, D_V=DKV - d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH=steps,
     )  # fmt: skip
     return key
