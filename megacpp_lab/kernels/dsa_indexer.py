@@ -7,7 +7,9 @@ Three paths, one contract:
 - `indexer_scores_streaming`: one head at a time into an fp32 accumulator (one [b, sq, sk] temporary);
 - `indexer_scores` (Triton): each program owns a [BLOCK_M, BLOCK_N] tile of the output, keeps the k tile
   in registers and loops over heads, so neither the slab nor a per-head temporary exists. Its
-  backward streams over heads (recomputing q_h . k), with no slab either.
+  backward is two Triton kernels that recompute q_h . k tile by tile: dq and dw per (head, query
+  block), dk per key block over every query and head; no slab and no [b,sq,sk] temporary beyond dS.
+  `indexer_scores_backward_reference` is the torch twin that streams over heads.
 `topk_keys` picks the keys per query that the scores rank highest (optionally causal).
 """
 
@@ -83,14 +85,11 @@ def _(q, k, w):
     return q.new_empty((q.shape[1], q.shape[0], k.shape[0]), dtype=torch.float32)
 
 
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _backward(ctx, dS):
-    """Streams over heads, recomputing q_h . k: one [b,sq,sk] temporary at a time, never the slab."""
-    q, k, w = ctx.saved_tensors
-    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math (fp64 stays fp64 for gradcheck)
+def indexer_scores_backward_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                                      dS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dq, dk, dw) streaming over heads in torch, recomputing q_h . k: one [b,sq,sk] temporary at a time,
+    never the slab. fp32 math (fp64 stays fp64, for gradcheck). The Triton backward's reference."""
+    acc = torch.promote_types(q.dtype, torch.float32)
     qf, kf, wf = q.to(acc).permute(1, 2, 0, 3), k.to(acc).permute(1, 0, 2), w.to(acc).permute(1, 0, 2)  # [b,h,sq,d] [b,sk,d] [b,sq,h]
     dS = dS.to(acc)
     dq = torch.empty_like(qf)
@@ -103,6 +102,104 @@ def _backward(ctx, dS):
         dq[:, h] = torch.bmm(g, kf)
         dk.add_(torch.bmm(g.transpose(1, 2), qf[:, h]))
     return (dq.permute(2, 0, 1, 3).to(q.dtype), dk.permute(1, 0, 2).to(k.dtype), dw.permute(1, 0, 2).to(w.dtype))
+
+
+def _bwd_configs() -> list[triton.Config]:
+    if TRITON_INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]  # fmt: skip
+
+
+@triton.autotune(configs=_bwd_configs(), key=["SQ", "SK", "H", "D", "PRECISION"])
+@triton.jit
+def _indexer_bwd_dq_dw_kernel(
+    q_ptr, k_ptr, w_ptr, ds_ptr, dq_ptr, dw_ptr, SQ, SK, B,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # one program per (head, query block, batch); the head is the fastest grid axis, so the H programs
+    # that read the same dS rows run together and share them through L2
+    h = tl.program_id(0)
+    b = tl.program_id(2)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, D)
+    mm = rm < SQ
+    qh = tl.load(q_ptr + ((rm[:, None] * B + b) * H + h) * D + rd[None, :], mask=mm[:, None], other=0.0)
+    wh = tl.load(w_ptr + (rm * B + b) * H + h, mask=mm, other=0.0).to(tl.float32)
+    dq = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    dw = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, SK, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        mn = rn < SK
+        kt = tl.load(k_ptr + (rn[:, None] * B + b) * D + rd[None, :], mask=mn[:, None], other=0.0)  # [BN, D]
+        ds = tl.load(ds_ptr + (b * SQ + rm[:, None]) * SK + rn[None, :], mask=mm[:, None] & mn[None, :], other=0.0)
+        s = tl.dot(qh, tl.trans(kt), input_precision=PRECISION)
+        dw += tl.sum(ds * tl.maximum(s, 0.0), axis=1)
+        g = tl.where(s > 0, ds * wh[:, None], 0.0)
+        dq = tl.dot(g.to(kt.dtype), kt, dq, input_precision=PRECISION)
+    tl.store(dq_ptr + ((rm[:, None] * B + b) * H + h) * D + rd[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mm[:, None])
+    tl.store(dw_ptr + (rm * B + b) * H + h, dw.to(dw_ptr.dtype.element_ty), mask=mm)
+
+
+@triton.autotune(configs=_bwd_configs(), key=["SQ", "SK", "H", "D", "PRECISION"])
+@triton.jit
+def _indexer_bwd_dk_kernel(
+    q_ptr, k_ptr, w_ptr, ds_ptr, dk_ptr, SQ, SK, B,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # one program per (key block, batch): dk sums over every query and head, so each dS tile is read
+    # once and all H heads are walked against it
+    b = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, D)
+    mn = rn < SK
+    kt = tl.load(k_ptr + (rn[:, None] * B + b) * D + rd[None, :], mask=mn[:, None], other=0.0)  # [BN, D]
+    dk = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+    for m0 in range(0, SQ, BLOCK_M):
+        rm = m0 + tl.arange(0, BLOCK_M)
+        mm = rm < SQ
+        ds = tl.load(ds_ptr + (b * SQ + rm[:, None]) * SK + rn[None, :], mask=mm[:, None] & mn[None, :], other=0.0)
+        for h in range(H):
+            qh = tl.load(q_ptr + ((rm[:, None] * B + b) * H + h) * D + rd[None, :], mask=mm[:, None], other=0.0)
+            wh = tl.load(w_ptr + (rm * B + b) * H + h, mask=mm, other=0.0).to(tl.float32)
+            s = tl.dot(qh, tl.trans(kt), input_precision=PRECISION)  # [BM, BN]
+            g = tl.where(s > 0, ds * wh[:, None], 0.0)
+            dk = tl.dot(tl.trans(g.to(qh.dtype)), qh, dk, input_precision=PRECISION)
+    tl.store(dk_ptr + (rn[:, None] * B + b) * D + rd[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mn[:, None])
+
+
+def _launch_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    SQ, B, H, D = q.shape
+    SK = k.shape[0]
+    dS = dS.float().contiguous()
+    dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
+    precision = "tf32x3" if q.dtype == torch.float32 and not TRITON_INTERPRET else "ieee"
+    _indexer_bwd_dq_dw_kernel[lambda m: (H, triton.cdiv(SQ, m["BLOCK_M"]), B)](
+        q, k, w, dS, dq, dw, SQ, SK, B, H=H, D=D, PRECISION=precision,
+    )  # fmt: skip
+    _indexer_bwd_dk_kernel[lambda m: (triton.cdiv(SK, m["BLOCK_N"]), B)](
+        q, k, w, dS, dk, SQ, SK, B, H=H, D=D, PRECISION=precision,
+    )  # fmt: skip
+    return dq, dk, dw
+
+
+@torch.library.custom_op("megacpp::dsa_indexer_scores_bwd", mutates_args=())
+def _indexer_bwd_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch_bwd(q, k, w, dS)
+
+
+@_indexer_bwd_op.register_fake
+def _(q, k, w, dS):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dS):
+    q, k, w = ctx.saved_tensors
+    return _indexer_bwd_op(q, k, w, dS)
 
 
 _indexer_op.register_autograd(_backward, setup_context=_setup)
