@@ -123,13 +123,22 @@ def test_cuda_bar_shape_parity_without_the_slab() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_bar_shape_gradients_match_autograd_through_the_stream(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("values", ["integer", "gaussian"])
+def test_cuda_bar_shape_gradients_match_autograd_through_the_stream(dtype: torch.dtype, values: str) -> None:
+    """relu has a kink at 0: where two paths round q.k to opposite signs, that term's gradient flips by
+    dS * w. With small-integer q and k every path computes q.k exactly (in bf16, TF32 and fp32), so the
+    masks agree and only the sums' rounding is left: the strict check. Gaussian inputs add the kink's
+    flips: the looser check bounds them."""
     q, k, w = _inputs(4096, 4096, 1, 32, 64, dtype)  # b=1: autograd through the stream keeps every head's scores
+    if values == "integer":
+        q, k = q.float().mul(0.7).round().clamp(-2, 2).to(dtype), k.float().mul(0.7).round().clamp(-2, 2).to(dtype)
     dS = torch.randn(1, 4096, 4096, generator=torch.Generator(device=DEV).manual_seed(2), device=DEV)
     grads = []
     for fn in (indexer_scores_streaming, indexer_scores):
         args = [t.clone().requires_grad_() for t in (q, k, w)]
         fn(*args).backward(dS)
         grads.append([a.grad.float() for a in args])
+    bf16 = dtype == torch.bfloat16  # the kernel feeds dS * w to the tensor cores in the input dtype
+    tol = {("integer", False): 1e-5, ("gaussian", False): 2e-3, ("integer", True): 1e-2, ("gaussian", True): 1e-2}[(values, bf16)]
     for a, b in zip(grads[1], grads[0]):
-        assert _rel(a, b) <= (1e-5 if dtype == torch.float32 else 1e-2)
+        assert _rel(a, b) <= tol
