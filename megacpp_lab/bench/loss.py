@@ -26,6 +26,9 @@ from megacpp_lab.kernels.dsa_indexer import (
     indexer_scores_streaming,
 )
 from megacpp_lab.kernels.linear_cross_entropy import (
+    BF16_FILTER_EPS,
+    _ce_grad_torch_,
+    block_filter_,
     default_chunk_size,
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
@@ -71,9 +74,19 @@ def _measure(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], de
     return row
 
 
+def _kept_block_fraction(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, eps: float) -> float:
+    """Share of the gradient's filter blocks that filter_eps keeps, on the first chunk of these inputs."""
+    c = default_chunk_size(x.shape[0], w.shape[0], x.dtype)
+    with torch.no_grad():
+        buf = x[:c] @ w.t()
+        one = torch.ones((), device=x.device)
+        _ce_grad_torch_(buf, t[:c], one, -100, 0.0)
+        return float(block_filter_(buf, one, eps).float().mean())
+
+
 def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dtype = torch.bfloat16,
                device: str = "cuda", rep: int = 5, peers: bool = True, chunk_sizes: tuple[int, ...] = (),
-               progress: bool = True) -> dict[str, Any]:  # fmt: skip
+               filtered: bool = True, progress: bool = True) -> dict[str, Any]:  # fmt: skip
     """Forward+backward of the mean CE: materialised logits, the fused path at its default chunk (the bar
     row) and at each of chunk_sizes (the time / memory trade), and the installed peers."""
     from tqdm.auto import tqdm
@@ -83,25 +96,42 @@ def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dt
     w = (torch.randn(V, H, generator=g, device=device) / H**0.5).to(dtype).requires_grad_()
     t = torch.randint(0, V, (T,), generator=g, device=device)
     ref_loss = float(linear_cross_entropy_reference(x.detach(), w.detach(), t))
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    linear_cross_entropy_reference(xr, wr, t).backward()
+    ref_dx, ref_dw = xr.grad.float(), wr.grad.float()
+    del xr, wr
+    eps = BF16_FILTER_EPS if dtype == torch.bfloat16 else 2.0**-20
     contenders: dict[str, tuple[Callable[[], torch.Tensor], dict[str, Any]]] = {
         "materialised logits": (lambda: linear_cross_entropy_reference(x, w, t), {}),
         "fused (default chunk)": (lambda: fused_linear_cross_entropy(x, w, t), {"chunk_size": default_chunk_size(T, V, dtype)}),
     }  # fmt: skip
     for c in chunk_sizes:
         contenders[f"fused (chunk={c})"] = (lambda c=c: fused_linear_cross_entropy(x, w, t, chunk_size=c), {"chunk_size": c})
+    if filtered:
+        contenders["fused, filter_eps (default chunk)"] = (lambda: fused_linear_cross_entropy(x, w, t, filter_eps=eps),
+                                                           {"chunk_size": default_chunk_size(T, V, dtype), "filter_eps": eps,
+                                                            "kept_block_frac": _kept_block_fraction(x, w, t, eps)})  # fmt: skip
     if peers:
         contenders |= {name: (lambda fn=fn: fn(x, w, t), {}) for name, fn in _peers().items()}
     results = []
     for name, (fn, extra) in tqdm(contenders.items(), desc=f"flce V={V}", disable=not progress):
         row: dict[str, Any] = {"contender": name, **extra, **_measure(fn, [x, w], device, rep)}
         row["rel_err"] = abs(float(fn().detach()) - ref_loss) / abs(ref_loss)
+        x.grad = w.grad = None
+        fn().backward()  # the gradients against the materialised path's
+        row["dx_rel_err"] = float((x.grad.float() - ref_dx).norm() / ref_dx.norm())
+        row["dw_rel_err"] = float((w.grad.float() - ref_dw).norm() / ref_dw.norm())
+        x.grad = w.grad = None
         results.append(row)
     main = next(r for r in results if r["contender"] == "fused (default chunk)")
     return make_receipt("flce_fwd_bwd", "loss", shape={"T": T, "H": H, "V": V}, dtype=dtype, results=results,
                         device=device, bar=FLCE_BAR, meets_bar={k: bool(main.get(k, 0) <= v) for k, v in FLCE_BAR.items()},
                         notes=("forward+backward of the mean CE; peak_mib = peak extra memory of one step, dW and dx "
-                               "included; rel_err = loss vs the materialised fp32-logit loss; the bar is read on the "
-                               "default-chunk row, the chunk rows show the time / memory trade"))  # fmt: skip
+                               "included; rel_err = loss vs the materialised fp32-logit loss; dx_rel_err / dw_rel_err = "
+                               "gradient norm error vs the materialised path's; the bar is read on the default-chunk row "
+                               "(exact), the chunk rows show the time / memory trade; the filter_eps row drops gradient "
+                               "blocks below eps (kept_block_frac = share kept on the first chunk: these random inputs "
+                               "give a near-uniform softmax, the filter's best case)"))  # fmt: skip
 
 
 def bench_dsa(sq: int = 4096, b: int = 8, h: int = 32, d: int = 64, *, device: str = "cuda", rep: int = 10,
@@ -180,7 +210,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
                           chunk_sizes=(16, 32) if small else (128, 384, 512, 1024))  # fmt: skip
         written.append(write_receipt(main, root))
         written.append(save_figure(plot_contenders(main, "ms"), written[-1].with_suffix(".png")))
-        sweep = [bench_flce(T, H, V, dtype=dtype, device=device, rep=2, peers=False, progress=False)
+        sweep = [bench_flce(T, H, V, dtype=dtype, device=device, rep=2, peers=False, filtered=False, progress=False)
                  for V in ((256, 512) if small else (32768, 65536, 131072, 151552))]  # fmt: skip
         rows = [{**r, "shape": s["shape"]} for s in sweep for r in s["results"]]
         vs = make_receipt("flce_vocab_sweep", "loss", shape={"T": T, "H": H, "V": [s["shape"]["V"] for s in sweep]},

@@ -33,6 +33,11 @@ IMPLS = ("auto", "triton", "eager")
 # is faster (fewer passes over W and dW; see profiles/*/loss/flce_fwd_bwd.json) and costs C * V * 2 bytes.
 DEFAULT_CHUNK_BYTES = 80 * 2**20
 CHUNK_MULTIPLE = 64  # GEMM-tile friendly row count
+# Gradient filtering (opt-in, filter_eps): the [C, V] gradient is cut into FILTER_ROWS x FILTER_COLS blocks;
+# a block whose every |softmax - onehot| (before the mean's 1/n) is below filter_eps is dropped from dx and
+# dW, and the block-sparse GEMMs skip it: no W read, no dW read-modify-write for it.
+FILTER_ROWS, FILTER_COLS = 64, 128
+BF16_FILTER_EPS = 2.0**-12
 
 
 def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
@@ -63,10 +68,23 @@ def _ce_grad_torch_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Ten
     return loss
 
 
+def block_filter_(grad: torch.Tensor, scale: torch.Tensor, filter_eps: float) -> torch.Tensor:
+    """Zero every FILTER_ROWS x FILTER_COLS block of the scaled gradient whose entries are all below
+    filter_eps * scale in magnitude; returns the int32 keep-flags [ceil(C/FR), ceil(V/FC)]. The torch
+    twin of the flags that `_ce_grad_inplace_kernel` raises and the block-sparse GEMMs read."""
+    C, V = grad.shape
+    nr, nc = -(-C // FILTER_ROWS), -(-V // FILTER_COLS)
+    padded = F.pad(grad.float().abs(), (0, nc * FILTER_COLS - V, 0, nr * FILTER_ROWS - C))
+    keep = padded.view(nr, FILTER_ROWS, nc, FILTER_COLS).amax(dim=(1, 3)) >= filter_eps * scale
+    mask = keep.repeat_interleave(FILTER_ROWS, 0).repeat_interleave(FILTER_COLS, 1)[:C, :V]
+    grad.mul_(mask)
+    return keep.int()
+
+
 @triton.jit
 def _ce_grad_inplace_kernel(
-    logits_ptr, target_ptr, loss_ptr, scale_ptr, stride_row, V, ignore_index, z_loss,
-    BLOCK_V: tl.constexpr,
+    logits_ptr, target_ptr, loss_ptr, scale_ptr, flags_ptr, stride_row, V, ignore_index, z_loss, filter_eps, n_fcols,
+    BLOCK_V: tl.constexpr, FILTER: tl.constexpr, FR: tl.constexpr, FC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     ptr = logits_ptr + row * stride_row
@@ -95,16 +113,85 @@ def _ce_grad_inplace_kernel(
         x = tl.load(ptr + c, mask=c < V, other=0.0).to(tl.float32)
         g = tl.exp(x - lse) * coef - tl.where(c == y_safe, hit, 0.0)
         tl.store(ptr + c, g.to(logits_ptr.dtype.element_ty), mask=c < V)
+        if FILTER:  # raise the keep-flag of every FC-wide block of this row that holds an entry >= eps
+            big = tl.reshape(tl.where(c < V, tl.abs(g), 0.0), (BLOCK_V // FC, FC))
+            keep = tl.max(big, axis=1) >= filter_eps * tl.load(scale_ptr)
+            fcol = v0 // FC + tl.arange(0, BLOCK_V // FC)
+            tl.atomic_or(flags_ptr + (row // FR) * n_fcols + fcol, keep.to(tl.int32), mask=keep & (fcol < n_fcols))
 
 
 def _ce_grad_triton_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int,
-                     z_loss: float) -> torch.Tensor:  # fmt: skip
+                     z_loss: float, flags: torch.Tensor | None = None, filter_eps: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """Row losses; logits become dlogits * scale in place. With flags (zeroed, [ceil(C/FR), ceil(V/FC)]
+    int32) it also raises the keep-flag of every block holding an entry >= filter_eps (unscaled)."""
     C, V = logits.shape
     loss = torch.empty(C, device=logits.device, dtype=torch.float32)
-    block = 64 if TRITON_INTERPRET else min(4096, triton.next_power_of_2(V))
-    _ce_grad_inplace_kernel[(C,)](logits, target, loss, scale, logits.stride(0), V, ignore_index, z_loss,
-                                  BLOCK_V=block, num_warps=1 if TRITON_INTERPRET else 8)  # fmt: skip
+    block = 128 if TRITON_INTERPRET else max(FILTER_COLS, min(4096, triton.next_power_of_2(V)))
+    _ce_grad_inplace_kernel[(C,)](
+        logits, target, loss, scale, loss if flags is None else flags, logits.stride(0), V, ignore_index, z_loss,
+        filter_eps, triton.cdiv(V, FILTER_COLS), BLOCK_V=block, FILTER=flags is not None, FR=FILTER_ROWS,
+        FC=FILTER_COLS, num_warps=1 if TRITON_INTERPRET else 8,
+    )  # fmt: skip
     return loss
+
+
+@triton.jit
+def _dx_block_sparse_kernel(g_ptr, w_ptr, dx_ptr, flags_ptr, C, V, H, n_fcols,
+                            FR: tl.constexpr, FC: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """dx[rows] = G[rows, kept blocks] @ W[kept blocks]: one program per (FR rows, BLOCK_H columns)."""
+    mb = tl.program_id(0)
+    rm = mb * FR + tl.arange(0, FR)
+    rn = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rk = tl.arange(0, FC)
+    acc = tl.zeros((FR, BLOCK_H), dtype=tl.float32)
+    for kb in range(0, n_fcols):
+        if tl.load(flags_ptr + mb * n_fcols + kb) != 0:
+            cols = kb * FC + rk
+            g = tl.load(g_ptr + rm[:, None].to(tl.int64) * V + cols[None, :], mask=(rm < C)[:, None] & (cols < V)[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * H + rn[None, :], mask=(cols < V)[:, None] & (rn < H)[None, :], other=0.0)
+            acc = tl.dot(g, w, acc, input_precision=PRECISION)
+    tl.store(dx_ptr + rm[:, None] * H + rn[None, :], acc.to(dx_ptr.dtype.element_ty), mask=(rm < C)[:, None] & (rn < H)[None, :])
+
+
+@triton.jit
+def _dw_block_sparse_kernel(g_ptr, x_ptr, dw_ptr, flags_ptr, C, V, H, n_fcols, n_frows,
+                            FR: tl.constexpr, FC: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """dW[vocab block] += G[:, block].T @ x over the kept row blocks; a block no row kept is not touched."""
+    vb = tl.program_id(0)
+    rv = vb * FC + tl.arange(0, FC)
+    rn = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rk = tl.arange(0, FR)
+    acc = tl.zeros((FC, BLOCK_H), dtype=tl.float32)
+    kept = 0
+    for mb in range(0, n_frows):
+        if tl.load(flags_ptr + mb * n_fcols + vb) != 0:
+            rows = mb * FR + rk
+            g = tl.load(g_ptr + rows[:, None].to(tl.int64) * V + rv[None, :], mask=(rows < C)[:, None] & (rv < V)[None, :], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * H + rn[None, :], mask=(rows < C)[:, None] & (rn < H)[None, :], other=0.0)
+            acc = tl.dot(tl.trans(g), x, acc, input_precision=PRECISION)
+            kept += 1
+    if kept > 0:
+        p = dw_ptr + rv[:, None].to(tl.int64) * H + rn[None, :]
+        m = (rv < V)[:, None] & (rn < H)[None, :]
+        tl.store(p, (tl.load(p, mask=m, other=0.0).to(tl.float32) + acc).to(dw_ptr.dtype.element_ty), mask=m)
+
+
+def _block_sparse_grads_(grad: torch.Tensor, flags: torch.Tensor, weight: torch.Tensor, xc: torch.Tensor,
+                         dx: torch.Tensor | None, dw: torch.Tensor | None) -> None:  # fmt: skip
+    C, V = grad.shape
+    H = weight.shape[1]
+    bh = 32 if TRITON_INTERPRET else 128
+    warps = 1 if TRITON_INTERPRET else 4
+    # fp32 inputs: 3xTF32, fp32-level sums like the dense path's cuBLAS; bf16 inputs ignore the setting
+    prec = "tf32x3" if grad.dtype == torch.float32 and not TRITON_INTERPRET else "ieee"
+    if dx is not None:
+        _dx_block_sparse_kernel[(flags.shape[0], triton.cdiv(H, bh))](
+            grad, weight, dx, flags, C, V, H, flags.shape[1], FR=FILTER_ROWS, FC=FILTER_COLS, BLOCK_H=bh, PRECISION=prec,
+            num_warps=warps)  # fmt: skip
+    if dw is not None:
+        _dw_block_sparse_kernel[(flags.shape[1], triton.cdiv(H, bh))](
+            grad, xc, dw, flags, C, V, H, flags.shape[1], flags.shape[0], FR=FILTER_ROWS, FC=FILTER_COLS, BLOCK_H=bh,
+            PRECISION=prec, num_warps=warps)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,8 +222,7 @@ def resolve_impl(impl: str, x: torch.Tensor) -> str:
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, ignore_index, reduction, z_loss, chunk, impl, need_dx, need_dw):
-        grad_step = _ce_grad_triton_ if impl == "triton" else _ce_grad_torch_
+    def forward(ctx, x, weight, target, ignore_index, reduction, z_loss, chunk, impl, need_dx, need_dw, filter_eps):
         T, V = x.shape[0], weight.shape[0]
         dx = torch.empty_like(x) if need_dx else None
         dw = torch.zeros_like(weight) if need_dw else None
@@ -145,11 +231,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             scale = 1.0 / (target != ignore_index).sum().clamp(min=1).float()
         buf = x.new_empty((min(chunk, T), V))
         losses = torch.empty(T, device=x.device, dtype=torch.float32)
+        flags = None
+        if filter_eps is not None:
+            flags = torch.empty((triton.cdiv(min(chunk, T), FILTER_ROWS), triton.cdiv(V, FILTER_COLS)), device=x.device, dtype=torch.int32)
         for s in range(0, T, chunk):
             xc, tc = x[s : s + chunk], target[s : s + chunk]
             logits = buf[: xc.shape[0]]
             torch.mm(xc, weight.t(), out=logits)
+            sparse = flags is not None and impl == "triton"
+            if sparse:
+                fl = flags[: triton.cdiv(xc.shape[0], FILTER_ROWS)]
+                fl.zero_()
+                losses[s : s + chunk] = _ce_grad_triton_(logits, tc, scale, ignore_index, z_loss, fl, filter_eps)
+                _block_sparse_grads_(logits, fl, weight, xc, None if dx is None else dx[s : s + chunk], dw)
+                continue
+            grad_step = _ce_grad_triton_ if impl == "triton" else _ce_grad_torch_
             losses[s : s + chunk] = grad_step(logits, tc, scale, ignore_index, z_loss)  # logits -> dlogits * scale
+            if filter_eps is not None:  # eager twin of the block-sparse path: drop the same blocks, dense GEMMs
+                block_filter_(logits, scale, filter_eps)
             if dx is not None:
                 torch.mm(logits, weight, out=dx[s : s + chunk])
             if dw is not None:
@@ -170,7 +269,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             dx.mul_(s.to(dx.dtype))
         if dw is not None:
             dw.mul_(s.to(dw.dtype))
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 def default_chunk_size(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
@@ -181,11 +280,17 @@ def default_chunk_size(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
 
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                                ignore_index: int = -100, reduction: str = "mean", z_loss: float = 0.0,
-                               chunk_size: int | None = None, impl: str = "auto") -> torch.Tensor:  # fmt: skip
+                               chunk_size: int | None = None, impl: str = "auto",
+                               filter_eps: float | None = None) -> torch.Tensor:  # fmt: skip
     """Drop-in LM-head loss: x [..., H] hidden states, weight [V, H] (the LM head), target [...] int64.
 
     Returns the scalar loss (mean over non-ignored tokens, or sum) plus z_loss * lse^2 on the same
-    tokens; gradients flow to x and weight. chunk_size defaults to the rows whose [C, V] buffer fits DEFAULT_CHUNK_BYTES. One backward per forward."""
+    tokens; gradients flow to x and weight. chunk_size defaults to the rows whose [C, V] buffer fits DEFAULT_CHUNK_BYTES. One backward per forward.
+
+    filter_eps (default None: exact) opts into gradient filtering: FILTER_ROWS x FILTER_COLS blocks of
+    the gradient whose every |softmax - onehot| is below filter_eps are dropped from dx and dW (the loss
+    is unaffected). 2**-12 (`BF16_FILTER_EPS`) is bf16's resolution near 1 over 32. The dropped mass
+    is real: the notebook and the receipt show its effect on the gradients."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -196,6 +301,8 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
         raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     if not z_loss >= 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if filter_eps is not None and not 0 < filter_eps < 1:
+        raise ValueError(f"filter_eps must be in (0, 1) or None, got {filter_eps}")
     V = weight.shape[0]
     x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1).long()
     if x2.device.type == "cpu" and t2.numel():
@@ -210,6 +317,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     which = resolve_impl(impl, x2)
+    if filter_eps is not None and which == "triton":  # the block-sparse GEMMs index W and x by rows
+        weight, x2 = weight.contiguous(), x2.contiguous()
     grad_on = torch.is_grad_enabled()  # under no_grad the gradients are not computed at all
     return _FusedLinearCrossEntropy.apply(x2, weight, t2, ignore_index, reduction, float(z_loss), int(chunk_size), which,
-                                          grad_on and x2.requires_grad, grad_on and weight.requires_grad)  # fmt: skip
+                                          grad_on and x2.requires_grad, grad_on and weight.requires_grad,
+                                          None if filter_eps is None else float(filter_eps))  # fmt: skip
