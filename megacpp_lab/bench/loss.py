@@ -123,13 +123,19 @@ def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dt
         row["dw_rel_err"] = float((w.grad.float() - ref_dw).norm() / ref_dw.norm())
         x.grad = w.grad = None
         results.append(row)
-    main = next(r for r in results if r["contender"] == "fused (default chunk)")
+    # the bar, read on the exact default and (when measured) on the filtered default, each on both metrics at once
+    meets = {}
+    for label, name in (("exact", "fused (default chunk)"), ("filter_eps", "fused, filter_eps (default chunk)")):
+        row = next((r for r in results if r["contender"] == name), None)
+        if row is not None and "peak_mib" in row:
+            meets[label] = bool(all(row[k] <= v for k, v in FLCE_BAR.items()))
     return make_receipt("flce_fwd_bwd", "loss", shape={"T": T, "H": H, "V": V}, dtype=dtype, results=results,
-                        device=device, bar=FLCE_BAR, meets_bar={k: bool(main.get(k, 0) <= v) for k, v in FLCE_BAR.items()},
+                        device=device, bar=FLCE_BAR, meets_bar=meets,
                         notes=("forward+backward of the mean CE; peak_mib = peak extra memory of one step, dW and dx "
                                "included; rel_err = loss vs the materialised fp32-logit loss; dx_rel_err / dw_rel_err = "
-                               "gradient norm error vs the materialised path's; the bar is read on the default-chunk row "
-                               "(exact), the chunk rows show the time / memory trade; the filter_eps row drops gradient "
+                               "gradient norm error vs the materialised path's; meets_bar reads both bar numbers at once on the "
+                               "exact default-chunk row and on the filtered one; the chunk rows show the exact path's time / "
+                               "memory trade; the filter_eps row drops gradient "
                                "blocks below eps (kept_block_frac = share kept on the first chunk: these random inputs "
                                "give a near-uniform softmax, the filter's best case)"))  # fmt: skip
 
