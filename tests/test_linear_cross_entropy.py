@@ -74,9 +74,9 @@ def test_no_cuda_warns_and_falls_back_instead_of_failing() -> None:
 
 def test_bad_inputs_fail_closed() -> None:
     x, w, t = _inputs(6, 8, 13, torch.float32)
-    with pytest.raises(ValueError, match=r"target\[2\] = 13"):
-        bad = t.clone(); bad[2] = 13
-        fused_linear_cross_entropy(x, w, bad, impl="eager")
+    with pytest.raises(ValueError, match=r"target\[2\] = 13"):  # on CPU tensors: on CUDA the check is a device-side
+        bad = t.cpu().clone(); bad[2] = 13                           # assert, which would poison this process's context
+        fused_linear_cross_entropy(x.cpu(), w.cpu(), bad, impl="eager")
     with pytest.raises(ValueError, match="reduction"):
         fused_linear_cross_entropy(x, w, t, reduction="none")
     with pytest.raises(ValueError, match="weight must be"):
