@@ -87,6 +87,8 @@ def test_bad_inputs_fail_closed() -> None:
         fused_linear_cross_entropy(x, w, t, impl="compiled")
     with pytest.raises(ValueError, match="filter_eps"):
         fused_linear_cross_entropy(x, w, t, filter_eps=0.0)
+    with pytest.raises(ValueError, match=r"x\.dtype must be bfloat16 or float32"):
+        fused_linear_cross_entropy(x.half(), w.half(), t)
 
 
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
@@ -157,6 +159,36 @@ def test_filtered_block_sparse_path_matches_its_eager_twin(chunk: int) -> None:
     L._ce_grad_torch_(buf, t[:64], torch.tensor(1.0, device=DEV), -100, 0.0)
     keep = L.block_filter_(buf, torch.tensor(1.0, device=DEV), 1e-3)
     assert 0 < int(keep.sum()) < keep.numel()
+
+
+def test_strided_targets_and_a_scaled_incoming_gradient() -> None:
+    """Targets as a strided view (labels = pairs[:, 1]) must be read as values, not at stride 1; an
+    incoming gradient of 3 (a loss scale) must scale dx and dW exactly as autograd would."""
+    x, w, t = _inputs(40, 16, 37, torch.float32)
+    pairs = torch.stack([torch.randint(0, 37, (40,), generator=torch.Generator().manual_seed(9)).to(DEV), t], dim=1)
+    strided = pairs[:, 1]
+    assert strided.stride(0) == 2
+    ref = _both(lambda *a, **k: 3.0 * linear_cross_entropy_reference(*a, **k), x, w, t)
+    for impl in ("eager", "triton"):
+        got = _both(lambda *a, **k: 3.0 * fused_linear_cross_entropy(*a, **k), x, w, strided, impl=impl, chunk_size=16)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_kernel_keep_flags_equal_block_filter() -> None:
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(70, 300, generator=g) * 2
+    logits[:, :100] += 8.0  # the mass sits in the first block column; the others hold tiny probabilities
+    target = torch.randint(0, 100, (70,), generator=g)
+    target[3], target[66] = -100, 290  # an ignored row, and one rare target in the last block column
+    logits, target = logits.to(DEV), target.to(DEV)
+    scale = torch.tensor(0.5, device=DEV)
+    a, b = logits.clone(), logits.clone()
+    flags = torch.zeros(2, 3, dtype=torch.int32, device=DEV)
+    L._ce_grad_triton_(a, target, scale, -100, 0.0, flags, 1e-2)
+    L._ce_grad_torch_(b, target, scale, -100, 0.0)
+    keep = L.block_filter_(b, scale, 1e-2)
+    assert torch.equal(flags, keep) and 0 < int(keep.sum()) < keep.numel(), (flags, keep)
 
 
 def test_a_second_backward_fails_instead_of_scaling_twice() -> None:

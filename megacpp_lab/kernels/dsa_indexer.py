@@ -57,7 +57,7 @@ def _indexer_fwd_kernel(
         wh = tl.load(w_ptr + (rm * B + b) * H + h, mask=mm, other=0.0).to(tl.float32)
         s = tl.dot(qh, kt, input_precision=PRECISION)
         acc += wh[:, None] * tl.maximum(s, 0.0)
-    tl.store(out_ptr + (b * SQ + rm[:, None]) * SK + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
+    tl.store(out_ptr + (b * SQ + rm[:, None]).to(tl.int64) * SK + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
 
 
 def _launch_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,7 @@ def _indexer_bwd_dq_dw_kernel(
         rn = n0 + tl.arange(0, BLOCK_N)
         mn = rn < SK
         kt = tl.load(k_ptr + (rn[:, None] * B + b) * D + rd[None, :], mask=mn[:, None], other=0.0)  # [BN, D]
-        ds = tl.load(ds_ptr + (b * SQ + rm[:, None]) * SK + rn[None, :], mask=mm[:, None] & mn[None, :], other=0.0)
+        ds = tl.load(ds_ptr + (b * SQ + rm[:, None]).to(tl.int64) * SK + rn[None, :], mask=mm[:, None] & mn[None, :], other=0.0)
         s = tl.dot(qh, tl.trans(kt), input_precision=PRECISION)
         dw += tl.sum(ds * tl.maximum(s, 0.0), axis=1)
         g = tl.where(s > 0, ds * wh[:, None], 0.0)
@@ -158,7 +158,7 @@ def _indexer_bwd_dk_kernel(
     for m0 in range(0, SQ, BLOCK_M):
         rm = m0 + tl.arange(0, BLOCK_M)
         mm = rm < SQ
-        ds = tl.load(ds_ptr + (b * SQ + rm[:, None]) * SK + rn[None, :], mask=mm[:, None] & mn[None, :], other=0.0)
+        ds = tl.load(ds_ptr + (b * SQ + rm[:, None]).to(tl.int64) * SK + rn[None, :], mask=mm[:, None] & mn[None, :], other=0.0)
         for h in range(H):
             qh = tl.load(q_ptr + ((rm[:, None] * B + b) * H + h) * D + rd[None, :], mask=mm[:, None], other=0.0)
             wh = tl.load(w_ptr + (rm * B + b) * H + h, mask=mm, other=0.0).to(tl.float32)
@@ -214,6 +214,8 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
         raise ValueError(f"k must be [sk,{B},{D}] and w [{SQ},{B},{H}]; got {tuple(k.shape)}, {tuple(w.shape)}")
     if D < 16 or D & (D - 1):
         raise ValueError(f"d must be a power of two >= 16 for the kernel, got {D}")
+    if not w.is_floating_point() or w.device != q.device:
+        raise ValueError(f"w must be a floating tensor on {q.device}, got {w.dtype} on {w.device}")
     if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q and k must share a float32/bfloat16/float16 dtype, got {q.dtype} and {k.dtype}")
     if q.device.type != "cuda" and not TRITON_INTERPRET:

@@ -5,7 +5,7 @@ The tokens are walked in chunks of C rows. One [C, V] buffer (in x's dtype) is r
 2. `_ce_grad_inplace_kernel` (Triton, one program per row) makes two passes over the row: an online
    max / sum-exp for lse, then it overwrites the logits with dlogits = (softmax * (1 + 2z lse) - onehot)
    * scale (scale = 1/n_valid for the mean, on the device: no host sync), and writes the row's loss;
-3. dx_c = dlogits @ W and dW += dlogits.T @ x_c (cuBLAS, fp32 accumulation inside each GEMM).
+3. dx_c = dlogits @ W and dW += dlogits.T @ x_c (cuBLAS; dW is held in the weight dtype between chunks).
 The backward only scales dx and dW by the incoming gradient, in place. Memory beyond the inputs: dx,
 dW and the one [C, V] buffer; the chunk size follows a byte budget for that buffer.
 
@@ -34,8 +34,8 @@ IMPLS = ("auto", "triton", "eager")
 DEFAULT_CHUNK_BYTES = 80 * 2**20
 CHUNK_MULTIPLE = 64  # GEMM-tile friendly row count
 # Gradient filtering (opt-in, filter_eps): the [C, V] gradient is cut into FILTER_ROWS x FILTER_COLS blocks;
-# a block whose every |softmax - onehot| (before the mean's 1/n) is below filter_eps is dropped from dx and
-# dW, and the block-sparse GEMMs skip it: no W read, no dW read-modify-write for it.
+# a block whose every |softmax * (1 + 2 z lse) - onehot| (before the mean's 1/n) is below filter_eps is
+# dropped from dx and dW, and the block-sparse GEMMs skip it: no W read, no dW read-modify-write for it.
 FILTER_ROWS, FILTER_COLS = 64, 128
 BF16_FILTER_EPS = 2.0**-12
 
@@ -43,7 +43,8 @@ BF16_FILTER_EPS = 2.0**-12
 def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                                    ignore_index: int = -100, reduction: str = "mean",
                                    z_loss: float = 0.0) -> torch.Tensor:  # fmt: skip
-    """Materialised logits [T, V] in fp32, F.cross_entropy, plus z_loss * mean(lse^2) over valid tokens."""
+    """Materialised logits [T, V] (x @ W.T in the input dtype, upcast to fp32), F.cross_entropy, plus
+    z_loss * mean(lse^2) over valid tokens."""
     logits = (x @ weight.t()).float()
     loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
     if z_loss:
@@ -111,10 +112,12 @@ def _ce_grad_inplace_kernel(
     for v0 in range(0, V, BLOCK_V):
         c = v0 + cols
         x = tl.load(ptr + c, mask=c < V, other=0.0).to(tl.float32)
-        g = tl.exp(x - lse) * coef - tl.where(c == y_safe, hit, 0.0)
-        tl.store(ptr + c, g.to(logits_ptr.dtype.element_ty), mask=c < V)
+        g = tl.where(valid, tl.exp(x - lse) * coef - tl.where(c == y_safe, hit, 0.0), 0.0)  # ignored rows: exactly 0
+        g = g.to(logits_ptr.dtype.element_ty)
+        tl.store(ptr + c, g, mask=c < V)
         if FILTER:  # raise the keep-flag of every FC-wide block of this row that holds an entry >= eps
-            big = tl.reshape(tl.where(c < V, tl.abs(g), 0.0), (BLOCK_V // FC, FC))
+            # on the stored (rounded) value, as block_filter_ sees it
+            big = tl.reshape(tl.where(c < V, tl.abs(g.to(tl.float32)), 0.0), (BLOCK_V // FC, FC))
             keep = tl.max(big, axis=1) >= filter_eps * tl.load(scale_ptr)
             fcol = v0 // FC + tl.arange(0, BLOCK_V // FC)
             tl.atomic_or(flags_ptr + (row // FR) * n_fcols + fcol, keep.to(tl.int32), mask=keep & (fcol < n_fcols))
@@ -150,7 +153,7 @@ def _dx_block_sparse_kernel(g_ptr, w_ptr, dx_ptr, flags_ptr, C, V, H, n_fcols,
             g = tl.load(g_ptr + rm[:, None].to(tl.int64) * V + cols[None, :], mask=(rm < C)[:, None] & (cols < V)[None, :], other=0.0)
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * H + rn[None, :], mask=(cols < V)[:, None] & (rn < H)[None, :], other=0.0)
             acc = tl.dot(g, w, acc, input_precision=PRECISION)
-    tl.store(dx_ptr + rm[:, None] * H + rn[None, :], acc.to(dx_ptr.dtype.element_ty), mask=(rm < C)[:, None] & (rn < H)[None, :])
+    tl.store(dx_ptr + rm[:, None].to(tl.int64) * H + rn[None, :], acc.to(dx_ptr.dtype.element_ty), mask=(rm < C)[:, None] & (rn < H)[None, :])
 
 
 @triton.jit
@@ -167,7 +170,7 @@ def _dw_block_sparse_kernel(g_ptr, x_ptr, dw_ptr, flags_ptr, C, V, H, n_fcols, n
         if tl.load(flags_ptr + mb * n_fcols + vb) != 0:
             rows = mb * FR + rk
             g = tl.load(g_ptr + rows[:, None].to(tl.int64) * V + rv[None, :], mask=(rows < C)[:, None] & (rv < V)[None, :], other=0.0)
-            x = tl.load(x_ptr + rows[:, None] * H + rn[None, :], mask=(rows < C)[:, None] & (rn < H)[None, :], other=0.0)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], mask=(rows < C)[:, None] & (rn < H)[None, :], other=0.0)
             acc = tl.dot(tl.trans(g), x, acc, input_precision=PRECISION)
             kept += 1
     if kept > 0:
@@ -201,7 +204,7 @@ def _warn_fallback(reason: str) -> None:
 
 
 def resolve_impl(impl: str, x: torch.Tensor) -> str:
-    """'triton' on CUDA with bf16/fp32 on sm80+; otherwise 'eager' with a one-time RuntimeWarning."""
+    """'triton' on CUDA sm80+; otherwise 'eager' with a one-time RuntimeWarning (dtypes are checked before)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
@@ -210,9 +213,6 @@ def resolve_impl(impl: str, x: torch.Tensor) -> str:
         return impl
     if x.device.type != "cuda":
         _warn_fallback(f"no CUDA device (inputs on {x.device.type})")
-        return "eager"
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        _warn_fallback(f"dtype {x.dtype} is not bf16/fp32")
         return "eager"
     if torch.cuda.get_device_capability(x.device) < (8, 0):
         _warn_fallback(f"GPU capability {torch.cuda.get_device_capability(x.device)} is below sm80")
@@ -252,7 +252,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if dx is not None:
                 torch.mm(logits, weight, out=dx[s : s + chunk])
             if dw is not None:
-                dw.addmm_(logits.t(), xc)  # fp32 accumulation inside the GEMM, weight dtype between chunks
+                dw.addmm_(logits.t(), xc)  # weight dtype between chunks
         del buf
         ctx.save_for_backward(dx, dw)
         ctx.backward_done = False
@@ -264,11 +264,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("fused_linear_cross_entropy supports one backward per forward (no retain_graph reuse)")
         ctx.backward_done = True
         dx, dw = ctx.saved_tensors
-        s = g.float()
+        s = g.float()  # multiplied in fp32 and rounded once: casting a loss scale to bf16 first would bias it
         if dx is not None:
-            dx.mul_(s.to(dx.dtype))
+            dx.mul_(s)
         if dw is not None:
-            dw.mul_(s.to(dw.dtype))
+            dw.mul_(s)
         return dx, dw, None, None, None, None, None, None, None, None, None
 
 
@@ -299,12 +299,14 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
         raise ValueError(f"target must be int64/int32 of shape {tuple(x.shape[:-1])}, got {target.dtype} {tuple(target.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float32):  # fp16: dlogits / n_valid underflows in the [C, V] buffer
+        raise ValueError(f"x.dtype must be bfloat16 or float32, got {x.dtype}")
     if not z_loss >= 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     if filter_eps is not None and not 0 < filter_eps < 1:
         raise ValueError(f"filter_eps must be in (0, 1) or None, got {filter_eps}")
     V = weight.shape[0]
-    x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1).long()
+    x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1).long().contiguous()  # the kernel reads targets at stride 1
     if x2.device.type == "cpu" and t2.numel():
         bad = (t2 != ignore_index) & ((t2 < 0) | (t2 >= V))
         if bool(bad.any()):
