@@ -27,10 +27,9 @@ from megacpp_lab.kernels.dsa_indexer import (
 )
 from megacpp_lab.kernels.linear_cross_entropy import (
     BF16_FILTER_EPS,
-    _ce_grad_torch_,
-    block_filter_,
     default_chunk_size,
     fused_linear_cross_entropy,
+    kept_block_fraction,
     linear_cross_entropy_reference,
 )
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
@@ -41,21 +40,19 @@ DSA_BAR = {"ms": 10.0, "peak_mib": 1024.0}
 
 
 def _peers() -> dict[str, Callable[..., torch.Tensor]]:
-    """Optional peer FLCE implementations, when their packages are installed."""
+    """Optional peer FLCE implementations, for the packages that are installed."""
+    from importlib.util import find_spec
+
     peers: dict[str, Callable[..., torch.Tensor]] = {}
-    try:
+    if find_spec("liger_kernel") is not None:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         peers["liger-kernel"] = lambda x, w, t: liger_fused_linear_cross_entropy(x, w, t)
-    except ImportError:
-        pass
-    try:
+    if find_spec("cut_cross_entropy") is not None:
         from cut_cross_entropy import linear_cross_entropy
 
         peers["cut-cross-entropy"] = lambda x, w, t: linear_cross_entropy(x, w, t)  # its default: gradient filtering
         peers["cut-cross-entropy (filter_eps=None)"] = lambda x, w, t: linear_cross_entropy(x, w, t, filter_eps=None)  # exact
-    except ImportError:
-        pass
     return peers
 
 
@@ -72,16 +69,6 @@ def _measure(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], de
             p.grad = None
         row["peak_mib"] = peak_extra_mib(step)
     return row
-
-
-def _kept_block_fraction(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, eps: float) -> float:
-    """Share of the gradient's filter blocks that filter_eps keeps, on the first chunk of these inputs."""
-    c = default_chunk_size(x.shape[0], w.shape[0], x.dtype)
-    with torch.no_grad():
-        buf = x[:c] @ w.t()
-        one = torch.ones((), device=x.device)
-        _ce_grad_torch_(buf, t[:c], one, -100, 0.0)
-        return float(block_filter_(buf, one, eps).float().mean())
 
 
 def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dtype = torch.bfloat16,
@@ -110,7 +97,7 @@ def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dt
     if filtered:
         contenders["fused, filter_eps (default chunk)"] = (lambda: fused_linear_cross_entropy(x, w, t, filter_eps=eps),
                                                            {"chunk_size": default_chunk_size(T, V, dtype), "filter_eps": eps,
-                                                            "kept_block_frac": _kept_block_fraction(x, w, t, eps)})  # fmt: skip
+                                                            "kept_block_frac": kept_block_fraction(x, w, t, eps)})  # fmt: skip
     if peers:
         contenders |= {name: (lambda fn=fn: fn(x, w, t), {}) for name, fn in _peers().items()}
     results = []

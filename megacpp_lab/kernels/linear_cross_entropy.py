@@ -278,6 +278,18 @@ def default_chunk_size(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
     return max(16, min(n_tokens, rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE or rows))
 
 
+def kept_block_fraction(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, filter_eps: float, *,
+                        ignore_index: int = -100) -> float:  # fmt: skip
+    """Share of the gradient's filter blocks that filter_eps keeps on the first default-size chunk of
+    these inputs: how much work the filtered path still does (1.0 = none skipped)."""
+    c = default_chunk_size(x.shape[0], weight.shape[0], x.dtype)
+    with torch.no_grad():
+        buf = x[:c] @ weight.t()
+        one = torch.ones((), device=x.device)
+        _ce_grad_torch_(buf, target[:c], one, ignore_index, 0.0)
+        return float(block_filter_(buf, one, filter_eps).float().mean())
+
+
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                                ignore_index: int = -100, reduction: str = "mean", z_loss: float = 0.0,
                                chunk_size: int | None = None, impl: str = "auto",
