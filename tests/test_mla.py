@@ -244,22 +244,3 @@ def test_rope_tables_stay_fp32_when_the_layer_is_cast() -> None:
     layer = _layer().to(torch.bfloat16)
     assert layer.rope_cos.dtype == torch.float32 and layer.rope_sin.dtype == torch.float32
     torch.testing.assert_close(layer.rope_cos, _layer().rope_cos)
-
-
-def test_flex_attention_block_mask_equals_the_dense_doc_mask() -> None:
-    x = torch.randn(2, 16, 32, device=DEV)
-    doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 3 + [1] * 4 + [2] * 9], device=DEV)
-    dense, flex = _layer(), _layer(attn_impl="flex")
-    with torch.no_grad():  # flex_attention has no CPU backward; the CUDA test below takes gradients
-        torch.testing.assert_close(flex(x, doc_ids), dense(x, doc_ids), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.cuda
-def test_cuda_flex_attention_gradients_equal_the_dense_doc_mask() -> None:
-    x = torch.randn(2, 256, 32, device="cuda")
-    doc_ids = (torch.arange(256, device="cuda") >= 100).long().expand(2, -1).contiguous()
-    y_d, g_d = _grads(_layer(max_positions=256), x, doc_ids=doc_ids)  # flex needs T >= its 128-token block
-    y_f, g_f = _grads(_layer(attn_impl="flex", max_positions=256), x, doc_ids=doc_ids)
-    torch.testing.assert_close(y_f, y_d, atol=1e-4, rtol=1e-4)
-    for a, b in zip(g_f, g_d):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from megacpp_lab.kernels.rope import (
@@ -236,6 +237,51 @@ def _doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
 
 
+# Where the flex path has been checked against the dense SDPA path, as (device type, dtype, compiled,
+# gradients). CPU: the CPU tests (flex has no CPU backward). CUDA: test_cuda_compiled_flex_* on an H100
+# (B in {1, 2, 4}, T in {256, 1024, 2048}, with and without gradients) and the eager CUDA tests. Anything
+# else is refused until a test proves it: compiled flex once returned wrong numbers with no error.
+FLEX_PROVEN: frozenset[tuple[str, torch.dtype, bool, bool]] = frozenset(
+    [("cpu", torch.float32, compiled, False) for compiled in (False, True)]
+    + [("cuda", dtype, compiled, grad) for dtype in (torch.float32, torch.bfloat16) for compiled in (False, True)
+       for grad in (False, True)]
+)  # fmt: skip
+
+
+def check_flex_proven(device: torch.device, dtype: torch.dtype, *, compiled: bool, grad: bool) -> None:
+    """Raise unless the flex path has been tested on this (device, dtype, compiled, gradients) configuration."""
+    if (device.type, dtype, compiled, grad) not in FLEX_PROVEN:
+        mode = ("compiled" if compiled else "eager") + (" with gradients" if grad else " without gradients")
+        raise NotImplementedError(
+            f"attn_impl='flex' is not proven on {device.type} {str(dtype).removeprefix('torch.')} {mode}; "
+            "use attn_impl='sdpa', or add the configuration to megacpp_lab.nn.mla.FLEX_PROVEN with a test "
+            "against sdpa"
+        )
+
+
+def doc_causal_block_mask(doc_ids: torch.Tensor | None, *, batch: int | None = None, seq_len: int | None = None,
+                          device: torch.device | str | None = None) -> BlockMask:  # fmt: skip
+    """The flex-attention block mask of packed rows: key s is visible to query t iff s <= t and both lie in
+    the same document (one document per row when doc_ids is None: give batch, seq_len and device).
+
+    Build it once per batch, eagerly, outside any compiled region, and pass it to every flex layer."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("doc_causal_block_mask must run outside the compiled region (once per batch)")
+    if doc_ids is None:
+        if batch is None or seq_len is None:
+            raise ValueError("doc_causal_block_mask needs doc_ids, or batch and seq_len for one document per row")
+        doc_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+    if doc_ids.dim() != 2:
+        raise ValueError(f"doc_ids must be [B, T], got shape {tuple(doc_ids.shape)}")
+    B, T = doc_ids.shape
+    ids = doc_ids
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+
+    return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
+
+
 class MultiLatentAttention(nn.Module):
     """[B,T,d_model] -> [B,T,d_model] MLA over packed rows (doc_ids keep documents apart)."""
 
@@ -312,18 +358,30 @@ class MultiLatentAttention(nn.Module):
             return mla_rope_kv(kv, k_pe, self.rope_cos, self.rope_sin, c.d_nope, positions=positions)
         return mla_rope_kv_reference(kv, k_pe, self.rope_cos, self.rope_sin, c.d_nope, positions=positions)
 
-    def _attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, doc_ids: torch.Tensor | None,
+                block_mask: BlockMask | None) -> torch.Tensor:  # fmt: skip
         c = self.config
         q, key, value = (t.transpose(1, 2) for t in (q, key, value))
         scale = 1.0 / math.sqrt(c.d_nope + c.d_rope)
         if c.attn_impl == "flex":
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-            B, _, T, _ = q.shape
-            ids = doc_ids if doc_ids is not None else torch.zeros(B, T, dtype=torch.long, device=q.device)
-            mask_mod = lambda b, h, qi, ki: (ki <= qi) & (ids[b, qi] == ids[b, ki])  # noqa: E731
-            block_mask = create_block_mask(mask_mod, B, None, T, T, device=q.device)
-            out = flex_attention(q, key, value, block_mask=block_mask, scale=scale)
+            compiling = torch.compiler.is_compiling()
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
+            check_flex_proven(q.device, q.dtype, compiled=compiling, grad=grad)
+            if block_mask is None:
+                if compiling:
+                    raise RuntimeError(
+                        "MultiLatentAttention(attn_impl='flex') under torch.compile needs block_mask=: build it once per "
+                        "batch with doc_causal_block_mask(doc_ids) outside the compiled region. Built inside, inductor "
+                        "fuses the mask into the attention kernel, which gave wrong numbers and illegal memory accesses"
+                    )
+                block_mask = doc_causal_block_mask(doc_ids, batch=q.shape[0], seq_len=q.shape[2], device=q.device)
+            elif tuple(block_mask.seq_lengths) != (q.shape[2], q.shape[2]) or block_mask.shape[0] not in (1, q.shape[0]):
+                raise ValueError(f"block_mask is for batch {block_mask.shape[0]} and lengths {tuple(block_mask.seq_lengths)}, "
+                                 f"the input is batch {q.shape[0]}, length {q.shape[2]}")  # fmt: skip
+            # contiguous: inductor's CPU flex lowering fails on q/k/v that are views of a concat
+            out = flex_attention(q.contiguous(), key.contiguous(), value.contiguous(), block_mask=block_mask, scale=scale)
+        elif block_mask is not None:
+            raise ValueError("block_mask is for attn_impl='flex'; the sdpa path builds its dense mask from doc_ids")
         elif doc_ids is None:
             out = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale)
         else:
@@ -332,9 +390,12 @@ class MultiLatentAttention(nn.Module):
 
     # -- training forward
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                block_mask: BlockMask | None = None) -> torch.Tensor:  # fmt: skip
         """x [B,T,d_model]; doc_ids [B,T] keep documents apart; positions [B,T] (reset at each document
-        start, as PackedBatch gives them) pick the RoPE rows, else 0..T-1 per row."""
+        start, as PackedBatch gives them) pick the RoPE rows, else 0..T-1 per row. With attn_impl='flex',
+        block_mask (from doc_causal_block_mask, built outside any compiled region) replaces doc_ids for the
+        attention mask; eager calls may leave it out and have it built here."""
         c = self.config
         B, T, _ = x.shape
         if T > c.max_positions:
@@ -352,7 +413,7 @@ class MultiLatentAttention(nn.Module):
             key, value = checkpoint(self._kv_up_rope, x, c_lat, k_pe, positions, use_reentrant=False)
         else:
             key, value = self._kv_up_rope(x, c_lat, k_pe, positions)
-        out = self._attend(q, key, value, doc_ids)
+        out = self._attend(q, key, value, doc_ids, block_mask)
         return self.w_o(out.reshape(B, T, c.n_heads * c.d_v))
 
     # -- decode

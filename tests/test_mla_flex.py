@@ -1,0 +1,179 @@
+"""MLA with attn_impl='flex': eager and compiled, against the dense SDPA path with the same weights.
+
+Compiled flex once returned wrong numbers with no error (B=4, T=256, no_grad on an H100) and hit illegal
+memory accesses at T >= 1024, because the block mask was built inside the compiled region and fused into
+the attention kernel. The mask is now built once per batch outside (`doc_causal_block_mask`), compiled
+calls without one are refused, and so is every configuration that FLEX_PROVEN does not list."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from megacpp_lab.nn.mla import FLEX_PROVEN, MLAConfig, MultiLatentAttention, check_flex_proven, doc_causal_block_mask
+
+SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=8, d_v=8, max_positions=256)
+# the MLA block of a real model: DeepSeek-V2-Lite-like ranks and head dims
+REAL = dict(d_model=2048, n_heads=16, q_lora_rank=1536, kv_lora_rank=512, d_nope=128, d_rope=64, d_v=128,
+            max_positions=4096)  # fmt: skip
+
+
+def _pair(device: str, dtype: torch.dtype = torch.float32, **kw) -> tuple[MultiLatentAttention, MultiLatentAttention]:
+    """(sdpa layer, flex layer) with the same weights."""
+    torch.manual_seed(0)
+    sdpa = MultiLatentAttention(MLAConfig.build(**kw)).to(device, dtype)
+    flex = MultiLatentAttention(MLAConfig.build(**kw, attn_impl="flex")).to(device, dtype)
+    flex.load_state_dict(sdpa.state_dict())
+    return sdpa, flex
+
+
+def _packed_doc_ids(B: int, T: int, device: str, seed: int) -> torch.Tensor:
+    """B rows of packed documents; each row a different number of documents of random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in range(B):
+        n_docs = 1 + (seed + b) % 6
+        starts = torch.randperm(T - 1, generator=g)[: n_docs - 1] + 1
+        row = torch.zeros(T, dtype=torch.long)
+        row[starts] = 1
+        rows.append(row.cumsum(0))
+    return torch.stack(rows).to(device)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+# ----------------------------------------------------------------------------- CPU (fp32, no gradients)
+
+
+def test_flex_equals_the_dense_doc_mask_eager_with_and_without_a_prebuilt_mask() -> None:
+    sdpa, flex = _pair("cpu", **SMALL)
+    x = torch.randn(2, 16, 32)
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 3 + [1] * 4 + [2] * 9])
+    with torch.no_grad():
+        ref = sdpa(x, doc_ids)
+        torch.testing.assert_close(flex(x, doc_ids), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(flex(x, block_mask=doc_causal_block_mask(doc_ids)), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(flex(x), sdpa(x), atol=1e-5, rtol=1e-5)  # one document per row
+
+
+def test_compiled_flex_equals_sdpa_and_never_recompiles_for_new_document_layouts() -> None:
+    torch._dynamo.reset()
+    sdpa, flex = _pair("cpu", **SMALL)
+    compiled = torch.compile(flex, fullgraph=True)
+    x = torch.randn(2, 128, 32)
+    counters.clear()
+    with torch.no_grad():
+        for seed in range(4):  # 1..6 documents per row, different at every step
+            doc_ids = _packed_doc_ids(2, 128, "cpu", seed)
+            y = compiled(x, doc_ids, block_mask=doc_causal_block_mask(doc_ids))
+            torch.testing.assert_close(y, sdpa(x, doc_ids), atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_compiled_flex_without_a_block_mask_is_refused() -> None:
+    torch._dynamo.reset()
+    _, flex = _pair("cpu", **SMALL)
+    x = torch.randn(1, 128, 32)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="needs block_mask=.*doc_causal_block_mask"):
+        torch.compile(flex, fullgraph=True)(x, torch.zeros(1, 128, dtype=torch.long))
+
+
+def test_unproven_flex_configurations_are_refused_by_name() -> None:
+    _, flex = _pair("cpu", **SMALL)
+    x = torch.randn(1, 16, 32)
+    with pytest.raises(NotImplementedError, match="not proven on cpu float32 eager with gradients"):
+        flex(x)  # flex has no CPU backward
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="not proven on cpu bfloat16 eager"):
+        flex.to(torch.bfloat16)(x.bfloat16())
+    with pytest.raises(NotImplementedError, match="not proven on cuda float16 compiled"):
+        check_flex_proven(torch.device("cuda"), torch.float16, compiled=True, grad=False)
+    assert ("cuda", torch.bfloat16, True, False) in FLEX_PROVEN  # the configuration of the original bug
+
+
+def test_block_mask_mismatches_fail_closed() -> None:
+    sdpa, flex = _pair("cpu", **SMALL)
+    x = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="block_mask is for batch 2 and lengths \\(32, 32\\)"):
+            flex(x, block_mask=doc_causal_block_mask(None, batch=2, seq_len=32))
+        with pytest.raises(ValueError, match="block_mask is for attn_impl='flex'"):
+            sdpa(x, block_mask=doc_causal_block_mask(None, batch=2, seq_len=16))
+    with pytest.raises(ValueError, match="doc_ids must be \\[B, T\\]"):
+        doc_causal_block_mask(torch.zeros(16, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- CUDA, real-shaped layer
+
+
+def _check_against_sdpa(layer_fn, sdpa: MultiLatentAttention, B: int, T: int, grad: bool, seed: int,
+                        dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+    """layer_fn(x, doc_ids, block_mask) against eager SDPA: outputs, and with grad the input and weight grads."""
+    torch.manual_seed(seed)
+    x = torch.randn(B, T, REAL["d_model"], device="cuda", dtype=dtype)
+    doc_ids = _packed_doc_ids(B, T, "cuda", seed)
+    block_mask = doc_causal_block_mask(doc_ids)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    if not grad:
+        with torch.no_grad():
+            y, ref = layer_fn(x, doc_ids, block_mask), sdpa(x, doc_ids)
+        torch.cuda.synchronize()  # an illegal memory access surfaces here, not as a silent result
+        assert torch.isfinite(y).all()
+        assert _rel(y, ref) < tol and (y.float() - ref.float()).abs().max() < 10 * tol * ref.float().abs().max()
+        return
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    y, ref = layer_fn(xs[0], doc_ids, block_mask), sdpa(xs[1], doc_ids)
+    dy = torch.randn_like(ref)
+    y.backward(dy)
+    ref.backward(dy)
+    torch.cuda.synchronize()
+    assert _rel(y, ref) < tol
+    assert _rel(xs[0].grad, xs[1].grad) < tol
+    flex_params = dict(layer_fn.named_parameters()) if isinstance(layer_fn, torch.nn.Module) else {}
+    for name, p in sdpa.named_parameters():
+        q = flex_params[name] if name in flex_params else flex_params.get(f"_orig_mod.{name}")
+        assert q is not None and _rel(q.grad, p.grad) < tol, name
+    sdpa.zero_grad()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("T", [256, 1024, 2048])
+@pytest.mark.parametrize("B", [1, 2, 4])
+def test_cuda_compiled_flex_equals_eager_sdpa(B: int, T: int, grad: bool) -> None:
+    """The issue's grid, each shape compiled on its own (static shapes), bf16."""
+    torch._dynamo.reset()
+    sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
+    compiled = torch.compile(flex, fullgraph=True, dynamic=False)
+    _check_against_sdpa(compiled, sdpa, B, T, grad, seed=B * 10_000 + T)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_cuda_compiled_flex_one_module_across_shapes_and_document_counts(grad: bool) -> None:
+    """One compiled layer fed shapes no test names, as a user's loop would (dynamo may go dynamic)."""
+    torch._dynamo.reset()
+    sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
+    compiled = torch.compile(flex, fullgraph=True)
+    for i, (B, T) in enumerate([(3, 640), (1, 4096), (4, 256), (2, 1000), (8, 512), (5, 384)]):
+        _check_against_sdpa(compiled, sdpa, B, T, grad, seed=100 + i)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_cuda_flex_fp32_equals_eager_sdpa(compiled: bool, grad: bool) -> None:
+    torch._dynamo.reset()
+    sdpa, flex = _pair("cuda", torch.float32, **REAL)
+    fn = torch.compile(flex, fullgraph=True) if compiled else flex
+    _check_against_sdpa(fn, sdpa, 2, 512, grad, seed=7, dtype=torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_cuda_eager_flex_bf16_equals_eager_sdpa(grad: bool) -> None:
+    sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
+    _check_against_sdpa(flex, sdpa, 2, 512, grad, seed=11)
