@@ -1,6 +1,7 @@
 """M2RNN: reference loop, Triton scan (TRITON_INTERPRET=1 on CPU), kernel selection, layer, compile boundary."""
 
 import types
+import sys
 import warnings
 
 import pytest
@@ -116,12 +117,27 @@ def test_tripwire_no_silent_fallback_to_the_reference_loop(monkeypatch):
     m2k._warn_reference_fallback.cache_clear()
     monkeypatch.setattr(m2k, "DEFAULT_KERNEL", "auto")
     q, k, v, f, W, _ = (t.detach() for t in _inputs(1, 4, 1, 16, 16, device="cpu"))
-    with pytest.warns(RuntimeWarning, match="reference step loop"):
+    with pytest.warns(RuntimeWarning, match="reference step loop") as caught:
         m2rnn_scan(q, k, v, f, W)
+    assert caught[0].filename == __file__  # attributed to the caller's line, not the library's
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second call does not warn again
         m2rnn_scan(q, k, v, f, W)
         m2rnn_scan(q, k, v, f, W, kernel="reference")  # the explicit switch is silent
+
+
+def test_reference_fallback_warning_points_at_the_callers_line_through_the_layer(monkeypatch):
+    """Raised three calls deep (layer -> scan -> kernel choice); the warning names the line that called the layer."""
+    if ON_GPU:
+        pytest.skip("the fallback warning exists only without a GPU")
+    from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig
+
+    m2k._warn_reference_fallback.cache_clear()
+    monkeypatch.setattr(m2k, "DEFAULT_KERNEL", "auto")
+    layer = M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, kernel="auto"))
+    with pytest.warns(RuntimeWarning, match="reference step loop") as caught:
+        layer(torch.randn(1, 8, 32)); line = sys._getframe().f_lineno  # fmt: skip
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
 
 
 def test_triton_without_gpu_or_interpreter_fails_closed(monkeypatch):

@@ -1,6 +1,23 @@
 """Triton kernels beside their torch references, one file per kernel family."""
 
 import os
+import sys
+import warnings
+
+import torch
 
 # read once at import, for every kernel module: kernels run under the Triton interpreter (CPU tests)
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# frames in these trees are the library's own (and torch's module-call plumbing), never the user's line
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+                 os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)  # fmt: skip
+
+
+def warn_at_caller(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """warnings.warn attributed to the first frame outside megacpp_lab and torch: the caller's own line,
+    however deep in the library (layers, autograd functions, compiled wrappers) the warning was raised."""
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)

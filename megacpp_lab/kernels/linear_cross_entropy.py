@@ -17,14 +17,13 @@ silently. The reference is `linear_cross_entropy_reference`, F.cross_entropy ove
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import TRITON_INTERPRET
+from megacpp_lab.kernels import TRITON_INTERPRET, warn_at_caller
 
 REDUCTIONS = ("mean", "sum")
 IMPLS = ("auto", "triton", "eager")
@@ -98,8 +97,9 @@ def _ce_grad_inplace_kernel(
     for v0 in range(0, V, BLOCK_V):
         x = tl.load(ptr + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, x)
-        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-        acc = acc * alpha + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+        # a lane that has seen only masked (-inf) entries rescales against 0, not itself: -inf - -inf is NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        acc = acc * tl.exp(m - m_ref) + tl.exp(x - m_ref)
         m = m_new
     m_row = tl.max(m, axis=0)
     lse = m_row + tl.log(tl.sum(acc * tl.exp(m - m_row), axis=0))
@@ -199,8 +199,7 @@ def _block_sparse_grads_(grad: torch.Tensor, flags: torch.Tensor, weight: torch.
 
 @functools.lru_cache(maxsize=None)
 def _warn_fallback(reason: str) -> None:
-    warnings.warn(f"fused_linear_cross_entropy: {reason}; running the eager chunked fallback (same math, slower)",
-                  RuntimeWarning, stacklevel=4)  # fmt: skip
+    warn_at_caller(f"fused_linear_cross_entropy: {reason}; running the eager chunked fallback (same math, slower)")
 
 
 def resolve_impl(impl: str, x: torch.Tensor) -> str:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import TRITON_INTERPRET
+from megacpp_lab.kernels import TRITON_INTERPRET, warn_at_caller
 
 _INTERPRETED = tl.constexpr(TRITON_INTERPRET)
 
@@ -375,11 +374,9 @@ if DEFAULT_KERNEL not in KERNELS:
 
 @functools.lru_cache(maxsize=None)
 def _warn_reference_fallback(reason: str) -> None:
-    warnings.warn(
+    warn_at_caller(
         f"M2RNN is running the reference step loop ({reason}). It is a correctness reference, "
-        "orders of magnitude slower than the Triton kernel; pass kernel='reference' to silence this.",
-        RuntimeWarning,
-        stacklevel=4,
+        "orders of magnitude slower than the Triton kernel; pass kernel='reference' to silence this."
     )
 
 
