@@ -1,4 +1,4 @@
-"""Benchmark receipts: one JSON schema for every performance claim (DESIGN.md, "Receipts").
+"""Benchmark receipts: one JSON schema for every performance claim (docs/design.md, "Receipts").
 
 A receipt lives at profiles/<device-slug>/<subsystem>/<name>.json and is stamped with the
 device, torch, triton, git commit and date of the run that produced it.

@@ -1,6 +1,6 @@
 """Packed rows: several documents back to back in fixed-length rows, validated fail-closed.
 
-Contract (see DESIGN.md, "Packed rows"):
+Contract (see docs/design.md, "Packed rows"):
   tokens     [B,T] integer
   doc_ids    [B,T] int32/int64, non-decreasing along a row, changes at every boundary
   positions  [B,T] integer, 0 at each document start, +1 inside a document

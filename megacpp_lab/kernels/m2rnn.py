@@ -88,7 +88,7 @@ def _state_times_w(h, W, PRECISION: tl.constexpr):
     return tl.dot(h, W, input_precision=PRECISION)
 
 
-L2_AHEAD = tl.constexpr(8)  # steps between the L2 prefetch and the use (2 was enough on an H100)
+L2_AHEAD = tl.constexpr(8)  # steps between the L2 prefetch and the use
 
 
 @triton.jit
@@ -103,8 +103,8 @@ def _prefetch_l2(ptr):
 def _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, hd, H, k0, K: tl.constexpr, V: tl.constexpr):
     """Pull step t's inputs into L2 without waiting for them.
 
-    The scan is one dependent chain: a step's loads issued one step ahead still wait on DRAM
-    (about twice a step's math on an H100); from L2 they arrive in time."""
+    The scan is one dependent chain: a step's loads issued one step ahead can still be waiting on
+    DRAM when the step needs them; prefetched into L2 several steps ahead, they are served from L2."""
     row = t * H + hd
     _prefetch_l2(q_ptr + row * K + k0)
     _prefetch_l2(k_ptr + row * K + k0)

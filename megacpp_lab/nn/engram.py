@@ -156,7 +156,7 @@ class _RMSNorm(nn.Module):
     """Parameter-free RMSNorm: exactly one fused F.rms_norm call.
 
     Never the manual x.pow(2).mean(-1) form: it loses bf16 precision on large
-    activations and breaks Inductor's fusion (DESIGN.md, historical bugs).
+    activations and breaks Inductor's fusion (docs/design.md, historical bugs).
     """
 
     def __init__(self, eps: float = 1e-6) -> None:
