@@ -6,6 +6,11 @@ STAMP := $(VENV)/.megacpp-lab-installed
 # Tests and notebooks share one inductor cache, so each compiled block is built once per run.
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 export PYTHONUNBUFFERED := 1
+# `make lab` listens on LAB_IP:LAB_PORT: loopback by default, so a remote box is reached through an ssh
+# tunnel (scripts/lab.py prints the command). LAB_ARGS passes further flags to `jupyter lab`.
+LAB_IP ?= 127.0.0.1
+LAB_PORT ?= 8888
+LAB_ARGS ?=
 
 .PHONY: install lab test tour data clean
 
@@ -19,8 +24,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[lab,test]'
 	@touch $(STAMP)
 
+# One script for users and CI: tests/test_lab_server.py runs this very target and queries the server.
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/python scripts/lab.py --ip '$(LAB_IP)' --port '$(LAB_PORT)' -- $(LAB_ARGS)
 
 # Two runs so the log shows the unit-test and the notebook (nbval) counts apart.
 test: $(STAMP)
