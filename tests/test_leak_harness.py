@@ -17,13 +17,17 @@ from megacpp_lab.testing import (  # noqa: E402
     DocCausalAttention,
     LeakReport,
     TokenMixer,
+    VacuousCheckError,
     Violation,
+    ZeroInitProjection,
     assert_no_leaks,
     check_leaks,
     influence_matrix,
     influence_violation,
     plot_influence,
 )
+from megacpp_lab.nn.doc_masking import doc_causal_shift  # noqa: E402
+from megacpp_lab.nn.engram import EngramBranch, EngramConfig  # noqa: E402
 from megacpp_lab.testing.leaks import _perturb  # noqa: E402
 
 B, T, C, V = 2, 48, 8, 37
@@ -180,8 +184,136 @@ def test_tolerance_scales_with_small_outputs(x, doc_ids):
     tiny_leaky = lambda v, d: 1e-4 * CausalSmoother(WINDOW, doc_masked=False)(v, d)
     rep = check_leaks(tiny_leaky, x.to(torch.bfloat16), doc_ids, causal=False)
     assert not rep.passed and rep.tol < 1e-6
-    zero = check_leaks(lambda v, d: torch.zeros_like(v), x, doc_ids)
-    assert zero.passed and zero.tol == 0
+
+
+# -------------------------------------------------------------- vacuous checks (can it fail?)
+
+
+def test_masked_smoother_reports_its_dependence(x, doc_ids):
+    rep = check_leaks(CausalSmoother(WINDOW, doc_masked=True), x, doc_ids)
+    dep = rep.dependence
+    assert not rep.vacuous and not rep.constant and dep.ignored == ()
+    assert dep.docs_probed == 7 and dep.n_causal_probes == B * T
+    assert dep.weakest is not None and dep.weakest > 0.01 > rep.tol
+    assert dep.largest_change >= dep.weakest and dep.inert_probes == ()
+    assert "every one of 7 probed docs moves its own outputs" in str(rep)
+
+
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("zeros", lambda v, d: torch.zeros_like(v)),
+        ("ones", lambda v, d: torch.ones_like(v)),  # nonzero constant: tol > 0, changes exactly 0
+        ("zero-init projection", ZeroInitProjection(CausalSmoother(WINDOW), C).double()),
+    ],
+)
+def test_constant_output_is_refused(x, doc_ids, name, fn):
+    with pytest.raises(VacuousCheckError, match="output is constant in the input") as err:
+        check_leaks(fn, x, doc_ids)
+    assert "allow_vacuous=True" in str(err.value)
+    rep = err.value.report
+    assert rep.constant and rep.vacuous and not rep.leaked and not rep.passed
+    assert "PASS" not in str(rep) and "VACUOUS" in str(rep)
+    assert rep.dependence.weakest is None and rep.dependence.largest_change == 0.0
+    assert len(rep.dependence.ignored) == 7
+    assert len(rep.dependence.inert_probes) == rep.dependence.n_causal_probes == B * T
+    with pytest.raises(VacuousCheckError, match="constant"):
+        assert_no_leaks(fn, x, doc_ids)
+    # causal check alone: refused too
+    with pytest.raises(VacuousCheckError, match="constant"):
+        check_leaks(fn, x, doc_ids, cross_doc=False)
+
+
+def test_zero_init_engram_branch_is_refused_until_its_projection_is_set(doc_ids):
+    """The case that passed before: Engram's zero out_proj made check_leaks report PASS."""
+    torch.manual_seed(0)
+    branch = EngramBranch(EngramConfig(d_model=C, n_layers=1, bottleneck=4)).double().eval()
+    h = torch.randn(B, T, C, dtype=torch.float64)
+    with pytest.raises(VacuousCheckError, match=r"zero-initialised output projection"):
+        check_leaks(branch, h, doc_ids)
+    ids = torch.randint(0, V, (B, T))
+    with pytest.raises(VacuousCheckError, match="constant in the input"):
+        check_leaks(TokenMixer(V, C, branch).double(), ids, doc_ids, vocab_size=V)
+    nn.init.normal_(branch.out_proj.weight, std=0.05)  # on purpose: the check can now fail
+    rep = check_leaks(branch, h, doc_ids)
+    assert rep.passed and not rep.vacuous, str(rep)
+
+
+def test_allow_vacuous_accepts_and_says_so(x, doc_ids, ids):
+    fn = lambda v, d: torch.zeros(v.shape[0], v.shape[1], 3)
+    rep = check_leaks(fn, ids, doc_ids, vocab_size=V, allow_vacuous=True)
+    assert rep.passed and rep.vacuous and rep.constant and rep.allow_vacuous
+    text = str(rep)
+    assert text.splitlines()[0].startswith("LeakReport: PASS, VACUOUS (accepted with allow_vacuous=True)")
+    assert "constant in the input" in text
+    assert assert_no_leaks(fn, ids, doc_ids, vocab_size=V, allow_vacuous=True).vacuous
+    # a real mixer under the opt-in is simply not vacuous
+    rep = check_leaks(CausalSmoother(WINDOW), x, doc_ids, allow_vacuous=True)
+    assert rep.passed and not rep.vacuous and "VACUOUS" not in str(rep)
+
+
+def _ignore_doc(inner, row, doc):
+    """inner, with every output of document ``doc`` in ``row`` replaced by zero."""
+
+    def fn(v, d):
+        y = inner(v, d)
+        keep = torch.ones_like(d, dtype=torch.bool)
+        keep[row] = d[row] != doc
+        return y * keep[..., None]
+
+    return fn
+
+
+def test_module_ignoring_one_document_is_caught(x, doc_ids):
+    fn = _ignore_doc(CausalSmoother(WINDOW), row=0, doc=2)  # row 0 doc 2 spans offsets 27:33
+    ignored = r"does not depend on 1 of 7 probed documents: perturbing doc 2 \(row 0, offsets 27:33\)"
+    with pytest.raises(VacuousCheckError, match=ignored):
+        check_leaks(fn, x, doc_ids)
+    # the causal probes alone see it too: all six probes in that document move nothing of it
+    with pytest.raises(VacuousCheckError, match=r"doc 2 \(row 0, offsets 27:33\)") as err:
+        check_leaks(fn, x, doc_ids, cross_doc=False)
+    assert set(err.value.report.dependence.inert_probes) == {(0, t) for t in range(27, 33)}
+    # ... and a sparse causal sample that misses the document does not claim anything about it
+    rep = check_leaks(fn, x, doc_ids, cross_doc=False, causal_positions=[0, 20, 40])
+    assert rep.passed and rep.dependence.docs_probed == 6  # 3 per row, none of them row 0 doc 2
+    rep = check_leaks(fn, x, doc_ids, allow_vacuous=True)
+    assert rep.passed and rep.vacuous and not rep.constant
+    assert [(s.row, s.doc, s.start, s.end) for s in rep.dependence.ignored] == [(0, 2, 27, 33)]
+
+
+def test_leak_is_reported_even_where_a_document_is_ignored(x, doc_ids):
+    """A leak is a finding: FAIL (not a refusal), with the ignored document in the report."""
+    leaky = _ignore_doc(CausalSmoother(WINDOW, doc_masked=False), row=1, doc=0)
+    rep = check_leaks(leaky, x, doc_ids)
+    assert rep.leaked and not rep.passed and rep.vacuous
+    assert [(s.row, s.doc) for s in rep.dependence.ignored] == [(1, 0)]
+    assert str(rep).startswith("LeakReport: FAIL") and "doc 0 (row 1, offsets 0:20)" in str(rep)
+
+
+def test_dependence_below_tol_does_not_count(x, doc_ids):
+    """A relative threshold, not exact zero: a response the leak check could not see is no dependence."""
+    faint = lambda v, d: 1e3 + 1e-4 * CausalSmoother(WINDOW)(v, d)  # tol = 1e-6 * 1e3 > 1e-4
+    with pytest.raises(VacuousCheckError, match="constant in the input") as err:
+        check_leaks(faint, x, doc_ids)
+    assert 0 < err.value.report.dependence.largest_change <= err.value.report.tol
+    # with an explicit tol below the response it is a real (and passing) check
+    assert check_leaks(faint, x, doc_ids, tol=1e-9).passed
+
+
+def test_previous_token_mixer_passes_with_inert_probes(x, doc_ids):
+    """y_t = x_{t-1} within the document: a document's last token moves nothing, which is legal."""
+    rep = check_leaks(lambda v, d: doc_causal_shift(v, d, 1), x, doc_ids)
+    assert rep.passed and not rep.vacuous, str(rep)
+    last = {(b, t) for b in range(B) for t in range(T) if t == T - 1 or doc_ids[b, t + 1] != doc_ids[b, t]}
+    assert set(rep.dependence.inert_probes) == last
+    assert "7 of 96 causal probes" in str(rep)
+
+
+def test_nothing_to_check_is_refused(x, doc_ids):
+    with pytest.raises(ValueError, match="nothing to check"):
+        check_leaks(CausalSmoother(WINDOW), x, doc_ids, cross_doc=False, causal=False)
+    with pytest.raises(ValueError, match="nothing to check"):
+        check_leaks(CausalSmoother(WINDOW), x, doc_ids, cross_doc=False, causal_positions=[])
 
 
 def test_nondeterministic_fn_rejected(x, doc_ids):

@@ -1,8 +1,11 @@
 """Test helpers: the packed-row leak harness and small reference mixers with planted leaks."""
 
-from megacpp_lab.testing import leaks
+from megacpp_lab.testing import leaks, planted
 from megacpp_lab.testing.leaks import (
+    Dependence,
+    DocSpan,
     LeakReport,
+    VacuousCheckError,
     Violation,
     assert_no_leaks,
     check_leaks,
@@ -10,6 +13,12 @@ from megacpp_lab.testing.leaks import (
     influence_violation,
     plot_influence,
 )
-from megacpp_lab.testing.planted import CausalSmoother, CenteredSmoother, DocCausalAttention, TokenMixer
+from megacpp_lab.testing.planted import (
+    CausalSmoother,
+    CenteredSmoother,
+    DocCausalAttention,
+    TokenMixer,
+    ZeroInitProjection,
+)
 
-__all__ = [*leaks.__all__, "CausalSmoother", "CenteredSmoother", "TokenMixer", "DocCausalAttention"]
+__all__ = [*leaks.__all__, *planted.__all__]

@@ -12,6 +12,12 @@ A mixer that breaks either promise trains fine and evaluates fine on one documen
 per row, then silently degrades on packed data (or cheats by looking ahead). These
 helpers find such leaks by black-box perturbation (:func:`check_leaks`) and show them
 as a T x T influence matrix (:func:`influence_matrix`, :func:`plot_influence`).
+
+A leak check is only evidence if it could have failed: a module whose output ignores
+its input (an Engram branch with its zero-initialised output projection, say) leaks
+nothing at those weights and hides every masking bug the trained weights would expose.
+:func:`check_leaks` therefore also measures how much each document moves its own
+outputs, and refuses (:class:`VacuousCheckError`) a check in which some document does not.
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ from torch import nn
 
 __all__ = [
     "Violation",
+    "DocSpan",
+    "Dependence",
     "LeakReport",
+    "VacuousCheckError",
     "check_leaks",
     "assert_no_leaks",
     "influence_matrix",
@@ -83,11 +92,48 @@ class Violation:
 
 
 @dataclass(frozen=True)
+class DocSpan:
+    """One document segment of a packed row: offsets ``start:end`` of ``row`` hold document ``doc``."""
+
+    row: int
+    doc: int
+    start: int
+    end: int
+
+    def __str__(self) -> str:
+        return f"doc {self.doc} (row {self.row}, offsets {self.start}:{self.end})"
+
+
+@dataclass(frozen=True)
+class Dependence:
+    """How far the perturbations moved fn's outputs: whether the leak check could have failed.
+
+    ``docs_probed``: (row, document) segments perturbed whole by the cross-doc check or
+    holding a causal probe. ``ignored``: those among them whose perturbations moved no
+    output of their own document by more than tol. ``weakest``: the smallest own-document
+    response among the documents that did respond (None if none did). ``largest_change``:
+    the largest change any perturbation caused at any output. ``inert_probes``: the
+    (row, offset) causal probes that moved nothing at or after themselves in their
+    document (information only: a previous-token mixer legitimately ignores a document's
+    last token). ``n_causal_probes``: (row, offset) pairs probed by the causal check.
+    """
+
+    docs_probed: int
+    ignored: tuple[DocSpan, ...]
+    weakest: float | None
+    largest_change: float
+    inert_probes: tuple[tuple[int, int], ...]
+    n_causal_probes: int
+
+
+@dataclass(frozen=True)
 class LeakReport:
-    """Worst observed change per category (even below tolerance) and the verdict.
+    """Worst observed change per category (even below tolerance), the dependence, and the verdict.
 
     ``cross_doc`` / ``causal`` are None only if that check was skipped or no output
-    outside the allowed region changed at all.
+    outside the allowed region changed at all. ``dependence`` says whether the check
+    could have failed; a vacuous check (see :attr:`vacuous`) passes only with
+    ``allow_vacuous=True``.
     """
 
     cross_doc: Violation | None
@@ -95,10 +141,27 @@ class LeakReport:
     tol: float
     n_docs_perturbed: int
     n_positions_perturbed: int
+    dependence: Dependence
+    allow_vacuous: bool = False
+
+    @property
+    def leaked(self) -> bool:
+        """A change above tol where the promises allow none."""
+        return any(v is not None and v.magnitude > self.tol for v in (self.cross_doc, self.causal))
+
+    @property
+    def constant(self) -> bool:
+        """No perturbation moved any output by more than tol: the output is constant in the input."""
+        return self.dependence.largest_change <= self.tol
+
+    @property
+    def vacuous(self) -> bool:
+        """The output is constant, or some probed document moves none of its own outputs."""
+        return self.constant or bool(self.dependence.ignored)
 
     @property
     def passed(self) -> bool:
-        return all(v is None or v.magnitude <= self.tol for v in (self.cross_doc, self.causal))
+        return not self.leaked and (self.allow_vacuous or not self.vacuous)
 
     @property
     def worst(self) -> Violation | None:
@@ -107,8 +170,33 @@ class LeakReport:
             return None
         return max(found, key=lambda v: v.magnitude)
 
+    def vacuity(self) -> str:
+        """Why the check is vacuous (empty string when it is not)."""
+        dep = self.dependence
+        if self.constant:
+            counts = ((self.n_docs_perturbed, "documents"), (self.n_positions_perturbed, "positions"))
+            probes = [f"{n} {unit}" for n, unit in counts if n]
+            return (
+                f"the output is constant in the input: perturbing {' and '.join(probes)} changed no output by more "
+                f"than tol={self.tol:.1e} (largest change {dep.largest_change:.1e}), so no leak could have shown"
+            )
+        if dep.ignored:
+            shown = "; ".join(str(s) for s in dep.ignored[:5])
+            more = f"; and {len(dep.ignored) - 5} more" if len(dep.ignored) > 5 else ""
+            return (
+                f"the output does not depend on {len(dep.ignored)} of {dep.docs_probed} probed documents: "
+                f"perturbing {shown}{more} changed no output of that same document by more than "
+                f"tol={self.tol:.1e}, so the check says nothing about how those documents are masked"
+            )
+        return ""
+
     def __str__(self) -> str:
-        verdict = "PASS" if self.passed else "FAIL"
+        if self.leaked:
+            verdict = "FAIL"
+        elif self.vacuous:
+            verdict = "PASS, VACUOUS (accepted with allow_vacuous=True)" if self.allow_vacuous else "VACUOUS (refused)"
+        else:
+            verdict = "PASS"
         lines = [f"LeakReport: {verdict} (tol {self.tol:.1e})"]
         for name, v, n, unit in (
             ("cross_doc", self.cross_doc, self.n_docs_perturbed, "docs"),
@@ -120,10 +208,44 @@ class LeakReport:
                 flag = "FAIL" if v.magnitude > self.tol else "ok"
                 mag = f"worst {v.magnitude:.1e} [{flag}]"
             lines.append(f"  {name:9s}: {mag} over {n} perturbed {unit}")
+        dep = self.dependence
+        if self.vacuous:
+            lines.append(f"  depends  : VACUOUS: {self.vacuity()}")
+        else:
+            lines.append(
+                f"  depends  : every one of {dep.docs_probed} probed docs moves its own outputs "
+                f"(weakest {dep.weakest:.1e})"
+            )
+        if dep.inert_probes:
+            lines.append(
+                f"             {len(dep.inert_probes)} of {dep.n_causal_probes} causal probes (row, offset) moved "
+                f"nothing at or after themselves, e.g. {list(dep.inert_probes[:3])}"
+            )
         w = self.worst
-        if w is not None and not self.passed:
+        if w is not None and self.leaked:
             lines.append(f"  worst: {w}")
         return "\n".join(lines)
+
+
+class VacuousCheckError(ValueError):
+    """check_leaks found no leak, but the check could not have found one; ``report`` holds the details."""
+
+    def __init__(self, report: LeakReport) -> None:
+        self.report = report
+        if report.constant:
+            cause = (
+                "A zero-initialised output projection does this: re-initialise it before the check "
+                "(e.g. nn.init.normal_(branch.out_proj.weight, std=0.05))"
+            )
+        else:
+            cause = (
+                "A mask that zeroes a whole document does this, and so does a mixer that reads no token "
+                "of a one-token document (a previous-token shift)"
+            )
+        super().__init__(
+            f"check_leaks refuses a vacuous check: {report.vacuity()}. {cause}; "
+            "pass allow_vacuous=True to accept a report marked VACUOUS."
+        )
 
 
 # ------------------------------------------------------------------------- validation
@@ -284,6 +406,7 @@ def check_leaks(
     seed: int = 0,
     cross_doc: bool = True,
     causal: bool = True,
+    allow_vacuous: bool = False,
 ) -> LeakReport:
     """Perturb whole documents and single positions of ``x``; report the worst leak.
 
@@ -293,6 +416,29 @@ def check_leaks(
     T <= 256, else 64 spread positions including 0 and T-1) is perturbed in every row
     at once; any change at an earlier position is a leak. ``fn`` must be
     deterministic (put modules in ``eval()``); this is checked.
+
+    A perturbation changes every element it touches: token ids move by a random
+    nonzero offset mod ``vocab_size``; hidden states get Gaussian noise pushed at least
+    half of (std(x) + 1) away from zero, so rounding cannot absorb it. A change at an
+    output is max |y - y0| over its feature dims, and it counts, as a leak or as
+    dependence, only when it exceeds ``tol`` (default: 1e-6 of max |y0|, 1e-3 in
+    bf16/fp16; 0 when y0 is all zero). One threshold for both means a check that
+    counts a document as depended on could also have seen a leak of that size.
+
+    Dependence (can the check fail?): a probed document is *depended on* when some
+    perturbation of it moves an output of that same document: its whole-document
+    perturbation (cross-doc), or a causal probe at t moving an output at or after t
+    in t's document, in that row. A document none of whose probes does so is
+    *ignored*; if no perturbation moves any output at all, the output is *constant*.
+    Either makes the check vacuous: with no leak found, it raises
+    :class:`VacuousCheckError` naming the documents (or saying the output is constant),
+    unless ``allow_vacuous=True``, which returns a report that says VACUOUS. A check
+    that finds a leak reports FAIL either way. Single causal probes that move nothing
+    at or after themselves are listed in ``report.dependence.inert_probes`` but are
+    not an error: a previous-token mixer legitimately ignores a document's last token,
+    and the leak promise holds trivially for an input nothing reads. (A causal probe
+    perturbs every row at once, so a batch-mixing fn can look dependent there; the
+    cross-doc check catches it as a leak.)
     """
     B, T = _validate(x, doc_ids, vocab_size, need_vocab=True)
     if max_docs is not None and max_docs < 1:
@@ -309,10 +455,28 @@ def check_leaks(
         bad = [p for p in positions if not 0 <= p < T]
         if bad:
             raise ValueError(f"causal_positions must lie in [0, T={T}), got {bad}")
+    if not cross_doc and not (causal and positions):
+        raise ValueError(
+            "nothing to check: cross_doc=False and the causal check is off or has no positions "
+            f"(causal={causal}, causal_positions={positions})"
+        )
 
     gen = torch.Generator().manual_seed(seed)
     scale = _noise_scale(x)
     doc_cpu = doc_ids.detach().cpu()
+    segs = _segments(doc_ids)
+    # seg_of[b, t]: index into segs of the document segment holding (b, t)
+    seg_of = torch.empty(B, T, dtype=torch.int64)
+    for i, (row, start, end, _) in enumerate(segs):
+        seg_of[row, start:end] = i
+    probed: set[int] = set()
+    own_response: dict[int, float] = {}  # segment index -> largest own-document change seen
+    largest = 0.0
+    inert: list[tuple[int, int]] = []
+
+    def saw(i: int, own: float) -> None:
+        probed.add(i)
+        own_response[i] = max(own_response.get(i, 0.0), own)
 
     with torch.no_grad():
         y0 = _check_output(fn(x, doc_ids), B, T, "unperturbed run")
@@ -330,15 +494,16 @@ def check_leaks(
         worst_cd: Violation | None = None
         n_docs = 0
         if cross_doc:
-            segs = _segments(doc_ids)
-            if max_docs is not None:
-                segs = [segs[i] for i in _spread(len(segs), max_docs)]
-            for row, start, end, doc in segs:
+            chosen = range(len(segs)) if max_docs is None else _spread(len(segs), max_docs)
+            for i in chosen:
+                row, start, end, doc = segs[i]
                 xp = x.clone()
                 xp[row, start:end] = _perturb(x[row, start:end], scale=scale, vocab_size=vocab_size, gen=gen)
                 what = f"after perturbing doc {doc} (row {row}, offsets {start}:{end})"
                 d = _change(_check_output(fn(xp, doc_ids), B, T, what), y0).cpu()
                 n_docs += 1
+                largest = max(largest, float(d.max()))
+                saw(i, float(d[row, start:end].max()))
                 d[row, start:end] = 0.0
                 mag = float(d.max())
                 if mag > 0 and (worst_cd is None or mag > worst_cd.magnitude):
@@ -351,12 +516,21 @@ def check_leaks(
         worst_ca: Violation | None = None
         n_pos = 0
         if causal:
+            offsets = torch.arange(T)
             for t_src in positions:
                 xp = x.clone()
                 xp[:, t_src] = _perturb(x[:, t_src], scale=scale, vocab_size=vocab_size, gen=gen)
                 what = f"after perturbing offset {t_src} in every row"
                 d = _change(_check_output(fn(xp, doc_ids), B, T, what), y0).cpu()
                 n_pos += 1
+                largest = max(largest, float(d.max()))
+                # own response of each row's probe: outputs at or after t_src in t_src's document
+                own_mask = (seg_of == seg_of[:, t_src : t_src + 1]) & (offsets >= t_src)
+                own = torch.where(own_mask, d, torch.zeros_like(d)).amax(1)
+                for b in range(B):
+                    saw(int(seg_of[b, t_src]), float(own[b]))
+                    if float(own[b]) <= tol:
+                        inert.append((b, t_src))
                 d = d[:, :t_src]
                 if d.numel() == 0:
                     continue
@@ -368,14 +542,32 @@ def check_leaks(
                         src_row=b, src_pos=t_src, src_doc=None, out_doc=int(doc_cpu[b, t]),
                     )
 
-    return LeakReport(
+    responding = [own_response[i] for i in probed if own_response[i] > tol]
+    ignored = tuple(
+        DocSpan(row=segs[i][0], doc=segs[i][3], start=segs[i][1], end=segs[i][2])
+        for i in sorted(probed)
+        if own_response[i] <= tol
+    )
+    report = LeakReport(
         cross_doc=worst_cd, causal=worst_ca, tol=float(tol),
         n_docs_perturbed=n_docs, n_positions_perturbed=n_pos,
+        dependence=Dependence(
+            docs_probed=len(probed), ignored=ignored, weakest=min(responding) if responding else None,
+            largest_change=largest, inert_probes=tuple(inert), n_causal_probes=n_pos * B,
+        ),
+        allow_vacuous=bool(allow_vacuous),
     )
+    if report.vacuous and not report.leaked and not allow_vacuous:
+        raise VacuousCheckError(report)
+    return report
 
 
 def assert_no_leaks(fn: Mixer, x: torch.Tensor, doc_ids: torch.Tensor, **kw: Any) -> LeakReport:
-    """:func:`check_leaks`, raising AssertionError with the report if a leak exceeds tol."""
+    """:func:`check_leaks`, raising AssertionError with the report if a leak exceeds tol.
+
+    A vacuous check raises :class:`VacuousCheckError` (from check_leaks) unless
+    ``allow_vacuous=True`` is passed through ``kw``.
+    """
     report = check_leaks(fn, x, doc_ids, **kw)
     if not report.passed:
         raise AssertionError(str(report))

@@ -3,7 +3,9 @@
 Each is an ``nn.Module`` with ``forward(x, doc_ids=None)`` on [B,T,C] hidden states
 (``TokenMixer`` takes [B,T] token ids). The leaky variants reproduce the two classic
 packed-row bugs: a causal conv / attention that forgets document masking (cross-doc
-leak) and a window that looks ahead (causality leak).
+leak) and a window that looks ahead (causality leak). ``ZeroInitProjection`` plants the
+third trap: a zero-initialised output projection, whose constant output no leak check
+can fail on.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch import nn
 
 from megacpp_lab.nn.doc_masking import doc_causal_shift
 
-__all__ = ["CausalSmoother", "CenteredSmoother", "TokenMixer", "DocCausalAttention"]
+__all__ = ["CausalSmoother", "CenteredSmoother", "TokenMixer", "DocCausalAttention", "ZeroInitProjection"]
 
 
 def _check_window(window: int) -> int:
@@ -112,3 +114,21 @@ class DocCausalAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, doc_masked={self.doc_masked}"
+
+
+class ZeroInitProjection(nn.Module):
+    """``inner`` followed by a bias-free ``nn.Linear(dim, dim)`` out projection initialised to zero.
+
+    Residual branches (Engram, the hashed n-gram memory) start this way so that they are an
+    identity on the residual at step 0. Until ``out.weight`` is re-initialised the output is
+    constant (zero), whatever ``inner`` does: a leak check on it is vacuous.
+    """
+
+    def __init__(self, inner: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.out = nn.Linear(dim, dim, bias=False)
+        nn.init.zeros_(self.out.weight)
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.out(self.inner(x, doc_ids))
