@@ -1,13 +1,51 @@
-"""`megacpp-lab` console script. Each subsystem issue adds its subcommands here."""
+"""Build the packed C++ sample, benchmark each subsystem into receipts, and run the notebooks headless.
+
+Full-size benchmarks need a CUDA GPU and write receipts under profiles/; every command also runs on a
+CPU at small size (`bench <subsystem> --small`, `tour --size small`). `megacpp-lab <command> --help`
+says what each command does, and `megacpp-lab bench <subsystem> --help` what each benchmark measures.
+"""
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
+import textwrap
+import traceback
+import warnings
 from pathlib import Path
+from typing import Any
+
+from megacpp_lab.bench import COMMANDS, SMALL_OUT, BenchSetupError
+
+PROG = "megacpp-lab"
+# Bad input from the user: a bad flag value or environment variable (ValueError), a path that is not
+# there (OSError), a benchmark this machine cannot run (BenchSetupError). One line, exit status 2.
+USAGE_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, BenchSetupError)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; every flag's default in its help, unless the help states it itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _paragraphs(*paragraphs: str) -> str:
+    """A description kept as written by the raw formatter: each paragraph filled to 100 columns."""
+    return "\n\n".join(textwrap.fill(_one_line(p), width=100) for p in paragraphs)
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:  # fmt: skip
+    print(f"{PROG}: warning: {_one_line(str(message))}", file=sys.stderr)
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
@@ -16,8 +54,10 @@ def _cmd_data(args: argparse.Namespace) -> int:
     config = SampleConfig(rows=args.rows, seq_len=args.seq_len, stride=args.stride, max_file_bytes=args.max_file_bytes)
     out = build_sample(args.out, root=args.root, config=config, progress=not args.quiet)
     rows, manifest = load_sample(out)
+    n_rows = manifest["shape"]["rows"]
+    asked = "" if n_rows == config.rows else f" (of {config.rows} asked)"
     print(
-        f"wrote {out}/sample.pt and manifest.json: {manifest['shape']['rows']} rows x "
+        f"wrote {out}/sample.pt and manifest.json: {n_rows} rows{asked} x "
         f"{manifest['shape']['seq_len']} tokens, {manifest['documents']} files, "
         f"{manifest['segments']} segments, {manifest['pad_tokens']} pad tokens"
     )
@@ -37,6 +77,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_tour(args: argparse.Namespace) -> int:
     """Execute every notebook headless at small size and write HTML."""
+    if args.timeout < 1:
+        raise ValueError(f"--timeout must be >= 1 second, got {args.timeout}")
+    notebooks = sorted(Path(args.notebooks).glob("*.ipynb"))
+    if not notebooks:
+        raise FileNotFoundError(f"no notebooks (*.ipynb) under {args.notebooks}")
     import nbformat
     from nbconvert import HTMLExporter
     from nbconvert.preprocessors import ExecutePreprocessor
@@ -45,10 +90,6 @@ def _cmd_tour(args: argparse.Namespace) -> int:
     from megacpp_lab.sizing import SIZE_ENV
 
     os.environ[SIZE_ENV] = args.size
-    notebooks = sorted(Path(args.notebooks).glob("*.ipynb"))
-    if not notebooks:
-        print(f"no notebooks under {args.notebooks}", file=sys.stderr)
-        return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for nb_path in tqdm(notebooks, desc="executing notebooks", unit="nb"):
@@ -63,63 +104,123 @@ def _cmd_tour(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.subsystem == "engram":
-        from megacpp_lab.bench.engram import run
-    elif args.subsystem == "m2rnn":
-        from megacpp_lab.bench.m2rnn import run
-    elif args.subsystem == "mla":
-        from megacpp_lab.bench.mla import run
-    elif args.subsystem in ("loss", "dsa"):
-        from megacpp_lab.bench.loss import run as run_loss
+    # run_bench sets up the Triton interpreter (no GPU) before it imports any kernel
+    from megacpp_lab.bench import run_bench
 
-        run = functools.partial(run_loss, which=args.subsystem)
-    else:  # argparse choices keep this unreachable
-        raise ValueError(f"unknown subsystem {args.subsystem!r}")
-    written = run(args.out, small=args.small, trace=not args.no_trace)
-    for path in written:
+    for path in run_bench(args.subsystem, args.out, small=args.small, trace=not args.no_trace):
         print(path)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megacpp-lab", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The parser; building it imports no kernel (TRITON_INTERPRET is still free to be set)."""
+    from megacpp_lab.data.sample import MIN_SEQ_LEN, SampleConfig
 
-    from megacpp_lab.data.sample import SampleConfig
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS,
+        help="on an error, show the traceback (default: off; also accepted before the command)",
+    )  # fmt: skip
+    common: dict[str, Any] = {"formatter_class": _HelpFormatter, "parents": [debug]}
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__,
+        epilog="Errors print one line and exit with status 2; --debug shows the traceback.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--debug", action="store_true", help="on an error, show the traceback (default: off)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     defaults = SampleConfig()
-    p = sub.add_parser("data", help="build the packed C++ sample and its manifest")
-    p.add_argument("--out", default=None, help="output directory (default: data/ at the repo root)")
-    p.add_argument("--root", default=None, help="C++ source directory (default: torch/include)")
-    p.add_argument("--rows", type=int, default=defaults.rows)
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    p.add_argument("--stride", type=int, default=defaults.stride, help="take every n-th file")
-    p.add_argument("--max-file-bytes", type=int, default=defaults.max_file_bytes)
+    p = sub.add_parser(
+        "data",
+        help="build the packed C++ sample and its manifest",
+        description=_paragraphs(
+            "Tokenize real C++ files (bytes), pack them into rows of documents back to back, and write sample.pt "
+            "and manifest.json.",
+            "The build is reproducible: the same files and flags give byte-identical output, so rebuilding the "
+            "committed data/ changes nothing. When the files taken cannot fill the rows asked for, the sample is "
+            "smaller and a warning says so.",
+        ),
+        **common,
+    )
+    p.add_argument("--out", default=None, help="output directory (default: data/ at the repository root)")
+    p.add_argument("--root", default=None,
+                   help="directory of C++ sources (default: torch/include of the installed torch)")  # fmt: skip
+    p.add_argument("--rows", type=int, default=defaults.rows, help="rows to pack")
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len,
+                   help=f"tokens per row, at least {MIN_SEQ_LEN} (a row must hold a document boundary with 4 tokens "
+                   "on each side)")  # fmt: skip
+    p.add_argument("--stride", type=int, default=defaults.stride, help="take every n-th file in sorted order")
+    p.add_argument("--max-file-bytes", type=int, default=defaults.max_file_bytes, help="skip files larger than this")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_data)
 
-    p = sub.add_parser("bench", help="benchmark a subsystem and write receipts (run it on a GPU)")
-    p.add_argument("subsystem", choices=("engram", "m2rnn", "mla", "loss", "dsa"))
-    p.add_argument("--out", default=None, help="receipt root (default: profiles/)")
-    p.add_argument("--small", action="store_true", help="CPU-sized shapes (smoke run, not a receipt to commit)")
-    p.add_argument("--no-trace", action="store_true", help="skip the profiler trace")
-    p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser(
+        "bench",
+        help="benchmark one subsystem and write receipts (GPU; --small for a CPU smoke run)",
+        description=_paragraphs(
+            "Benchmark one subsystem and write its receipts: JSON stamped with device, versions and commit, plots, "
+            "and a profiler trace.",
+            "A full run needs a CUDA GPU and writes under profiles/<device>/<subsystem>/; --small runs CPU-sized "
+            f"shapes as a smoke test and writes under {SMALL_OUT}/. `megacpp-lab bench <subsystem> --help` says "
+            "what each one measures, what it writes and how long it takes.",
+        ),
+        **common,
+    )
+    bench = p.add_subparsers(dest="subsystem", required=True, metavar="SUBSYSTEM")
+    for cmd in COMMANDS.values():
+        b = bench.add_parser(cmd.name, help=cmd.summary, description=cmd.description, **common)
+        b.add_argument("--out", default=None,
+                       help=f"receipt root (default: profiles/ at the repository root; with --small, {SMALL_OUT}/ "
+                       "under the current directory)")  # fmt: skip
+        b.add_argument("--small", action="store_true",
+                       help="CPU-sized shapes: a smoke run of the same code, not a receipt; without a GPU the Triton "
+                       "kernels run under the interpreter, which this command sets up")  # fmt: skip
+        b.add_argument("--no-trace", action="store_true", help="skip the profiler trace")
+        b.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("info", help="device, versions, commit and problem scale")
+    p = sub.add_parser(
+        "info",
+        help="device, versions, commit and problem scale",
+        description=_paragraphs(
+            "Print, as JSON, what a receipt is stamped with (device, torch, triton, git commit, date) and the "
+            "problem scale the notebooks will use: small on CPU, full on a GPU, unless MEGACPP_LAB_SIZE=small|full "
+            "says which."
+        ),
+        **common,
+    )
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("tour", help="execute every notebook headless and write HTML")
-    p.add_argument("--notebooks", default="notebooks")
-    p.add_argument("--out", default="build")
-    p.add_argument("--size", choices=("small", "full"), default="small")
-    p.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
+    p = sub.add_parser(
+        "tour",
+        help="execute every notebook headless and write HTML",
+        description=_paragraphs(
+            "Execute every notebook headless (MEGACPP_LAB_SIZE set to --size) and write one HTML page each."
+        ),
+        **common,
+    )
+    p.add_argument("--notebooks", default="notebooks", help="directory of the notebooks to run")
+    p.add_argument("--out", default="build", help="directory for the HTML pages")
+    p.add_argument("--size", choices=("small", "full"), default="small", help="problem scale of the notebooks")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds allowed per cell")
     p.set_defaults(func=_cmd_tour)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        with warnings.catch_warnings():
+            if not args.debug:
+                warnings.showwarning = _show_warning  # one line each, as the errors
+            return args.func(args)
+    except USAGE_ERRORS as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

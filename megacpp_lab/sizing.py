@@ -17,15 +17,17 @@ SIZE_ENV = "MEGACPP_LAB_SIZE"
 
 def lab_scale() -> Scale:
     """'full' on a CUDA machine, 'small' otherwise, unless MEGACPP_LAB_SIZE says which."""
-    forced = os.environ.get(SIZE_ENV, "").strip().lower()
+    raw = os.environ.get(SIZE_ENV, "")
+    forced = raw.strip().lower()
     if forced:
         if forced not in ("small", "full"):
-            raise ValueError(f"{SIZE_ENV} must be 'small' or 'full', got {forced!r}")
+            raise ValueError(f"{SIZE_ENV} must be 'small' or 'full' (or unset), got {raw!r}")
         return forced  # type: ignore[return-value]
     return "full" if torch.cuda.is_available() else "small"
 
 
 def lab_device() -> torch.device:
+    """The device the notebooks run on: the GPU when there is one."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -1,14 +1,49 @@
-import json
+"""The `megacpp-lab` console script: one-line errors (exit 2), --debug tracebacks, per-subsystem help,
+bench --small smoke runs that set up the Triton interpreter and write only under build/, and a
+reproducible `data` build."""
 
-from megacpp_lab.cli import main
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacpp_lab.bench import COMMANDS, SMALL_OUT
+from megacpp_lab.cli import _HelpFormatter, build_parser, main
 from megacpp_lab.data import load_sample
+from megacpp_lab.data.sample import MANIFEST_FILE, SAMPLE_FILE, repo_data_dir
+from megacpp_lab.receipts import profiles_dir, repo_root
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU a full-size bench would start instead")
+
+
+def run_cli(*argv: str, cwd: Path, env_drop: tuple[str, ...] = ("TRITON_INTERPRET",), code: str | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:  # fmt: skip
+    """The CLI in a fresh interpreter (nothing imported yet), without TRITON_INTERPRET in its environment."""
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root()), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-c", code, *argv] if code else [sys.executable, "-m", "megacpp_lab.cli", *argv]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("megacpp-lab: error: "), err
+    return err[0]
 
 
 def test_cli_data_writes_sample_and_manifest(tmp_path, capsys):
     assert main(["data", "--out", str(tmp_path), "--rows", "3", "--seq-len", "256", "--quiet"]) == 0
     rows, manifest = load_sample(tmp_path)
     assert rows.batch.tokens.shape == (3, 256)
-    assert "3 rows x 256 tokens" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "3 rows x 256 tokens" in out.out and out.err == ""
     assert manifest["config"]["rows"] == 3
 
 
@@ -16,3 +51,230 @@ def test_cli_info_prints_stamp(capsys):
     assert main(["info"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert {"device", "torch", "triton", "commit", "date", "device_slug", "scale"} <= info.keys()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--root", "/nonexistent/cpp"], "corpus root /nonexistent/cpp does not exist"),
+        (["--rows", "-3"], "SampleConfig.rows must be >= 1, got -3"),
+        (["--stride", "0"], "SampleConfig.stride must be >= 1, got 0"),
+        (["--max-file-bytes", "0"], "SampleConfig.max_file_bytes must be >= 1, got 0"),
+        (["--seq-len", "1"], "SampleConfig.seq_len must be >= 16"),
+    ],
+)
+def test_data_bad_values_are_one_line_errors(tmp_path, capsys, argv, expected):
+    assert main(["data", "--out", str(tmp_path / "out"), "--quiet", *argv]) == 2
+    assert expected in one_error_line(capsys)
+    assert not (tmp_path / "out" / SAMPLE_FILE).exists()
+
+
+def test_data_root_without_cpp_files_is_one_line_error(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not C++")
+    assert main(["data", "--root", str(tmp_path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert f"corpus root {tmp_path} holds no C++ files" in one_error_line(capsys)
+    assert main(["data", "--root", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "is not a directory" in one_error_line(capsys)
+
+
+def test_bad_size_env_is_one_line_error(monkeypatch, capsys):
+    monkeypatch.setenv("MEGACPP_LAB_SIZE", "bogus")
+    assert main(["info"]) == 2
+    line = one_error_line(capsys)
+    assert "MEGACPP_LAB_SIZE must be 'small' or 'full'" in line and "got 'bogus'" in line
+    monkeypatch.setenv("MEGACPP_LAB_SIZE", "Bogus")
+    assert main(["info"]) == 2
+    assert "got 'Bogus'" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_the_traceback(tmp_path, capsys, where):
+    argv = ["data", "--out", str(tmp_path), "--rows", "-3"]
+    argv = ["--debug", *argv] if where == "before" else [*argv, "--debug"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):")
+    assert "ValueError: SampleConfig.rows must be >= 1, got -3" in err
+    assert err.rstrip().splitlines()[-1] == "megacpp-lab: error: SampleConfig.rows must be >= 1, got -3"
+
+
+def test_data_short_corpus_warns_what_it_wrote_against_what_was_asked(tmp_path, capsys):
+    assert main(["data", "--out", str(tmp_path), "--stride", "100000", "--quiet"]) == 0
+    out = capsys.readouterr()
+    warning = out.err.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith("megacpp-lab: warning: asked for 48 rows x 2048 tokens")
+    assert "the sample has 1 rows" in warning[0] and "stride 100000" in warning[0]
+    assert "1 rows (of 48 asked) x 2048 tokens" in out.out
+    assert load_sample(tmp_path)[1]["shape"]["rows"] == 1
+
+
+def test_tour_without_notebooks_is_one_line_error(tmp_path, capsys):
+    assert main(["tour", "--notebooks", str(tmp_path), "--out", str(tmp_path / "html")]) == 2
+    assert "no notebooks (*.ipynb) under" in one_error_line(capsys)
+
+
+@no_gpu
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_bench_refuses_full_size_on_cpu(tmp_path, capsys, name):
+    """Every subsystem, engram included, refuses a full-size CPU run before doing any work."""
+    assert main(["bench", name, "--out", str(tmp_path)]) == 2
+    line = one_error_line(capsys)
+    assert f"bench {name}` runs full-size shapes and needs a CUDA GPU" in line and "--small" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_small_refuses_to_write_into_profiles(capsys):
+    before = set(profiles_dir().rglob("*"))
+    assert main(["bench", "loss", "--small", "--out", str(profiles_dir() / "smoke")]) == 2
+    assert "profiles/ holds receipts only" in one_error_line(capsys)
+    assert set(profiles_dir().rglob("*")) == before
+
+
+def test_top_level_help_is_for_users(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "issue" not in text.lower()
+    assert "benchmark each subsystem into receipts" in text and "--debug" in text
+    for command in ("data", "bench", "info", "tour"):
+        assert f"\n    {command} " in text
+
+
+def bench_help(name: str, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", name, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+# contenders and a shape detail each subsystem's help must name (read from megacpp_lab/bench/*.py)
+HELP_MUST_SAY = {
+    "engram": ("maxtext_depthwise", "xla_safe", "minimal", "T=4096, C=1024", "F.rms_norm"),
+    "m2rnn": ("reference loop", "every 1, 16, 64", "S=4096, H=8, K=64, V=16"),
+    "mla": ("torch.compile of the torch", "copy of the same bytes", "TurboQuant", "PolarQuant", "kv_lora_rank=512"),
+    "loss": ("materialised logits", "liger-kernel", "cut-cross-entropy", "filter_eps", "V=151552"),
+    "dsa": ("einsum slab", "per-head stream", "fused Triton", "sq = sk = 4096"),
+}
+
+
+def test_each_bench_subsystem_has_its_own_help(capsys):
+    texts = {name: bench_help(name, capsys) for name in COMMANDS}
+    assert len(set(texts.values())) == len(COMMANDS)
+    assert HELP_MUST_SAY.keys() == COMMANDS.keys()
+    for name, text in texts.items():
+        for phrase in HELP_MUST_SAY[name]:
+            assert phrase in " ".join(text.split()), (name, phrase)
+        assert f"Receipts under <out>/<device-slug>/{name}/" in text
+        assert "Run time on an H100" in text
+        for flag in ("--out", "--small", "--no-trace", "--debug"):
+            assert flag in text
+
+
+def walk(parser: argparse.ArgumentParser):
+    """The parser and every subcommand parser under it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from walk(child)
+
+
+def test_every_flag_has_help_that_states_its_default():
+    parsers = list(walk(build_parser()))
+    assert len(parsers) == 1 + 4 + len(COMMANDS)  # top, data/bench/info/tour, one per subsystem
+    for parser in parsers:
+        assert parser.formatter_class is _HelpFormatter
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help, (parser.prog, action.option_strings)
+            assert "default" in formatter._get_help_string(action), (parser.prog, action.option_strings)
+
+
+def test_building_the_parser_imports_no_kernel(tmp_path):
+    code = (
+        "import sys; from megacpp_lab.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in sys.modules if m.startswith('megacpp_lab.kernels') or m == 'triton'))"
+    )
+    result = run_cli(cwd=tmp_path, code=code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+@no_gpu
+def test_bench_small_refuses_kernels_imported_without_the_interpreter(tmp_path):
+    """TRITON_INTERPRET is read once, when megacpp_lab.kernels is imported: too late to set it after."""
+    code = "import sys, megacpp_lab.kernels; from megacpp_lab.cli import main; sys.exit(main(sys.argv[1:]))"
+    result = run_cli("bench", "m2rnn", "--small", cwd=tmp_path, code=code)
+    assert result.returncode == 2, result.stderr
+    err = result.stderr.strip().splitlines()
+    assert len(err) == 1 and "imported without TRITON_INTERPRET=1" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+@no_gpu
+def test_bench_run_called_directly_refuses_without_the_interpreter(tmp_path):
+    """The library entry point fails closed, instead of Triton's "0 active drivers" deep in an autotuner."""
+    code = (
+        "import sys; from megacpp_lab.bench import BenchSetupError; from megacpp_lab.bench.mla import run\n"
+        "try:\n    run(sys.argv[1], small=True)\nexcept BenchSetupError as e:\n    print(e)\n    sys.exit(3)"
+    )
+    result = run_cli(str(tmp_path / "out"), cwd=tmp_path, code=code)
+    assert result.returncode == 3, result.stderr
+    assert "imported without TRITON_INTERPRET=1" in result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+# engram compiles seven graphs on a cold inductor cache; mla compiles five and interprets seven kernels
+SLOW = {"engram", "mla"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in sorted(COMMANDS)])  # fmt: skip
+def test_bench_small_runs_without_setup_and_writes_only_under_build(tmp_path, name):
+    """`bench <name> --small` from a bare shell: no TRITON_INTERPRET exported, output under ./build/bench-small."""
+    before = set(profiles_dir().rglob("*"))
+    result = run_cli("bench", name, "--small", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = [Path(line) for line in result.stdout.splitlines() if line.strip()]
+    small_root = tmp_path / SMALL_OUT
+    assert written and all((tmp_path / p).resolve().is_relative_to(small_root) for p in written)
+    assert all((tmp_path / p).is_file() for p in written)
+    assert all(p.is_relative_to(small_root) for p in tmp_path.rglob("*") if p.is_file())
+    assert set(profiles_dir().rglob("*")) == before  # nothing into the repo's receipts
+    # the help names what it writes: every receipt, and every trace by its prefix
+    receipts = sorted(p.name for p in written if p.suffix == ".json" and not p.name.endswith(".pt.trace.json"))
+    assert receipts and all(r in COMMANDS[name].description for r in receipts)
+    traces = [p.name.split(".")[0] for p in written if p.name.endswith(".pt.trace.json")]
+    assert len(traces) == 1 and f"{traces[0]}.*.pt.trace.json" in COMMANDS[name].description
+    for r in receipts:
+        receipt = json.loads((tmp_path / next(p for p in written if p.name == r)).read_text())
+        assert receipt["device"].startswith("CPU") or torch.cuda.is_available()
+        assert receipt["subsystem"] == name
+
+
+def build_twice(tmp_path: Path, *argv: str) -> tuple[Path, Path]:
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert main(["data", "--out", str(first), "--quiet", *argv]) == 0
+    time.sleep(1.1)  # a wall-clock stamp (seconds) would differ between the two builds
+    assert main(["data", "--out", str(second), "--quiet", *argv]) == 0
+    return first, second
+
+
+def test_data_build_is_byte_reproducible(tmp_path):
+    first, second = build_twice(tmp_path, "--rows", "4", "--seq-len", "512", "--stride", "101")
+    for name in (SAMPLE_FILE, MANIFEST_FILE):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+def test_data_default_build_reproduces_the_committed_sample(tmp_path):
+    committed = json.loads((repo_data_dir() / MANIFEST_FILE).read_text())
+    import triton
+
+    if (committed["torch"], committed["triton"]) != (torch.__version__, triton.__version__):
+        pytest.skip(f"the committed sample was built with torch {committed['torch']}, triton {committed['triton']}")
+    assert main(["data", "--out", str(tmp_path), "--quiet"]) == 0
+    for name in (SAMPLE_FILE, MANIFEST_FILE):
+        assert (tmp_path / name).read_bytes() == (repo_data_dir() / name).read_bytes(), name

@@ -5,6 +5,7 @@ import torch
 
 from megacpp_lab.data import ByteTokenizer, SampleConfig, build_sample, list_cpp_files, load_corpus, load_sample
 from megacpp_lab.data.corpus import torch_include_dir
+from megacpp_lab.data.sample import MIN_SEQ_LEN, repo_data_dir
 
 
 def test_tokenizer_round_trips_real_cpp_and_marks_specials():
@@ -77,5 +78,43 @@ def test_committed_sample_is_valid_real_cpp():
 
 
 def test_sample_config_fails_closed():
-    with pytest.raises(ValueError, match="SampleConfig.rows"):
+    with pytest.raises(ValueError, match="SampleConfig.rows must be >= 1, got 0"):
         SampleConfig(rows=0)
+    with pytest.raises(ValueError, match="SampleConfig.stride must be >= 1, got -2"):
+        SampleConfig(stride=-2)
+    with pytest.raises(ValueError, match="SampleConfig.max_file_bytes must be an int, got 4.5"):
+        SampleConfig(max_file_bytes=4.5)
+    with pytest.raises(ValueError, match="SampleConfig.rows must be an int, got True"):
+        SampleConfig(rows=True)
+
+
+def test_sample_config_refuses_rows_too_short_for_a_boundary():
+    """1-token rows pack without complaint but hold no document boundary: the floor is MIN_SEQ_LEN."""
+    with pytest.raises(ValueError, match=f"SampleConfig.seq_len must be >= {MIN_SEQ_LEN} .*, got {MIN_SEQ_LEN - 1}"):
+        SampleConfig(seq_len=MIN_SEQ_LEN - 1)
+    assert SampleConfig(seq_len=MIN_SEQ_LEN).seq_len == MIN_SEQ_LEN
+
+
+def test_short_corpus_warns_and_says_what_it_wrote(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"f{i}.h").write_bytes(b"int x%d;\n" % i)  # 8 bytes + bos/eos: 10 tokens each
+    config = SampleConfig(rows=4, seq_len=16, stride=1)
+    expected = (r"asked for 4 rows x 16 tokens, but the 3 files taken \(stride 1 over the 3 C\+\+ files .* "
+                r"hold 30 tokens: the sample has 2 rows, 2 tokens of them padding")
+    with pytest.warns(UserWarning, match=expected):
+        out = build_sample(tmp_path / "out", root=src, config=config, progress=False)
+    rows, manifest = load_sample(out)
+    assert rows.batch.tokens.shape == (2, 16) and manifest["pad_tokens"] == 2 and manifest["config"]["rows"] == 4
+
+
+def test_full_sample_does_not_warn(tmp_path, recwarn):
+    build_sample(tmp_path, config=SampleConfig(rows=2, seq_len=256, stride=101), progress=False)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_manifest_has_no_wall_clock():
+    """A rebuild of the same files must not dirty the checkout: nothing in the manifest may be a date."""
+    manifest = json.loads((repo_data_dir() / "manifest.json").read_text())
+    assert "created" not in manifest and "date" not in manifest

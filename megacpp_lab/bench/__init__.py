@@ -1,0 +1,213 @@
+"""One benchmark command per subsystem (`megacpp-lab bench <subsystem>`), each writing receipts.
+
+A full run needs a CUDA GPU and writes receipts under profiles/<device-slug>/<subsystem>/. A `--small`
+run takes CPU-sized shapes: a smoke test of the same code, whose numbers are not receipts, so it
+writes under build/bench-small/ and never into profiles/. On a machine without a GPU its Triton
+kernels run under the Triton interpreter, which has to be switched on before `megacpp_lab.kernels`
+is first imported (that package reads TRITON_INTERPRET once): `run_bench` does it in that order.
+
+This module imports no benchmark and no kernel: the CLI builds its help from `COMMANDS` alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SMALL_OUT = Path("build") / "bench-small"
+
+
+class BenchSetupError(RuntimeError):
+    """A benchmark cannot run as asked on this machine: a full-size run without a GPU, a smoke run
+    whose Triton kernels were imported without the interpreter, or smoke output aimed at profiles/."""
+
+
+@dataclass(frozen=True)
+class BenchCommand:
+    """What `megacpp-lab bench <name>` runs and what its help says (shapes, contenders, receipts, time)."""
+
+    name: str
+    module: str  # imported only when the command runs, after the interpreter is set up
+    summary: str  # one line in `megacpp-lab bench --help`
+    description: str  # `megacpp-lab bench <name> --help`
+    triton_on_cpu: bool  # a --small run without a GPU launches Triton kernels (so needs the interpreter)
+    run_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# Run times: the committed H100 receipts (profiles/nvidia-h100-80gb-hbm3/) are stamped when each
+# phase ends, and the trace file name carries its write time, so every phase but the first is timed
+# there; the first is estimated from its call count and the per-call times in the same receipt.
+COMMANDS: dict[str, BenchCommand] = {
+    c.name: c
+    for c in (
+        BenchCommand(
+            "engram",
+            "megacpp_lab.bench.engram",
+            "Engram branch: eager vs torch.compile, forward+backward",
+            """\
+Engram branch (EngramBranch), forward+backward on packed doc_ids cut from real torch headers.
+
+Shapes: B=8, T=4096, C=1024, bottleneck=256, bf16; speed curve over T = 1024, 2048, 4096, 8192.
+Contenders: eager and torch.compile(branch) for gated mode with conv_impl maxtext_depthwise, gated
+with xla_safe, and minimal mode: time, forward time, peak memory, compile time, compiled-vs-eager
+output error, and (gated maxtext_depthwise) error against fp32 eager. The RMSNorm overflow table
+compares the manual x.pow(2).mean(-1) RMSNorm with F.rms_norm on bf16 activations scaled from 1 to
+1e19 (64 x 4096).
+Receipts under <out>/<device-slug>/engram/: engram_gated_fwd_bwd.json/.png,
+engram_gated_seq_sweep.json/.png, rmsnorm_bf16_overflow.json, engram_gated_compiled.*.pt.trace.json.
+Run time on an H100: one to two minutes, most of it torch.compile (the committed receipt records
+20 s, 6.5 s and 2.4 s of compile for the three modes, and the T sweep, which compiles again at every
+length, took 48 s).""",
+            triton_on_cpu=False,
+        ),
+        BenchCommand(
+            "m2rnn",
+            "megacpp_lab.bench.m2rnn",
+            "M2RNN scan: Triton kernel vs the reference step loop",
+            """\
+M2RNN recurrence (m2rnn_scan): the Triton scan against the reference step loop, same inputs.
+
+Shape: B=2, S=4096, H=8, K=64, V=16, bf16; speed curve over S = 512 ... 16384 (the reference loop
+up to 2048). Contenders: the Triton scan storing its fp32 state every 1, 16, 64 (the default,
+'triton') and 256 steps, and the reference loop; forward and forward+backward time, peak memory,
+output error and per-input gradient error against the fp32 reference loop.
+Receipts under <out>/<device-slug>/m2rnn/: m2rnn_fwd_bwd.json/.png, m2rnn_seq_sweep.json/.png,
+m2rnn_triton.*.pt.trace.json.
+Run time on an H100: under a minute; the reference loop dominates (about 5 s per forward+backward at
+the main shape in the committed receipt, timed twice; the S sweep took 12 s).""",
+            triton_on_cpu=True,
+        ),
+        BenchCommand(
+            "mla",
+            "megacpp_lab.bench.mla",
+            "MLA: RoPE kernels vs copy bandwidth, layer memory per flag, KV-cache quantisation",
+            """\
+Multi-head latent attention: the RoPE kernels, the layer's memory under each flag, the KV cache.
+
+RoPE kernels at B=4, T=4096, H=32, d_nope=128, d_rope=64, d_v=128, kv_lora_rank=512 (GQA: 32 query
+and 8 key heads of 128), bf16: MLA Q side (forward, backward, packed thd), MLA KV side (forward,
+backward), generic GQA (forward, backward). Contenders per kernel: Triton, torch.compile of the torch
+reference, and a copy of the same bytes (the bar: at least 80% of copy bandwidth, and faster than
+the compiled reference); GB/s and time.
+Layer memory: one MLA layer (d_model=2048, 16 heads, q_lora_rank=1536, kv_lora_rank=512) at B=2,
+T=4096, forward+backward with no recompute, recompute_kv_upproj (default), + recompute_q_upproj and
+kv_fused_down_norm_up; then FusedDownNormUp against the unfused down/RMSNorm/up chain.
+KV cache at B=2, T=2048: bytes per token (MLA vs MHA), decode parity (expanded and absorbed), and
+4-bit TurboQuant and PolarQuant caches (compression, attention-output error).
+Receipts under <out>/<device-slug>/mla/: mla_rope_kernels.json/.png, mla_memory.json/.png,
+mla_kv_cache.json, mla_layer.*.pt.trace.json.
+Run time on an H100: one to two minutes (the memory and KV-cache phases took 11 s and 25 s in the
+committed run; the RoPE phase first compiles five reference functions).""",
+            triton_on_cpu=True,
+        ),
+        BenchCommand(
+            "loss",
+            "megacpp_lab.bench.loss",
+            "fused linear cross-entropy vs materialised logits and installed peers",
+            """\
+Fused linear cross-entropy (the LM-head loss), forward+backward of the mean loss.
+
+Shape: T=8192, H=4096, V=151552, bf16; vocabulary sweep V = 32768, 65536, 131072, 151552.
+Contenders: materialised logits (F.cross_entropy), the fused chunked path at its default chunk (the
+bar: 60 ms and 1.3 GiB) and at chunks 128, 384, 512, 1024, the fused path with gradient filtering
+(filter_eps), and liger-kernel / cut-cross-entropy when they are installed; time, peak memory, loss
+and gradient error against the materialised path.
+Receipts under <out>/<device-slug>/loss/: flce_fwd_bwd.json/.png, flce_vocab_sweep.json/.png,
+flce.*.pt.trace.json (T=2048).
+Run time on an H100: about a minute (the vocabulary sweep took 6 s in the committed run).
+On a CPU (--small) the fused loss runs its eager chunked fallback, with a warning.""",
+            triton_on_cpu=False,
+            run_kwargs={"which": "loss"},
+        ),
+        BenchCommand(
+            "dsa",
+            "megacpp_lab.bench.loss",
+            "DSA indexer scores: fused Triton vs einsum slab and per-head stream",
+            """\
+DeepSeek sparse-attention indexer scores, which never materialise [sq, b, h, sk].
+
+Shape: sq = sk = 4096, b=8, h=32, d=64, bf16 and fp32 inputs, fp32 output; sequence sweep
+sq = 1024, 2048, 4096, 8192 (bf16 inputs, forward only). Contenders: the einsum slab (when it fits in
+48 GiB), the per-head stream, the fused Triton kernel, the fused forward+backward and the torch
+head-streaming backward; time, working memory beyond the [b, sq, sk] output (the bar: 10 ms and
+1 GiB), error against the per-head stream.
+Receipts under <out>/<device-slug>/dsa/: dsa_scores.json/.png, dsa_seq_sweep.json/.png,
+dsa_scores.*.pt.trace.json (b=1).
+Run time on an H100: under a minute (the sequence sweep took 6 s in the committed run).""",
+            triton_on_cpu=True,
+            run_kwargs={"which": "dsa"},
+        ),
+    )
+}
+
+
+def bench_device(name: str, small: bool) -> str:
+    """'cuda' on a GPU machine; 'cpu' for a --small run without one; a full-size run needs a GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if not small:
+        raise BenchSetupError(
+            f"`megacpp-lab bench {name}` runs full-size shapes and needs a CUDA GPU; "
+            "on this machine use --small (a CPU smoke run, not a receipt)"
+        )
+    return "cpu"
+
+
+def use_triton_interpreter() -> None:
+    """Run Triton kernels under the interpreter (no GPU). Must come before megacpp_lab.kernels is
+    first imported: it reads TRITON_INTERPRET once, and its kernels are built for one mode."""
+    kernels = sys.modules.get("megacpp_lab.kernels")
+    if kernels is not None and not kernels.TRITON_INTERPRET:
+        raise BenchSetupError(
+            "megacpp_lab.kernels was imported without TRITON_INTERPRET=1, so its Triton kernels cannot run "
+            "on this CPU; set TRITON_INTERPRET=1 before importing megacpp_lab (or start a fresh process)"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def require_triton_interpreter(name: str) -> None:
+    """Fail closed before a CPU run launches a Triton kernel that was not built for the interpreter
+    (Triton would otherwise die looking for a GPU driver: "0 active drivers")."""
+    from megacpp_lab.kernels import TRITON_INTERPRET
+
+    if not TRITON_INTERPRET:
+        raise BenchSetupError(
+            f"bench {name} on a CPU runs Triton kernels under the interpreter, and megacpp_lab.kernels was "
+            "imported without TRITON_INTERPRET=1; run it as `megacpp-lab bench ... --small`, which sets it up, "
+            "or set TRITON_INTERPRET=1 before importing megacpp_lab"
+        )
+
+
+def output_root(out: str | Path | None, small: bool) -> Path:
+    """Where a run writes: profiles/ for a full run, build/bench-small/ for a smoke run (relative to the
+    current directory). Smoke output is refused inside profiles/, which holds only GPU receipts."""
+    from megacpp_lab.receipts import profiles_dir
+
+    if out is None:
+        return SMALL_OUT if small else profiles_dir()
+    root = Path(out)
+    if small and root.resolve().is_relative_to(profiles_dir().resolve()):
+        raise BenchSetupError(
+            f"--out {out}: a --small run is a smoke test, not a receipt, and profiles/ holds receipts only; "
+            f"write it elsewhere (default {SMALL_OUT}/)"
+        )
+    return root
+
+
+def run_bench(name: str, out: str | Path | None = None, *, small: bool = False, trace: bool = True) -> list[Path]:
+    """Run `megacpp-lab bench <name>`: refuse what this machine cannot run, set up the Triton interpreter
+    for a CPU smoke run before any kernel is imported, then run the benchmark; returns the files written."""
+    if name not in COMMANDS:
+        raise ValueError(f"unknown benchmark {name!r}; expected one of {sorted(COMMANDS)}")
+    cmd = COMMANDS[name]
+    output_root(out, small)  # refuse a bad --out before any work
+    if bench_device(name, small) == "cpu" and cmd.triton_on_cpu:
+        use_triton_interpreter()
+    module = importlib.import_module(cmd.module)
+    return module.run(out, small=small, trace=trace, **cmd.run_kwargs)

@@ -1,10 +1,7 @@
 """Engram benchmark: eager vs compiled forward+backward of the branch, one run, one receipt.
 
-`megacpp-lab bench engram` on a GPU writes under profiles/<device-slug>/engram/:
-  engram_gated_fwd_bwd.json/.png   every contender at B=8, T=4096, C=1024, bottleneck 256, bf16
-  engram_gated_seq_sweep.json/.png eager vs compiled over T
-  rmsnorm_bf16_overflow.json       manual x.pow(2).mean(-1) RMSNorm vs F.rms_norm on large activations
-  engram_gated_compiled.*.pt.trace.json   profiler trace of the compiled branch
+What it measures and writes, and how long it takes: `megacpp-lab bench engram --help`
+(megacpp_lab.bench.COMMANDS["engram"]).
 """
 
 from __future__ import annotations
@@ -18,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp_lab.bench import bench_device, output_root
 from megacpp_lab.data import ByteTokenizer, load_corpus, pack_documents
 from megacpp_lab.nn.engram import EngramBranch, EngramConfig, _RMSNorm
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
-from megacpp_lab.receipts import device_slug, make_receipt, profiles_dir, write_receipt
+from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,8 @@ class EngramBenchShape:
 FULL_SHAPE = EngramBenchShape(B=8, T=4096, C=1024, bottleneck=256)
 SMALL_SHAPE = EngramBenchShape(B=2, T=256, C=128, bottleneck=32)
 FULL_SWEEP_T = (1024, 2048, 4096, 8192)
-SMALL_SWEEP_T = (128, 256, 512)
+SMALL_SWEEP_T = (128, 256)
+SMALL_REPS = {"rep": 1, "warmup": 0}  # a --small run is a smoke test: one timed call per contender
 
 
 def packed_doc_ids(B: int, T: int, device: torch.device | str) -> torch.Tensor:
@@ -64,27 +63,33 @@ def _branch(shape: EngramBenchShape, *, gated: bool, conv_impl: str, dtype: torc
     return branch.to(device=device, dtype=dtype)
 
 
-def _measure(module: nn.Module, x: torch.Tensor, doc_ids: torch.Tensor, grad: torch.Tensor, device: str) -> dict[str, float]:
+def _measure(module: nn.Module, x: torch.Tensor, doc_ids: torch.Tensor, grad: torch.Tensor, device: str,
+             rep: int | None = None, warmup: int = 3) -> tuple[dict[str, float], torch.Tensor]:  # fmt: skip
+    """Timings of fwd+bwd and fwd, and the output of the first call (for the error columns: taken from
+    the call that compiled, so a compiled module is not compiled again for a no_grad forward)."""
     x = x.detach().requires_grad_(True)
 
-    def fwd() -> None:
-        module(x, doc_ids)
+    def fwd() -> torch.Tensor:
+        return module(x, doc_ids)
 
-    def fwd_bwd() -> None:
-        module(x, doc_ids).backward(grad)
+    def fwd_bwd() -> torch.Tensor:
+        y = module(x, doc_ids)
+        y.backward(grad)
+        return y
 
     out: dict[str, float] = {}
     t0 = time.perf_counter()
-    fwd_bwd()  # for a compiled module, this call compiles
+    first = fwd_bwd().detach()  # for a compiled module, this call compiles
     if device == "cuda":
         torch.cuda.synchronize()
     out["first_call_s"] = time.perf_counter() - t0
     if device == "cuda":
         out["peak_mib"] = peak_extra_mib(fwd_bwd)
-    rep = 20 if device == "cuda" else 5
-    out["ms"] = time_ms(fwd_bwd, warmup=3, rep=rep, device=device)
-    out["fwd_ms"] = time_ms(fwd, warmup=3, rep=rep, device=device)
-    return out
+    if rep is None:
+        rep = 20 if device == "cuda" else 5
+    out["ms"] = time_ms(fwd_bwd, warmup=warmup, rep=rep, device=device)
+    out["fwd_ms"] = time_ms(fwd, warmup=warmup, rep=rep, device=device)
+    return out, first
 
 
 ALL_CONTENDERS = (
@@ -101,8 +106,11 @@ def bench_engram_branch(
     device: str = "cuda",
     contenders: tuple[tuple[str, bool, str], ...] = ALL_CONTENDERS,
     progress: bool = True,
+    rep: int | None = None,
+    warmup: int = 3,
 ) -> dict[str, Any]:
-    """Eager vs compiled fwd+bwd for gated (both conv impls) and minimal modes; one receipt."""
+    """Eager vs compiled fwd+bwd for gated (both conv impls) and minimal modes; one receipt.
+    rep: timed calls per contender (default 20 on CUDA, 5 on CPU)."""
     from tqdm.auto import tqdm
 
     doc_ids = packed_doc_ids(shape.B, shape.T, device)
@@ -118,6 +126,7 @@ def bench_engram_branch(
     plan = contenders
     results: list[dict[str, Any]] = []
     eager_ms: dict[str, float] = {}
+    eager_out: dict[str, torch.Tensor] = {}
     bar = tqdm(total=2 * len(plan), desc="engram contenders", disable=not progress)
     for mode, gated, impl in plan:
         label = f"{mode}[{impl}]" if gated else mode
@@ -125,24 +134,21 @@ def bench_engram_branch(
         torch._dynamo.reset()
         compiled = torch.compile(eager)
         for kind, module in (("eager", eager), ("compiled", compiled)):
-            stats = _measure(module, x, doc_ids, grad, device)
-            with torch.no_grad():
-                y = module(x, doc_ids)
+            stats, y = _measure(module, x, doc_ids, grad, device, rep=rep, warmup=warmup)
             row: dict[str, Any] = {"contender": f"{kind} {label}", **stats}
             if kind == "compiled":
                 row["compile_s"] = row.pop("first_call_s")
                 row["speedup"] = eager_ms[label] / stats["ms"]
-                with torch.no_grad():
-                    row["max_abs_err"] = float((y.float() - eager(x, doc_ids).float()).abs().max())
+                row["max_abs_err"] = float((y.float() - eager_out[label].float()).abs().max())
             else:
                 row.pop("first_call_s")
-                eager_ms[label] = stats["ms"]
+                eager_ms[label], eager_out[label] = stats["ms"], y
             if gated and impl == "maxtext_depthwise":
                 row["rel_err"] = float((y.float() - ref_out).norm() / ref_out.norm())
             row["tokens_per_s"] = shape.B * shape.T / (stats["ms"] / 1e3)
             results.append(row)
             bar.update()
-        del eager, compiled
+        del eager, compiled, eager_out[label]
     bar.close()
     return make_receipt(
         "engram_gated_fwd_bwd",
@@ -167,6 +173,8 @@ def bench_engram_sweep(
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cuda",
     progress: bool = True,
+    rep: int | None = None,
+    warmup: int = 3,
 ) -> dict[str, Any]:
     """Eager vs compiled gated branch over sequence length (speed curve)."""
     from tqdm.auto import tqdm
@@ -181,7 +189,7 @@ def bench_engram_sweep(
         torch._dynamo.reset()
         compiled = torch.compile(eager)
         for kind, module in (("eager", eager), ("compiled", compiled)):
-            stats = _measure(module, x, doc_ids, grad, device)
+            stats, _ = _measure(module, x, doc_ids, grad, device, rep=rep, warmup=warmup)
             stats.pop("first_call_s")
             results.append({"contender": kind, "shape": asdict(s), **stats, "tokens_per_s": s.B * T / (stats["ms"] / 1e3)})
     return make_receipt(
@@ -223,23 +231,24 @@ def rmsnorm_overflow_sweep(
 
 
 def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool = True) -> list[Path]:
-    """The whole Engram benchmark; returns the files written."""
+    """The whole Engram benchmark; returns the files written (see megacpp_lab.bench.output_root for where)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from megacpp_lab.plots import plot_contenders, plot_sweep, save_figure
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = bench_device("engram", small)
     shape, sweep = (SMALL_SHAPE, SMALL_SWEEP_T) if small else (FULL_SHAPE, FULL_SWEEP_T)
+    reps = SMALL_REPS if small else {}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    root = Path(out_root) if out_root is not None else profiles_dir()
+    root = output_root(out_root, small)
     written: list[Path] = []
 
-    main = bench_engram_branch(shape, dtype=dtype, device=device)
+    main = bench_engram_branch(shape, dtype=dtype, device=device, **reps)
     written.append(write_receipt(main, root))
     written.append(save_figure(plot_contenders(main, "ms"), written[-1].with_suffix(".png")))
 
-    curve = bench_engram_sweep(shape, sweep, dtype=dtype, device=device)
+    curve = bench_engram_sweep(shape, sweep, dtype=dtype, device=device, **reps)
     written.append(write_receipt(curve, root))
     written.append(save_figure(plot_sweep(curve, "T", "ms"), written[-1].with_suffix(".png")))
 
@@ -256,8 +265,8 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
             lambda: compiled(x, doc_ids).backward(g),
             root / device_slug(main["device"]) / "engram",
             "engram_gated_compiled",
-            steps=2,
-            warmup=2,
+            steps=1 if small else 2,
+            warmup=1 if small else 2,
         )
         written.append(path)
     return written

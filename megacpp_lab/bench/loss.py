@@ -1,15 +1,7 @@
 """`megacpp-lab bench loss` and `megacpp-lab bench dsa`: the loss-and-memory receipts.
 
-  flce_fwd_bwd.json/.png   T=8192, H=4096, V=151552, bf16, forward+backward: materialised logits
-                           (F.cross_entropy), the fused chunked path, and liger-kernel / cut-cross-entropy
-                           when they are installed; time and peak extra memory, all from one run
-  flce_vocab_sweep.json/.png  materialised and fused (default chunk) against vocabulary size
-  flce.*.pt.trace.json     profiler trace of the fused loss forward+backward (T=2048)
-  dsa_scores.json/.png     sq=sk=4096, b=8, h=32, d=64, fp32 output, bf16 and fp32 inputs: einsum slab,
-                           per-head stream, fused Triton (and its fwd+bwd); time, working memory beyond the
-                           [b,sq,sk] output, drift
-  dsa_seq_sweep.json/.png  the three against sequence length (bf16 inputs)
-  dsa_scores.*.pt.trace.json  profiler trace of the fused scores forward+backward (b=1)
+What each measures and writes, and how long it takes: `megacpp-lab bench loss --help` and
+`megacpp-lab bench dsa --help` (megacpp_lab.bench.COMMANDS["loss"], ["dsa"]).
 """
 
 from __future__ import annotations
@@ -19,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from megacpp_lab.bench import bench_device, output_root, require_triton_interpreter
 from megacpp_lab.kernels.dsa_indexer import (
     indexer_scores,
     indexer_scores_backward_reference,
@@ -33,7 +26,7 @@ from megacpp_lab.kernels.linear_cross_entropy import (
     linear_cross_entropy_reference,
 )
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
-from megacpp_lab.receipts import device_slug, make_receipt, profiles_dir, write_receipt
+from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 
 FLCE_BAR = {"ms": 60.0, "peak_mib": 1.3 * 1024}
 DSA_BAR = {"ms": 10.0, "peak_mib": 1024.0}
@@ -192,10 +185,12 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     matplotlib.use("Agg")
     from megacpp_lab.plots import plot_contenders, plot_sweep, save_figure
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not small:
-        raise RuntimeError(f"megacpp-lab bench {which} needs a GPU (or --small, a CPU smoke run)")
-    root = Path(out_root) if out_root is not None else profiles_dir()
+    if which not in ("loss", "dsa"):
+        raise ValueError(f"which must be 'loss' or 'dsa', got {which!r}")
+    device = bench_device(which, small)
+    if device == "cpu" and which == "dsa":  # the fused indexer is a Triton kernel; the CPU loss runs eager
+        require_triton_interpreter(which)
+    root = output_root(out_root, small)
     written: list[Path] = []
     if which == "loss":
         dtype = torch.bfloat16 if device == "cuda" else torch.float32

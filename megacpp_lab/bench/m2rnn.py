@@ -1,10 +1,7 @@
 """M2RNN benchmark: Triton scan vs the reference step loop, one run, one receipt.
 
-`megacpp-lab bench m2rnn` on a GPU writes under profiles/<device-slug>/m2rnn/:
-  m2rnn_fwd_bwd.json/.png     B=2, S=4096, H=8, K=64, V=16, bf16: Triton (state checkpoints every
-                              1/16/64/256 steps) and the reference loop, fwd and fwd+bwd, peak memory, error
-  m2rnn_seq_sweep.json/.png   S from 512 to 16384 (reference loop up to 2048)
-  m2rnn_triton.*.pt.trace.json  profiler trace of one Triton forward+backward
+What it measures and writes, and how long it takes: `megacpp-lab bench m2rnn --help`
+(megacpp_lab.bench.COMMANDS["m2rnn"]).
 """
 
 from __future__ import annotations
@@ -16,9 +13,10 @@ from typing import Any
 
 import torch
 
+from megacpp_lab.bench import bench_device, output_root, require_triton_interpreter
 from megacpp_lab.kernels.m2rnn import m2rnn_scan
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
-from megacpp_lab.receipts import device_slug, make_receipt, profiles_dir, write_receipt
+from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 
 BAR = {"ms": 7.0, "fwd_ms": 1.7, "max_abs_err": 0.06, "peak_mib": 150.0}
 
@@ -33,7 +31,9 @@ class M2RNNShape:
 
 
 FULL_SHAPE = M2RNNShape(B=2, S=4096, H=8, K=64, V=16)
-SMALL_SHAPE = M2RNNShape(B=1, S=64, H=2, K=16, V=16)
+SMALL_SHAPE = M2RNNShape(B=1, S=32, H=2, K=16, V=16)
+# A --small run is a smoke test under the Triton interpreter, where one scan takes seconds: one timed call each.
+SMALL_CHUNKS, SMALL_SEQ_LENS, SMALL_REP = (8, 64), (16, 32), 1
 
 
 def make_inputs(shape: M2RNNShape, dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
@@ -50,6 +50,7 @@ def make_inputs(shape: M2RNNShape, dtype: torch.dtype, device: str, seed: int = 
 
 
 def _measure(inputs: list[torch.Tensor], grad: torch.Tensor, *, kernel: str, chunk: int, device: str, rep: int) -> dict[str, float]:
+    """Triton fwd+bwd and fwd time (warm-up scales with rep: none for a single-call smoke run)."""
     def fwd() -> torch.Tensor:
         with torch.no_grad():
             return m2rnn_scan(*inputs, kernel=kernel, chunk=chunk)
@@ -62,8 +63,9 @@ def _measure(inputs: list[torch.Tensor], grad: torch.Tensor, *, kernel: str, chu
     if device == "cuda":
         fwd_bwd()
         out["peak_mib"] = peak_extra_mib(fwd_bwd)
-    out["ms"] = time_ms(fwd_bwd, warmup=1 if rep <= 2 else 3, rep=rep, device=device)
-    out["fwd_ms"] = time_ms(fwd, warmup=1 if rep <= 2 else 3, rep=rep, device=device)
+    warmup = 0 if rep == 1 else 1 if rep <= 2 else 3
+    out["ms"] = time_ms(fwd_bwd, warmup=warmup, rep=rep, device=device)
+    out["fwd_ms"] = time_ms(fwd, warmup=warmup, rep=rep, device=device)
     out["bwd_ms"] = out["ms"] - out["fwd_ms"]
     return out
 
@@ -81,7 +83,7 @@ def _slow_ms(fn, device: str) -> float:
 
 
 def bench_m2rnn(shape: M2RNNShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-                chunks: tuple[int, ...] = (1, 16, 64, 256), progress: bool = True) -> dict[str, Any]:  # fmt: skip
+                chunks: tuple[int, ...] = (1, 16, 64, 256), progress: bool = True, rep: int = 20) -> dict[str, Any]:  # fmt: skip
     from tqdm.auto import tqdm
 
     inputs = make_inputs(shape, dtype, device)
@@ -94,10 +96,10 @@ def bench_m2rnn(shape: M2RNNShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bf
     results = []
     for chunk in chunks:
         row: dict[str, Any] = {"contender": f"triton (states every {chunk})" if chunk != 64 else "triton", "chunk": chunk}
-        row.update(_measure(inputs, grad, kernel="triton", chunk=chunk, device=device, rep=20))
+        row.update(_measure(inputs, grad, kernel="triton", chunk=chunk, device=device, rep=rep))
         y = m2rnn_scan(*inputs, kernel="triton", chunk=chunk)
         grads = torch.autograd.grad(y, inputs, grad)
-        row["max_abs_err"] = float((y.float() - y_ref).abs().max())
+        row["max_abs_err"] = float((y.detach().float() - y_ref.detach()).abs().max())
         row["grad_rel_err"] = {
             n: float((a.float() - b).norm() / b.norm()) for n, a, b in zip(("q", "k", "v", "f", "W"), grads, grads_ref)
         }
@@ -124,7 +126,7 @@ def bench_m2rnn(shape: M2RNNShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bf
 
 def bench_m2rnn_sweep(shape: M2RNNShape = FULL_SHAPE, seq_lens: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384),
                       *, ref_up_to: int = 2048, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-                      progress: bool = True) -> dict[str, Any]:  # fmt: skip
+                      progress: bool = True, rep: int = 10) -> dict[str, Any]:  # fmt: skip
     from tqdm.auto import tqdm
 
     results = []
@@ -132,7 +134,7 @@ def bench_m2rnn_sweep(shape: M2RNNShape = FULL_SHAPE, seq_lens: tuple[int, ...] 
         s = M2RNNShape(B=shape.B, S=S, H=shape.H, K=shape.K, V=shape.V)
         inputs = make_inputs(s, dtype, device)
         grad = torch.randn_like(inputs[2])
-        results.append({"contender": "triton", "shape": asdict(s), **_measure(inputs, grad, kernel="triton", chunk=64, device=device, rep=10)})
+        results.append({"contender": "triton", "shape": asdict(s), **_measure(inputs, grad, kernel="triton", chunk=64, device=device, rep=rep)})
         if S <= ref_up_to:
             results.append({
                 "contender": "reference_loop", "shape": asdict(s),
@@ -148,20 +150,22 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     matplotlib.use("Agg")
     from megacpp_lab.plots import plot_contenders, plot_sweep, save_figure
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not small:
-        raise RuntimeError("megacpp-lab bench m2rnn needs a GPU (or --small, which runs the Triton interpreter)")
+    device = bench_device("m2rnn", small)
+    if device == "cpu":
+        require_triton_interpreter("m2rnn")
     shape = SMALL_SHAPE if small else FULL_SHAPE
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    root = Path(out_root) if out_root is not None else profiles_dir()
+    root = output_root(out_root, small)
     written: list[Path] = []
-    main = bench_m2rnn(shape, dtype=dtype, device=device, chunks=(4, 64) if small else (1, 16, 64, 256))
+    main = bench_m2rnn(shape, dtype=dtype, device=device, chunks=SMALL_CHUNKS if small else (1, 16, 64, 256),
+                       rep=SMALL_REP if small else 20)  # fmt: skip
     written.append(write_receipt(main, root))
     ax = plot_contenders(main, "ms")
     ax.set_xscale("log")  # the reference loop is ~1000x the kernel
     written.append(save_figure(ax, written[-1].with_suffix(".png")))
-    seqs = (16, 32, 64) if small else (512, 1024, 2048, 4096, 8192, 16384)
-    sweep = bench_m2rnn_sweep(shape, seqs, ref_up_to=32 if small else 2048, dtype=dtype, device=device)
+    seqs = SMALL_SEQ_LENS if small else (512, 1024, 2048, 4096, 8192, 16384)
+    sweep = bench_m2rnn_sweep(shape, seqs, ref_up_to=32 if small else 2048, dtype=dtype, device=device,
+                              rep=SMALL_REP if small else 10)  # fmt: skip
     written.append(write_receipt(sweep, root))
     written.append(save_figure(plot_sweep(sweep, "S", "ms"), written[-1].with_suffix(".png")))
     if trace:
@@ -169,7 +173,8 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
         grad = torch.randn_like(inputs[2])
         path, _ = profile_trace(
             lambda: torch.autograd.grad(m2rnn_scan(*inputs, kernel="triton"), inputs, grad),
-            root / device_slug(main["device"]) / "m2rnn", "m2rnn_triton", steps=2, warmup=2,
+            root / device_slug(main["device"]) / "m2rnn", "m2rnn_triton",
+            steps=1 if small else 2, warmup=1 if small else 2,
         )  # fmt: skip
         written.append(path)
     return written

@@ -1,14 +1,7 @@
-"""`megacpp-lab bench mla`: the MLA receipts.
+"""`megacpp-lab bench mla`: the MLA receipts (RoPE kernels, layer memory, KV cache).
 
-  mla_rope_kernels.json/.png   B=4, T=4096, H=32, d_nope=128, d_rope=64, kv_lora_rank=512, bf16: every RoPE
-                               kernel (MLA Q side, MLA KV side, generic GQA; forward and backward; plus the
-                               packed thd layout) against torch.compile of the reference rotation and a plain
-                               HBM copy of the same bytes, all from one run
-  mla_memory.json/.png         peak extra memory and time of one MLA layer forward+backward under each
-                               recompute / fusion flag, and FusedDownNormUp against the unfused chain
-  mla_kv_cache.json            cache bytes per token (MLA vs MHA of the same heads), decode parity, and 4-bit
-                               TurboQuant / PolarQuant of the cache: compression and attention-output error
-  mla_layer.*.pt.trace.json    profiler trace of one MLA layer forward+backward
+What it measures and writes, and how long it takes: `megacpp-lab bench mla --help`
+(megacpp_lab.bench.COMMANDS["mla"]).
 """
 
 from __future__ import annotations
@@ -22,11 +15,12 @@ from typing import Any
 
 import torch
 
+from megacpp_lab.bench import bench_device, output_root, require_triton_interpreter
 from megacpp_lab.kernels import rope as R
 from megacpp_lab.nn.mla import FusedDownNormUp, MLAConfig, MLAKVCache, MultiLatentAttention, cache_bytes_per_token, down_norm_up_reference
 from megacpp_lab.nn.rope_freqs import rope_cos_sin
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
-from megacpp_lab.receipts import device_slug, make_receipt, profiles_dir, write_receipt
+from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 
 BAR = {"pct_of_copy": 80.0}
 
@@ -108,7 +102,7 @@ def _rope_cases(s: RopeShape, dtype: torch.dtype, device: str) -> list[dict[str,
 
 
 def bench_rope(s: RopeShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-               rep: int = 50, progress: bool = True) -> dict[str, Any]:  # fmt: skip
+               rep: int = 50, warmup: int = 5, progress: bool = True) -> dict[str, Any]:  # fmt: skip
     from tqdm.auto import tqdm
 
     results: list[dict[str, Any]] = []
@@ -123,11 +117,11 @@ def bench_rope(s: RopeShape = FULL_SHAPE, *, dtype: torch.dtype = torch.bfloat16
                 src = torch.empty(max(1, case["bytes"] // 2), dtype=torch.uint8, device=device)
                 dst = torch.empty_like(src)
                 fn = lambda src=src, dst=dst: dst.copy_(src)  # noqa: E731
-            ms = time_ms(fn, warmup=5, rep=rep, device=device, cuda_graph=device == "cuda")
+            ms = time_ms(fn, warmup=warmup, rep=rep, device=device, cuda_graph=device == "cuda")
             name = {"compiled": "torch.compile(reference)", "copy": "copy (same bytes)"}.get(contender, contender)
             rows[contender] = {"contender": name, "kernel": case["kernel"], "bytes": case["bytes"], "ms": ms,
                                "gb_per_s": case["bytes"] / ms / 1e6,
-                               "ms_eager_launch": time_ms(fn, warmup=2, rep=rep, device=device)}  # fmt: skip
+                               "ms_eager_launch": time_ms(fn, warmup=min(warmup, 2), rep=rep, device=device)}  # fmt: skip
             if contender == "triton" and getattr(case["autotuner"], "best_config", None) is not None:
                 rows[contender]["config"] = str(case["autotuner"].best_config)  # what autotune picked in this run
         for contender in [c for c in rows if c != "copy"]:
@@ -291,15 +285,17 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megacpp_lab.plots import save_figure
+    from megacpp_lab.plots import plot_rope_receipt, save_figure
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not small:
-        raise RuntimeError("megacpp-lab bench mla needs a GPU (or --small, which runs the Triton interpreter)")
+    device = bench_device("mla", small)
+    if device == "cpu":  # the RoPE rows call the kernel ops directly, past the layer's device check
+        require_triton_interpreter("mla")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    root = Path(out_root) if out_root is not None else profiles_dir()
+    root = output_root(out_root, small)
     written: list[Path] = []
-    rope = bench_rope(SMALL_SHAPE if small else FULL_SHAPE, dtype=dtype, device=device, rep=3 if small else 50)
+    # a --small run is a smoke test (an interpreted kernel call takes a fraction of a second): one timed call each
+    rope = bench_rope(SMALL_SHAPE if small else FULL_SHAPE, dtype=dtype, device=device, rep=1 if small else 50,
+                      warmup=1 if small else 5)  # fmt: skip
     written.append(write_receipt(rope, root))
     written.append(save_figure(plot_rope_receipt(rope), written[-1].with_suffix(".png")))
     mem = bench_memory(small=small, dtype=dtype, device=device)
@@ -317,29 +313,6 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
         x = torch.randn(1 if small else 2, 32 if small else 4096, layer.config.d_model, device=device, dtype=dtype, requires_grad=True)
         ids = (torch.arange(x.shape[1], device=device) >= x.shape[1] // 3).long().expand(x.shape[0], -1).contiguous()
         path, _ = profile_trace(lambda: layer(x, ids).float().sum().backward(), root / device_slug(rope["device"]) / "mla",
-                                "mla_layer", steps=2, warmup=2)  # fmt: skip
+                                "mla_layer", steps=1 if small else 2, warmup=1 if small else 2)  # fmt: skip
         written.append(path)
     return written
-
-
-def plot_rope_receipt(receipt: dict[str, Any]) -> Any:
-    """Achieved GB/s of every contender per kernel, with the 80%-of-copy line of each kernel."""
-    import matplotlib.pyplot as plt
-
-    kernels = list(dict.fromkeys(r["kernel"] for r in receipt["results"]))
-    names = list(dict.fromkeys(r["contender"] for r in receipt["results"]))
-    fig, ax = plt.subplots(figsize=(10, 3.8))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        by_kernel = {r["kernel"]: r["gb_per_s"] for r in receipt["results"] if r["contender"] == name}
-        vals = [by_kernel.get(k, 0.0) for k in kernels]  # a contender measured for some kernels only
-        ax.bar([j + i * width for j in range(len(kernels))], vals, width, label=name)
-    for j, k in enumerate(kernels):
-        copy = next(r["gb_per_s"] for r in receipt["results"] if r["kernel"] == k and r["contender"].startswith("copy"))
-        ax.hlines(0.8 * copy, j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="dashed")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kernels))], kernels, rotation=15)
-    ax.set(ylabel="GB/s (bytes the kernel must move / time)", title=f"RoPE kernels, {receipt['device']} (dashed: 80% of copy)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return ax
-

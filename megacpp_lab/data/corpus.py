@@ -34,8 +34,10 @@ def torch_include_dir() -> Path:
 def list_cpp_files(root: str | Path, suffixes: tuple[str, ...] = CPP_SUFFIXES) -> list[Path]:
     """Every C++ file under root, sorted by relative path so that corpora are reproducible."""
     root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"corpus root {root} does not exist")
     if not root.is_dir():
-        raise FileNotFoundError(f"corpus root {root} is not a directory")
+        raise NotADirectoryError(f"corpus root {root} is not a directory")
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
     if not files:
         raise ValueError(f"corpus root {root} holds no C++ files with suffixes {suffixes}")

@@ -1,11 +1,15 @@
-"""The small packed sample under data/: real torch C++ headers, packed, with a manifest."""
+"""The small packed sample under data/: real torch C++ headers, packed, with a manifest.
+
+The build is reproducible: the same corpus and config give byte-identical sample.pt and manifest.json
+(no wall-clock time in either), so rebuilding the committed sample leaves the checkout clean.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -16,6 +20,10 @@ from megacpp_lab.data.tokenizer import ByteTokenizer
 
 SAMPLE_FILE = "sample.pt"
 MANIFEST_FILE = "manifest.json"
+# A row must hold a document boundary with context on both sides: the widest local window in the lab is
+# 4 tokens (Engram's n-gram order 4 and conv kernel 4), so eos + 4 tokens before it and bos + 4 after it
+# take 10 tokens; 16 is the next power of two. Shorter rows pack (1-token rows are valid) but test nothing.
+MIN_SEQ_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -28,9 +36,14 @@ class SampleConfig:
     max_file_bytes: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("rows", "seq_len", "stride", "max_file_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SampleConfig.{name} must be >= 1, got {getattr(self, name)}")
+        floors = {"rows": 1, "seq_len": MIN_SEQ_LEN, "stride": 1, "max_file_bytes": 1}
+        for name, floor in floors.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"SampleConfig.{name} must be an int, got {value!r}")
+            if value < floor:
+                why = " (a row must hold a document boundary with 4 tokens on each side)" if name == "seq_len" else ""
+                raise ValueError(f"SampleConfig.{name} must be >= {floor}{why}, got {value}")
 
 
 def repo_data_dir() -> Path:
@@ -48,7 +61,9 @@ def build_sample(
     """Tokenize and pack C++ files under root (default torch/include); write sample.pt and manifest.json.
 
     Files are taken every `stride`-th in sorted order so the sample spans the whole tree;
-    files over max_file_bytes are skipped so rows hold several whole documents.
+    files over max_file_bytes are skipped so rows hold several whole documents. When the files
+    taken do not fill config.rows rows, the sample is smaller (the last row padded) and a
+    UserWarning says what was produced against what was asked.
     """
     out = Path(out_dir) if out_dir is not None else repo_data_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +71,8 @@ def build_sample(
     tok = ByteTokenizer()
     budget = config.rows * config.seq_len
 
-    paths = list_cpp_files(src_root)[:: config.stride]
+    all_paths = list_cpp_files(src_root)
+    paths = all_paths[:: config.stride]
     chosen: list[tuple[str, bytes]] = []
     n_tokens = 0
     iterator = paths
@@ -73,11 +89,24 @@ def build_sample(
         chosen.append((p.relative_to(src_root).as_posix(), data))
         n_tokens += len(data) + 2
     if not chosen:
-        raise ValueError(f"no C++ file under {src_root} is between 1 and {config.max_file_bytes} bytes")
+        raise ValueError(
+            f"no C++ file under {src_root} taken with stride {config.stride} is between 1 and "
+            f"{config.max_file_bytes} bytes (max_file_bytes)"
+        )
 
     docs = [torch.tensor(tok.encode(data), dtype=torch.int64) for _, data in chosen]
     packed = pack_documents(docs, config.seq_len, pad_id=tok.pad_id, max_rows=config.rows)
     b = packed.batch
+    if n_tokens < budget:
+        # a short sample is legitimate (a small user corpus) but must not pass for the one asked for
+        warnings.warn(
+            f"asked for {config.rows} rows x {config.seq_len} tokens, but the {len(chosen)} files taken (stride "
+            f"{config.stride} over the {len(all_paths)} C++ files under {src_root}, files over max_file_bytes="
+            f"{config.max_file_bytes} skipped) hold {n_tokens} tokens: the sample has {b.batch_size} rows, "
+            f"{int((b.tokens == tok.pad_id).sum())} tokens of them padding; lower the stride or raise max_file_bytes",
+            UserWarning,
+            stacklevel=2,
+        )
     torch.save(
         {
             "tokens": b.tokens.to(torch.int16),
@@ -110,7 +139,6 @@ def build_sample(
         "source": "torch/include of the installed torch" if root is None else "user directory",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "tokenizer": {"kind": "byte", "vocab_size": tok.vocab_size, **tok.special_ids},
         "config": asdict(config),
         "shape": {"rows": b.batch_size, "seq_len": b.seq_len},
