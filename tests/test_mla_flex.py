@@ -90,8 +90,20 @@ def test_unproven_flex_configurations_are_refused_by_name() -> None:
     with torch.no_grad(), pytest.raises(NotImplementedError, match="not proven on cpu bfloat16 eager"):
         flex.to(torch.bfloat16)(x.bfloat16())
     with pytest.raises(NotImplementedError, match="not proven on cuda float32 compiled with gradients"):
-        check_flex_proven(torch.device("cuda"), torch.float32, compiled=True, grad=True)  # shared-memory overflow
+        check_flex_proven(torch.device("cuda"), torch.float32, compiled=True, grad=True, seq_len=256)  # smem overflow
     assert ("cuda", torch.bfloat16, True, False) in FLEX_PROVEN  # the configuration of the original bug
+
+
+def test_compiled_flex_refuses_a_length_off_the_block_grid() -> None:
+    """Tripwire: one compiled module, after recompiling for dynamic shapes, gave wrong numbers at T=100."""
+    torch._dynamo.reset()
+    _, flex = _pair("cpu", **SMALL)
+    x = torch.randn(1, 100, 32)
+    block_mask = doc_causal_block_mask(None, batch=1, seq_len=100)
+    with torch.no_grad(), pytest.raises(Exception, match="needs T to be a multiple of 128, got T=100"):
+        torch.compile(flex, fullgraph=True)(x, block_mask=block_mask)
+    with torch.no_grad():  # eager flex masks partial blocks itself
+        assert torch.isfinite(flex(x, block_mask=block_mask)).all()
 
 
 def test_block_mask_mismatches_fail_closed() -> None:
@@ -159,7 +171,7 @@ def test_cuda_compiled_flex_one_module_across_shapes_and_document_counts(grad: b
     torch._dynamo.reset()
     sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
     compiled = torch.compile(flex, fullgraph=True)
-    for i, (B, T) in enumerate([(3, 640), (1, 4096), (4, 256), (2, 1000), (8, 512), (5, 384), (2, 130), (1, 100)]):
+    for i, (B, T) in enumerate([(3, 640), (1, 4096), (4, 256), (2, 1152), (8, 512), (5, 384), (2, 128), (6, 2816)]):
         _check_against_sdpa(compiled, sdpa, B, T, grad, seed=100 + i)
 
 

@@ -241,8 +241,9 @@ def _doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 # dtype, compiled, gradients). CPU: fp32 without gradients (flex has no CPU backward). CUDA: bf16 compiled
 # on an H100 over B in {1, 2, 4} x T in {256, 1024, 2048} and one module walked over other shapes, with and
 # without gradients; eager bf16 and fp32. Compiled fp32 is not: at head dim 192 its kernel overflows shared
-# memory. Anything else is refused until a test proves it: compiled flex once returned wrong numbers with
-# no error.
+# memory. Compiled flex also needs T to be a multiple of FLEX_BLOCK: one compiled module that had recompiled
+# for dynamic shapes returned wrong numbers with no error at T=100 under no_grad (H100, torch 2.11). Anything
+# else is refused until a test proves it: compiled flex once returned wrong numbers with no error.
 FLEX_PROVEN: frozenset[tuple[str, torch.dtype, bool, bool]] = frozenset(
     [("cpu", torch.float32, compiled, False) for compiled in (False, True)]
     + [("cuda", dtype, False, grad) for dtype in (torch.float32, torch.bfloat16) for grad in (False, True)]
@@ -250,8 +251,17 @@ FLEX_PROVEN: frozenset[tuple[str, torch.dtype, bool, bool]] = frozenset(
 )  # fmt: skip
 
 
-def check_flex_proven(device: torch.device, dtype: torch.dtype, *, compiled: bool, grad: bool) -> None:
-    """Raise unless the flex path has been tested on this (device, dtype, compiled, gradients) configuration."""
+FLEX_BLOCK = 128  # the block mask's block size, in tokens
+
+
+def check_flex_proven(device: torch.device, dtype: torch.dtype, *, compiled: bool, grad: bool, seq_len: int) -> None:
+    """Raise unless the flex path has been tested on this (device, dtype, compiled, gradients) configuration,
+    and, compiled, on a sequence length that is a multiple of FLEX_BLOCK."""
+    if compiled and seq_len % FLEX_BLOCK:
+        raise NotImplementedError(
+            f"compiled attn_impl='flex' needs T to be a multiple of {FLEX_BLOCK}, got T={seq_len} (a compiled flex "
+            "kernel returned wrong numbers with no error at T=100); pad the rows, run it eagerly, or use 'sdpa'"
+        )
     if (device.type, dtype, compiled, grad) not in FLEX_PROVEN:
         mode = ("compiled" if compiled else "eager") + (" with gradients" if grad else " without gradients")
         raise NotImplementedError(
@@ -281,7 +291,7 @@ def doc_causal_block_mask(doc_ids: torch.Tensor | None, *, batch: int | None = N
     def same_doc_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (ids[b, q_idx] == ids[b, kv_idx])
 
-    return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
+    return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK)
 
 
 class MultiLatentAttention(nn.Module):
@@ -368,7 +378,7 @@ class MultiLatentAttention(nn.Module):
         if c.attn_impl == "flex":
             compiling = torch.compiler.is_compiling()
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
-            check_flex_proven(q.device, q.dtype, compiled=compiling, grad=grad)
+            check_flex_proven(q.device, q.dtype, compiled=compiling, grad=grad, seq_len=q.shape[2])
             if block_mask is None:
                 if compiling:
                     raise RuntimeError(
