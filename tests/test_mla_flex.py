@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megacpp_lab.nn.mla import FLEX_PROVEN, MLAConfig, MultiLatentAttention, check_flex_proven, doc_causal_block_mask
+from megacpp_lab.nn.mla import FLEX_PROVEN, MLAConfig, MultiLatentAttention, doc_causal_block_mask, flex_refusal
 
 SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=8, d_v=8, max_positions=256)
 # the MLA block of a real model: DeepSeek-V2-Lite-like ranks and head dims
@@ -74,12 +74,19 @@ def test_compiled_flex_equals_sdpa_and_never_recompiles_for_new_document_layouts
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_compiled_flex_without_a_block_mask_is_refused() -> None:
+# fullgraph=True reports the refusal as dynamo's Unsupported (the disabled refusal's reason); without it, the
+# refusal itself propagates: it must not degrade into a graph break followed by an eager run that succeeds.
+REFUSED = {True: "refuses this compiled attn_impl='flex' call", False: None}
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks_allowed"])
+def test_compiled_flex_without_a_block_mask_is_refused(fullgraph: bool) -> None:
     torch._dynamo.reset()
     _, flex = _pair("cpu", **SMALL)
     x = torch.randn(1, 128, 32)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="needs block_mask=.*doc_causal_block_mask"):
-        torch.compile(flex, fullgraph=True)(x, torch.zeros(1, 128, dtype=torch.long))
+    match = REFUSED[fullgraph] or "needs block_mask=.*doc_causal_block_mask"
+    with torch.no_grad(), pytest.raises(RuntimeError, match=match):
+        torch.compile(flex, fullgraph=fullgraph)(x, torch.zeros(1, 128, dtype=torch.long))
 
 
 def test_unproven_flex_configurations_are_refused_by_name() -> None:
@@ -90,18 +97,23 @@ def test_unproven_flex_configurations_are_refused_by_name() -> None:
     with torch.no_grad(), pytest.raises(NotImplementedError, match="not proven on cpu bfloat16 eager"):
         flex.to(torch.bfloat16)(x.bfloat16())
     with pytest.raises(NotImplementedError, match="not proven on cuda float32 compiled with gradients"):
-        check_flex_proven(torch.device("cuda"), torch.float32, compiled=True, grad=True, seq_len=256)  # smem overflow
+        raise NotImplementedError(flex_refusal(torch.device("cuda"), torch.float32, compiled=True, grad=True,
+                                               seq_len=256, has_block_mask=True))  # shared-memory overflow
+    assert flex_refusal(torch.device("cuda"), torch.bfloat16, compiled=True, grad=True, seq_len=256,
+                        has_block_mask=True) is None  # fmt: skip
     assert ("cuda", torch.bfloat16, True, False) in FLEX_PROVEN  # the configuration of the original bug
 
 
-def test_compiled_flex_refuses_a_length_off_the_block_grid() -> None:
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks_allowed"])
+def test_compiled_flex_refuses_a_length_off_the_block_grid(fullgraph: bool) -> None:
     """Tripwire: one compiled module, after recompiling for dynamic shapes, gave wrong numbers at T=100."""
     torch._dynamo.reset()
     _, flex = _pair("cpu", **SMALL)
     x = torch.randn(1, 100, 32)
     block_mask = doc_causal_block_mask(None, batch=1, seq_len=100)
-    with torch.no_grad(), pytest.raises(Exception, match="needs T to be a multiple of 128, got T=100"):
-        torch.compile(flex, fullgraph=True)(x, block_mask=block_mask)
+    match = REFUSED[fullgraph] or "needs T to be a multiple of 128, got T=100"
+    with torch.no_grad(), pytest.raises(RuntimeError, match=match):
+        torch.compile(flex, fullgraph=fullgraph)(x, block_mask=block_mask)
     with torch.no_grad():  # eager flex masks partial blocks itself
         assert torch.isfinite(flex(x, block_mask=block_mask)).all()
 
@@ -112,6 +124,8 @@ def test_block_mask_mismatches_fail_closed() -> None:
     with torch.no_grad():
         with pytest.raises(ValueError, match="block_mask is for batch 2 and lengths \\(32, 32\\)"):
             flex(x, block_mask=doc_causal_block_mask(None, batch=2, seq_len=32))
+        with pytest.raises(ValueError, match="block_mask is for batch 1 and lengths \\(16, 16\\)"):
+            flex(x, block_mask=doc_causal_block_mask(None, batch=1, seq_len=16))  # no broadcast: mask_mod reads row b
         with pytest.raises(ValueError, match="block_mask is for attn_impl='flex'"):
             sdpa(x, block_mask=doc_causal_block_mask(None, batch=2, seq_len=16))
     with pytest.raises(ValueError, match="doc_ids must be \\[B, T\\]"):
@@ -189,8 +203,11 @@ def test_cuda_compiled_flex_fp32_is_refused() -> None:
     _, flex = _pair("cuda", torch.float32, **REAL)
     x = torch.randn(1, 256, REAL["d_model"], device="cuda")
     block_mask = doc_causal_block_mask(None, batch=1, seq_len=256, device="cuda")
-    with torch.no_grad(), pytest.raises(Exception, match="not proven on cuda float32 compiled"):
-        torch.compile(flex, fullgraph=True)(x, block_mask=block_mask)
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        match = REFUSED[fullgraph] or "not proven on cuda float32 compiled without gradients"
+        with torch.no_grad(), pytest.raises(RuntimeError, match=match):
+            torch.compile(flex, fullgraph=fullgraph)(x, block_mask=block_mask)
 
 
 @pytest.mark.cuda

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -254,21 +254,33 @@ FLEX_PROVEN: frozenset[tuple[str, torch.dtype, bool, bool]] = frozenset(
 FLEX_BLOCK = 128  # the block mask's block size, in tokens
 
 
-def check_flex_proven(device: torch.device, dtype: torch.dtype, *, compiled: bool, grad: bool, seq_len: int) -> None:
-    """Raise unless the flex path has been tested on this (device, dtype, compiled, gradients) configuration,
-    and, compiled, on a sequence length that is a multiple of FLEX_BLOCK."""
+def flex_refusal(device: torch.device, dtype: torch.dtype, *, compiled: bool, grad: bool, seq_len: int,
+                 has_block_mask: bool) -> str | None:  # fmt: skip
+    """Why the flex path must not run this configuration, or None: it must be listed in FLEX_PROVEN and,
+    compiled, have a block mask built outside the compiled region and T a multiple of FLEX_BLOCK."""
+    if compiled and not has_block_mask:
+        return ("MultiLatentAttention(attn_impl='flex') under torch.compile needs block_mask=: build it once per batch "
+                "with doc_causal_block_mask(doc_ids) outside the compiled region. Built inside, inductor fuses the "
+                "mask into the attention kernel, which gave wrong numbers and illegal memory accesses")  # fmt: skip
     if compiled and seq_len % FLEX_BLOCK:
-        raise NotImplementedError(
-            f"compiled attn_impl='flex' needs T to be a multiple of {FLEX_BLOCK}, got T={seq_len} (a compiled flex "
-            "kernel returned wrong numbers with no error at T=100); pad the rows, run it eagerly, or use 'sdpa'"
-        )
+        return (f"compiled attn_impl='flex' needs T to be a multiple of {FLEX_BLOCK}, got T={seq_len} (a compiled flex "
+                "kernel returned wrong numbers with no error at T=100); pad the rows, run it eagerly, or use 'sdpa'")  # fmt: skip
     if (device.type, dtype, compiled, grad) not in FLEX_PROVEN:
         mode = ("compiled" if compiled else "eager") + (" with gradients" if grad else " without gradients")
-        raise NotImplementedError(
-            f"attn_impl='flex' is not proven on {device.type} {str(dtype).removeprefix('torch.')} {mode}; "
-            "use attn_impl='sdpa', or add the configuration to megacpp_lab.nn.mla.FLEX_PROVEN with a test "
-            "against sdpa"
-        )
+        return (f"attn_impl='flex' is not proven on {device.type} {str(dtype).removeprefix('torch.')} {mode}; use "
+                "attn_impl='sdpa', or add the configuration to megacpp_lab.nn.mla.FLEX_PROVEN with a test against sdpa")  # fmt: skip
+    return None
+
+
+@torch.compiler.disable(
+    reason="MultiLatentAttention refuses this compiled attn_impl='flex' call: it needs block_mask= built outside the "
+    "compiled region (doc_causal_block_mask), T a multiple of 128, and a (device, dtype, gradients) configuration "
+    "in FLEX_PROVEN; compiled without fullgraph, or run eagerly, it raises the exact reason"
+)
+def _refuse_compiled(reason: str) -> NoReturn:
+    # Outside the graph on purpose: a raise traced inside it, without fullgraph, only breaks the graph, and
+    # the layer then re-runs eagerly, where is_compiling() is False and nothing refuses.
+    raise NotImplementedError(reason)
 
 
 def doc_causal_block_mask(doc_ids: torch.Tensor | None, *, batch: int | None = None, seq_len: int | None = None,
@@ -378,16 +390,16 @@ class MultiLatentAttention(nn.Module):
         if c.attn_impl == "flex":
             compiling = torch.compiler.is_compiling()
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
-            check_flex_proven(q.device, q.dtype, compiled=compiling, grad=grad, seq_len=q.shape[2])
-            if block_mask is None:
+            reason = flex_refusal(q.device, q.dtype, compiled=compiling, grad=grad, seq_len=q.shape[2],
+                                  has_block_mask=block_mask is not None)  # fmt: skip
+            if reason is not None:
                 if compiling:
-                    raise RuntimeError(
-                        "MultiLatentAttention(attn_impl='flex') under torch.compile needs block_mask=: build it once per "
-                        "batch with doc_causal_block_mask(doc_ids) outside the compiled region. Built inside, inductor "
-                        "fuses the mask into the attention kernel, which gave wrong numbers and illegal memory accesses"
-                    )
+                    _refuse_compiled(reason)
+                raise NotImplementedError(reason)
+            if block_mask is None:
                 block_mask = doc_causal_block_mask(doc_ids, batch=q.shape[0], seq_len=q.shape[2], device=q.device)
-            elif tuple(block_mask.seq_lengths) != (q.shape[2], q.shape[2]) or block_mask.shape[0] not in (1, q.shape[0]):
+            # the mask_mod indexes doc_ids by batch row: a broadcast batch-1 mask would read past them
+            elif tuple(block_mask.seq_lengths) != (q.shape[2], q.shape[2]) or block_mask.shape[0] != q.shape[0]:
                 raise ValueError(f"block_mask is for batch {block_mask.shape[0]} and lengths {tuple(block_mask.seq_lengths)}, "
                                  f"the input is batch {q.shape[0]}, length {q.shape[2]}")  # fmt: skip
             # contiguous: inductor's CPU flex lowering fails on q/k/v that are views of a concat
