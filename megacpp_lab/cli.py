@@ -219,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     except USAGE_ERRORS as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
+        # the same exception types can come from a bug rather than bad input: say how to see where
+        hint = "" if args.debug else " (--debug shows the traceback)"
+        print(f"{PROG}: error: {_one_line(str(exc))}{hint}", file=sys.stderr)
         return 2
 
 

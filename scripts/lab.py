@@ -81,7 +81,7 @@ def _check_args(args: argparse.Namespace) -> tuple[str, int, Path]:
         _fail(f"notebook directory {str(root_dir)!r} does not exist")
     try:
         # Same SO_REUSEADDR bind as the server's, so only a live listener fails here.
-        socket.create_server((ip, port)).close()
+        socket.create_server((ip, port), family=socket.AF_INET6 if ":" in ip else socket.AF_INET).close()
     except OSError as e:
         _fail(
             f"cannot listen on {ip}:{port} ({e.strerror or e}); "

@@ -35,6 +35,7 @@ def one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith("megacpp-lab: error: "), err
+    assert err[0].endswith(" (--debug shows the traceback)"), err
     return err[0]
 
 
@@ -66,7 +67,7 @@ def test_cli_info_prints_stamp(capsys):
 def test_data_bad_values_are_one_line_errors(tmp_path, capsys, argv, expected):
     assert main(["data", "--out", str(tmp_path / "out"), "--quiet", *argv]) == 2
     assert expected in one_error_line(capsys)
-    assert not (tmp_path / "out" / SAMPLE_FILE).exists()
+    assert not (tmp_path / "out").exists()  # nothing written, not even the folder
 
 
 def test_data_root_without_cpp_files_is_one_line_error(tmp_path, capsys):

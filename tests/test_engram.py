@@ -143,7 +143,7 @@ def test_rmsnorm_graph_has_no_manual_variance():
 
 
 def _manual_rmsnorm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """The variant DESIGN.md forbids: variance by hand, in the input dtype."""
+    """The variant docs/design.md forbids: variance by hand, in the input dtype."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 

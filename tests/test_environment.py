@@ -111,7 +111,7 @@ def test_pins_admit_only_measured_ranges_and_no_broken_pair(pins: Callable[[], d
         assert not unmeasured, f"the {name} pin {spec[name]} admits unmeasured release lines at its ends: {unmeasured}"
 
 
-def test_installed_triton_numpy_pair_runs_the_interpreter() -> None:
+def test_installed_triton_numpy_pair_is_not_a_known_broken_one() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         # On a GPU the kernels are compiled; e.g. torch 2.11's triton 3.6 next to numpy 2.5 is fine there.
         pytest.skip("the Triton interpreter is not in use (TRITON_INTERPRET is not 1)")

@@ -199,7 +199,7 @@ def bench_engram_sweep(
 
 
 def manual_rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """The RMSNorm DESIGN.md forbids (variance by hand in the input dtype); kept to measure against."""
+    """The RMSNorm docs/design.md forbids (variance by hand in the input dtype); kept to measure against."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 

@@ -66,12 +66,12 @@ def build_sample(
     UserWarning says what was produced against what was asked.
     """
     out = Path(out_dir) if out_dir is not None else repo_data_dir()
-    out.mkdir(parents=True, exist_ok=True)
     src_root = Path(root) if root is not None else torch_include_dir()
     tok = ByteTokenizer()
     budget = config.rows * config.seq_len
 
-    all_paths = list_cpp_files(src_root)
+    all_paths = list_cpp_files(src_root)  # a bad root fails here, before out/ is created
+    out.mkdir(parents=True, exist_ok=True)
     paths = all_paths[:: config.stride]
     chosen: list[tuple[str, bytes]] = []
     n_tokens = 0
