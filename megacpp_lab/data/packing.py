@@ -16,37 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megacpp_lab.kernels.varlen import (
+    ID_DTYPES,
+    cu_seqlens_from_doc_ids,
+    doc_starts,
+    positions_from_doc_ids,
+    validate_packed_layout,
+)
+
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_ID_DTYPES = (torch.int32, torch.int64)
-
-
-def _first_true(mask: torch.Tensor) -> tuple[int, int]:
-    """(row, offset) of the first True in a [B,T'] mask."""
-    flat = int(mask.reshape(-1).nonzero()[0, 0])
-    return flat // mask.shape[1], flat % mask.shape[1]
-
-
-def doc_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Bool [B,T]: True at every document start (offset 0 of each row included)."""
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return starts
-
-
-def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Offset of each token inside its document."""
-    B, T = doc_ids.shape
-    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
-    last_start = torch.where(doc_starts(doc_ids), idx, torch.zeros_like(idx)).cummax(dim=1).values
-    return (idx - last_start).to(torch.int64)
-
-
-def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Flattened varlen boundaries (flash-attention convention), int32."""
-    B, T = doc_ids.shape
-    starts = doc_starts(doc_ids).reshape(-1).nonzero().reshape(-1)
-    end = torch.tensor([B * T], device=doc_ids.device)
-    return torch.cat([starts, end]).to(torch.int32)
 
 
 def validate_packed(
@@ -55,87 +33,23 @@ def validate_packed(
     positions: torch.Tensor,
     cu_seqlens: torch.Tensor,
 ) -> None:
-    """Raise ValueError naming the field, row and offset of the first contract violation."""
-    for name, t in (("tokens", tokens), ("doc_ids", doc_ids), ("positions", positions), ("cu_seqlens", cu_seqlens)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    """Raise ValueError naming the field, row and offset of the first contract violation: the tokens
+    here, the layout (doc_ids, positions, cu_seqlens) in kernels.varlen.validate_packed_layout."""
+    if not isinstance(tokens, torch.Tensor):
+        raise ValueError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [B,T], got shape {tuple(tokens.shape)}")
-    B, T = tokens.shape
-    if B == 0 or T == 0:
+    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
         raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
     if tokens.dtype not in _INT_DTYPES:
         raise ValueError(f"tokens dtype must be an integer type, got {tokens.dtype}")
     for name, t in (("doc_ids", doc_ids), ("positions", positions)):
-        if t.shape != tokens.shape:
+        if isinstance(t, torch.Tensor) and t.shape != tokens.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} does not match tokens shape {tuple(tokens.shape)}")
-        if t.dtype not in _ID_DTYPES:
-            raise ValueError(f"{name} dtype must be int32 or int64, got {t.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens dtype must be int32, got {cu_seqlens.dtype}")
-    devices = {t.device for t in (tokens, doc_ids, positions, cu_seqlens)}
-    if len(devices) != 1:
-        raise ValueError(f"tokens, doc_ids, positions and cu_seqlens must share one device, got {sorted(map(str, devices))}")
-
-    if T > 1:
-        backwards = doc_ids[:, 1:] < doc_ids[:, :-1]
-        if backwards.any():
-            r, t = _first_true(backwards)
-            raise ValueError(
-                f"doc_ids go backwards at row {r}, offset {t + 1}: "
-                f"{int(doc_ids[r, t])} -> {int(doc_ids[r, t + 1])}"
-            )
-
-    starts = doc_starts(doc_ids)
-    bad_start = starts & (positions != 0)
-    if bad_start.any():
-        r, t = _first_true(bad_start)
-        raise ValueError(
-            f"positions not reset at a document boundary: row {r}, offset {t} starts doc "
-            f"{int(doc_ids[r, t])} but positions[{r}, {t}] = {int(positions[r, t])}, expected 0"
-        )
-    if T > 1:
-        bad_step = ~starts[:, 1:] & (positions[:, 1:] != positions[:, :-1] + 1)
-        if bad_step.any():
-            r, t = _first_true(bad_step)
-            raise ValueError(
-                f"positions do not advance inside a document: row {r}, offset {t + 1} has "
-                f"{int(positions[r, t + 1])} after {int(positions[r, t])}"
-            )
-
-    total = B * T
-    cu = cu_seqlens.to(torch.int64)
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
-    if int(cu[-1]) != total:
-        last = min(int(cu[-1]), total)
-        raise ValueError(
-            f"cu_seqlens do not cover T: they end at {int(cu[-1])} but the batch holds B*T = {B}*{T} = {total} "
-            f"tokens (row {last // T}, offset {last % T} onward is uncovered)"
-            if int(cu[-1]) < total
-            else f"cu_seqlens do not cover T: they end at {int(cu[-1])}, past B*T = {B}*{T} = {total}"
-        )
-    steps = cu[1:] - cu[:-1]
-    if (steps <= 0).any():
-        i = int((steps <= 0).nonzero()[0, 0])
-        at = int(cu[i])
-        raise ValueError(
-            f"cu_seqlens must increase strictly: entries {i} and {i + 1} are {int(cu[i])}, {int(cu[i + 1])} "
-            f"(row {at // T}, offset {at % T})"
-        )
-    expected = starts.reshape(-1).nonzero().reshape(-1)
-    got = cu[:-1]
-    n = min(expected.numel(), got.numel())
-    mismatch = (expected[:n] != got[:n]).nonzero()
-    if mismatch.numel() or expected.numel() != got.numel():
-        i = int(mismatch[0, 0]) if mismatch.numel() else n
-        if i < expected.numel() and (i >= got.numel() or int(expected[i]) < int(got[i])):
-            at, what = int(expected[i]), "a document starts there but cu_seqlens has no entry"
-        else:
-            at, what = int(got[i]), "cu_seqlens has a boundary there but doc_ids do not change"
-        raise ValueError(f"cu_seqlens disagree with doc_ids at row {at // T}, offset {at % T}: {what}")
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device != tokens.device:
+        raise ValueError(f"tokens, doc_ids, positions and cu_seqlens must share one device, got "
+                         f"{sorted(map(str, {tokens.device, cu_seqlens.device}))}")  # fmt: skip
+    validate_packed_layout(doc_ids, positions, cu_seqlens)
 
 
 @dataclass(frozen=True)
@@ -155,7 +69,7 @@ class PackedBatch:
         """Derive positions and cu_seqlens from doc_ids (validated like any other batch)."""
         if not isinstance(doc_ids, torch.Tensor) or doc_ids.dim() != 2:
             raise ValueError(f"doc_ids must be a [B,T] tensor, got {getattr(doc_ids, 'shape', type(doc_ids))}")
-        if doc_ids.dtype not in _ID_DTYPES:
+        if doc_ids.dtype not in ID_DTYPES:
             raise ValueError(f"doc_ids dtype must be int32 or int64, got {doc_ids.dtype}")
         return cls(tokens, doc_ids, positions_from_doc_ids(doc_ids), cu_seqlens_from_doc_ids(doc_ids))
 

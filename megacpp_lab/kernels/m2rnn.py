@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import TRITON_INTERPRET, warn_at_caller
+from megacpp_lab.kernels.varlen import PackedContext
 
 _INTERPRETED = tl.constexpr(TRITON_INTERPRET)
 
@@ -417,6 +418,7 @@ def m2rnn_scan(
     *,
     doc_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    context: PackedContext | None = None,
     chunk: int = 64,
     grad_clip: float = 0.0,
     kernel: str = "auto",
@@ -425,7 +427,8 @@ def m2rnn_scan(
 
     Document starts reset the state to h0: give doc_ids [B,S] (h0 is [B,H,K,V], one per row),
     or cu_seqlens [N+1] int32 for packed varlen input with B=1 (h0 is [N,H,K,V], one per
-    sequence), or neither (each row is one document). h0=None means zeros.
+    sequence), or a PackedContext (the rows are flattened and scanned one program per document, from
+    its validated cu_seqlens; h0 is [N,H,K,V]), or none (each row is one document). h0=None means zeros.
     """
     if q.dim() != 4:
         raise ValueError(f"q must be [B,S,H,K], got shape {tuple(q.shape)}")
@@ -438,10 +441,18 @@ def m2rnn_scan(
     _check("f", f, (B, S, H))
     _check("W", W, (H, V, V))
     _check("q", q, (B, S, H, K))
-    if doc_ids is not None and cu_seqlens is not None:
-        raise ValueError("give doc_ids or cu_seqlens, not both")
+    if (doc_ids is not None) + (cu_seqlens is not None) + (context is not None) > 1:
+        raise ValueError("give only one of doc_ids, cu_seqlens and context (not both)")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if context is not None:  # validated when it was built: flatten the rows, one program per document
+        if context.shape != (B, S):
+            raise ValueError(f"context is for [B,S] = {context.shape}, the input is {(B, S)}")
+        N = B * S
+        y = _scan(q.reshape(1, N, H, K), k.reshape(1, N, H, K), v.reshape(1, N, H, V), f.reshape(1, N, H), W, h0,
+                  context.cu_seqlens, context.starts.reshape(1, N), context.seq_index.view(1, N), chunk, grad_clip,
+                  kernel)  # fmt: skip
+        return y.view(B, S, H, V)
     dev = q.device
     if cu_seqlens is not None:
         if B != 1:
@@ -467,8 +478,18 @@ def m2rnn_scan(
         else:
             reset2d = torch.zeros((B, S), dtype=torch.bool, device=dev)
             reset2d[:, 0] = True
-        reset = reset2d.reshape(-1).to(torch.int8)
         h0_index = torch.arange(B, device=dev).view(B, 1).expand(B, S)
+    return _scan(q, k, v, f, W, h0, ranges, reset2d, h0_index, chunk, grad_clip, kernel)
+
+
+def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
+          ranges: torch.Tensor, reset2d: torch.Tensor, h0_index: torch.Tensor, chunk: int, grad_clip: float,
+          kernel: str) -> torch.Tensor:  # fmt: skip
+    """The scan over sequences [ranges[i], ranges[i+1]) of the flattened tokens, resetting at reset2d."""
+    B, S, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    reset = reset2d.reshape(-1).to(torch.int8)
     P = ranges.numel() - 1
     if h0 is None:
         h0 = torch.zeros((P, H, K, V), device=dev, dtype=torch.float32)

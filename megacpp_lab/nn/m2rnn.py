@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
+from megacpp_lab.kernels.varlen import PackedContext, check_doc_ids
 from megacpp_lab.nn.config_builder import build_config, config_error
-from megacpp_lab.nn.doc_masking import check_doc_ids
 from megacpp_lab.nn.engram import DocCausalDepthwiseConv
 
 
@@ -131,15 +131,25 @@ class M2RNN(nn.Module):
         doc_ids: torch.Tensor | None = None,
         *,
         cu_seqlens: torch.Tensor | None = None,
+        ctx: PackedContext | None = None,
         kernel: str | None = None,
     ) -> torch.Tensor:
+        """x [B,S,d_model]. The packed batch comes as ctx (a validated PackedContext: the scan runs one
+        program per document over the flattened rows, nothing re-checked), or as bare doc_ids [B,S], or
+        as cu_seqlens for B=1 packed input; none of them means one document per row."""
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"M2RNN input must be [B,S,{c.d_model}], got {tuple(x.shape)}")
         B, S, _ = x.shape
         H, K, V = c.n_heads, c.k_head_dim, c.v_head_dim
-        check_doc_ids(doc_ids, (B, S))
-        conv_ids = doc_ids
+        if ctx is not None:
+            if doc_ids is not None or cu_seqlens is not None:
+                raise ValueError("give ctx, or doc_ids / cu_seqlens, not both")
+            if ctx.shape != (B, S):
+                raise ValueError(f"ctx is for [B,S] = {ctx.shape}, the input is {(B, S)}")
+        else:
+            check_doc_ids(doc_ids, (B, S))
+        conv_ids = ctx.doc_ids if ctx is not None else doc_ids
         if cu_seqlens is not None:  # varlen: the conv still needs to see the boundaries
             conv_ids = (torch.searchsorted(cu_seqlens, torch.arange(S, device=x.device, dtype=cu_seqlens.dtype), right=True) - 1).view(1, S)
         qkv, decay, gate = self.input_proj(x).split([self.qkv_dim, H, H * V], dim=-1)
@@ -151,7 +161,7 @@ class M2RNN(nn.Module):
         v = v.reshape(B, S, H, V)
         f = _softplus_decay_gate(decay, self.A_log, self.dt_bias)  # fp32 into the scan: bf16 would round f near 1
         y = m2rnn_scan(
-            q, k, v, f, self.W.to(q.dtype), doc_ids=doc_ids, cu_seqlens=cu_seqlens, chunk=c.chunk,
+            q, k, v, f, self.W.to(q.dtype), doc_ids=doc_ids, cu_seqlens=cu_seqlens, context=ctx, chunk=c.chunk,
             grad_clip=c.gradient_clipping, kernel=kernel or c.kernel,
         )  # fmt: skip
         if self.D is not None:

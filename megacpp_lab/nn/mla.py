@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from megacpp_lab.kernels.rope import (
@@ -41,6 +41,7 @@ from megacpp_lab.kernels.rope import (
     mla_rope_q_,
     mla_rope_q_reference,
 )
+from megacpp_lab.kernels.varlen import FLEX_BLOCK, PackedContext, doc_causal_block_mask
 from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
 
@@ -251,9 +252,6 @@ FLEX_PROVEN: frozenset[tuple[str, torch.dtype, bool, bool]] = frozenset(
 )  # fmt: skip
 
 
-FLEX_BLOCK = 128  # the block mask's block size, in tokens
-
-
 def flex_refusal(device: torch.device, dtype: torch.dtype, *, compiled: bool, grad: bool, seq_len: int,
                  has_block_mask: bool) -> str | None:  # fmt: skip
     """Why the flex path must not run this configuration, or None: it must be listed in FLEX_PROVEN and,
@@ -281,29 +279,6 @@ def _refuse_compiled(reason: str) -> NoReturn:
     # Outside the graph on purpose: a raise traced inside it, without fullgraph, only breaks the graph, and
     # the layer then re-runs eagerly, where is_compiling() is False and nothing refuses.
     raise NotImplementedError(reason)
-
-
-def doc_causal_block_mask(doc_ids: torch.Tensor | None, *, batch: int | None = None, seq_len: int | None = None,
-                          device: torch.device | str | None = None) -> BlockMask:  # fmt: skip
-    """The flex-attention block mask of packed rows: key s is visible to query t iff s <= t and both lie in
-    the same document (one document per row when doc_ids is None: give batch, seq_len and device).
-
-    Build it once per batch, eagerly, outside any compiled region, and pass it to every flex layer."""
-    if torch.compiler.is_compiling():
-        raise RuntimeError("doc_causal_block_mask must run outside the compiled region (once per batch)")
-    if doc_ids is None:
-        if batch is None or seq_len is None:
-            raise ValueError("doc_causal_block_mask needs doc_ids, or batch and seq_len for one document per row")
-        doc_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-    if doc_ids.dim() != 2:
-        raise ValueError(f"doc_ids must be [B, T], got shape {tuple(doc_ids.shape)}")
-    B, T = doc_ids.shape
-    ids = doc_ids
-
-    def same_doc_causal(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (ids[b, q_idx] == ids[b, kv_idx])
-
-    return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK)
 
 
 class MultiLatentAttention(nn.Module):
@@ -415,13 +390,20 @@ class MultiLatentAttention(nn.Module):
     # -- training forward
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None, *,
-                block_mask: BlockMask | None = None) -> torch.Tensor:  # fmt: skip
+                block_mask: BlockMask | None = None, ctx: PackedContext | None = None) -> torch.Tensor:  # fmt: skip
         """x [B,T,d_model]; doc_ids [B,T] keep documents apart; positions [B,T] (reset at each document
         start, as PackedBatch gives them) pick the RoPE rows, else 0..T-1 per row. With attn_impl='flex',
         block_mask (from doc_causal_block_mask, built outside any compiled region) replaces doc_ids for the
-        attention mask; eager calls may leave it out and have it built here."""
+        attention mask; eager calls may leave it out and have it built here. ctx (a PackedContext) gives
+        all three at once, validated when it was built."""
         c = self.config
         B, T, _ = x.shape
+        if ctx is not None:
+            if doc_ids is not None or positions is not None or block_mask is not None:
+                raise ValueError("give ctx, or doc_ids / positions / block_mask, not both")
+            if ctx.shape != (B, T):
+                raise ValueError(f"ctx is for [B,T] = {ctx.shape}, the input is {(B, T)}")
+            doc_ids, positions, block_mask = ctx.doc_ids, ctx.positions, ctx.block_mask
         if T > c.max_positions:
             raise ValueError(f"sequence length {T} exceeds MLAConfig.max_positions={c.max_positions}")
         if doc_ids is not None and doc_ids.shape != (B, T):

@@ -1,0 +1,261 @@
+"""The packed-batch context: built and checked once per batch, then taken as given by every mixer and kernel.
+
+A packed row holds several documents back to back. Each form the kernels need (per-token document ids,
+positions, document starts, flattened `cu_seqlens` and the sequence index of each token, the flex block
+mask) is derived here, by one function each, and the whole layout is validated by one function,
+`validate_packed_layout`. `build_context` does both once per batch, eagerly, outside any compiled region;
+layers and kernels that receive a `PackedContext` neither re-derive nor re-check what it holds.
+
+Layout contract (docs/design.md, "Packed rows"):
+  doc_ids    [B,T] int32/int64, non-decreasing along a row, changing at every boundary
+  positions  [B,T] integer, 0 at each document start, +1 inside a document
+  cu_seqlens [S+1] int32 over the flattened B*T tokens: 0, every document start, B*T
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+__all__ = [
+    "FLEX_BLOCK",
+    "PackedContext",
+    "build_context",
+    "check_doc_ids",
+    "cu_seqlens_from_doc_ids",
+    "doc_causal_block_mask",
+    "doc_starts",
+    "positions_from_doc_ids",
+    "sequence_index",
+    "validate_packed_layout",
+]
+
+ID_DTYPES = (torch.int32, torch.int64)
+FLEX_BLOCK = 128  # the flex block mask's block size, in tokens
+
+
+# ----------------------------------------------------------------------------- conversions, one each
+
+
+def doc_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [B,T]: True at every document start (offset 0 of each row included)."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return starts
+
+
+def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Offset of each token inside its document, int64 [B,T]."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    last_start = torch.where(doc_starts(doc_ids), idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return (idx - last_start).to(torch.int64)
+
+
+def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Flattened varlen boundaries (flash-attention convention), int32 [S+1]."""
+    B, T = doc_ids.shape
+    starts = doc_starts(doc_ids).reshape(-1).nonzero().reshape(-1)
+    end = torch.tensor([B * T], device=doc_ids.device)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def sequence_index(starts: torch.Tensor) -> torch.Tensor:
+    """int64 [B*T]: which flattened sequence (document) each token belongs to, from doc_starts."""
+    return starts.reshape(-1).to(torch.int64).cumsum(0) - 1
+
+
+def doc_causal_block_mask(doc_ids: torch.Tensor | None, *, batch: int | None = None, seq_len: int | None = None,
+                          device: torch.device | str | None = None) -> BlockMask:  # fmt: skip
+    """The flex-attention block mask of packed rows: key s is visible to query t iff s <= t and both lie in
+    the same document (one document per row when doc_ids is None: give batch, seq_len and device).
+
+    Build it once per batch, eagerly, outside any compiled region: built inside, inductor fused the mask
+    construction into the attention kernel, which returned wrong numbers with no error on an H100."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("doc_causal_block_mask must run outside the compiled region (once per batch)")
+    if doc_ids is None:
+        if batch is None or seq_len is None:
+            raise ValueError("doc_causal_block_mask needs doc_ids, or batch and seq_len for one document per row")
+        doc_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+    if doc_ids.dim() != 2:
+        raise ValueError(f"doc_ids must be [B, T], got shape {tuple(doc_ids.shape)}")
+    B, T = doc_ids.shape
+    ids = doc_ids
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+
+    return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _first_true(mask: torch.Tensor) -> tuple[int, int]:
+    """(row, offset) of the first True in a [B,T'] mask."""
+    flat = int(mask.reshape(-1).nonzero()[0, 0])
+    return flat // mask.shape[1], flat % mask.shape[1]
+
+
+def check_doc_ids(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> None:
+    """Fail closed on doc_ids a mixer given bare doc_ids cannot trust: wrong shape or dtype, or ids going
+    backwards (masks compare ids for equality only, so 0,0,1,0 would silently join two documents).
+
+    On CPU this raises ValueError with the row and offset. On a GPU, and under torch.compile, it is an
+    asynchronous device assert: no host sync in the hot path and no graph break. A PackedContext was
+    checked when it was built and needs none of this."""
+    if doc_ids is None:
+        return
+    if doc_ids.shape != shape:
+        raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} does not match [B,T] = {tuple(shape)}")
+    if doc_ids.dtype not in ID_DTYPES:
+        raise ValueError(f"doc_ids dtype must be int32 or int64, got {doc_ids.dtype}")
+    if doc_ids.shape[1] < 2:
+        return
+    backwards = doc_ids[:, 1:] < doc_ids[:, :-1]
+    if torch.compiler.is_compiling() or doc_ids.device.type != "cpu":
+        torch._assert_async(~backwards.any(), "doc_ids go backwards inside a row")
+        return
+    if bool(backwards.any()):
+        r, t = _first_true(backwards)
+        raise ValueError(
+            f"doc_ids go backwards at row {r}, offset {t + 1}: {int(doc_ids[r, t])} -> {int(doc_ids[r, t + 1])}"
+        )
+
+
+def validate_packed_layout(doc_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """Raise ValueError naming the field, row and offset of the first violation of the layout contract."""
+    for name, t in (("doc_ids", doc_ids), ("positions", positions), ("cu_seqlens", cu_seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if doc_ids.dim() != 2 or doc_ids.numel() == 0:
+        raise ValueError(f"doc_ids must be a non-empty [B,T] tensor, got shape {tuple(doc_ids.shape)}")
+    B, T = doc_ids.shape
+    for name, t in (("doc_ids", doc_ids), ("positions", positions)):
+        if t.shape != doc_ids.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} does not match doc_ids shape {tuple(doc_ids.shape)}")
+        if t.dtype not in ID_DTYPES:
+            raise ValueError(f"{name} dtype must be int32 or int64, got {t.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens dtype must be int32, got {cu_seqlens.dtype}")
+    devices = {t.device for t in (doc_ids, positions, cu_seqlens)}
+    if len(devices) != 1:
+        raise ValueError(f"doc_ids, positions and cu_seqlens must share one device, got {sorted(map(str, devices))}")
+
+    check_doc_ids(doc_ids.cpu(), (B, T))  # on the host: a named error, not a device assert
+    starts = doc_starts(doc_ids)
+    bad_start = starts & (positions != 0)
+    if bad_start.any():
+        r, t = _first_true(bad_start)
+        raise ValueError(
+            f"positions not reset at a document boundary: row {r}, offset {t} starts doc "
+            f"{int(doc_ids[r, t])} but positions[{r}, {t}] = {int(positions[r, t])}, expected 0"
+        )
+    if T > 1:
+        bad_step = ~starts[:, 1:] & (positions[:, 1:] != positions[:, :-1] + 1)
+        if bad_step.any():
+            r, t = _first_true(bad_step)
+            raise ValueError(
+                f"positions do not advance inside a document: row {r}, offset {t + 1} has "
+                f"{int(positions[r, t + 1])} after {int(positions[r, t])}"
+            )
+
+    total = B * T
+    cu = cu_seqlens.to(torch.int64)
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+    if int(cu[-1]) != total:
+        last = min(int(cu[-1]), total)
+        raise ValueError(
+            f"cu_seqlens do not cover T: they end at {int(cu[-1])} but the batch holds B*T = {B}*{T} = {total} "
+            f"tokens (row {last // T}, offset {last % T} onward is uncovered)"
+            if int(cu[-1]) < total
+            else f"cu_seqlens do not cover T: they end at {int(cu[-1])}, past B*T = {B}*{T} = {total}"
+        )
+    steps = cu[1:] - cu[:-1]
+    if (steps <= 0).any():
+        i = int((steps <= 0).nonzero()[0, 0])
+        at = int(cu[i])
+        raise ValueError(
+            f"cu_seqlens must increase strictly: entries {i} and {i + 1} are {int(cu[i])}, {int(cu[i + 1])} "
+            f"(row {at // T}, offset {at % T})"
+        )
+    expected = starts.reshape(-1).nonzero().reshape(-1)
+    got = cu[:-1]
+    n = min(expected.numel(), got.numel())
+    mismatch = (expected[:n] != got[:n]).nonzero()
+    if mismatch.numel() or expected.numel() != got.numel():
+        i = int(mismatch[0, 0]) if mismatch.numel() else n
+        if i < expected.numel() and (i >= got.numel() or int(expected[i]) < int(got[i])):
+            at, what = int(expected[i]), "a document starts there but cu_seqlens has no entry"
+        else:
+            at, what = int(got[i]), "cu_seqlens has a boundary there but doc_ids do not change"
+        raise ValueError(f"cu_seqlens disagree with doc_ids at row {at // T}, offset {at % T}: {what}")
+
+
+# ----------------------------------------------------------------------------- the context
+
+
+@dataclass(frozen=True, eq=False)
+class PackedContext:
+    """One packed batch in every form the mixers and kernels use, validated once (build_context).
+
+    doc_ids, positions: [B,T] int64. starts: [B,T] bool document starts. cu_seqlens: [S+1] int32 over the
+    flattened B*T tokens, on the device; cu_seqlens_host: the same on the CPU, for launch grids. seq_index:
+    [B*T] int64, the flattened sequence of each token. max_seqlen: the longest document. block_mask: the
+    flex mask (doc_causal_block_mask) when asked for, else None."""
+
+    doc_ids: torch.Tensor
+    positions: torch.Tensor
+    starts: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_host: torch.Tensor
+    seq_index: torch.Tensor
+    max_seqlen: int
+    block_mask: BlockMask | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.doc_ids.shape)  # type: ignore[return-value]
+
+    @property
+    def n_seqs(self) -> int:
+        return self.cu_seqlens_host.numel() - 1
+
+    @classmethod
+    def from_batch(cls, batch: Any, *, block_mask: bool = False) -> PackedContext:
+        """From anything holding doc_ids, positions and cu_seqlens (a data.PackedBatch)."""
+        return build_context(batch.doc_ids, batch.positions, batch.cu_seqlens, block_mask=block_mask)
+
+
+def build_context(doc_ids: torch.Tensor, positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                  *, block_mask: bool = False) -> PackedContext:  # fmt: skip
+    """The context of one batch, validated once: positions and cu_seqlens are derived from doc_ids when not
+    given, and checked against them when given. block_mask=True also builds the flex block mask."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("build_context runs once per batch, outside the compiled region")
+    if not isinstance(doc_ids, torch.Tensor) or doc_ids.dim() != 2:
+        raise ValueError(f"doc_ids must be a [B,T] tensor, got {getattr(doc_ids, 'shape', type(doc_ids))}")
+    if doc_ids.dtype not in ID_DTYPES:
+        raise ValueError(f"doc_ids dtype must be int32 or int64, got {doc_ids.dtype}")
+    positions = positions_from_doc_ids(doc_ids) if positions is None else positions
+    cu_seqlens = cu_seqlens_from_doc_ids(doc_ids) if cu_seqlens is None else cu_seqlens
+    validate_packed_layout(doc_ids, positions, cu_seqlens)
+    starts = doc_starts(doc_ids)
+    host = cu_seqlens.cpu()
+    return PackedContext(
+        doc_ids=doc_ids.to(torch.int64),
+        positions=positions.to(torch.int64),
+        starts=starts,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_host=host,
+        seq_index=sequence_index(starts),
+        max_seqlen=int((host[1:] - host[:-1]).max()),
+        block_mask=doc_causal_block_mask(doc_ids) if block_mask else None,
+    )

@@ -1,0 +1,103 @@
+"""The packed-batch context: built and validated once, then taken as given by M2RNN and MLA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacpp_lab.data import PackedBatch, load_sample
+from megacpp_lab.kernels.varlen import PackedContext, build_context, doc_causal_block_mask
+from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig
+from megacpp_lab.nn.mla import MLAConfig, MultiLatentAttention
+from megacpp_lab.testing import check_leaks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DOC_IDS = [[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]]
+
+
+def test_context_holds_every_form_derived_once() -> None:
+    ctx = build_context(torch.tensor(DOC_IDS))
+    assert ctx.shape == (2, 8) and ctx.n_seqs == 6 and ctx.max_seqlen == 5
+    assert ctx.positions.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], [0, 0, 1, 2, 3, 4, 0, 1]]
+    assert ctx.cu_seqlens.tolist() == ctx.cu_seqlens_host.tolist() == [0, 3, 5, 8, 9, 14, 16]
+    assert ctx.cu_seqlens.dtype == torch.int32 and ctx.cu_seqlens_host.device.type == "cpu"
+    assert ctx.seq_index.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 4, 4, 4, 4, 4, 5, 5]
+    assert ctx.starts.reshape(-1).nonzero().reshape(-1).tolist() == ctx.cu_seqlens.tolist()[:-1]
+    assert ctx.block_mask is None
+
+
+def test_context_from_a_packed_batch_equals_the_derived_one_and_builds_the_flex_mask() -> None:
+    batch = PackedBatch.from_doc_ids(torch.zeros(2, 8, dtype=torch.long), torch.tensor(DOC_IDS))
+    a, b = PackedContext.from_batch(batch, block_mask=True), build_context(batch.doc_ids)
+    for name in ("doc_ids", "positions", "starts", "cu_seqlens", "seq_index"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    dense = doc_causal_block_mask(batch.doc_ids).to_dense()
+    assert torch.equal(a.block_mask.to_dense(), dense)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(positions=torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 0, 1, 2, 3, 5, 0, 1]])),
+         r"positions do not advance inside a document: row 1, offset 5"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 5, 8, 9, 16], dtype=torch.int32)),
+         r"cu_seqlens disagree with doc_ids at row 1, offset 6"),
+        (dict(doc_ids=torch.tensor([[0, 0, 1, 0, 1, 2, 2, 2], DOC_IDS[1]])), r"doc_ids go backwards at row 0, offset 3"),
+    ],
+)  # fmt: skip
+def test_context_is_validated_once_with_the_field_row_and_offset(bad: dict, message: str) -> None:
+    doc_ids = bad.pop("doc_ids", torch.tensor(DOC_IDS))
+    with pytest.raises(ValueError, match=message):
+        build_context(doc_ids, **bad)
+
+
+def _m2rnn(**kw) -> M2RNN:
+    torch.manual_seed(0)
+    return M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton", **kw)).to(DEVICE)
+
+
+def test_m2rnn_through_the_context_equals_the_doc_ids_path_forward_and_backward() -> None:
+    """One program per document over the flattened rows, against one program per row with resets."""
+    layer = _m2rnn()
+    doc_ids = torch.tensor([[0] * 5 + [1] * 9 + [2] * 6, [0] * 13 + [1] * 7], device=DEVICE)
+    ctx = build_context(doc_ids)
+    xs = [torch.randn(2, 20, 32, device=DEVICE).requires_grad_()]
+    x_ctx = xs[0].detach().clone().requires_grad_()
+    y_ids, y_ctx = layer(xs[0], doc_ids), layer(x_ctx, ctx=ctx)
+    torch.testing.assert_close(y_ctx, y_ids, atol=1e-5, rtol=1e-5)
+    dy = torch.randn_like(y_ids)
+    grads_ids = torch.autograd.grad(y_ids, [xs[0], *layer.parameters()], dy)
+    grads_ctx = torch.autograd.grad(y_ctx, [x_ctx, *layer.parameters()], dy)
+    for a, b in zip(grads_ctx, grads_ids):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(layer(x_ctx, ctx=ctx, kernel="reference"), y_ids, atol=1e-5, rtol=1e-5)
+
+
+def test_m2rnn_and_mla_through_the_context_pass_the_leak_harness_on_real_packed_rows() -> None:
+    from megacpp_lab.data import boundary_windows
+
+    w = boundary_windows(load_sample()[0].batch, 2, 24, lead=9)
+    tokens, doc_ids = w.tokens.to(DEVICE), w.doc_ids.to(DEVICE)
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(259, 32).to(DEVICE)
+    m2rnn = _m2rnn()
+    mla = MultiLatentAttention(MLAConfig.build(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8,
+                                               d_rope=8, d_v=8, max_positions=64)).to(DEVICE)  # fmt: skip
+    for layer in (m2rnn, mla):
+        report = check_leaks(lambda t, d: layer(emb(t), ctx=build_context(d)), tokens, doc_ids, vocab_size=259,
+                             causal_positions=range(0, 24, 2))  # fmt: skip
+        assert report.passed, str(report)
+
+
+def test_mla_through_the_context_equals_doc_ids_and_positions() -> None:
+    torch.manual_seed(0)
+    mla = MultiLatentAttention(MLAConfig.build(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8,
+                                               d_rope=8, d_v=8, max_positions=64)).to(DEVICE)  # fmt: skip
+    doc_ids = torch.tensor(DOC_IDS, device=DEVICE)
+    ctx = build_context(doc_ids)
+    x = torch.randn(2, 8, 32, device=DEVICE)
+    torch.testing.assert_close(mla(x, ctx=ctx), mla(x, doc_ids, ctx.positions), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="give ctx, or doc_ids"):
+        mla(x, doc_ids, ctx=ctx)
+    with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 8\)"):
+        mla(x[:1], ctx=ctx)
