@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.nn.config_builder import config_error
-from megacpp_lab.kernels.varlen import check_doc_ids
-from megacpp_lab.nn.doc_masking import doc_causal_shift, same_doc_as_lag
+from megacpp_lab.kernels.varlen import check_doc_ids, doc_causal_shift, same_doc_as_lag
 
 CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
 MAX_ORDER = 16

@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.nn.config_builder import config_error
-from megacpp_lab.kernels.varlen import check_doc_ids
-from megacpp_lab.nn.doc_masking import doc_causal_shift
+from megacpp_lab.kernels.varlen import check_doc_ids, doc_causal_shift
 from megacpp_lab.nn.engram import DocCausalDepthwiseConv, _RMSNorm, context_gate
 from megacpp_lab.nn.table_store import TableBackend, TableStore, TableStoreConfig
 

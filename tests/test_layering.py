@@ -1,0 +1,41 @@
+"""The import arrows of docs/design.md, read from the source: a layer that reaches upward fails here by name."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "megacpp_lab"
+
+# package -> the megacpp_lab subpackages / modules it may import (besides itself)
+ALLOWED = {
+    "kernels": set(),
+    "testing": {"kernels"},
+    "data": {"kernels.varlen"},
+    "nn": {"kernels", "store"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    """megacpp_lab.* modules a file imports, relative to the package ("kernels.varlen", "nn.mla", ...)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megacpp_lab"):
+            found.add(node.module.removeprefix("megacpp_lab").lstrip("."))
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("megacpp_lab.") for a in node.names if a.name.startswith("megacpp_lab.")}
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_what_the_design_allows(package: str) -> None:
+    bad = []
+    for path in sorted((PACKAGE / package).glob("*.py")):
+        for module in _imports(path):
+            if module == package or module.startswith(f"{package}."):
+                continue
+            if not any(module == ok or module.startswith(f"{ok}.") for ok in ALLOWED[package]):
+                bad.append(f"{path.relative_to(PACKAGE.parent)} imports megacpp_lab.{module}")
+    assert not bad, "\n".join(bad)
