@@ -26,7 +26,7 @@ from megacpp_lab.testing import (  # noqa: E402
     influence_violation,
     plot_influence,
 )
-from megacpp_lab.kernels.varlen import doc_causal_shift  # noqa: E402
+from megacpp_lab.varlen import doc_causal_shift  # noqa: E402
 from megacpp_lab.nn.engram import EngramBranch, EngramConfig  # noqa: E402
 from megacpp_lab.testing.leaks import _perturb  # noqa: E402
 

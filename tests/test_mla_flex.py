@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megacpp_lab.kernels.varlen import doc_causal_block_mask
+from megacpp_lab.varlen import doc_causal_block_mask
 from megacpp_lab.nn.mla import FLEX_PROVEN, MLAConfig, MultiLatentAttention, flex_refusal
 
 SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=8, d_v=8, max_positions=256)

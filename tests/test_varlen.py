@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megacpp_lab.data import PackedBatch, load_sample
-from megacpp_lab.kernels.varlen import PackedContext, build_context, doc_causal_block_mask
+from megacpp_lab.varlen import PackedContext, build_context, doc_causal_block_mask
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig
 from megacpp_lab.nn.mla import MLAConfig, MultiLatentAttention
 from megacpp_lab.testing import check_leaks
@@ -101,3 +101,25 @@ def test_mla_through_the_context_equals_doc_ids_and_positions() -> None:
         mla(x, doc_ids, ctx=ctx)
     with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 8\)"):
         mla(x[:1], ctx=ctx)
+
+
+def test_engram_and_ngram_memory_through_the_context_equal_their_doc_ids_paths() -> None:
+    from megacpp_lab.nn.engram import EngramBranch, EngramConfig
+    from megacpp_lab.nn.ngram_hash import NgramHashConfig, NgramHashMemory
+
+    torch.manual_seed(0)
+    doc_ids = torch.tensor(DOC_IDS, device=DEVICE)
+    ctx = build_context(doc_ids)
+    h = torch.randn(2, 8, 32, device=DEVICE)
+    branch = EngramBranch(EngramConfig(d_model=32, n_layers=2, bottleneck=8, gated=True, conv_kernel=4)).to(DEVICE)
+    torch.nn.init.normal_(branch.out_proj.weight, std=0.05)  # zero-init would make both sides 0
+    torch.testing.assert_close(branch(h, ctx=ctx), branch(h, doc_ids), atol=0, rtol=0)
+    memory = NgramHashMemory(NgramHashConfig(vocab_size=259, d_model=32, n_layers=2, pad_id=258, layers=(0,),
+                                             table_size=101, head_dim=8), layer_id=0).to(DEVICE)  # fmt: skip
+    tokens = torch.randint(0, 259, (2, 8), device=DEVICE)
+    torch.testing.assert_close(memory(h, tokens, ctx=ctx), memory(h, tokens, doc_ids), atol=0, rtol=0)
+    for call in (lambda: branch(h, doc_ids, ctx=ctx), lambda: memory(h, tokens, doc_ids, ctx=ctx)):
+        with pytest.raises(ValueError, match="give ctx or doc_ids, not both"):
+            call()
+    with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 8\), the input is \(1, 8\)"):
+        branch(h[:1], ctx=ctx)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megacpp_lab.kernels.varlen import (
+from megacpp_lab.varlen import (
     ID_DTYPES,
     cu_seqlens_from_doc_ids,
     doc_starts,
@@ -34,7 +34,7 @@ def validate_packed(
     cu_seqlens: torch.Tensor,
 ) -> None:
     """Raise ValueError naming the field, row and offset of the first contract violation: the tokens
-    here, the layout (doc_ids, positions, cu_seqlens) in kernels.varlen.validate_packed_layout."""
+    here, the layout (doc_ids, positions, cu_seqlens) in varlen.validate_packed_layout."""
     if not isinstance(tokens, torch.Tensor):
         raise ValueError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
     if tokens.dim() != 2:

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import TRITON_INTERPRET, warn_at_caller
-from megacpp_lab.kernels.varlen import PackedContext
+from megacpp_lab.varlen import PackedContext
 
 _INTERPRETED = tl.constexpr(TRITON_INTERPRET)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.nn.config_builder import config_error
-from megacpp_lab.kernels.varlen import check_doc_ids, doc_causal_shift, same_doc_as_lag
+from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids, same_doc_as_lag
 
 CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
 MAX_ORDER = 16
@@ -255,11 +255,13 @@ class EngramBranch(nn.Module):
         self.out_proj = nn.Linear(d, C, bias=False)
         nn.init.zeros_(self.out_proj.weight)  # identity on the residual at step 0
 
-    def forward(self, h: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """h: [B,T,C] pre-norm residual; doc_ids: [B,T], or None for one document per row."""
+    def forward(self, h: torch.Tensor, doc_ids: torch.Tensor | None = None, *,
+                ctx: PackedContext | None = None) -> torch.Tensor:  # fmt: skip
+        """h: [B,T,C] pre-norm residual; the packed batch as ctx or doc_ids [B,T], or neither for one
+        document per row."""
         if h.dim() != 3 or h.shape[-1] != self.config.d_model:
             raise ValueError(f"EngramBranch input must be [B,T,{self.config.d_model}], got {tuple(h.shape)}")
-        check_doc_ids(doc_ids, tuple(h.shape[:2]))
+        doc_ids = resolve_doc_ids(doc_ids, ctx, tuple(h.shape[:2]))
         h_norm = self.norm(h)
         u = self.in_proj(h_norm)
         m = (causal_local_averages(u, doc_ids, self.config.orders) * self.order_mix).sum(dim=2)

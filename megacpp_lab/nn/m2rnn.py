@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
-from megacpp_lab.kernels.varlen import PackedContext, check_doc_ids
+from megacpp_lab.varlen import PackedContext, resolve_doc_ids
 from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.engram import DocCausalDepthwiseConv
 
@@ -142,14 +142,9 @@ class M2RNN(nn.Module):
             raise ValueError(f"M2RNN input must be [B,S,{c.d_model}], got {tuple(x.shape)}")
         B, S, _ = x.shape
         H, K, V = c.n_heads, c.k_head_dim, c.v_head_dim
-        if ctx is not None:
-            if doc_ids is not None or cu_seqlens is not None:
-                raise ValueError("give ctx, or doc_ids / cu_seqlens, not both")
-            if ctx.shape != (B, S):
-                raise ValueError(f"ctx is for [B,S] = {ctx.shape}, the input is {(B, S)}")
-        else:
-            check_doc_ids(doc_ids, (B, S))
-        conv_ids = ctx.doc_ids if ctx is not None else doc_ids
+        if ctx is not None and cu_seqlens is not None:
+            raise ValueError("give ctx or cu_seqlens, not both")
+        conv_ids = resolve_doc_ids(doc_ids, ctx, (B, S))
         if cu_seqlens is not None:  # varlen: the conv still needs to see the boundaries
             conv_ids = (torch.searchsorted(cu_seqlens, torch.arange(S, device=x.device, dtype=cu_seqlens.dtype), right=True) - 1).view(1, S)
         qkv, decay, gate = self.input_proj(x).split([self.qkv_dim, H, H * V], dim=-1)

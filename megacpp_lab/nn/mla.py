@@ -41,7 +41,7 @@ from megacpp_lab.kernels.rope import (
     mla_rope_q_,
     mla_rope_q_reference,
 )
-from megacpp_lab.kernels.varlen import FLEX_BLOCK, PackedContext, doc_causal_block_mask
+from megacpp_lab.varlen import FLEX_BLOCK, PackedContext, doc_causal_block_mask
 from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.nn.config_builder import config_error
-from megacpp_lab.kernels.varlen import check_doc_ids, doc_causal_shift
+from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids
 from megacpp_lab.nn.engram import DocCausalDepthwiseConv, _RMSNorm, context_gate
 from megacpp_lab.nn.table_store import TableBackend, TableStore, TableStoreConfig
 
@@ -243,14 +243,16 @@ class NgramHashMemory(nn.Module):
         doc_ids: torch.Tensor | None = None,
         *,
         store: TableStore | None = None,
+        ctx: PackedContext | None = None,
     ) -> torch.Tensor:
-        """h: [B,T,C] hidden state; tokens: [B,T] ids. With `store`, rows come from it (no grad to tables)."""
+        """h: [B,T,C] hidden state; tokens: [B,T] ids; the packed batch as ctx or doc_ids. With `store`,
+        rows come from it (no grad to tables)."""
         if h.dim() != 3 or h.shape[-1] != self.config.d_model or tokens.shape != h.shape[:2]:
             raise ValueError(
                 f"NgramHashMemory needs h [B,T,{self.config.d_model}] and tokens [B,T]; "
                 f"got h {tuple(h.shape)}, tokens {tuple(tokens.shape)}"
             )
-        check_doc_ids(doc_ids, tuple(tokens.shape))
+        doc_ids = resolve_doc_ids(doc_ids, ctx, tuple(tokens.shape))
         ids = self.row_ids(tokens, doc_ids)
         if store is None:
             e = F.embedding(ids + self.row_offsets, self.tables)

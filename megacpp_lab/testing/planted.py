@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.kernels.varlen import doc_causal_shift
+from megacpp_lab.varlen import doc_causal_shift
 
 __all__ = ["CausalSmoother", "CenteredSmoother", "TokenMixer", "DocCausalAttention", "ZeroInitProjection"]
 

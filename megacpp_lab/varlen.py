@@ -32,6 +32,7 @@ __all__ = [
     "doc_causal_shift",
     "doc_starts",
     "positions_from_doc_ids",
+    "resolve_doc_ids",
     "same_doc_as_lag",
     "sequence_index",
     "validate_packed_layout",
@@ -169,6 +170,20 @@ def check_doc_ids(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> None:
         raise ValueError(
             f"doc_ids go backwards at row {r}, offset {t + 1}: {int(doc_ids[r, t])} -> {int(doc_ids[r, t + 1])}"
         )
+
+
+def resolve_doc_ids(doc_ids: torch.Tensor | None, ctx: PackedContext | None,
+                    shape: tuple[int, int]) -> torch.Tensor | None:  # fmt: skip
+    """The document ids a layer of input [B,T] = shape uses: its context's, validated when it was built,
+    or bare doc_ids, checked here (check_doc_ids). Never both."""
+    if ctx is None:
+        check_doc_ids(doc_ids, shape)
+        return doc_ids
+    if doc_ids is not None:
+        raise ValueError("give ctx or doc_ids, not both")
+    if ctx.shape != tuple(shape):
+        raise ValueError(f"ctx is for [B,T] = {ctx.shape}, the input is {tuple(shape)}")
+    return ctx.doc_ids
 
 
 def validate_packed_layout(doc_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
