@@ -49,18 +49,42 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from megacpp_lab.data.sample import SampleConfig, build_sample, load_sample
+    from megacpp_lab.data.bpe import BpeTrainConfig, load_bpe, train_bpe
+    from megacpp_lab.data.sample import BPE_SAMPLE_CONFIG, SampleConfig, build_sample, load_sample
 
-    config = SampleConfig(rows=args.rows, seq_len=args.seq_len, stride=args.stride, max_file_bytes=args.max_file_bytes)
-    out = build_sample(args.out, root=args.root, config=config, progress=not args.quiet)
-    rows, manifest = load_sample(out)
-    n_rows = manifest["shape"]["rows"]
-    asked = "" if n_rows == config.rows else f" (of {config.rows} asked)"
-    print(
-        f"wrote {out}/sample.pt and manifest.json: {n_rows} rows{asked} x "
-        f"{manifest['shape']['seq_len']} tokens, {manifest['documents']} files, "
-        f"{manifest['segments']} segments, {manifest['pad_tokens']} pad tokens"
-    )
+    def config_for(kind: str) -> SampleConfig:
+        default = BPE_SAMPLE_CONFIG if kind == "bpe" else SampleConfig()
+        max_file_bytes = default.max_file_bytes if args.max_file_bytes is None else args.max_file_bytes
+        return SampleConfig(rows=args.rows, seq_len=args.seq_len, stride=args.stride, max_file_bytes=max_file_bytes)
+
+    if args.train_tokenizer and args.tokenizer == "byte":
+        raise ValueError("--train-tokenizer trains the BPE: it needs --tokenizer bpe or all, got --tokenizer byte")
+    kinds = ("byte", "bpe") if args.tokenizer == "all" else (args.tokenizer,)
+    # one build, one warning line: a short corpus leaves both samples short, and each says so
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kind in kinds:
+            tok = None
+            if kind == "bpe":
+                if args.train_tokenizer:
+                    bpe_config = BpeTrainConfig(vocab_size=args.vocab_size)
+                    path = train_bpe(args.out, root=args.root, config=bpe_config, progress=not args.quiet)
+                    print(f"trained {path} (vocab {bpe_config.vocab_size})")
+                tok = load_bpe(args.out if args.train_tokenizer else None)
+            config = config_for(kind)
+            out = build_sample(args.out, root=args.root, config=config, tokenizer=tok, progress=not args.quiet)
+            rows, fields = load_sample(out, tokenizer=kind)
+            n_rows = fields["shape"]["rows"]
+            asked = "" if n_rows == config.rows else f" (of {config.rows} asked)"
+            name = "sample.pt" if kind == "byte" else "sample_bpe.pt"
+            per_byte = f", {fields['tokens_per_byte']} tokens per byte" if kind == "bpe" else ""
+            print(
+                f"wrote {out}/{name} and manifest.json: {n_rows} rows{asked} x "
+                f"{fields['shape']['seq_len']} tokens, {fields['documents']} files, "
+                f"{fields['segments']} segments, {fields['pad_tokens']} pad tokens{per_byte}"
+            )
+    if caught:
+        warnings.warn("; ".join(str(w.message) for w in caught), caught[0].category, stacklevel=1)
     return 0
 
 
@@ -114,7 +138,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser; building it imports no kernel (TRITON_INTERPRET is still free to be set)."""
-    from megacpp_lab.data.sample import MIN_SEQ_LEN, SampleConfig
+    from megacpp_lab.data.bpe import DEFAULT_VOCAB_SIZE
+    from megacpp_lab.data.sample import BPE_SAMPLE_CONFIG, MIN_SEQ_LEN, SampleConfig
 
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument(
@@ -137,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         "data",
         help="build the packed C++ sample and its manifest",
         description=_paragraphs(
-            "Tokenize real C++ files (bytes), pack them into rows of documents back to back, and write sample.pt "
-            "and manifest.json.",
+            "Tokenize real C++ files, pack them into rows of documents back to back, and write sample.pt (bytes), "
+            "sample_bpe.pt (the byte-level BPE recorded in the manifest, copied beside it) and manifest.json.",
             "The build is reproducible: the same files and flags give byte-identical output, so rebuilding the "
             "committed data/ changes nothing. When the files taken cannot fill the rows asked for, the sample is "
             "smaller and a warning says so.",
@@ -153,7 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"tokens per row, at least {MIN_SEQ_LEN} (a row must hold a document boundary with 4 tokens "
                    "on each side)")  # fmt: skip
     p.add_argument("--stride", type=int, default=defaults.stride, help="take every n-th file in sorted order")
-    p.add_argument("--max-file-bytes", type=int, default=defaults.max_file_bytes, help="skip files larger than this")
+    p.add_argument("--max-file-bytes", type=int, default=None,
+                   help=f"skip files larger than this (default: {defaults.max_file_bytes} for sample.pt, "
+                   f"{BPE_SAMPLE_CONFIG.max_file_bytes} for sample_bpe.pt, whose rows hold ~3.4x more bytes)")  # fmt: skip
+    p.add_argument("--tokenizer", choices=("byte", "bpe", "all"), default="all",
+                   help="which samples to build: sample.pt (bytes), sample_bpe.pt (BPE), or both")  # fmt: skip
+    p.add_argument("--train-tokenizer", action="store_true",
+                   help="train the BPE on --root into --out first (about 15 s on torch/include with 2 cores) "
+                   "instead of using the committed data/bpe-32768.json (default: off)")  # fmt: skip
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="BPE vocab with --train-tokenizer")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_data)
 

@@ -1,5 +1,6 @@
-"""Packed rows of real C++: corpus, tokenizer, packing and the committed sample."""
+"""Packed rows of real C++: corpus, tokenizers (bytes; a BPE trained on the corpus), packing, committed samples."""
 
+from megacpp_lab.data.bpe import BpeTokenizer, BpeTrainConfig, load_bpe, train_bpe
 from megacpp_lab.data.corpus import SourceFile, list_cpp_files, load_corpus, torch_include_dir
 from megacpp_lab.data.packing import (
     PackedBatch,
@@ -15,6 +16,8 @@ from megacpp_lab.data.sample import SampleConfig, build_sample, load_sample
 from megacpp_lab.data.tokenizer import ByteTokenizer
 
 __all__ = [
+    "BpeTokenizer",
+    "BpeTrainConfig",
     "ByteTokenizer",
     "PackedBatch",
     "PackedRows",
@@ -25,10 +28,12 @@ __all__ = [
     "cu_seqlens_from_doc_ids",
     "doc_starts",
     "list_cpp_files",
+    "load_bpe",
     "load_corpus",
     "load_sample",
     "pack_documents",
     "positions_from_doc_ids",
     "torch_include_dir",
+    "train_bpe",
     "validate_packed",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +81,36 @@ def load_corpus(
         if max_bytes is not None and total >= max_bytes:
             break
     return docs
+
+
+MANIFEST_FILE = "manifest.json"
+# manifest.json sections written beside the byte sample's top-level fields, always after them, in this order
+BPE_SECTIONS = ("bpe_tokenizer", "bpe_sample")
+
+
+def repo_data_dir() -> Path:
+    """data/ at the repository root (beside the package)."""
+    return Path(__file__).resolve().parents[2] / "data"
+
+
+def read_manifest(data_dir: Path) -> dict:
+    path = Path(data_dir) / MANIFEST_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def update_manifest(data_dir: Path, byte_fields: dict | None = None, **sections: dict) -> None:
+    """Rewrite data_dir/manifest.json with new byte-sample fields and/or BPE sections, keeping the rest.
+
+    The byte sample's fields come first and the BPE sections after them in a fixed order, so the same
+    contents give the same bytes whichever part was built first (the manifest holds no wall-clock time).
+    """
+    unknown = set(sections) - set(BPE_SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown manifest sections {sorted(unknown)}; known: {BPE_SECTIONS}")
+    old = read_manifest(data_dir)
+    manifest = dict(byte_fields) if byte_fields is not None else {k: v for k, v in old.items() if k not in BPE_SECTIONS}
+    for key in BPE_SECTIONS:
+        value = sections.get(key, old.get(key))
+        if value is not None:
+            manifest[key] = value
+    (Path(data_dir) / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")

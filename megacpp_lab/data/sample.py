@@ -7,19 +7,30 @@ The build is reproducible: the same corpus and config give byte-identical sample
 from __future__ import annotations
 
 import hashlib
-import json
+import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from megacpp_lab.data.corpus import list_cpp_files, torch_include_dir
+from megacpp_lab.data.bpe import MANIFEST_KEY as BPE_TOKENIZER_KEY
+from megacpp_lab.data.bpe import BpeTokenizer, sha256_file
+from megacpp_lab.data.corpus import (
+    MANIFEST_FILE,
+    list_cpp_files,
+    read_manifest,
+    repo_data_dir,
+    torch_include_dir,
+    update_manifest,
+)
 from megacpp_lab.data.packing import PackedBatch, PackedRows, pack_documents
 from megacpp_lab.data.tokenizer import ByteTokenizer
 
 SAMPLE_FILE = "sample.pt"
-MANIFEST_FILE = "manifest.json"
+BPE_SAMPLE_FILE = "sample_bpe.pt"
+BPE_SAMPLE_KEY = "bpe_sample"
+TOKENIZER_KINDS = ("byte", "bpe")
 # A row must hold a document boundary with context on both sides: the widest local window in the lab is
 # 4 tokens (Engram's n-gram order 4 and conv kernel 4), so eos + 4 tokens before it and bos + 4 after it
 # take 10 tokens; 16 is the next power of two. Shorter rows pack (1-token rows are valid) but test nothing.
@@ -46,40 +57,73 @@ class SampleConfig:
                 raise ValueError(f"SampleConfig.{name} must be >= {floor}{why}, got {value}")
 
 
-def repo_data_dir() -> Path:
-    """data/ at the repository root (beside the package)."""
-    return Path(__file__).resolve().parents[2] / "data"
+# The BPE sample's default: its rows hold ~3.4x the bytes of a byte row, so it takes files up to 8 KiB (about
+# 2400 BPE tokens) to fill 48 x 2048 from every 37th file; its files include all of the byte sample's.
+BPE_SAMPLE_CONFIG = SampleConfig(max_file_bytes=8192)
+
+
+def _sample_file(tok: ByteTokenizer | BpeTokenizer) -> str:
+    return BPE_SAMPLE_FILE if isinstance(tok, BpeTokenizer) else SAMPLE_FILE
+
+
+def _tokenizer_record(tok: ByteTokenizer | BpeTokenizer) -> dict:
+    """What the manifest says about the tokenizer a sample was built with."""
+    if isinstance(tok, ByteTokenizer):
+        return {"kind": "byte", "vocab_size": tok.vocab_size, **tok.special_ids}
+    return {"kind": "bpe", "file": tok.record["file"], "sha256": tok.record["sha256"], "vocab_size": tok.vocab_size,
+            **tok.special_ids}  # fmt: skip
+
+
+def _place_tokenizer(tok: BpeTokenizer, out: Path) -> None:
+    """Put the BPE file and its manifest section in out/, so the sample there names a file that is there."""
+    if tok.record is None or tok.path is None:
+        raise ValueError("a BPE sample needs a tokenizer loaded with load_bpe (its manifest record pins its sha256)")
+    target = out / tok.record["file"]
+    if not target.exists() or sha256_file(target) != tok.record["sha256"]:
+        shutil.copyfile(tok.path, target)
+    if read_manifest(out).get(BPE_TOKENIZER_KEY) != tok.record:
+        update_manifest(out, **{BPE_TOKENIZER_KEY: tok.record})
 
 
 def build_sample(
     out_dir: str | Path | None = None,
     *,
     root: str | Path | None = None,
-    config: SampleConfig = SampleConfig(),
+    config: SampleConfig | None = None,
+    tokenizer: ByteTokenizer | BpeTokenizer | None = None,
     progress: bool = True,
 ) -> Path:
-    """Tokenize and pack C++ files under root (default torch/include); write sample.pt and manifest.json.
+    """Tokenize and pack C++ files under root (default torch/include); write the sample and its manifest.
 
-    Files are taken every `stride`-th in sorted order so the sample spans the whole tree;
-    files over max_file_bytes are skipped so rows hold several whole documents. When the files
-    taken do not fill config.rows rows, the sample is smaller (the last row padded) and a
-    UserWarning says what was produced against what was asked.
+    The byte tokenizer (default) writes sample.pt and the manifest's top-level fields; a BpeTokenizer
+    (from load_bpe) writes sample_bpe.pt, the manifest's 'bpe_sample' section, and copies the tokenizer
+    file beside it. config defaults to SampleConfig() for bytes, BPE_SAMPLE_CONFIG for BPE. Both take files: every `stride`-th in sorted order, so the sample spans the
+    whole tree, skipping files over max_file_bytes so rows hold several whole documents; the BPE sample
+    takes more of them, as its rows hold more bytes. When the files taken do not fill config.rows rows,
+    the sample is smaller (the last row padded) and a UserWarning says what was produced against what
+    was asked.
     """
     out = Path(out_dir) if out_dir is not None else repo_data_dir()
     src_root = Path(root) if root is not None else torch_include_dir()
-    tok = ByteTokenizer()
+    tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    is_bpe = isinstance(tok, BpeTokenizer)
+    if config is None:
+        config = BPE_SAMPLE_CONFIG if is_bpe else SampleConfig()
     budget = config.rows * config.seq_len
 
     all_paths = list_cpp_files(src_root)  # a bad root fails here, before out/ is created
     out.mkdir(parents=True, exist_ok=True)
+    if is_bpe:
+        _place_tokenizer(tok, out)
     paths = all_paths[:: config.stride]
     chosen: list[tuple[str, bytes]] = []
+    docs: list[list[int]] = []
     n_tokens = 0
     iterator = paths
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(paths, desc="tokenizing C++ files", unit="file")
+        iterator = tqdm(paths, desc=f"tokenizing C++ files ({'bpe' if is_bpe else 'byte'})", unit="file")
     for p in iterator:
         if n_tokens >= budget:
             break
@@ -87,34 +131,34 @@ def build_sample(
         if not data or len(data) > config.max_file_bytes:
             continue
         chosen.append((p.relative_to(src_root).as_posix(), data))
-        n_tokens += len(data) + 2
+        docs.append(tok.encode(data))
+        n_tokens += len(docs[-1])
     if not chosen:
         raise ValueError(
             f"no C++ file under {src_root} taken with stride {config.stride} is between 1 and "
             f"{config.max_file_bytes} bytes (max_file_bytes)"
         )
 
-    docs = [torch.tensor(tok.encode(data), dtype=torch.int64) for _, data in chosen]
-    packed = pack_documents(docs, config.seq_len, pad_id=tok.pad_id, max_rows=config.rows)
+    packed = pack_documents(
+        [torch.tensor(d, dtype=torch.int64) for d in docs], config.seq_len, pad_id=tok.pad_id, max_rows=config.rows
+    )
     b = packed.batch
+    what = "BPE sample" if is_bpe else "sample"
     if n_tokens < budget:
         # a short sample is legitimate (a small user corpus) but must not pass for the one asked for
         warnings.warn(
             f"asked for {config.rows} rows x {config.seq_len} tokens, but the {len(chosen)} files taken (stride "
             f"{config.stride} over the {len(all_paths)} C++ files under {src_root}, files over max_file_bytes="
-            f"{config.max_file_bytes} skipped) hold {n_tokens} tokens: the sample has {b.batch_size} rows, "
+            f"{config.max_file_bytes} skipped) hold {n_tokens} tokens: the {what} has {b.batch_size} rows, "
             f"{int((b.tokens == tok.pad_id).sum())} tokens of them padding; lower the stride or raise max_file_bytes",
             UserWarning,
             stacklevel=2,
         )
-    torch.save(
-        {
-            "tokens": b.tokens.to(torch.int16),
-            "doc_ids": b.doc_ids.to(torch.int16),
-            "segments": packed.segments,
-        },
-        out / SAMPLE_FILE,
-    )
+    # int16 holds every id of a vocab up to 32768 (ids 0..32767) and halves the committed file
+    dtype = torch.int16 if tok.vocab_size <= 2**15 else torch.int32
+    sample_path = out / _sample_file(tok)
+    torch.save({"tokens": b.tokens.to(dtype), "doc_ids": b.doc_ids.to(torch.int16), "segments": packed.segments},
+               sample_path)  # fmt: skip
 
     seg = packed.segments
     files = []
@@ -127,42 +171,66 @@ def build_sample(
                 "path": rel,
                 "sha256": hashlib.sha256(data).hexdigest(),
                 "bytes": len(data),
-                "tokens": len(data) + 2,
+                "tokens": len(docs[i]),
                 "tokens_in_sample": in_sample,
                 "segments": int((seg[:, 3] == i).sum()),
             }
         )
     import triton
 
-    manifest = {
+    fields = {
         "source_root": "torch/include" if root is None else str(src_root),
         "source": "torch/include of the installed torch" if root is None else "user directory",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "tokenizer": {"kind": "byte", "vocab_size": tok.vocab_size, **tok.special_ids},
+        "tokenizer": _tokenizer_record(tok),
         "config": asdict(config),
         "shape": {"rows": b.batch_size, "seq_len": b.seq_len},
         "tokens": b.batch_size * b.seq_len,
         "pad_tokens": int((b.tokens == tok.pad_id).sum()),
         "documents": len(files),
         "segments": int(seg.shape[0]),
-        "sample_sha256": hashlib.sha256((out / SAMPLE_FILE).read_bytes()).hexdigest(),
-        "files": files,
+        "sample_sha256": sha256_file(sample_path),
     }
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    if is_bpe:
+        # tokens per source byte over the whole files listed, bos/eos not counted (the byte tokenizer's is 1)
+        n_doc_tokens = sum(f["tokens"] - 2 for f in files)
+        fields["tokens_per_byte"] = round(n_doc_tokens / sum(f["bytes"] for f in files), 4)
+    fields["files"] = files
+    if is_bpe:
+        update_manifest(out, **{BPE_SAMPLE_KEY: fields})
+    else:
+        update_manifest(out, byte_fields=fields)
     return out
 
 
-def load_sample(data_dir: str | Path | None = None) -> tuple[PackedRows, dict]:
-    """Load data/sample.pt as validated PackedRows, with its manifest (sha256 checked)."""
+def load_sample(data_dir: str | Path | None = None, *, tokenizer: str = "byte") -> tuple[PackedRows, dict]:
+    """Load the packed sample as validated PackedRows, with its manifest fields (sha256 checked).
+
+    tokenizer="byte" loads sample.pt and returns the whole manifest; tokenizer="bpe" loads sample_bpe.pt
+    and returns the manifest's 'bpe_sample' section, after checking it was built with the tokenizer the
+    manifest records (load_bpe gives that tokenizer).
+    """
+    if tokenizer not in TOKENIZER_KINDS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZER_KINDS}, got {tokenizer!r}")
     d = Path(data_dir) if data_dir is not None else repo_data_dir()
-    path, manifest_path = d / SAMPLE_FILE, d / MANIFEST_FILE
-    if not path.exists() or not manifest_path.exists():
-        raise FileNotFoundError(f"no packed sample in {d}: run `megacpp-lab data` to build it")
-    manifest = json.loads(manifest_path.read_text())
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != manifest["sample_sha256"]:
-        raise ValueError(f"{path} sha256 {digest} does not match the manifest's {manifest['sample_sha256']}")
+    manifest = read_manifest(d)
+    fields = manifest if tokenizer == "byte" else manifest.get(BPE_SAMPLE_KEY)
+    path = d / (SAMPLE_FILE if tokenizer == "byte" else BPE_SAMPLE_FILE)
+    if not path.exists() or not fields:
+        flag = "" if tokenizer == "byte" else " --tokenizer bpe"
+        raise FileNotFoundError(f"no packed {tokenizer} sample in {d}: run `megacpp-lab data{flag}` to build it")
+    digest = sha256_file(path)
+    if digest != fields["sample_sha256"]:
+        raise ValueError(f"{path} sha256 {digest} does not match the manifest's {fields['sample_sha256']}")
+    if tokenizer == "bpe":
+        built_with = fields["tokenizer"]["sha256"]
+        recorded = manifest.get(BPE_TOKENIZER_KEY, {}).get("sha256")
+        if built_with != recorded:
+            raise ValueError(
+                f"{path} was built with tokenizer sha256 {built_with}, but {d / MANIFEST_FILE} records tokenizer "
+                f"sha256 {recorded}: rebuild it with `megacpp-lab data --tokenizer bpe`"
+            )
     blob = torch.load(path, weights_only=True)
     batch = PackedBatch.from_doc_ids(blob["tokens"].to(torch.int64), blob["doc_ids"].to(torch.int64))
-    return PackedRows(batch=batch, segments=blob["segments"]), manifest
+    return PackedRows(batch=batch, segments=blob["segments"]), fields
