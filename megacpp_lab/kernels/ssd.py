@@ -1,0 +1,460 @@
+"""SSD scan (Mamba-2 state-space duality, per-head scalar decay): step loop, plain-torch chunked, Triton.
+
+Per head h, with state S [P, N] (fp32), decay a_t = exp(dt_t * A_h) and a group g(h) for B and C:
+
+    S_t = a_t * S_{t-1} + dt_t * x_t (x) B_t          x_t [P], B_t [N]
+    y_t = S_t @ C_t                                   [P]  (the sum over N)
+
+S is zero before every document start. The D skip and the gate are the layer's job, not the scan's.
+
+Layout: x [B,T,H,P]; dt [B,T,H] (already softplus'd, > 0); A [H] (< 0, fp32 contract);
+Bm, Cm [B,T,G,N] with G dividing H (Mamba-2's n_groups: head h reads group h // (H // G); G = H
+is one B/C per head); y [B,T,H,P] in x's dtype.
+
+Documents: `cu_seqlens` [D+1] int32 over the *flattened* B*T tokens (flash-linear-attention's varlen
+convention), rising strictly from 0 to B*T. With B > 1 every row start (a multiple of T) must be a
+document start: a document never spans two rows (the packed-row contract). cu_seqlens=None means each
+row is one document.
+
+Three implementations, one contract:
+- `ssd_scan_reference`: the step loop. The oracle.
+- `ssd_chunked_torch`: chunked SSD in plain torch (Mamba-2's `ssd_minimal`), loop-free across chunks,
+  so inductor compiles it. A document start is a token whose log-decay is -inf: every segment sum
+  that crosses it is -inf, its exp is exactly 0, so no state and no intra-chunk term crosses a
+  boundary. Segment sums are formed by masked cumsums, never by differences (-inf - -inf is nan).
+- the Triton op (`megacpp::ssd_scan_fwd` / `megacpp::ssd_scan_bwd`): one program per
+  (document, head, block of P) walks its document's chunks in order, state [BP, N] in registers; each
+  chunk is the quadratic form (C B^T * L) (dt x) plus the carried state's contribution, with tl.dot.
+  The forward stores the state entering every chunk (fp32); the backward (one program per
+  (document, head), all of P) walks the chunks in reverse from those states.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megacpp_lab.kernels import TRITON_INTERPRET
+
+__all__ = [
+    "KERNELS",
+    "ssd_chunked_torch",
+    "ssd_scan",
+    "ssd_scan_bwd",
+    "ssd_scan_fwd",
+    "ssd_scan_reference",
+    "validate_ssd_inputs",
+]
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _doc_starts(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """[B,T] bool: True at every document start (row starts included). Loop-free, no host sync."""
+    if cu_seqlens is None:
+        reset = torch.zeros((B, T), dtype=torch.bool, device=device)
+        reset[:, 0] = True
+        return reset
+    reset = torch.zeros(B * T, dtype=torch.bool, device=device)
+    reset[cu_seqlens[:-1].long()] = True
+    return reset.view(B, T)
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"{name} must be float32, bfloat16, float16 (or float64 off the kernel), got {t.dtype}")
+
+
+def validate_ssd_inputs(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """Fail closed, naming the argument. The cu_seqlens value checks sync with the host, so they run
+    in eager only (under torch.compile the context that built cu_seqlens has checked it)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"x must be [B,T,H,P], got shape {tuple(getattr(x, 'shape', ()))}")
+    B, T, H, P = x.shape
+    if not isinstance(Bm, torch.Tensor) or Bm.dim() != 4:
+        raise ValueError(f"Bm must be [B,T,G,N], got shape {tuple(getattr(Bm, 'shape', ()))}")
+    G, N = Bm.shape[2], Bm.shape[3]
+    if G < 1 or H % G != 0:
+        raise ValueError(f"Bm's group count G={G} must divide the head count H={H}")
+    _check("x", x, (B, T, H, P))
+    _check("dt", dt, (B, T, H))
+    _check("A", A, (H,))
+    _check("Bm", Bm, (B, T, G, N))
+    _check("Cm", Cm, (B, T, G, N))
+    if cu_seqlens is None:
+        return
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
+                         f"{tuple(getattr(cu_seqlens, 'shape', ()))}")  # fmt: skip
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must hold >= 2 entries (0 and B*T), got {cu_seqlens.numel()}")
+    if cu_seqlens.device != x.device:
+        raise ValueError(f"cu_seqlens must be on x's device {x.device}, got {cu_seqlens.device}")
+    if torch.compiler.is_compiling():
+        return
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={cu[0]}")
+    bad = next((i for i in range(1, len(cu)) if cu[i] <= cu[i - 1]), None)
+    if bad is not None:
+        raise ValueError(f"cu_seqlens must be strictly increasing, got cu_seqlens[{bad - 1}:{bad + 1}]={cu[bad - 1:bad + 1]}")
+    if cu[-1] != B * T:
+        raise ValueError(f"cu_seqlens must end at B*T={B * T}, got cu_seqlens[-1]={cu[-1]}")
+    starts = set(cu)
+    row = next((b for b in range(B) if b * T not in starts), None)
+    if row is not None:
+        raise ValueError(f"cu_seqlens must start a document at every row start: row {row} (offset {row * T}) is not one")
+
+
+def _per_head(t: torch.Tensor, H: int) -> torch.Tensor:
+    """[B,T,G,N] -> [B,T,H,N]: head h reads group h // (H // G)."""
+    return t.repeat_interleave(H // t.shape[2], dim=2) if t.shape[2] != H else t
+
+
+# ----------------------------------------------------------------------------- references
+
+
+@torch.compiler.disable
+def ssd_scan_reference(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The step loop: fp32 state (fp64 for gradcheck), explicit resets. Returns y [B,T,H,P] in x's dtype.
+
+    Disabled for torch.compile: dynamo would unroll the T steps into one enormous graph."""
+    B, T, H, P = x.shape
+    acc = torch.promote_types(x.dtype, torch.float32)
+    reset = _doc_starts(cu_seqlens, B, T, x.device)
+    Bh, Ch = _per_head(Bm, H).to(acc), _per_head(Cm, H).to(acc)
+    xs, dts, Af = x.to(acc), dt.to(acc), A.to(acc)
+    S = torch.zeros((B, H, P, Bm.shape[-1]), dtype=acc, device=x.device)
+    ys = []
+    for t in range(T):
+        S = torch.where(reset[:, t].view(B, 1, 1, 1), torch.zeros_like(S), S)
+        a = torch.exp(dts[:, t] * Af).view(B, H, 1, 1)
+        S = a * S + (dts[:, t, :, None] * xs[:, t])[..., None] * Bh[:, t, :, None, :]
+        ys.append((S @ Ch[:, t, :, :, None]).squeeze(-1))
+    return torch.stack(ys, dim=1).to(x.dtype)
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """a [..., L] -> [..., L, L]: out[i, j] = a[j+1] + ... + a[i] for i >= j, -inf above the diagonal.
+
+    Masked cumsum, no differences: a holds -inf at document starts."""
+    L = a.shape[-1]
+    strict = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(-1)
+    s = torch.cumsum(a[..., :, None].expand(*a.shape, L).masked_fill(~strict, 0), dim=-2)
+    return s.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=a.device).tril(), float("-inf"))
+
+
+def ssd_chunked_torch(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None, *, chunk: int = 64,
+) -> torch.Tensor:  # fmt: skip
+    """Chunked SSD in plain torch, loop-free across chunks (inductor compiles it). y [B,T,H,P] in x's dtype.
+
+    Mamba-2's ssd_minimal over each row, with the log-decay set to -inf at document starts."""
+    B, T, H, P = x.shape
+    N = Bm.shape[-1]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    pad = (-T) % chunk
+    reset = _doc_starts(cu_seqlens, B, T, x.device)
+    loga = torch.where(reset[..., None], float("-inf"), dt.to(acc) * A.to(acc))  # [B,T,H]
+    u = x.to(acc) * dt.to(acc)[..., None]
+    Bh, Ch = _per_head(Bm, H).to(acc), _per_head(Cm, H).to(acc)
+    if pad:  # zero tail tokens: no input, decay 1, read by no real token
+        u, loga = torch.nn.functional.pad(u, (0, 0, 0, 0, 0, pad)), torch.nn.functional.pad(loga, (0, 0, 0, pad))
+        Bh, Ch = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (Bh, Ch))
+    nc = (T + pad) // chunk
+    u, Bh, Ch = (t.reshape(B, nc, chunk, H, -1) for t in (u, Bh, Ch))
+    a = loga.reshape(B, nc, chunk, H).permute(0, 3, 1, 2)  # [B,H,c,l]
+    a_cum = torch.cumsum(a, dim=-1)
+    seg = _segsum(a)  # [B,H,c,l,l]
+    # 1. within each chunk: the quadratic (attention-like) form with the decay mask
+    y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Ch, Bh, seg.exp(), u)
+    # 2. each chunk's own final state; decay from j to the chunk end is the segsum's last row
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bh, seg[..., -1, :].exp(), u)
+    # 3. state passing across chunks: one more segsum over the chunk totals, no loop over chunks
+    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+    decay_chunk = _segsum(torch.nn.functional.pad(a_cum[..., -1], (1, 0))).exp()  # [B,H,c+1,c+1]
+    states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)[:, :-1]
+    # 4. the state entering each chunk, read by C with the decay from the chunk start
+    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Ch, states, a_cum.exp())
+    return y.reshape(B, nc * chunk, H, P)[:, :T].to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _load_chunk(x_ptr, dt_ptr, b_ptr, c_ptr, c0, end, hd, g, H, G, A_h, rl, rp, rn,
+                P: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """One chunk's inputs (fp32, zero past `end`) and its in-chunk cumulative log-decay."""
+    t = c0 + rl
+    m = t < end
+    x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + t * H + hd, mask=m, other=0.0).to(tl.float32)
+    Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    cs = tl.cumsum(dt * A_h, axis=0)  # past `end` dt = 0: cs stays at the last token's value
+    return t, m, x, dt, Bc, Cc, cs
+
+
+@triton.jit
+def _decay_mask(cs, rl):
+    """L[i, j] = exp(cs_i - cs_j) for i >= j, else 0 (the exponent is masked before exp: no overflow)."""
+    causal = rl[:, None] >= rl[None, :]
+    return tl.where(causal, tl.exp(tl.where(causal, cs[:, None] - cs[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _ssd_fwd_kernel(
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, slot_ptr,
+    y_ptr, st_ptr,
+    H, G,
+    P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    doc = tl.program_id(0)
+    hd = tl.program_id(1)
+    pb = tl.program_id(2)
+    g = hd // (H // G)
+    start = tl.load(cu_ptr + doc)
+    end = tl.load(cu_ptr + doc + 1)
+    slot = tl.load(slot_ptr + doc)
+    A_h = tl.load(a_ptr + hd).to(tl.float32)
+    rl = tl.arange(0, CHUNK)
+    rp = pb * BP + tl.arange(0, BP)
+    rn = tl.arange(0, N)
+    S = tl.zeros((BP, N), dtype=tl.float32)  # zero at the document start: the reset
+    for c in range(0, tl.cdiv(end - start, CHUNK)):
+        if SAVE:  # the state entering chunk c, for the backward
+            tl.store(st_ptr + (((slot + c) * H + hd) * P + rp[:, None]) * N + rn[None, :], S)
+        t, m, x, dt, Bc, Cc, cs = _load_chunk(
+            x_ptr, dt_ptr, b_ptr, c_ptr, start + c * CHUNK, end, hd, g, H, G, A_h, rl, rp, rn, P, N
+        )
+        u = x * dt[:, None]
+        CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION) * _decay_mask(cs, rl)
+        y = tl.dot(CB, u, input_precision=PRECISION)
+        y += tl.exp(cs)[:, None] * tl.dot(Cc, tl.trans(S), input_precision=PRECISION)
+        tl.store(y_ptr + (t[:, None] * H + hd) * P + rp[None, :], y.to(y_ptr.dtype.element_ty), mask=m[:, None])
+        cs_last = tl.min(cs, axis=0)  # a <= 0: the cumsum falls, its last value is its minimum
+        w = tl.exp(cs_last - cs)
+        S = tl.exp(cs_last) * S + tl.dot(tl.trans(u * w[:, None]), Bc, input_precision=PRECISION)
+
+
+@triton.jit
+def _ssd_bwd_kernel(
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, slot_ptr, st_ptr, dy_ptr,
+    dx_ptr, ddt_ptr, da_ptr, db_ptr, dc_ptr,
+    H, G,
+    P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # per chunk, with u = dt x, L the decay mask, cs the in-chunk cumulative log-decay, S the entering
+    # state, dS the gradient of the leaving state, w_j = exp(cs_last - cs_j):
+    #   y = (C B^T * L) u + exp(cs) * (C S^T);   S' = exp(cs_last) S + (u * w)^T B
+    doc = tl.program_id(0)
+    hd = tl.program_id(1)
+    g = hd // (H // G)
+    start = tl.load(cu_ptr + doc)
+    end = tl.load(cu_ptr + doc + 1)
+    slot = tl.load(slot_ptr + doc)
+    A_h = tl.load(a_ptr + hd).to(tl.float32)
+    rl = tl.arange(0, CHUNK)
+    rp = tl.arange(0, P)
+    rn = tl.arange(0, N)
+    dS = tl.zeros((P, N), dtype=tl.float32)
+    dA = tl.zeros((CHUNK,), dtype=tl.float32)
+    n_chunks = tl.cdiv(end - start, CHUNK)
+    for cc in range(0, n_chunks):
+        c = n_chunks - 1 - cc
+        t, m, x, dt, Bc, Cc, cs = _load_chunk(
+            x_ptr, dt_ptr, b_ptr, c_ptr, start + c * CHUNK, end, hd, g, H, G, A_h, rl, rp, rn, P, N
+        )
+        S = tl.load(st_ptr + (((slot + c) * H + hd) * P + rp[:, None]) * N + rn[None, :])
+        dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        u = x * dt[:, None]
+        Lm = _decay_mask(cs, rl)
+        cs_last = tl.min(cs, axis=0)
+        w = tl.exp(cs_last - cs)
+        ecs = tl.exp(cs)
+        CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION)
+        dYU = tl.dot(dy, tl.trans(u), input_precision=PRECISION)  # [i, j] = dy_i . u_j
+        Q = tl.dot(Bc, tl.trans(dS), input_precision=PRECISION)  # [j] = dS B_j
+        CS = tl.dot(Cc, tl.trans(S), input_precision=PRECISION)  # [i] = S C_i
+        du = tl.dot(tl.trans(CB * Lm), dy, input_precision=PRECISION) + w[:, None] * Q
+        LdYU = Lm * dYU
+        dC = tl.dot(LdYU, Bc, input_precision=PRECISION) + ecs[:, None] * tl.dot(dy, S, input_precision=PRECISION)
+        dB = tl.dot(tl.trans(LdYU), Cc, input_precision=PRECISION) + w[:, None] * tl.dot(u, dS, input_precision=PRECISION)
+        # gradient of the cumulative log-decay: +/- each exp(cs_i - cs_j), then the state terms
+        Sm = LdYU * CB
+        R = w * tl.sum(u * Q, axis=1)
+        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) + ecs * tl.sum(dy * CS, axis=1) - R
+        to_last = tl.exp(cs_last) * tl.sum(tl.sum(dS * S, axis=1), axis=0) + tl.sum(R, axis=0)
+        # cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every real token
+        dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
+        ddt = tl.sum(du * x, axis=1) + dloga * A_h
+        dA += tl.where(m, dloga * dt, 0.0)
+        tl.store(dx_ptr + (t[:, None] * H + hd) * P + rp[None, :], (du * dt[:, None]).to(dx_ptr.dtype.element_ty),
+                 mask=m[:, None])  # fmt: skip
+        tl.store(ddt_ptr + t * H + hd, ddt.to(ddt_ptr.dtype.element_ty), mask=m)
+        # per head, fp32: the launcher sums the heads of each group
+        tl.store(db_ptr + (t[:, None] * H + hd) * N + rn[None, :], dB, mask=m[:, None])
+        tl.store(dc_ptr + (t[:, None] * H + hd) * N + rn[None, :], dC, mask=m[:, None])
+        dS = tl.exp(cs_last) * dS + tl.dot(tl.trans(dy * ecs[:, None]), Cc, input_precision=PRECISION)
+    tl.store(da_ptr + doc * H + hd, tl.sum(dA, axis=0))
+
+
+# ----------------------------------------------------------------------------- launchers and custom ops
+
+FWD_BLOCK_P = 64  # head-dim columns per forward program
+FWD_WARPS = 4
+BWD_WARPS = 8
+# one stage: the chunk loop's loads are not multi-buffered. At P=64, N=128, chunk 64 the default
+# pipelining asked for 290-330 KB of shared memory on an H100 (limit 227 KB) and did not launch
+NUM_STAGES = 1
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """TF32 tensor cores for bf16/fp16 inputs (finer than the inputs' own rounding); IEEE fp32 for fp32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _state_slots(cu_seqlens: torch.Tensor, chunk: int, total: int) -> tuple[torch.Tensor, int]:
+    """First saved-state slot of every document, and a slot count that bounds them (no host sync)."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    per = (lens + chunk - 1) // chunk
+    return (torch.cumsum(per, 0) - per).to(torch.int32), total // chunk + cu_seqlens.numel() - 1
+
+
+@torch.library.custom_op("megacpp::ssd_scan_fwd", mutates_args=())
+def ssd_scan_fwd(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    cu_seqlens: torch.Tensor, chunk: int, save: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """y [B,T,H,P] and the fp32 state entering every chunk of every document (empty unless save).
+
+    Inputs contiguous, validated by the caller; cu_seqlens [D+1] int32 covers the flattened B*T tokens."""
+    B, T, H, P = x.shape
+    G, N = Bm.shape[2], Bm.shape[3]
+    D = cu_seqlens.numel() - 1
+    bp = min(FWD_BLOCK_P, P)
+    slots_at, n_slots = _state_slots(cu_seqlens, chunk, B * T)
+    y = torch.empty_like(x)
+    states = torch.empty((n_slots if save else 0, H, P, N), device=x.device, dtype=torch.float32)
+    _ssd_fwd_kernel[(D, H, P // bp)](
+        x, dt, A, Bm, Cm, cu_seqlens, slots_at, y, states if save else y, H, G,
+        P=P, N=N, BP=bp, CHUNK=chunk, SAVE=save, PRECISION=_precision(x.dtype), num_warps=FWD_WARPS,
+        num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return y, states
+
+
+@ssd_scan_fwd.register_fake
+def _(x, dt, A, Bm, Cm, cu_seqlens, chunk, save):
+    B, T, H, P = x.shape
+    n_slots = B * T // chunk + cu_seqlens.shape[0] - 1
+    return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("megacpp::ssd_scan_bwd", mutates_args=())
+def ssd_scan_bwd(
+    dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Gradients for x, dt, A, Bm and Cm, from the forward's saved chunk states."""
+    B, T, H, P = x.shape
+    G, N = Bm.shape[2], Bm.shape[3]
+    D = cu_seqlens.numel() - 1
+    slots_at, _ = _state_slots(cu_seqlens, chunk, B * T)
+    dx, ddt = torch.empty_like(x), torch.empty_like(dt)
+    dA = torch.empty((D, H), device=x.device, dtype=torch.float32)
+    dB = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
+    dC = torch.empty_like(dB)
+    _ssd_bwd_kernel[(D, H)](
+        x, dt, A, Bm, Cm, cu_seqlens, slots_at, states, dy.contiguous(), dx, ddt, dA, dB, dC, H, G,
+        P=P, N=N, CHUNK=chunk, PRECISION=_precision(x.dtype), num_warps=BWD_WARPS,
+        num_stages=NUM_STAGES,
+    )  # fmt: skip
+    per_group = lambda t: t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype)
+    return dx, ddt, dA.sum(0).to(A.dtype), per_group(dB), per_group(dC)
+
+
+@ssd_scan_bwd.register_fake
+def _(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk):
+    return torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(Bm), torch.empty_like(Cm)
+
+
+def _setup_context(ctx, inputs, output):
+    x, dt, A, Bm, Cm, cu_seqlens, chunk, save = inputs
+    ctx.save_for_backward(x, dt, A, Bm, Cm, cu_seqlens, output[1])
+    ctx.chunk = chunk
+
+
+def _backward(ctx, dy, _dstates):
+    x, dt, A, Bm, Cm, cu_seqlens, states = ctx.saved_tensors
+    if states.numel() == 0:
+        raise RuntimeError("ssd_scan_fwd ran with save=False; its output cannot be differentiated")
+    dx, ddt, dA, dB, dC = ssd_scan_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, ctx.chunk)
+    return dx, ddt, dA, dB, dC, None, None, None
+
+
+ssd_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public entry
+
+KERNELS = ("auto", "triton", "chunked", "reference")
+
+
+def _pow2_at_least_16(name: str, n: int) -> None:
+    if n < 16 or n & (n - 1):
+        raise ValueError(f"the Triton SSD needs {name} a power of two >= 16 (tl.dot tiles), got {n}")
+
+
+def ssd_scan(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    *, cu_seqlens: torch.Tensor | None = None, chunk: int = 64, kernel: str = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """The SSD scan over packed rows; returns y [B,T,H,P] in x's dtype (see the module docstring).
+
+    kernel: "triton" (the custom op; CUDA, or CPU under TRITON_INTERPRET=1), "chunked" (plain torch,
+    compilable: the CPU path), "reference" (the step loop), or "auto": Triton on CUDA, chunked elsewhere.
+    """
+    validate_ssd_inputs(x, dt, A, Bm, Cm, cu_seqlens)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    if kernel == "auto":
+        kernel = "triton" if x.device.type == "cuda" else "chunked"
+    if kernel == "reference":
+        return ssd_scan_reference(x, dt, A, Bm, Cm, cu_seqlens)
+    if kernel == "chunked":
+        return ssd_chunked_torch(x, dt, A, Bm, Cm, cu_seqlens, chunk=chunk)
+    if not (x.device.type == "cuda" or (x.device.type == "cpu" and TRITON_INTERPRET)):
+        raise RuntimeError(f"kernel='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); x is on {x.device}")
+    B, T, H, P = x.shape
+    _pow2_at_least_16("chunk", chunk)
+    _pow2_at_least_16("P (x's head dim)", P)
+    _pow2_at_least_16("N (Bm's state dim)", Bm.shape[-1])
+    if x.dtype == torch.float64:
+        raise ValueError("the Triton SSD takes float32, bfloat16 or float16 x; float64 is for the torch paths")
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, B * T + 1, T, device=x.device, dtype=torch.int32)
+    # no generator expression: dynamo cannot trace one under fullgraph
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
+    )
+    y, _ = ssd_scan_fwd(
+        x.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(), Cm.contiguous(), cu_seqlens, chunk, needs_grad
+    )
+    return y
