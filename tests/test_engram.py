@@ -6,14 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.data import PackedBatch, boundary_windows, load_sample
-from megacpp_lab.nn.engram import (
-    CONV_IMPLS,
-    DocCausalDepthwiseConv,
-    EngramBranch,
-    EngramConfig,
-    _RMSNorm,
-    causal_local_averages,
-)
+from megacpp_lab.nn.engram import EngramBranch, EngramConfig, causal_local_averages
+from megacpp_lab.nn.primitives import CONV_IMPLS, DocCausalDepthwiseConv, ParameterFreeRMSNorm
 from megacpp_lab.testing import TokenMixer, check_leaks
 
 DOC_IDS = torch.tensor([[0] * 10 + [1] * 5 + [2] * 1 + [3] * 16, [0] * 3 + [1] * 29])
@@ -119,7 +113,7 @@ def test_tripwire_withheld_doc_ids_is_flagged(mode):
 
 
 def test_rmsnorm_is_exactly_one_parameter_free_f_rms_norm(monkeypatch):
-    norm = _RMSNorm(eps=1e-5)
+    norm = ParameterFreeRMSNorm(eps=1e-5)
     assert list(norm.parameters()) == [] and list(norm.buffers()) == []
     calls = []
     real = F.rms_norm
@@ -136,7 +130,7 @@ def test_rmsnorm_is_exactly_one_parameter_free_f_rms_norm(monkeypatch):
 
 
 def test_rmsnorm_graph_has_no_manual_variance():
-    gm = torch.fx.symbolic_trace(_RMSNorm())
+    gm = torch.fx.symbolic_trace(ParameterFreeRMSNorm())
     targets = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     assert targets.count(F.rms_norm) == 1
     assert not {"pow", "mean", torch.pow, torch.mean, torch.rsqrt} & set(targets)
@@ -160,7 +154,7 @@ def test_tripwire_manual_rmsnorm_loses_bf16_precision(device, scale):
     x = (torch.randn(64, 4096, generator=gen, device=device) * scale).bfloat16()
     ref = F.rms_norm(x.double(), (4096,), eps=1e-6)
     err_manual = (_manual_rmsnorm(x).double() - ref).abs().max()
-    err_fused = (_RMSNorm()(x).double() - ref).abs().max()
+    err_fused = (ParameterFreeRMSNorm()(x).double() - ref).abs().max()
     assert err_fused < 0.02 and err_manual > 1.25 * err_fused
 
 
@@ -171,7 +165,7 @@ def test_both_rmsnorms_collapse_past_the_fp32_range(device):
     gen = torch.Generator(device=device).manual_seed(0)
     x = (torch.randn(64, 4096, generator=gen, device=device) * 1e18).bfloat16()
     assert torch.isinf(x.float().pow(2).sum(-1)).all()
-    assert _RMSNorm()(x).abs().max() == 0 and _manual_rmsnorm(x).abs().max() == 0
+    assert ParameterFreeRMSNorm()(x).abs().max() == 0 and _manual_rmsnorm(x).abs().max() == 0
 
 
 def test_gated_branch_compiles_with_zero_graph_breaks():

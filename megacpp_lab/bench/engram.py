@@ -17,7 +17,8 @@ from torch import nn
 
 from megacpp_lab.bench import bench_device, output_root
 from megacpp_lab.data import ByteTokenizer, load_corpus, pack_documents
-from megacpp_lab.nn.engram import EngramBranch, EngramConfig, _RMSNorm
+from megacpp_lab.nn.engram import EngramBranch, EngramConfig
+from megacpp_lab.nn.primitives import ParameterFreeRMSNorm
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 
@@ -207,7 +208,7 @@ def rmsnorm_overflow_sweep(
     device: str = "cuda", scales: tuple[float, ...] = (1.0, 1e8, 1e16, 1e17, 3e17, 1e18, 1e19), D: int = 4096
 ) -> dict[str, Any]:
     """Max error vs an fp64 reference of the manual and the fused RMSNorm on bf16 activations."""
-    norm = _RMSNorm()
+    norm = ParameterFreeRMSNorm()
     results = []
     for scale in scales:
         gen = torch.Generator(device=device).manual_seed(0)

@@ -25,7 +25,7 @@ from torch import nn
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
 from megacpp_lab.varlen import PackedContext, resolve_doc_ids
 from megacpp_lab.nn.config_builder import build_config, config_error
-from megacpp_lab.nn.engram import DocCausalDepthwiseConv
+from megacpp_lab.nn.primitives import DocCausalDepthwiseConv
 
 
 _fail = functools.partial(config_error, "M2RNNConfig")

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.nn.config_builder import config_error
-from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids
-from megacpp_lab.nn.engram import DocCausalDepthwiseConv, _RMSNorm, context_gate
+from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate
 from megacpp_lab.nn.table_store import TableBackend, TableStore, TableStoreConfig
+from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids
 
 MAX_NGRAM = 8
 # tokens < 2**20 and multipliers < 2**31 keep every product and XOR inside int64
@@ -215,7 +215,7 @@ class NgramHashMemory(nn.Module):
         self.register_buffer("row_offsets", torch.cumsum(sizes, 0) - sizes, persistent=False)
         H, D, C = config.num_heads, config.head_dim, config.d_model
         self.tables = nn.Parameter(torch.randn(int(sizes.sum()), D) / math.sqrt(D))
-        self.norm = _RMSNorm(config.eps)
+        self.norm = ParameterFreeRMSNorm(config.eps)
         self.key_proj = nn.Linear(H * D, C, bias=False)
         self.value_proj = nn.Linear(H * D, C, bias=False)
         nn.init.zeros_(self.value_proj.weight)  # identity on the residual at step 0

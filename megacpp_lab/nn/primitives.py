@@ -1,0 +1,85 @@
+"""Shared pieces of the token mixers: the doc-masked causal depthwise conv, the parameter-free RMSNorm
+and the context gate (Engram, the hashed n-gram memory and M2RNN use them)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp_lab.varlen import doc_causal_shift, same_doc_as_lag
+
+__all__ = ["CONV_IMPLS", "DocCausalDepthwiseConv", "ParameterFreeRMSNorm", "context_gate"]
+
+CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
+
+
+class ParameterFreeRMSNorm(nn.Module):
+    """Parameter-free RMSNorm: exactly one fused F.rms_norm call.
+
+    Never the manual x.pow(2).mean(-1) form: it loses bf16 precision on large
+    activations and breaks Inductor's fusion (docs/design.md, historical bugs).
+    """
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight=None, eps=self.eps)
+
+
+def context_gate(h_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
+    """alpha = sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(C)), [B,T,1]: how much memory this context wants."""
+    return torch.sigmoid((h_norm * k_norm).sum(-1, keepdim=True) / math.sqrt(h_norm.shape[-1]))
+
+
+class DocCausalDepthwiseConv(nn.Module):
+    """Depthwise (groups=D) causal conv over time on [B,T,D], doc-masked.
+
+    Two implementations, same numbers:
+    - maxtext_depthwise: nn.Conv1d-style F.conv1d(groups=D) over the row; the first K-1
+      tokens of each document, whose window would reach into the previous one, take the
+      masked unfold result instead (torch.where, so nothing crosses, not even a NaN).
+    - xla_safe: unfold by hand, each of the K taps a doc-masked shift of x, weighted sum.
+      (No Tensor.unfold: Inductor's CPU backward for a masked unfold corrupted memory.)
+    """
+
+    def __init__(self, channels: int, kernel: int, impl: str = "maxtext_depthwise", *, bias: bool = True) -> None:
+        super().__init__()
+        if impl not in CONV_IMPLS:
+            raise ValueError(f"conv_impl must be one of {CONV_IMPLS}, got {impl!r}")
+        if kernel < 1:
+            raise ValueError(f"conv kernel must be >= 1, got {kernel}")
+        self.kernel = kernel
+        self.impl = impl
+        # nn.Conv1d(channels, channels, kernel, groups=channels) layout and init
+        conv = nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias)
+        self.weight = nn.Parameter(conv.weight.detach().clone())  # [D, 1, K]
+        self.bias = nn.Parameter(conv.bias.detach().clone()) if bias else None  # [D]
+
+    def _unfold_sum(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """The K taps of each window as K doc-masked shifts of x, weighted and summed."""
+        K = self.kernel
+        out = x * self.weight[:, 0, K - 1]
+        if self.bias is not None:
+            out = out + self.bias
+        for lag in range(1, K):
+            out = out + doc_causal_shift(x, doc_ids, lag) * self.weight[:, 0, K - 1 - lag]
+        return out
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.impl == "xla_safe":
+            return self._unfold_sum(x, doc_ids)
+        K = self.kernel
+        full = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), self.weight, self.bias, groups=x.shape[-1])
+        full = full.transpose(1, 2)
+        if doc_ids is None or K == 1:
+            return full
+        clean = same_doc_as_lag(doc_ids, K - 1)  # the whole window lies in the token's document
+        return torch.where(clean[..., None], full, self._unfold_sum(x, doc_ids))
+
+    def extra_repr(self) -> str:
+        return f"channels={self.weight.shape[0]}, kernel={self.kernel}, impl={self.impl}"
