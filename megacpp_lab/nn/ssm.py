@@ -1,0 +1,133 @@
+"""The M block's mixer: a Mamba-2-style SSD layer over packed rows (state resets at every document start).
+
+    x -> in_proj -> [z (gate) | x B C | dt]
+      -> doc-masked causal depthwise conv + SiLU over x, B, C
+      -> dt = softplus(dt + dt_bias), A = -exp(A_log)                       (fp32)
+      -> SSD scan (megacpp_lab.kernels.ssd: Triton on a GPU, the chunked torch path on a CPU)
+      -> + x * D -> * SiLU(z) -> RMSNorm -> out_proj
+
+The scan is an opaque custom op on the Triton path, so a compiled block holding this layer has no
+graph break. A_log, dt_bias and D are fp32-contract parameters (`_fp32_params`): the decay exp(dt * A)
+sits near 1, where bf16 would round it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp_lab.kernels.ssd import KERNELS, ssd_scan
+from megacpp_lab.nn.config_builder import build_config, config_error
+from megacpp_lab.nn.primitives import DocCausalDepthwiseConv
+from megacpp_lab.varlen import PackedContext, cu_seqlens_from_doc_ids, resolve_doc_ids
+
+__all__ = ["SSD", "SSDConfig"]
+
+_fail = functools.partial(config_error, "SSDConfig")
+
+
+@dataclass(frozen=True)
+class SSDConfig:
+    """SSD layer settings; build it with SSDConfig.build. Frozen, checked on construction."""
+
+    d_model: int
+    n_heads: int
+    head_dim: int = 64  # P
+    state_dim: int = 128  # N
+    n_groups: int = 1  # heads sharing one B and C
+    conv_kernel: int = 4
+    chunk: int = 64
+    A_init_range: tuple[float, float] = (1.0, 16.0)
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    kernel: str = "auto"
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "A_init_range", tuple(self.A_init_range))
+        for name in ("d_model", "n_heads", "head_dim", "state_dim", "n_groups", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _fail(name, "an int >= 1", value)
+        if self.n_heads % self.n_groups:
+            raise _fail("n_groups", f"a divisor of n_heads={self.n_heads}", self.n_groups)
+        if isinstance(self.conv_kernel, bool) or not isinstance(self.conv_kernel, int) or not 0 <= self.conv_kernel <= 16:
+            raise _fail("conv_kernel", "0 (no conv) or a kernel size in 1..16", self.conv_kernel)
+        lo, hi = self.A_init_range
+        if not 0 < lo <= hi:
+            raise _fail("A_init_range", "(lo, hi) with 0 < lo <= hi", self.A_init_range)
+        if not 0 < self.dt_min <= self.dt_max < 1:
+            raise _fail("dt_min" if not 0 < self.dt_min else "dt_max", "0 < dt_min <= dt_max < 1", (self.dt_min, self.dt_max))
+        if not 0 < self.dt_init_floor <= self.dt_min:
+            raise _fail("dt_init_floor", f"in (0, dt_min={self.dt_min}]", self.dt_init_floor)
+        if self.kernel not in KERNELS:
+            raise _fail("kernel", f"one of {KERNELS}", self.kernel)
+        if not 0 < self.eps < 1:
+            raise _fail("eps", "in (0, 1)", self.eps)
+
+    @classmethod
+    def build(cls, source: Any = None, **overrides: Any) -> SSDConfig:
+        """The one builder: fields from a model config object (these names, ssd_<name>, or Megatron's
+        hidden_size / num_attention_heads) and keyword overrides, else the defaults."""
+        aliases = {"d_model": ("d_model", "hidden_size"), "n_heads": ("ssd_n_heads", "n_heads", "num_attention_heads")}
+        return build_config(cls, source, overrides, prefix="ssd", aliases=aliases, required=("d_model", "n_heads"))
+
+
+class SSD(nn.Module):
+    """[B,T,d_model] -> [B,T,d_model] Mamba-2-style state-space mixer with document resets."""
+
+    _fp32_params = ("A_log", "dt_bias", "D")
+
+    def __init__(self, config: SSDConfig) -> None:
+        super().__init__()
+        if not isinstance(config, SSDConfig):
+            raise TypeError(f"SSD needs an SSDConfig, got {type(config).__name__}")
+        self.config = c = config
+        H, P, G, N = c.n_heads, c.head_dim, c.n_groups, c.state_dim
+        self.xbc_dim = H * P + 2 * G * N
+        self.in_proj = nn.Linear(c.d_model, H * P + self.xbc_dim + H, bias=False)
+        self.conv = DocCausalDepthwiseConv(self.xbc_dim, c.conv_kernel) if c.conv_kernel else None
+        lo, hi = c.A_init_range
+        self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(lo, hi)))
+        dt = torch.exp(torch.rand(H) * (math.log(c.dt_max) - math.log(c.dt_min)) + math.log(c.dt_min))
+        dt = dt.clamp(min=c.dt_init_floor)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.D = nn.Parameter(torch.ones(H))
+        self.norm = nn.RMSNorm(H * P, eps=c.eps)
+        self.out_proj = nn.Linear(H * P, c.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, *, ctx: PackedContext | None = None,
+                kernel: str | None = None) -> torch.Tensor:  # fmt: skip
+        """x [B,T,d_model]; the packed batch as ctx (validated once, its cu_seqlens used as given) or bare
+        doc_ids [B,T] (checked, and turned into cu_seqlens here), or neither for one document per row."""
+        c = self.config
+        if x.dim() != 3 or x.shape[-1] != c.d_model:
+            raise ValueError(f"SSD input must be [B,T,{c.d_model}], got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        H, P, G, N = c.n_heads, c.head_dim, c.n_groups, c.state_dim
+        doc_ids = resolve_doc_ids(doc_ids, ctx, (B, T))
+        if ctx is not None:
+            cu_seqlens = ctx.cu_seqlens
+        elif doc_ids is not None:
+            cu_seqlens = cu_seqlens_from_doc_ids(doc_ids)
+        else:
+            cu_seqlens = None
+        z, xbc, dt = self.in_proj(x).split([H * P, self.xbc_dim, H], dim=-1)
+        if self.conv is not None:
+            xbc = F.silu(self.conv(xbc, doc_ids))
+        xs, Bm, Cm = xbc.split([H * P, G * N, G * N], dim=-1)
+        xs = xs.reshape(B, T, H, P)
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # fp32 into the scan: the decay exp(dt * A) is near 1
+        A = -torch.exp(self.A_log.float())
+        y = ssd_scan(xs, dt, A, Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N), cu_seqlens=cu_seqlens,
+                     chunk=c.chunk, kernel=kernel or c.kernel)  # fmt: skip
+        y = y + xs * self.D.to(xs.dtype)[:, None]
+        y = y.reshape(B, T, H * P) * F.silu(z)
+        return self.out_proj(self.norm(y))

@@ -1,0 +1,81 @@
+"""The SSD layer (nn/ssm.py): config, the paths against each other, the context, the leak harness, fp32 contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacpp_lab.data import boundary_windows, load_sample
+from megacpp_lab.model.precision import apply_mixed_precision
+from megacpp_lab.nn.ssm import SSD, SSDConfig
+from megacpp_lab.testing import check_leaks
+from megacpp_lab.varlen import build_context
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(d_model=32, n_heads=2, head_dim=16, state_dim=16, chunk=16)
+
+
+def _layer(**kw) -> SSD:
+    torch.manual_seed(0)
+    return SSD(SSDConfig.build(**{**SMALL, **kw})).to(DEVICE)
+
+
+def test_config_fails_closed_naming_the_field() -> None:
+    for bad, name in ((dict(n_groups=3), "n_groups"), (dict(head_dim=0), "head_dim"), (dict(kernel="fast"), "kernel"),
+                      (dict(conv_kernel=17), "conv_kernel"), (dict(A_init_range=(0.0, 1.0)), "A_init_range")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"SSDConfig.{name}"):
+            SSDConfig.build(**{**SMALL, **bad})
+
+    class Megatron:
+        hidden_size, num_attention_heads = 64, 4
+
+    assert (SSDConfig.build(Megatron()).d_model, SSDConfig.build(Megatron()).n_heads) == (64, 4)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+def test_layer_paths_equal_the_chunked_path_forward_and_backward(kernel: str) -> None:
+    layer = _layer()
+    doc_ids = torch.tensor([[0] * 11 + [1] * 25 + [2] * 4, [0] * 40], device=DEVICE)
+    x = torch.randn(2, 40, 32, device=DEVICE)
+    outs, grads = [], []
+    for k in ("chunked", kernel):
+        xk = x.clone().requires_grad_()
+        y = layer(xk, doc_ids, kernel=k)
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append([xk.grad] + [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad()
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_layer_through_the_context_equals_bare_doc_ids() -> None:
+    layer = _layer()
+    doc_ids = torch.tensor([[0] * 7 + [1] * 9, [0] * 3 + [1] * 13], device=DEVICE)
+    x = torch.randn(2, 16, 32, device=DEVICE)
+    torch.testing.assert_close(layer(x, ctx=build_context(doc_ids)), layer(x, doc_ids), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="give ctx or doc_ids, not both"):
+        layer(x, doc_ids, ctx=build_context(doc_ids))
+
+
+def test_layer_passes_the_leak_harness_on_real_packed_rows_and_fails_without_doc_ids() -> None:
+    w = boundary_windows(load_sample()[0].batch, 2, 24, lead=9)
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(259, 32).to(DEVICE)
+    layer = _layer()
+    tokens, doc_ids = w.tokens.to(DEVICE), w.doc_ids.to(DEVICE)
+    report = check_leaks(lambda t, d: layer(emb(t), d), tokens, doc_ids, vocab_size=259, causal_positions=range(0, 24, 2))
+    assert report.passed, str(report)
+    leaky = check_leaks(lambda t, d: layer(emb(t), None), tokens, doc_ids, vocab_size=259, causal=False)
+    assert not leaky.passed and leaky.cross_doc.magnitude > leaky.tol
+
+
+def test_mixed_precision_keeps_the_decay_path_fp32() -> None:
+    layer = _layer()
+    exact = layer.A_log.detach().clone()
+    wrapped = apply_mixed_precision(layer, torch.bfloat16)
+    for name in SSD._fp32_params:
+        assert getattr(wrapped.module, name).dtype == torch.float32, name
+    assert wrapped.module.in_proj.weight.dtype == torch.bfloat16
+    assert torch.equal(wrapped.module.A_log, exact)  # kept, not rounded through bf16
