@@ -304,7 +304,8 @@ def build_context(doc_ids: torch.Tensor, positions: torch.Tensor | None = None, 
     if doc_ids.dtype not in ID_DTYPES:
         raise ValueError(f"doc_ids dtype must be int32 or int64, got {doc_ids.dtype}")
     positions = positions_from_doc_ids(doc_ids) if positions is None else positions
-    cu_seqlens = cu_seqlens_from_doc_ids(doc_ids) if cu_seqlens is None else cu_seqlens
+    # contiguous: kernels index cu_seqlens by pointer arithmetic
+    cu_seqlens = cu_seqlens_from_doc_ids(doc_ids) if cu_seqlens is None else cu_seqlens.contiguous()
     validate_packed_layout(doc_ids, positions, cu_seqlens)
     starts = doc_starts(doc_ids)
     host = cu_seqlens.cpu()

@@ -18,15 +18,26 @@ ALLOWED = {
 }
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, package: tuple[str, ...] | None = None) -> set[str]:
     """megacpp_lab.* modules a file imports, relative to the package ("varlen", "nn.mla", ...)."""
     found = set()
+    if package is None:
+        package = path.parent.relative_to(PACKAGE).parts  # e.g. ("nn",), or () for a top-level module
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megacpp_lab"):
+        if isinstance(node, ast.ImportFrom) and node.level:  # relative: resolve against this file's package
+            base = package[: len(package) - (node.level - 1)] if node.level - 1 <= len(package) else ()
+            found.add(".".join([*base, *(node.module.split(".") if node.module else [])]))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megacpp_lab"):
             found.add(node.module.removeprefix("megacpp_lab").lstrip("."))
         elif isinstance(node, ast.Import):
             found |= {a.name.removeprefix("megacpp_lab.") for a in node.names if a.name.startswith("megacpp_lab.")}
     return found
+
+
+def test_relative_imports_are_resolved_too(tmp_path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("from ..bench import loss\nfrom . import mla\n")
+    assert _imports(probe, package=("nn",)) == {"bench", "nn"}
 
 
 def test_varlen_imports_nothing_of_ours() -> None:

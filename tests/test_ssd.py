@@ -101,6 +101,18 @@ def test_triton_rows_without_cu_seqlens_are_one_document_each():
     _assert_close(got, want, fwd_tol=1e-5, grad_rtol=1e-5)
 
 
+def test_triton_matches_the_step_loop_when_some_decay_grows():
+    """A > 0 on one head (exp(dt*A) > 1): the chunk's last cumulative log-decay is not its minimum.
+    The kernel once took the minimum, which is right only when every dt*A <= 0: 0.33 off, no error."""
+    x, dt, A, Bm, Cm = _inputs(1, 40, 2, 16, 16, 1, grad=False)
+    A = torch.tensor([0.05, -0.5], device=DEVICE)
+    inputs = [t.requires_grad_() for t in (x, dt, A, Bm, Cm)]
+    cu = _cu(0, 13, 40)
+    dy = torch.randn(1, 40, 2, 16, device=DEVICE)
+    got = _fwd_bwd(lambda *a: ssd_scan(*a, cu_seqlens=cu, chunk=16, kernel="triton"), inputs, dy)
+    _assert_close(got, _fwd_bwd(lambda *a: ssd_scan_reference(*a, cu), inputs, dy), fwd_tol=1e-5, grad_rtol=1e-5)
+
+
 def test_triton_bf16_inputs_keep_an_fp32_state():
     inputs = _inputs(1, 40, 2, 16, 16, 1, dtype=torch.bfloat16)
     cu = _cu(0, 17, 40)

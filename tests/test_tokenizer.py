@@ -175,7 +175,7 @@ def test_sha_mismatch_fails_closed_naming_file_and_both_hashes(tmp_path, bpe):
 
 def _skip_unless_the_headers_are_the_samples() -> None:
     """These tests re-read the sample's files from the installed torch: another torch ships other headers."""
-    built_with = json.loads((repo_data_dir() / MANIFEST_FILE).read_text())["torch"]
+    built_with = json.loads((repo_data_dir() / MANIFEST_FILE).read_text())["bpe_sample"]["torch"]
     if built_with != torch.__version__:
         pytest.skip(f"the committed sample was built from torch {built_with}'s headers, this is torch {torch.__version__}")
 

@@ -26,13 +26,19 @@ def test_context_holds_every_form_derived_once() -> None:
     assert ctx.block_mask is None
 
 
-def test_context_from_a_packed_batch_equals_the_derived_one_and_builds_the_flex_mask() -> None:
+def test_context_from_a_packed_batch_holds_the_batch_and_a_same_document_causal_flex_mask() -> None:
     batch = PackedBatch.from_doc_ids(torch.zeros(2, 8, dtype=torch.long), torch.tensor(DOC_IDS))
-    a, b = PackedContext.from_batch(batch, block_mask=True), build_context(batch.doc_ids)
-    for name in ("doc_ids", "positions", "starts", "cu_seqlens", "seq_index"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-    dense = doc_causal_block_mask(batch.doc_ids).to_dense()
-    assert torch.equal(a.block_mask.to_dense(), dense)
+    ctx = PackedContext.from_batch(batch, block_mask=True)
+    assert torch.equal(ctx.positions, batch.positions) and torch.equal(ctx.cu_seqlens, batch.cu_seqlens)
+    assert ctx.seq_index.view(2, 8).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [3, 4, 4, 4, 4, 4, 5, 5]]
+    # the mask's predicate, token by token, against the contract written out by hand
+    q, k = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    for b, row in enumerate(DOC_IDS):
+        ids = torch.tensor(row)
+        want = (k <= q) & (ids[:, None] == ids[None, :])
+        got = ctx.block_mask.mask_mod(torch.tensor(b), torch.tensor(0), q.expand(8, 8), k.expand(8, 8))
+        assert torch.equal(got, want), b
+    assert ctx.block_mask.seq_lengths == (8, 8) and ctx.block_mask.shape[0] == 2
 
 
 @pytest.mark.parametrize(

@@ -448,6 +448,11 @@ def m2rnn_scan(
     if context is not None:  # validated when it was built: flatten the rows, one program per document
         if context.shape != (B, S):
             raise ValueError(f"context is for [B,S] = {context.shape}, the input is {(B, S)}")
+        if resolve_kernel(kernel, q.device) == "reference":  # the step loop over rows, not over B*S steps
+            if h0 is None:
+                h0 = torch.zeros((context.n_seqs, H, K, V), device=q.device, dtype=torch.float32)
+            _check("h0", h0, (context.n_seqs, H, K, V))
+            return _torch_m2rnn_forward(q, k, v, f, W, h0, context.starts, context.seq_index.view(B, S), grad_clip)
         N = B * S
         y = _scan(q.reshape(1, N, H, K), k.reshape(1, N, H, K), v.reshape(1, N, H, V), f.reshape(1, N, H), W, h0,
                   context.cu_seqlens, context.starts.reshape(1, N), context.seq_index.view(1, N), chunk, grad_clip,

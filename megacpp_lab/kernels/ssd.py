@@ -72,10 +72,10 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 def validate_ssd_inputs(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, *, cu_seqlens_validated: bool = False,
 ) -> None:  # fmt: skip
     """Fail closed, naming the argument. The cu_seqlens value checks sync with the host, so they run
-    in eager only (under torch.compile the context that built cu_seqlens has checked it)."""
+    in eager only, and not at all for cu_seqlens a PackedContext already validated."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be [B,T,H,P], got shape {tuple(getattr(x, 'shape', ()))}")
     B, T, H, P = x.shape
@@ -98,7 +98,7 @@ def validate_ssd_inputs(
         raise ValueError(f"cu_seqlens must hold >= 2 entries (0 and B*T), got {cu_seqlens.numel()}")
     if cu_seqlens.device != x.device:
         raise ValueError(f"cu_seqlens must be on x's device {x.device}, got {cu_seqlens.device}")
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or cu_seqlens_validated:
         return
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
@@ -246,7 +246,7 @@ def _ssd_fwd_kernel(
         y = tl.dot(CB, u, input_precision=PRECISION)
         y += tl.exp(cs)[:, None] * tl.dot(Cc, tl.trans(S), input_precision=PRECISION)
         tl.store(y_ptr + (t[:, None] * H + hd) * P + rp[None, :], y.to(y_ptr.dtype.element_ty), mask=m[:, None])
-        cs_last = tl.min(cs, axis=0)  # a <= 0: the cumsum falls, its last value is its minimum
+        cs_last = tl.sum(tl.where(rl == CHUNK - 1, cs, 0.0), axis=0)  # the last token's value (dt is 0 past the end); not a min, since dt*A may be > 0
         w = tl.exp(cs_last - cs)
         S = tl.exp(cs_last) * S + tl.dot(tl.trans(u * w[:, None]), Bc, input_precision=PRECISION)
 
@@ -283,7 +283,7 @@ def _ssd_bwd_kernel(
         dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         u = x * dt[:, None]
         Lm = _decay_mask(cs, rl)
-        cs_last = tl.min(cs, axis=0)
+        cs_last = tl.sum(tl.where(rl == CHUNK - 1, cs, 0.0), axis=0)  # the last token's (past the end dt is 0); not a min: dt*A may be > 0
         w = tl.exp(cs_last - cs)
         ecs = tl.exp(cs)
         CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION)
@@ -423,13 +423,15 @@ def _pow2_at_least_16(name: str, n: int) -> None:
 def ssd_scan(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     *, cu_seqlens: torch.Tensor | None = None, chunk: int = 64, kernel: str = "auto",
+    cu_seqlens_validated: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The SSD scan over packed rows; returns y [B,T,H,P] in x's dtype (see the module docstring).
 
     kernel: "triton" (the custom op; CUDA, or CPU under TRITON_INTERPRET=1), "chunked" (plain torch,
     compilable: the CPU path), "reference" (the step loop), or "auto": Triton on CUDA, chunked elsewhere.
+    cu_seqlens_validated=True (from a PackedContext) skips the host-side value checks of cu_seqlens.
     """
-    validate_ssd_inputs(x, dt, A, Bm, Cm, cu_seqlens)
+    validate_ssd_inputs(x, dt, A, Bm, Cm, cu_seqlens, cu_seqlens_validated=cu_seqlens_validated)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if not isinstance(chunk, int) or chunk < 1:

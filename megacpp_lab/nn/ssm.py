@@ -121,13 +121,14 @@ class SSD(nn.Module):
             cu_seqlens = None
         z, xbc, dt = self.in_proj(x).split([H * P, self.xbc_dim, H], dim=-1)
         if self.conv is not None:
-            xbc = F.silu(self.conv(xbc, doc_ids))
+            xbc = self.conv(xbc, doc_ids)
+        xbc = F.silu(xbc)
         xs, Bm, Cm = xbc.split([H * P, G * N, G * N], dim=-1)
         xs = xs.reshape(B, T, H, P)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # fp32 into the scan: the decay exp(dt * A) is near 1
         A = -torch.exp(self.A_log.float())
         y = ssd_scan(xs, dt, A, Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N), cu_seqlens=cu_seqlens,
-                     chunk=c.chunk, kernel=kernel or c.kernel)  # fmt: skip
+                     chunk=c.chunk, kernel=kernel or c.kernel, cu_seqlens_validated=ctx is not None)  # fmt: skip
         y = y + xs * self.D.to(xs.dtype)[:, None]
         y = y.reshape(B, T, H * P) * F.silu(z)
         return self.out_proj(self.norm(y))
