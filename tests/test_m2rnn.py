@@ -9,7 +9,7 @@ import torch
 
 import megacpp_lab.kernels.m2rnn as m2k
 from megacpp_lab.data import boundary_windows, load_sample
-from megacpp_lab.kernels.m2rnn import _torch_m2rnn_forward, m2rnn_scan, resolve_kernel
+from megacpp_lab.kernels.m2rnn import m2rnn_scan_reference, m2rnn_scan, resolve_kernel
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, M2RNNMegatronMixer
 from megacpp_lab.testing import check_leaks
 
@@ -53,7 +53,7 @@ def test_reference_gradcheck_fp64():
     h0 = torch.randn(B, H, K, V, generator=g, dtype=torch.float64, requires_grad=True)
     reset = torch.tensor([[True, False, True, False]])
     idx = torch.zeros(B, S, dtype=torch.long)
-    fn = lambda q, k, v, f, W, h0: _torch_m2rnn_forward(q, k, v, f, W, h0, reset, idx)
+    fn = lambda q, k, v, f, W, h0: m2rnn_scan_reference(q, k, v, f, W, h0, reset, idx)
     assert torch.autograd.gradcheck(fn, (*args, f, W, h0))
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from megacpp_lab.model.precision import MixedPrecision, apply_mixed_precision, fp32_contract
-from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, _softplus_decay_gate
+from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, softplus_decay_gate
 
 
 def _m2rnn(**kw) -> M2RNN:
@@ -63,7 +63,7 @@ def test_tripwire_blanket_bf16_cast_breaks_the_decay_path_and_the_wrapper_keeps_
     # long memory: 1 - f ~ 1e-3, where bf16 rounding of A_log / dt_bias is a percent-level error of the rate
     layer = _m2rnn(dt_min=1e-4, dt_max=1e-3, dt_init_floor=1e-5)
     decay = torch.zeros(2)
-    rate = lambda m: 1 - _softplus_decay_gate(decay, m.A_log, m.dt_bias)  # noqa: E731
+    rate = lambda m: 1 - softplus_decay_gate(decay, m.A_log, m.dt_bias)  # noqa: E731
     exact = rate(layer).detach()
     blanket = copy.deepcopy(layer).to(torch.bfloat16)
     wrapped = apply_mixed_precision(copy.deepcopy(layer))

@@ -237,10 +237,10 @@ def bench_kv_cache(*, small: bool = False, dtype: torch.dtype = torch.bfloat16, 
             out = layer.decode(x, cache, 0, absorbed=absorbed)  # the whole prefix in one step: causal within it
             results.append({"contender": f"decode ({'absorbed' if absorbed else 'expanded'}) vs forward",
                             "max_abs_err": float((out - full).abs().max())})  # fmt: skip
-        q_lat, c_lat, k_pe = layer._down(x)
-        q = layer._q_up_rope(q_lat, None)
+        q_lat, c_lat, k_pe = layer.down_proj(x)
+        q = layer.q_up_rope(q_lat, None)
         c = layer.kv_norm(c_lat)
-        pe = layer._rope(k_pe.unsqueeze(2).contiguous(), 0, None)[:, :, 0]
+        pe = layer.rope(k_pe.unsqueeze(2).contiguous(), 0, None)[:, :, 0]
 
         def attend(c_rows: torch.Tensor, pe_rows: torch.Tensor) -> torch.Tensor:
             """Absorbed attention of every query over the cache rows (causal): [B,T,H,d_v]."""

@@ -36,7 +36,7 @@ _INTERPRETED = tl.constexpr(TRITON_INTERPRET)
 
 
 @torch.compiler.disable
-def _torch_m2rnn_forward(
+def m2rnn_scan_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -452,7 +452,7 @@ def m2rnn_scan(
             if h0 is None:
                 h0 = torch.zeros((context.n_seqs, H, K, V), device=q.device, dtype=torch.float32)
             _check("h0", h0, (context.n_seqs, H, K, V))
-            return _torch_m2rnn_forward(q, k, v, f, W, h0, context.starts, context.seq_index.view(B, S), grad_clip)
+            return m2rnn_scan_reference(q, k, v, f, W, h0, context.starts, context.seq_index.view(B, S), grad_clip)
         N = B * S
         y = _scan(q.reshape(1, N, H, K), k.reshape(1, N, H, K), v.reshape(1, N, H, V), f.reshape(1, N, H), W, h0,
                   context.cu_seqlens, context.starts.reshape(1, N), context.seq_index.view(1, N), chunk, grad_clip,
@@ -502,7 +502,7 @@ def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W:
         _check("h0", h0, (P, H, K, V))
     which = resolve_kernel(kernel, dev)
     if which == "reference":
-        return _torch_m2rnn_forward(q, k, v, f, W, h0, reset2d, h0_index, grad_clip)
+        return m2rnn_scan_reference(q, k, v, f, W, h0, reset2d, h0_index, grad_clip)
     if q.dtype == torch.float64:
         raise ValueError("the Triton kernel takes float32, bfloat16 or float16 inputs; float64 is for kernel='reference'")
     # no generator expression: dynamo on torch 2.11 cannot trace one under fullgraph

@@ -2,7 +2,7 @@
 
     x -> input_proj -> [q k v | decay input | output gate]
       -> doc-masked causal conv1d + SiLU over q, k, v
-      -> f = exp(-A * softplus(decay + dt_bias))                      (_softplus_decay_gate)
+      -> f = exp(-A * softplus(decay + dt_bias))                      (softplus_decay_gate)
       -> recurrence (megacpp_lab.kernels.m2rnn: Triton by default on a GPU)
       -> + v * D  -> * SiLU(gate) -> RMSNorm -> output_proj
 
@@ -93,7 +93,7 @@ class M2RNNConfig:
         return build_config(cls, source, overrides, prefix="m2rnn", aliases=aliases, required=("d_model", "n_heads"))
 
 
-def _softplus_decay_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+def softplus_decay_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """Forget factor f = exp(-A * softplus(x + dt_bias)) in (0, 1), A = exp(A_log) > 0, in fp32."""
     return torch.exp(-torch.exp(A_log.float()) * F.softplus(x.float() + dt_bias.float()))
 
@@ -154,7 +154,7 @@ class M2RNN(nn.Module):
         q = q.reshape(B, S, H, K) / math.sqrt(K)
         k = k.reshape(B, S, H, K) / math.sqrt(K)
         v = v.reshape(B, S, H, V)
-        f = _softplus_decay_gate(decay, self.A_log, self.dt_bias)  # fp32 into the scan: bf16 would round f near 1
+        f = softplus_decay_gate(decay, self.A_log, self.dt_bias)  # fp32 into the scan: bf16 would round f near 1
         y = m2rnn_scan(
             q, k, v, f, self.W.to(q.dtype), doc_ids=doc_ids, cu_seqlens=cu_seqlens, context=ctx, chunk=c.chunk,
             grad_clip=c.gradient_clipping, kernel=kernel or c.kernel,

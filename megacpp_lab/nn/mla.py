@@ -322,7 +322,7 @@ class MultiLatentAttention(nn.Module):
                 raise RuntimeError("rope_impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")
         return impl == "triton"
 
-    def _down(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def down_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
         if c.fused_down_proj:
             return self.w_dqkv(x).split((c.q_lora_rank, c.kv_lora_rank, c.d_rope), dim=-1)
@@ -330,19 +330,19 @@ class MultiLatentAttention(nn.Module):
         c_lat, k_pe = self.w_dkv(x).split((c.kv_lora_rank, c.d_rope), dim=-1)
         return q_lat, c_lat, k_pe
 
-    def _q_up_rope(self, q_lat: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def q_up_rope(self, q_lat: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         c = self.config
         B, T = q_lat.shape[:2]
         q = self.w_uq(self.q_norm(q_lat)).view(B, T, c.n_heads, c.d_nope + c.d_rope)
-        return self._rope(q, c.d_nope, positions)
+        return self.rope(q, c.d_nope, positions)
 
-    def _rope(self, x: torch.Tensor, d_nope: int, positions: torch.Tensor | None) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, d_nope: int, positions: torch.Tensor | None) -> torch.Tensor:
         """Partial RoPE of x [B,T,H,d_nope+d_rope]: the Triton kernel (in place) or the reference."""
         if self._use_triton(x.device):
             return mla_rope_q_(x, self.rope_cos, self.rope_sin, d_nope, positions=positions)
         return mla_rope_q_reference(x, self.rope_cos, self.rope_sin, d_nope, positions=positions)
 
-    def _kv_up_rope(self, x: torch.Tensor, c_lat: torch.Tensor, k_pe: torch.Tensor,
+    def kv_up_rope(self, x: torch.Tensor, c_lat: torch.Tensor, k_pe: torch.Tensor,
                     positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         c = self.config
         B, T = c_lat.shape[:2]
@@ -410,15 +410,15 @@ class MultiLatentAttention(nn.Module):
             raise ValueError(f"doc_ids must be [B, T] = {(B, T)}, got {tuple(doc_ids.shape)}")
         if positions is not None and positions.shape != (B, T):
             raise ValueError(f"positions must be [B, T] = {(B, T)}, got {tuple(positions.shape)}")
-        q_lat, c_lat, k_pe = self._down(x)
+        q_lat, c_lat, k_pe = self.down_proj(x)
         if c.recompute_q_upproj and torch.is_grad_enabled():
-            q = checkpoint(self._q_up_rope, q_lat, positions, use_reentrant=False)
+            q = checkpoint(self.q_up_rope, q_lat, positions, use_reentrant=False)
         else:
-            q = self._q_up_rope(q_lat, positions)
+            q = self.q_up_rope(q_lat, positions)
         if c.recompute_kv_upproj and torch.is_grad_enabled():
-            key, value = checkpoint(self._kv_up_rope, x, c_lat, k_pe, positions, use_reentrant=False)
+            key, value = checkpoint(self.kv_up_rope, x, c_lat, k_pe, positions, use_reentrant=False)
         else:
-            key, value = self._kv_up_rope(x, c_lat, k_pe, positions)
+            key, value = self.kv_up_rope(x, c_lat, k_pe, positions)
         out = self._attend(q, key, value, doc_ids, block_mask)
         return self.w_o(out.reshape(B, T, c.n_heads * c.d_v))
 
@@ -431,9 +431,9 @@ class MultiLatentAttention(nn.Module):
         B, T_new, _ = x.shape
         L = cache.length
         positions = (L + torch.arange(T_new, device=x.device)).expand(B, T_new)
-        q_lat, c_lat, k_pe = self._down(x)
-        q = self._q_up_rope(q_lat, positions)
-        pe = self._rope(k_pe.unsqueeze(2).clone(), 0, positions)  # the cached row: the Q-side kernel, H=1
+        q_lat, c_lat, k_pe = self.down_proj(x)
+        q = self.q_up_rope(q_lat, positions)
+        pe = self.rope(k_pe.unsqueeze(2).clone(), 0, positions)  # the cached row: the Q-side kernel, H=1
         c_all, pe_all = cache.update(layer, self.kv_norm(c_lat), pe)
         S = c_all.shape[1]
         visible = torch.arange(S, device=x.device)[None, :] <= positions[0][:, None]  # [T_new, S]
