@@ -12,7 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from megacpp_lab.varlen import doc_causal_block_mask
-from megacpp_lab.nn.mla import FLEX_PROVEN, MLAConfig, MultiLatentAttention, flex_refusal
+from megacpp_lab.nn.mla import FLEX_PROVEN, FlexNotProvenError, MLAConfig, MultiLatentAttention, flex_refusal
 
 SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=8, d_v=8, max_positions=256)
 # the MLA block of a real model: DeepSeek-V2-Lite-like ranks and head dims
@@ -98,8 +98,8 @@ def test_unproven_flex_configurations_are_refused_by_name() -> None:
     with torch.no_grad(), pytest.raises(NotImplementedError, match="not proven on cpu bfloat16 eager"):
         flex.to(torch.bfloat16)(x.bfloat16())
     with pytest.raises(NotImplementedError, match="not proven on cuda float32 compiled with gradients"):
-        raise NotImplementedError(flex_refusal(torch.device("cuda"), torch.float32, compiled=True, grad=True,
-                                               seq_len=256, has_block_mask=True))  # shared-memory overflow
+        raise FlexNotProvenError(flex_refusal(torch.device("cuda"), torch.float32, compiled=True, grad=True,
+                                              seq_len=256, has_block_mask=True))  # shared-memory overflow
     assert flex_refusal(torch.device("cuda"), torch.bfloat16, compiled=True, grad=True, seq_len=256,
                         has_block_mask=True) is None  # fmt: skip
     assert ("cuda", torch.bfloat16, True, False) in FLEX_PROVEN  # the configuration of the original bug

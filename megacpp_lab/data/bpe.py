@@ -32,6 +32,7 @@ from megacpp_lab.data.corpus import (
     torch_include_dir,
     update_manifest,
 )
+from megacpp_lab.data.tokenizer import decode_with_specials
 
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
 DEFAULT_VOCAB_SIZE = 32768
@@ -177,18 +178,7 @@ class BpeTokenizer:
         """Bytes decode as UTF-8 (invalid sequences replaced); specials print as <bos>/<eos>/<pad>."""
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         self._check_ids(ids)
-        out: list[str] = []
-        run = bytearray()
-        for i in ids:
-            if i >= 3:
-                run += self._bytes[i]
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run.clear()
-            if show_special:
-                out.append(SPECIAL_TOKENS[i])
-        out.append(run.decode("utf-8", errors="replace"))
-        return "".join(out)
+        return decode_with_specials(ids, self._bytes.__getitem__, dict(enumerate(SPECIAL_TOKENS)), show_special)
 
 
 def load_bpe(data_dir: str | Path | None = None) -> BpeTokenizer:

@@ -5,9 +5,28 @@ Ids 0..255 are raw bytes, then BOS, EOS and PAD. Every C++ source round-trips ex
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+
+def decode_with_specials(ids: list[int], piece: Callable[[int], bytes], specials: dict[int, str],
+                         show_special: bool) -> str:  # fmt: skip
+    """Text of checked ids: the bytes of each run of ordinary ids decode together as UTF-8 (invalid sequences
+    replaced, so a character split over tokens survives); a special id ends the run and prints its name."""
+    out: list[str] = []
+    run = bytearray()
+    for i in ids:
+        if i not in specials:
+            run += piece(i)
+            continue
+        out.append(run.decode("utf-8", errors="replace"))
+        run.clear()
+        if show_special:
+            out.append(specials[i])
+    out.append(run.decode("utf-8", errors="replace"))
+    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -37,20 +56,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int] | torch.Tensor, *, show_special: bool = True) -> str:
         """Bytes decode as UTF-8 (invalid sequences replaced); specials print as <bos>/<eos>/<pad>."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the byte tokenizer's vocab (0..{self.vocab_size - 1})")
         names = {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>"}
-        out: list[str] = []
-        run = bytearray()
-        for i in ids:
-            if 0 <= i < 256:
-                run.append(i)
-                continue
-            if i not in names:
-                raise ValueError(f"token id {i} is outside the byte tokenizer's vocab (0..{self.vocab_size - 1})")
-            out.append(run.decode("utf-8", errors="replace"))
-            run.clear()
-            if show_special:
-                out.append(names[i])
-        out.append(run.decode("utf-8", errors="replace"))
-        return "".join(out)
+        return decode_with_specials(ids, lambda i: bytes((i,)), names, show_special)

@@ -25,7 +25,7 @@ from torch import nn
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
 from megacpp_lab.varlen import PackedContext, resolve_doc_ids
 from megacpp_lab.nn.config_builder import build_config, config_error
-from megacpp_lab.nn.primitives import DocCausalDepthwiseConv
+from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, init_decay_params
 
 
 _fail = functools.partial(config_error, "M2RNNConfig")
@@ -70,14 +70,7 @@ class M2RNNConfig:
             raise _fail("gradient_clipping", "a finite float >= 0 (0 = off)", self.gradient_clipping)
         if not isinstance(self.residual, bool):
             raise _fail("residual", "a bool", self.residual)
-        lo, hi = self.A_init_range if len(self.A_init_range) == 2 else (None, None)
-        if lo is None or not 0 < lo <= hi:
-            raise _fail("A_init_range", "(lo, hi) with 0 < lo <= hi", self.A_init_range)
-        if not 0 < self.dt_min <= self.dt_max < 1:
-            bad = "dt_max" if 0 < self.dt_min <= self.dt_max else "dt_min"
-            raise _fail(bad, "0 < dt_min <= dt_max < 1", (self.dt_min, self.dt_max))
-        if not 0 < self.dt_init_floor <= self.dt_min:
-            raise _fail("dt_init_floor", f"in (0, dt_min={self.dt_min}]", self.dt_init_floor)
+        check_decay_init(self, _fail)
         if self.chunk < 1:
             raise _fail("chunk", "an int >= 1 (steps between stored states)", self.chunk)
         if self.kernel not in KERNELS:
@@ -114,11 +107,7 @@ class M2RNN(nn.Module):
         self.qkv_dim = H * (2 * K + V)
         self.input_proj = nn.Linear(c.d_model, self.qkv_dim + H + H * V, bias=False)
         self.conv = DocCausalDepthwiseConv(self.qkv_dim, c.conv_kernel) if c.conv_kernel else None
-        lo, hi = c.A_init_range
-        self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(lo, hi)))
-        dt = torch.exp(torch.rand(H) * (math.log(c.dt_max) - math.log(c.dt_min)) + math.log(c.dt_min))
-        dt = dt.clamp(min=c.dt_init_floor)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.A_log, self.dt_bias = init_decay_params(H, c)
         # spectral norm about 1: the state map starts near the edge of contraction, not chaotic
         self.W = nn.Parameter(torch.randn(H, V, V) * (0.5 / math.sqrt(V)))
         self.D = nn.Parameter(torch.ones(H, V)) if c.residual else None

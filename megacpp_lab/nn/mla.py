@@ -252,6 +252,10 @@ FLEX_PROVEN: frozenset[tuple[str, torch.dtype, bool, bool]] = frozenset(
 )  # fmt: skip
 
 
+class FlexNotProvenError(NotImplementedError):
+    """The flex path refuses a configuration no test has checked against sdpa (see flex_refusal)."""
+
+
 def flex_refusal(device: torch.device, dtype: torch.dtype, *, compiled: bool, grad: bool, seq_len: int,
                  has_block_mask: bool) -> str | None:  # fmt: skip
     """Why the flex path must not run this configuration, or None: it must be listed in FLEX_PROVEN and,
@@ -278,7 +282,7 @@ def flex_refusal(device: torch.device, dtype: torch.dtype, *, compiled: bool, gr
 def _refuse_compiled(reason: str) -> NoReturn:
     # Outside the graph on purpose: a raise traced inside it, without fullgraph, only breaks the graph, and
     # the layer then re-runs eagerly, where is_compiling() is False and nothing refuses.
-    raise NotImplementedError(reason)
+    raise FlexNotProvenError(reason)
 
 
 class MultiLatentAttention(nn.Module):
@@ -370,7 +374,7 @@ class MultiLatentAttention(nn.Module):
             if reason is not None:
                 if compiling:
                     _refuse_compiled(reason)
-                raise NotImplementedError(reason)
+                raise FlexNotProvenError(reason)
             if block_mask is None:
                 block_mask = doc_causal_block_mask(doc_ids, batch=q.shape[0], seq_len=q.shape[2], device=q.device)
             # the mask_mod indexes doc_ids by batch row: a broadcast batch-1 mask would read past them

@@ -1,9 +1,12 @@
-"""Shared pieces of the token mixers: the doc-masked causal depthwise conv, the parameter-free RMSNorm
-and the context gate (Engram, the hashed n-gram memory and M2RNN use them)."""
+"""Shared pieces of the token mixers: the doc-masked causal depthwise conv, the parameter-free RMSNorm,
+the context gate (Engram, the hashed n-gram memory and M2RNN use them) and the Mamba-style decay
+parameters with their config checks (M2RNN and SSD)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +14,8 @@ from torch import nn
 
 from megacpp_lab.varlen import doc_causal_shift, same_doc_as_lag
 
-__all__ = ["CONV_IMPLS", "DocCausalDepthwiseConv", "ParameterFreeRMSNorm", "context_gate"]
+__all__ = ["CONV_IMPLS", "DocCausalDepthwiseConv", "ParameterFreeRMSNorm", "check_decay_init", "context_gate",
+           "init_decay_params"]
 
 CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
 
@@ -83,3 +87,25 @@ class DocCausalDepthwiseConv(nn.Module):
 
     def extra_repr(self) -> str:
         return f"channels={self.weight.shape[0]}, kernel={self.kernel}, impl={self.impl}"
+
+
+def check_decay_init(config: Any, fail: Callable[[str, str, Any], Exception]) -> None:
+    """Fail closed on a config's A_init_range, dt_min, dt_max and dt_init_floor (fail names the field)."""
+    lo, hi = config.A_init_range if len(config.A_init_range) == 2 else (None, None)
+    if lo is None or not 0 < lo <= hi:
+        raise fail("A_init_range", "(lo, hi) with 0 < lo <= hi", config.A_init_range)
+    if not 0 < config.dt_min <= config.dt_max < 1:
+        bad = "dt_max" if 0 < config.dt_min <= config.dt_max else "dt_min"
+        raise fail(bad, "0 < dt_min <= dt_max < 1", (config.dt_min, config.dt_max))
+    if not 0 < config.dt_init_floor <= config.dt_min:
+        raise fail("dt_init_floor", f"in (0, dt_min={config.dt_min}]", config.dt_init_floor)
+
+
+def init_decay_params(n_heads: int, config: Any) -> tuple[nn.Parameter, nn.Parameter]:
+    """Mamba's decay initialisation, per head: A_log = log(A), A ~ U(A_init_range), and dt_bias =
+    softplus^-1(dt) with dt log-uniform in [dt_min, dt_max], floored at dt_init_floor."""
+    lo, hi = config.A_init_range
+    A_log = nn.Parameter(torch.log(torch.empty(n_heads).uniform_(lo, hi)))
+    dt = torch.exp(torch.rand(n_heads) * (math.log(config.dt_max) - math.log(config.dt_min)) + math.log(config.dt_min))
+    dt = dt.clamp(min=config.dt_init_floor)
+    return A_log, nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)

@@ -14,7 +14,6 @@ sits near 1, where bf16 would round it.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,7 @@ from torch import nn
 
 from megacpp_lab.kernels.ssd import KERNELS, ssd_scan
 from megacpp_lab.nn.config_builder import build_config, config_error
-from megacpp_lab.nn.primitives import DocCausalDepthwiseConv
+from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, init_decay_params
 from megacpp_lab.varlen import PackedContext, cu_seqlens_from_doc_ids, resolve_doc_ids
 
 __all__ = ["SSD", "SSDConfig"]
@@ -60,13 +59,7 @@ class SSDConfig:
             raise _fail("n_groups", f"a divisor of n_heads={self.n_heads}", self.n_groups)
         if isinstance(self.conv_kernel, bool) or not isinstance(self.conv_kernel, int) or not 0 <= self.conv_kernel <= 16:
             raise _fail("conv_kernel", "0 (no conv) or a kernel size in 1..16", self.conv_kernel)
-        lo, hi = self.A_init_range
-        if not 0 < lo <= hi:
-            raise _fail("A_init_range", "(lo, hi) with 0 < lo <= hi", self.A_init_range)
-        if not 0 < self.dt_min <= self.dt_max < 1:
-            raise _fail("dt_min" if not 0 < self.dt_min else "dt_max", "0 < dt_min <= dt_max < 1", (self.dt_min, self.dt_max))
-        if not 0 < self.dt_init_floor <= self.dt_min:
-            raise _fail("dt_init_floor", f"in (0, dt_min={self.dt_min}]", self.dt_init_floor)
+        check_decay_init(self, _fail)
         if self.kernel not in KERNELS:
             raise _fail("kernel", f"one of {KERNELS}", self.kernel)
         if not 0 < self.eps < 1:
@@ -94,11 +87,7 @@ class SSD(nn.Module):
         self.xbc_dim = H * P + 2 * G * N
         self.in_proj = nn.Linear(c.d_model, H * P + self.xbc_dim + H, bias=False)
         self.conv = DocCausalDepthwiseConv(self.xbc_dim, c.conv_kernel) if c.conv_kernel else None
-        lo, hi = c.A_init_range
-        self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(lo, hi)))
-        dt = torch.exp(torch.rand(H) * (math.log(c.dt_max) - math.log(c.dt_min)) + math.log(c.dt_min))
-        dt = dt.clamp(min=c.dt_init_floor)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.A_log, self.dt_bias = init_decay_params(H, c)
         self.D = nn.Parameter(torch.ones(H))
         self.norm = nn.RMSNorm(H * P, eps=c.eps)
         self.out_proj = nn.Linear(H * P, c.d_model, bias=False)
