@@ -80,12 +80,14 @@ def test_reference_resets_at_every_document_start():
 
 
 @pytest.mark.parametrize("layout", [PACKED, ROWS], ids=["packed_B1", "rows_B2"])
-@pytest.mark.parametrize("G", [1, 2], ids=["G1", "G2"])
+@pytest.mark.parametrize("G", [1, 2, 4], ids=["G1", "G2", "G=H"])
 def test_triton_matches_chunked_and_step_loop(layout, G, monkeypatch):
-    """Forward and every gradient; P=32 with 16-column P-blocks exercises the forward's P split."""
-    monkeypatch.setattr(ssd_mod, "FWD_BLOCK_P", 16)
+    """Forward and every gradient; P=N=32 with 16-wide blocks exercises the state passes' [P, N] split and
+    the output pass's P split; G=H takes the backward's direct (no per-head buffer) dB/dC path."""
+    for name in ("STATE_BLOCK_P", "STATE_BLOCK_N", "OUT_BLOCK_P"):
+        monkeypatch.setattr(ssd_mod, name, 16)
     B, T = layout["B"], layout["T"]
-    inputs = _inputs(B, T, 4, 32, 16, G)
+    inputs = _inputs(B, T, 4, 32, 32, G)
     cu = _cu(*layout["cu"])
     dy = torch.randn(B, T, 4, 32, device=DEVICE)
     got = _fwd_bwd(lambda *a: ssd_scan(*a, cu_seqlens=cu, chunk=16, kernel="triton"), inputs, dy)

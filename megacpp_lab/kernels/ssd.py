@@ -22,11 +22,12 @@ Three implementations, one contract:
   so inductor compiles it. A document start is a token whose log-decay is -inf: every segment sum
   that crosses it is -inf, its exp is exactly 0, so no state and no intra-chunk term crosses a
   boundary. Segment sums are formed by masked cumsums, never by differences (-inf - -inf is nan).
-- the Triton op (`megacpp::ssd_scan_fwd` / `megacpp::ssd_scan_bwd`): one program per
-  (document, head, block of P) walks its document's chunks in order, state [BP, N] in registers; each
-  chunk is the quadratic form (C B^T * L) (dt x) plus the carried state's contribution, with tl.dot.
-  The forward stores the state entering every chunk (fp32); the backward (one program per
-  (document, head), all of P) walks the chunks in reverse from those states.
+- the Triton op (`megacpp::ssd_scan_fwd` / `megacpp::ssd_scan_bwd`), Mamba-2's split into a short
+  sequential pass and a wide parallel one. Forward: (1) one program per (document, head, [P, N] block)
+  walks its document's chunks in order and stores the fp32 state entering each; (2) one program per
+  (chunk, head) forms y = (C B^T * L) u + exp(cs) C S^T with tl.dot, every chunk at once. Backward: (1)
+  the same sequential walk in reverse stores the gradient of the state leaving each chunk; (2) one
+  program per (chunk, head) forms every input gradient from the saved states and those gradients.
 """
 
 from __future__ import annotations
@@ -192,20 +193,36 @@ def ssd_chunked_torch(
 
 
 # ----------------------------------------------------------------------------- kernels
+#
+# Chunks never cross a document: document d's chunk k covers tokens [cu[d] + k*CHUNK, min(cu[d] + (k+1)*CHUNK,
+# cu[d+1])), and its saved state lives in slot cu[d] // CHUNK + d + k. That slot map is strictly increasing
+# over (d, k), needs no prefix sum over documents (no extra launch, no host sync), and stays below
+# B*T // CHUNK + D; the slots between two documents are gaps that no program reads.
 
 
 @triton.jit
-def _load_chunk(x_ptr, dt_ptr, b_ptr, c_ptr, c0, end, hd, g, H, G, A_h, rl, rp, rn,
-                P: tl.constexpr, N: tl.constexpr):  # fmt: skip
-    """One chunk's inputs (fp32, zero past `end`) and its in-chunk cumulative log-decay."""
-    t = c0 + rl
-    m = t < end
-    x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+def _slot_chunk(cu_ptr, slot, D, CHUNK: tl.constexpr):
+    """(first token, end token) of the chunk in `slot`; first >= end for a gap slot. Binary search over
+    documents for the last d whose first slot cu[d] // CHUNK + d is <= slot."""
+    lo = slot * 0
+    hi = lo + D
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go = tl.load(cu_ptr + mid) // CHUNK + mid <= slot
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    doc_start = tl.load(cu_ptr + lo)
+    first = doc_start + (slot - doc_start // CHUNK - lo) * CHUNK
+    return first, tl.minimum(first + CHUNK, tl.load(cu_ptr + lo + 1))
+
+
+@triton.jit
+def _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK: tl.constexpr):
+    """dt (fp32, 0 past the chunk's end), the in-chunk cumulative log-decay cs, and cs at the chunk's last
+    token (dt is 0 past the end, so the last row holds it; not a min, since dt*A may be > 0)."""
     dt = tl.load(dt_ptr + t * H + hd, mask=m, other=0.0).to(tl.float32)
-    Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    cs = tl.cumsum(dt * A_h, axis=0)  # past `end` dt = 0: cs stays at the last token's value
-    return t, m, x, dt, Bc, Cc, cs
+    cs = tl.cumsum(dt * A_h, axis=0)
+    return dt, cs, tl.sum(tl.where(rl == CHUNK - 1, cs, 0.0), axis=0)
 
 
 @triton.jit
@@ -216,123 +233,200 @@ def _decay_mask(cs, rl):
 
 
 @triton.jit
-def _ssd_fwd_kernel(
-    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, slot_ptr,
-    y_ptr, st_ptr,
+def _ssd_fwd_state_kernel(
+    x_ptr, dt_ptr, a_ptr, b_ptr, cu_ptr, st_ptr,
     H, G,
-    P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
+    """Pass 1 (sequential over one document's chunks, one [BP, BN] block of the state per program):
+    store the fp32 state entering every chunk; S' = exp(cs_last) S + (u * w)^T B, u = dt x,
+    w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset."""
     doc = tl.program_id(0)
     hd = tl.program_id(1)
-    pb = tl.program_id(2)
+    pb = tl.program_id(2) % (P // BP)
+    nb = tl.program_id(2) // (P // BP)
     g = hd // (H // G)
     start = tl.load(cu_ptr + doc)
     end = tl.load(cu_ptr + doc + 1)
-    slot = tl.load(slot_ptr + doc)
+    slot0 = start // CHUNK + doc
     A_h = tl.load(a_ptr + hd).to(tl.float32)
     rl = tl.arange(0, CHUNK)
     rp = pb * BP + tl.arange(0, BP)
-    rn = tl.arange(0, N)
-    S = tl.zeros((BP, N), dtype=tl.float32)  # zero at the document start: the reset
-    for c in range(0, tl.cdiv(end - start, CHUNK)):
-        if SAVE:  # the state entering chunk c, for the backward
-            tl.store(st_ptr + (((slot + c) * H + hd) * P + rp[:, None]) * N + rn[None, :], S)
-        t, m, x, dt, Bc, Cc, cs = _load_chunk(
-            x_ptr, dt_ptr, b_ptr, c_ptr, start + c * CHUNK, end, hd, g, H, G, A_h, rl, rp, rn, P, N
-        )
-        u = x * dt[:, None]
-        CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION) * _decay_mask(cs, rl)
-        y = tl.dot(CB, u, input_precision=PRECISION)
-        y += tl.exp(cs)[:, None] * tl.dot(Cc, tl.trans(S), input_precision=PRECISION)
-        tl.store(y_ptr + (t[:, None] * H + hd) * P + rp[None, :], y.to(y_ptr.dtype.element_ty), mask=m[:, None])
-        cs_last = tl.sum(tl.where(rl == CHUNK - 1, cs, 0.0), axis=0)  # the last token's value (dt is 0 past the end); not a min, since dt*A may be > 0
-        w = tl.exp(cs_last - cs)
-        S = tl.exp(cs_last) * S + tl.dot(tl.trans(u * w[:, None]), Bc, input_precision=PRECISION)
+    rn = nb * BN + tl.arange(0, BN)
+    S = tl.zeros((BP, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(end - start, CHUNK)):
+        tl.store(st_ptr + (((slot0 + k) * H + hd) * P + rp[:, None]) * N + rn[None, :], S)
+        t = start + k * CHUNK + rl
+        m = t < end
+        dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
+        Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0)
+        uw = (x.to(tl.float32) * (tl.exp(cs_last - cs) * dt)[:, None]).to(DOT)
+        S = tl.exp(cs_last) * S + tl.dot(tl.trans(uw), Bc.to(DOT), input_precision=PRECISION)
 
 
 @triton.jit
-def _ssd_bwd_kernel(
-    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, slot_ptr, st_ptr, dy_ptr,
-    dx_ptr, ddt_ptr, da_ptr, db_ptr, dc_ptr,
-    H, G,
-    P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+def _ssd_fwd_output_kernel(
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr,
+    H, G, D,
+    P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr,
 ):  # fmt: skip
-    # per chunk, with u = dt x, L the decay mask, cs the in-chunk cumulative log-decay, S the entering
-    # state, dS the gradient of the leaving state, w_j = exp(cs_last - cs_j):
-    #   y = (C B^T * L) u + exp(cs) * (C S^T);   S' = exp(cs_last) S + (u * w)^T B
+    """Pass 2 (every chunk at once): y = (C B^T * L) u + exp(cs) * (C S^T), S the saved entering state."""
+    slot = tl.program_id(0)
+    hd = tl.program_id(1)
+    rp = tl.program_id(2) * BP + tl.arange(0, BP)
+    first, end = _slot_chunk(cu_ptr, slot, D, CHUNK)
+    if first < end:
+        g = hd // (H // G)
+        A_h = tl.load(a_ptr + hd).to(tl.float32)
+        rl = tl.arange(0, CHUNK)
+        rn = tl.arange(0, N)
+        t = first + rl
+        m = t < end
+        dt, cs, _ = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
+        Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+        Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+        S = tl.load(st_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
+        CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION) * _decay_mask(cs, rl)
+        u = (x.to(tl.float32) * dt[:, None]).to(DOT)
+        y = tl.dot(CB.to(DOT), u, input_precision=PRECISION)
+        # the state term in fp32 operands (tf32 tensor cores for 16-bit inputs): the state is kept at fp32
+        y += tl.exp(cs)[:, None] * tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)
+        tl.store(y_ptr + (t[:, None] * H + hd) * P + rp[None, :], y.to(y_ptr.dtype.element_ty), mask=m[:, None])
+
+
+@triton.jit
+def _ssd_bwd_state_kernel(
+    dy_ptr, dt_ptr, a_ptr, c_ptr, cu_ptr, dst_ptr,
+    H, G,
+    P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Backward pass 1 (sequential, chunks in reverse): store dS', the gradient of the state leaving every
+    chunk; the gradient of the entering state is exp(cs_last) dS' + sum_i exp(cs_i) dy_i C_i^T."""
     doc = tl.program_id(0)
     hd = tl.program_id(1)
+    pb = tl.program_id(2) % (P // BP)
+    nb = tl.program_id(2) // (P // BP)
     g = hd // (H // G)
     start = tl.load(cu_ptr + doc)
     end = tl.load(cu_ptr + doc + 1)
-    slot = tl.load(slot_ptr + doc)
+    slot0 = start // CHUNK + doc
     A_h = tl.load(a_ptr + hd).to(tl.float32)
     rl = tl.arange(0, CHUNK)
-    rp = tl.arange(0, P)
-    rn = tl.arange(0, N)
-    dS = tl.zeros((P, N), dtype=tl.float32)
-    dA = tl.zeros((CHUNK,), dtype=tl.float32)
+    rp = pb * BP + tl.arange(0, BP)
+    rn = nb * BN + tl.arange(0, BN)
+    dS = tl.zeros((BP, BN), dtype=tl.float32)  # nothing leaves the last chunk: the next document starts at zero
     n_chunks = tl.cdiv(end - start, CHUNK)
-    for cc in range(0, n_chunks):
-        c = n_chunks - 1 - cc
-        t, m, x, dt, Bc, Cc, cs = _load_chunk(
-            x_ptr, dt_ptr, b_ptr, c_ptr, start + c * CHUNK, end, hd, g, H, G, A_h, rl, rp, rn, P, N
-        )
-        S = tl.load(st_ptr + (((slot + c) * H + hd) * P + rp[:, None]) * N + rn[None, :])
-        dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        u = x * dt[:, None]
+    for kk in range(0, n_chunks):
+        k = n_chunks - 1 - kk
+        tl.store(dst_ptr + (((slot0 + k) * H + hd) * P + rp[:, None]) * N + rn[None, :], dS)
+        t = start + k * CHUNK + rl
+        m = t < end
+        dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
+        Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+        dye = (dy.to(tl.float32) * tl.exp(cs)[:, None]).to(DOT)
+        dS = tl.exp(cs_last) * dS + tl.dot(tl.trans(dye), Cc, input_precision=PRECISION)
+
+
+@triton.jit
+def _ssd_bwd_chunk_kernel(
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
+    dx_ptr, ddt_ptr, da_ptr, db_ptr, dc_ptr,
+    H, G, D,
+    P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Backward pass 2 (every chunk at once, all of P and N). Per chunk, with u = dt x, L the decay mask,
+    S the entering state, dS' the leaving state's gradient, w_j = exp(cs_last - cs_j):
+        y = (C B^T * L) u + exp(cs) * (C S^T);   S' = exp(cs_last) S + (u * w)^T B
+    dB and dC go to [B,T,H,N] (fp32 when G < H: the launcher sums each group's heads)."""
+    slot = tl.program_id(0)
+    hd = tl.program_id(1)
+    first, end = _slot_chunk(cu_ptr, slot, D, CHUNK)
+    if first >= end:
+        tl.store(da_ptr + slot * H + hd, 0.0)  # a gap slot: the launcher sums every slot
+    else:
+        g = hd // (H // G)
+        A_h = tl.load(a_ptr + hd).to(tl.float32)
+        rl = tl.arange(0, CHUNK)
+        rp = tl.arange(0, P)
+        rn = tl.arange(0, N)
+        t = first + rl
+        m = t < end
+        dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
+        lo = DOT
+        Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(lo)
+        Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(lo)
+        dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(lo)
+        S = tl.load(st_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
+        dS = tl.load(dst_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
+        xf = x.to(tl.float32)
+        u = xf * dt[:, None]
         Lm = _decay_mask(cs, rl)
-        cs_last = tl.sum(tl.where(rl == CHUNK - 1, cs, 0.0), axis=0)  # the last token's (past the end dt is 0); not a min: dt*A may be > 0
         w = tl.exp(cs_last - cs)
         ecs = tl.exp(cs)
         CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION)
-        dYU = tl.dot(dy, tl.trans(u), input_precision=PRECISION)  # [i, j] = dy_i . u_j
-        Q = tl.dot(Bc, tl.trans(dS), input_precision=PRECISION)  # [j] = dS B_j
-        CS = tl.dot(Cc, tl.trans(S), input_precision=PRECISION)  # [i] = S C_i
-        du = tl.dot(tl.trans(CB * Lm), dy, input_precision=PRECISION) + w[:, None] * Q
+        dYU = tl.dot(dy, tl.trans(u.to(lo)), input_precision=PRECISION)  # [i, j] = dy_i . u_j
+        # state terms in fp32 operands (tf32 for 16-bit inputs)
+        Q = tl.dot(Bc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)  # [j] = dS' B_j
+        CS = tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)  # [i] = S C_i
+        du = tl.dot(tl.trans((CB * Lm).to(lo)), dy, input_precision=PRECISION) + w[:, None] * Q
         LdYU = Lm * dYU
-        dC = tl.dot(LdYU, Bc, input_precision=PRECISION) + ecs[:, None] * tl.dot(dy, S, input_precision=PRECISION)
-        dB = tl.dot(tl.trans(LdYU), Cc, input_precision=PRECISION) + w[:, None] * tl.dot(u, dS, input_precision=PRECISION)
+        dC = tl.dot(LdYU.to(lo), Bc, input_precision=PRECISION)
+        dC += ecs[:, None] * tl.dot(dy.to(tl.float32), S, input_precision=PRECISION)
+        dB = tl.dot(tl.trans(LdYU.to(lo)), Cc, input_precision=PRECISION)
+        dB += w[:, None] * tl.dot(u, dS, input_precision=PRECISION)
         # gradient of the cumulative log-decay: +/- each exp(cs_i - cs_j), then the state terms
         Sm = LdYU * CB
         R = w * tl.sum(u * Q, axis=1)
-        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) + ecs * tl.sum(dy * CS, axis=1) - R
+        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) + ecs * tl.sum(dy.to(tl.float32) * CS, axis=1) - R
         to_last = tl.exp(cs_last) * tl.sum(tl.sum(dS * S, axis=1), axis=0) + tl.sum(R, axis=0)
         # cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every real token
         dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
-        ddt = tl.sum(du * x, axis=1) + dloga * A_h
-        dA += tl.where(m, dloga * dt, 0.0)
+        ddt = tl.sum(du * xf, axis=1) + dloga * A_h
+        tl.store(da_ptr + slot * H + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
         tl.store(dx_ptr + (t[:, None] * H + hd) * P + rp[None, :], (du * dt[:, None]).to(dx_ptr.dtype.element_ty),
                  mask=m[:, None])  # fmt: skip
         tl.store(ddt_ptr + t * H + hd, ddt.to(ddt_ptr.dtype.element_ty), mask=m)
-        # per head, fp32: the launcher sums the heads of each group
-        tl.store(db_ptr + (t[:, None] * H + hd) * N + rn[None, :], dB, mask=m[:, None])
-        tl.store(dc_ptr + (t[:, None] * H + hd) * N + rn[None, :], dC, mask=m[:, None])
-        dS = tl.exp(cs_last) * dS + tl.dot(tl.trans(dy * ecs[:, None]), Cc, input_precision=PRECISION)
-    tl.store(da_ptr + doc * H + hd, tl.sum(dA, axis=0))
+        tl.store(db_ptr + (t[:, None] * H + hd) * N + rn[None, :], dB.to(db_ptr.dtype.element_ty), mask=m[:, None])
+        tl.store(dc_ptr + (t[:, None] * H + hd) * N + rn[None, :], dC.to(dc_ptr.dtype.element_ty), mask=m[:, None])
 
 
 # ----------------------------------------------------------------------------- launchers and custom ops
 
-FWD_BLOCK_P = 64  # head-dim columns per forward program
-FWD_WARPS = 4
+# The sequential passes split the [P, N] state into blocks, one program each: more programs in flight.
+STATE_BLOCK_P = 64
+STATE_BLOCK_N = 64
+OUT_BLOCK_P = 64  # head-dim columns per forward-output program
+STATE_WARPS = 4
+OUT_WARPS = 4
 BWD_WARPS = 8
-# one stage: the chunk loop's loads are not multi-buffered. At P=64, N=128, chunk 64 the default
-# pipelining asked for 290-330 KB of shared memory on an H100 (limit 227 KB) and did not launch
-NUM_STAGES = 1
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """TF32 tensor cores for bf16/fp16 inputs (finer than the inputs' own rounding); IEEE fp32 for fp32."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _state_slots(cu_seqlens: torch.Tensor, chunk: int, total: int) -> tuple[torch.Tensor, int]:
-    """First saved-state slot of every document, and a slot count that bounds them (no host sync)."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    per = (lens + chunk - 1) // chunk
-    return (torch.cumsum(per, 0) - per).to(torch.int32), total // chunk + cu_seqlens.numel() - 1
+def _dot_types(dtype: torch.dtype) -> dict[str, object]:
+    """fp32 inputs: IEEE fp32 dots. 16-bit inputs: the dots take the inputs' own dtype (fp32 accumulation),
+    and the dots against the fp32 state run on TF32 tensor cores (finer than the inputs' rounding). The
+    Triton interpreter multiplies bf16 operands as raw integers, so under it every dot takes fp32 operands."""
+    dot = tl.float32 if TRITON_INTERPRET else _TL_DTYPES[dtype]
+    return {"PRECISION": "ieee" if dtype == torch.float32 else "tf32", "DOT": dot}
+
+
+def _n_slots(total: int, chunk: int, n_docs: int) -> int:
+    """A bound on the state slots (see the slot map above the kernels)."""
+    return total // chunk + n_docs
+
+
+def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int, int], int, int]:
+    bp, bn = min(STATE_BLOCK_P, P), min(STATE_BLOCK_N, N)
+    return (D, H, (P // bp) * (N // bn)), bp, bn
 
 
 @torch.library.custom_op("megacpp::ssd_scan_fwd", mutates_args=())
@@ -340,28 +434,33 @@ def ssd_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     cu_seqlens: torch.Tensor, chunk: int, save: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """y [B,T,H,P] and the fp32 state entering every chunk of every document (empty unless save).
+    """y [B,T,H,P] and the fp32 state entering every chunk of every document, by slot (empty unless save).
 
     Inputs contiguous, validated by the caller; cu_seqlens [D+1] int32 covers the flattened B*T tokens."""
     B, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
-    bp = min(FWD_BLOCK_P, P)
-    slots_at, n_slots = _state_slots(cu_seqlens, chunk, B * T)
-    y = torch.empty_like(x)
-    states = torch.empty((n_slots if save else 0, H, P, N), device=x.device, dtype=torch.float32)
-    _ssd_fwd_kernel[(D, H, P // bp)](
-        x, dt, A, Bm, Cm, cu_seqlens, slots_at, y, states if save else y, H, G,
-        P=P, N=N, BP=bp, CHUNK=chunk, SAVE=save, PRECISION=_precision(x.dtype), num_warps=FWD_WARPS,
-        num_stages=NUM_STAGES,
+    n_slots = _n_slots(B * T, chunk, D)
+    dots = _dot_types(x.dtype)
+    states = torch.empty((n_slots, H, P, N), device=x.device, dtype=torch.float32)
+    grid, bp, bn = _state_grid(D, H, P, N)
+    _ssd_fwd_state_kernel[grid](
+        x, dt, A, Bm, cu_seqlens, states, H, G,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, num_warps=STATE_WARPS,
     )  # fmt: skip
-    return y, states
+    y = torch.empty_like(x)
+    bp = min(OUT_BLOCK_P, P)
+    _ssd_fwd_output_kernel[(n_slots, H, P // bp)](
+        x, dt, A, Bm, Cm, cu_seqlens, states, y, H, G, D,
+        P=P, N=N, BP=bp, CHUNK=chunk, **dots, num_warps=OUT_WARPS,
+    )  # fmt: skip
+    return y, states if save else states.new_empty((0, H, P, N))
 
 
 @ssd_scan_fwd.register_fake
 def _(x, dt, A, Bm, Cm, cu_seqlens, chunk, save):
     B, T, H, P = x.shape
-    n_slots = B * T // chunk + cu_seqlens.shape[0] - 1
+    n_slots = _n_slots(B * T, chunk, cu_seqlens.shape[0] - 1)
     return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
 
 
@@ -374,18 +473,29 @@ def ssd_scan_bwd(
     B, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
-    slots_at, _ = _state_slots(cu_seqlens, chunk, B * T)
-    dx, ddt = torch.empty_like(x), torch.empty_like(dt)
-    dA = torch.empty((D, H), device=x.device, dtype=torch.float32)
-    dB = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
-    dC = torch.empty_like(dB)
-    _ssd_bwd_kernel[(D, H)](
-        x, dt, A, Bm, Cm, cu_seqlens, slots_at, states, dy.contiguous(), dx, ddt, dA, dB, dC, H, G,
-        P=P, N=N, CHUNK=chunk, PRECISION=_precision(x.dtype), num_warps=BWD_WARPS,
-        num_stages=NUM_STAGES,
+    n_slots = states.shape[0]
+    dots = _dot_types(x.dtype)
+    dy = dy.contiguous()
+    dstates = torch.empty_like(states)
+    grid, bp, bn = _state_grid(D, H, P, N)
+    _ssd_bwd_state_kernel[grid](
+        dy, dt, A, Cm, cu_seqlens, dstates, H, G,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, num_warps=STATE_WARPS,
     )  # fmt: skip
-    per_group = lambda t: t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype)
-    return dx, ddt, dA.sum(0).to(A.dtype), per_group(dB), per_group(dC)
+    dx, ddt = torch.empty_like(x), torch.empty_like(dt)
+    dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
+    if G == H:  # one head per group: the kernel writes the gradients in their own dtype
+        dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
+    else:
+        dB = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
+        dC = torch.empty_like(dB)
+    _ssd_bwd_chunk_kernel[(n_slots, H)](
+        x, dt, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dA, dB, dC, H, G, D,
+        P=P, N=N, CHUNK=chunk, **dots, num_warps=BWD_WARPS,
+    )  # fmt: skip
+    if G != H:
+        dB, dC = (t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype) for t in (dB, dC))
+    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC
 
 
 @ssd_scan_bwd.register_fake
