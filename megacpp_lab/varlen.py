@@ -307,6 +307,8 @@ def build_context(doc_ids: torch.Tensor, positions: torch.Tensor | None = None, 
     # contiguous: kernels index cu_seqlens by pointer arithmetic
     cu_seqlens = cu_seqlens_from_doc_ids(doc_ids) if cu_seqlens is None else cu_seqlens.contiguous()
     validate_packed_layout(doc_ids, positions, cu_seqlens)
+    # the document count changes every batch: one compiled graph for all of them, not one per count
+    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
     starts = doc_starts(doc_ids)
     host = cu_seqlens.cpu()
     return PackedContext(

@@ -153,6 +153,8 @@ def bench_help(name: str, capsys) -> str:
 HELP_MUST_SAY = {
     "engram": ("maxtext_depthwise", "xla_safe", "minimal", "T=4096, C=1024", "F.rms_norm"),
     "m2rnn": ("reference loop", "every 1, 16, 64", "S=4096, H=8, K=64, V=16"),
+    "ssd": ("chunk_simple_gla", "g_gamma", "torch.compile(ssd_chunked_torch)", "reference step loop",
+            "T=4096, H=16, N=128", "refused"),
     "mla": ("torch.compile of the torch", "copy of the same bytes", "TurboQuant", "PolarQuant", "kv_lora_rank=512"),
     "loss": ("materialised logits", "liger-kernel", "cut-cross-entropy", "filter_eps", "V=151552"),
     "dsa": ("einsum slab", "per-head stream", "fused Triton", "sq = sk = 4096"),
@@ -254,6 +256,34 @@ def test_bench_small_runs_without_setup_and_writes_only_under_build(tmp_path, na
         receipt = json.loads((tmp_path / next(p for p in written if p.name == r)).read_text())
         assert receipt["device"].startswith("CPU") or torch.cuda.is_available()
         assert receipt["subsystem"] == name
+
+
+@no_gpu
+def test_bench_ssd_small_records_what_it_did_not_measure():
+    """The --small SSD receipt: the Triton op and the step loop agree with the fp32 oracle (y and every
+    gradient), and what a CPU run cannot measure (torch.compile, fla, peak memory, so the whole bar) is
+    listed with its reason instead of a number."""
+    from megacpp_lab.bench import ssd
+
+    receipt = ssd.bench_ssd(ssd.SMALL_SHAPE, ssd.SMALL_REF_SHAPE, dtype=torch.float32, device="cpu",
+                            compile=False, rep=1, progress=False)  # fmt: skip
+    assert receipt["subsystem"] == "ssd" and receipt["name"] == "ssd_fwd_bwd"
+    rows = {r["contender"]: r for r in receipt["results"]}
+    assert {"triton", ssd.EAGER_CHUNKED, "reference step loop", "triton (at the step loop's shape)"} <= rows.keys()
+    for name in ("triton", "reference step loop", "triton (at the step loop's shape)"):
+        assert {"ms", "fwd_ms", "bwd_ms"} <= rows[name].keys()
+        assert rows[name]["max_abs_err"] < 1e-4, name
+        assert set(rows[name]["grad_rel_err"]) == {"x", "dt", "A", "Bm", "Cm"}
+        assert max(rows[name]["grad_rel_err"].values()) < 1e-4, (name, rows[name]["grad_rel_err"])
+    assert rows["reference step loop"]["shape"]["B"] == 1
+    skipped = {m["contender"]: m for m in receipt["not_measured"]}
+    assert skipped.keys() == {ssd.COMPILED, ssd.FLA, ssd.FLA_GAMMA}
+    assert all(m["status"] in ("not installed", "skipped") and m["reason"] for m in skipped.values())
+    assert receipt["meets_bar"] == {} and receipt["bar_not_measured"].keys() == ssd.BAR.keys()
+    lengths = receipt["cu_seqlens"]["lengths"]
+    B, T, docs = ssd.SMALL_SHAPE.B, ssd.SMALL_SHAPE.T, ssd.SMALL_SHAPE.docs
+    assert len(lengths) == B * docs and len(set(lengths)) > 1  # unequal documents ...
+    assert all(sum(lengths[b * docs : (b + 1) * docs]) == T for b in range(B))  # ... that fill each row exactly
 
 
 def build_twice(tmp_path: Path, *argv: str) -> tuple[Path, Path]:

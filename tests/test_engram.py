@@ -16,7 +16,7 @@ MODES = {"minimal": dict(gated=False, conv_kernel=0), "gated": dict(gated=True, 
 
 def _branch(mode: str, conv_impl: str = "maxtext_depthwise", C: int = 16, d: int = 8, seed: int = 0) -> EngramBranch:
     torch.manual_seed(seed)
-    cfg = EngramConfig(d_model=C, n_layers=4, bottleneck=d, conv_impl=conv_impl, **MODES[mode])
+    cfg = EngramConfig(d_model=C, bottleneck=d, conv_impl=conv_impl, **MODES[mode])
     branch = EngramBranch(cfg).double()
     # on purpose: the zero init makes the output constant, and check_leaks refuses a check that cannot fail
     nn.init.normal_(branch.out_proj.weight)
@@ -33,7 +33,7 @@ def _per_document(fn, x: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_minimal_mode_is_identity_at_step_zero():
-    cfg = EngramConfig(d_model=16, n_layers=2, bottleneck=8, gated=False, conv_kernel=0)
+    cfg = EngramConfig(d_model=16, bottleneck=8, gated=False, conv_kernel=0)
     branch = EngramBranch(cfg)
     h = torch.randn(2, 32, 16)
     out = branch(h, DOC_IDS)
@@ -169,7 +169,7 @@ def test_both_rmsnorms_collapse_past_the_fp32_range(device):
 
 
 def test_gated_branch_compiles_with_zero_graph_breaks():
-    cfg = EngramConfig(d_model=16, n_layers=2, bottleneck=8)
+    cfg = EngramConfig(d_model=16, bottleneck=8)
     branch = EngramBranch(cfg)
     x = torch.randn(2, 32, 16)
     explained = torch._dynamo.explain(branch)(x, DOC_IDS)
@@ -178,7 +178,7 @@ def test_gated_branch_compiles_with_zero_graph_breaks():
 
 def test_compiled_gated_branch_matches_eager_fwd_bwd():
     torch._dynamo.reset()
-    cfg = EngramConfig(d_model=32, n_layers=2, bottleneck=16)
+    cfg = EngramConfig(d_model=32, bottleneck=16)
     torch.manual_seed(0)
     branch = EngramBranch(cfg)
     nn.init.normal_(branch.out_proj.weight, std=0.1)
@@ -198,7 +198,7 @@ def test_compiled_gated_branch_matches_eager_fwd_bwd():
 
 
 def test_branch_rejects_bad_shapes():
-    branch = EngramBranch(EngramConfig(d_model=16, n_layers=2, bottleneck=8))
+    branch = EngramBranch(EngramConfig(d_model=16, bottleneck=8))
     with pytest.raises(ValueError, match=r"\[B,T,16\]"):
         branch(torch.randn(2, 8, 12))
     with pytest.raises(ValueError, match="doc_ids shape"):
@@ -209,7 +209,7 @@ def test_branch_rejects_bad_shapes():
 @pytest.mark.parametrize("impl", CONV_IMPLS)
 def test_gated_branch_bf16_on_gpu_matches_fp32_and_is_leak_free(impl):
     torch.manual_seed(0)
-    cfg = EngramConfig(d_model=256, n_layers=2, bottleneck=64, conv_impl=impl)
+    cfg = EngramConfig(d_model=256, bottleneck=64, conv_impl=impl)
     branch = EngramBranch(cfg).cuda()
     nn.init.normal_(branch.out_proj.weight, std=0.05)  # on purpose: with the zero init the leak check is vacuous
     tokens, doc_ids = _real_rows(T=512)
@@ -223,7 +223,7 @@ def test_gated_branch_bf16_on_gpu_matches_fp32_and_is_leak_free(impl):
 
 
 def test_branch_rejects_doc_ids_that_break_the_packed_contract():
-    branch = EngramBranch(EngramConfig(d_model=16, n_layers=2, bottleneck=8))
+    branch = EngramBranch(EngramConfig(d_model=16, bottleneck=8))
     h = torch.randn(1, 8, 16)
     with pytest.raises(ValueError, match=r"doc_ids go backwards at row 0, offset 3: 1 -> 0"):
         branch(h, torch.tensor([[0, 0, 1, 0, 0, 0, 0, 0]]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ ALLOWED = {
     "testing": {"varlen"},
     "data": {"varlen"},
     "nn": {"kernels", "store", "varlen"},
+    "model": {"nn", "kernels", "store", "data", "varlen"},
 }
 
 
@@ -55,3 +57,56 @@ def test_package_imports_only_what_the_design_allows(package: str) -> None:
             if not any(module == ok or module.startswith(f"{ok}.") for ok in ALLOWED[package]):
                 bad.append(f"{path.relative_to(PACKAGE.parent)} imports megacpp_lab.{module}")
     assert not bad, "\n".join(bad)
+
+
+def test_nn_never_imports_model() -> None:
+    """model/ may import nn/, never the other way round (a layer knows no model)."""
+    assert "model" not in ALLOWED["nn"]
+    bad = [f"{p.relative_to(PACKAGE.parent)} imports megacpp_lab.{m}" for p in sorted((PACKAGE / "nn").glob("*.py"))
+           for m in _imports(p) if m == "model" or m.startswith("model.")]  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+PUBLIC_API_PACKAGES = ("nn", "kernels", "model")
+
+
+def _api_modules() -> list[str]:
+    return [f"megacpp_lab.{pkg}" + ("" if path.stem == "__init__" else f".{path.stem}")
+            for pkg in PUBLIC_API_PACKAGES for path in sorted((PACKAGE / pkg).glob("*.py"))]  # fmt: skip
+
+
+def test_the_api_census_sees_every_module() -> None:
+    modules = _api_modules()
+    assert {"megacpp_lab.nn", "megacpp_lab.nn.engram", "megacpp_lab.kernels.m2rnn", "megacpp_lab.model.config"} <= set(modules)
+
+
+def test_every_module_of_nn_kernels_and_model_declares_its_public_api() -> None:
+    """Each module defines __all__; every name in it exists, is public and is listed once."""
+    problems = []
+    for name in _api_modules():
+        module = importlib.import_module(name)
+        api = getattr(module, "__all__", None)
+        if api is None:
+            problems.append(f"{name} defines no __all__")
+            continue
+        if not isinstance(api, (list, tuple)) or not all(isinstance(n, str) for n in api):
+            problems.append(f"{name}.__all__ must be a list of names, got {api!r}")
+            continue
+        problems += [f"{name}.__all__ names {n!r}, which the module does not define" for n in api if not hasattr(module, n)]
+        problems += [f"{name}.__all__ names the private {n!r}" for n in api if n.startswith("_")]
+        problems += [f"{name}.__all__ lists {n!r} twice" for n in sorted(set(api)) if api.count(n) > 1]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_api_check_can_fail(monkeypatch) -> None:
+    """The check above must catch a missing name and a private one."""
+    import megacpp_lab.nn.engram as engram
+
+    monkeypatch.setattr(engram, "__all__", [*engram.__all__, "no_such_name", "_fail"])
+    with pytest.raises(AssertionError) as caught:
+        test_every_module_of_nn_kernels_and_model_declares_its_public_api()
+    assert "'no_such_name', which the module does not define" in str(caught.value)
+    assert "the private '_fail'" in str(caught.value)
+    monkeypatch.delattr(engram, "__all__")
+    with pytest.raises(AssertionError, match="megacpp_lab.nn.engram defines no __all__"):
+        test_every_module_of_nn_kernels_and_model_declares_its_public_api()

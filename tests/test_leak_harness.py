@@ -227,7 +227,7 @@ def test_constant_output_is_refused(x, doc_ids, name, fn):
 def test_zero_init_engram_branch_is_refused_until_its_projection_is_set(doc_ids):
     """The case that passed before: Engram's zero out_proj made check_leaks report PASS."""
     torch.manual_seed(0)
-    branch = EngramBranch(EngramConfig(d_model=C, n_layers=1, bottleneck=4)).double().eval()
+    branch = EngramBranch(EngramConfig(d_model=C, bottleneck=4)).double().eval()
     h = torch.randn(B, T, C, dtype=torch.float64)
     with pytest.raises(VacuousCheckError, match=r"zero-initialised output projection"):
         check_leaks(branch, h, doc_ids)

@@ -1,7 +1,8 @@
 """MLA: config, training path (rope kernels vs reference, recompute flags, fused projections, leak
-harness, compile boundary), FusedDownNormUp, the compressed KV cache and decode."""
+harness, compile boundary), the packed context path, FusedDownNormUp, the compressed KV cache and decode."""
 
 from __future__ import annotations
+
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from megacpp_lab.nn.mla import (
     down_norm_up_reference,
 )
 from megacpp_lab.testing import check_leaks
+from megacpp_lab.varlen import PackedContext, build_context
+from megacpp_lab.testing import no_host_reads
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=8, d_v=8, max_positions=64)
@@ -113,6 +116,95 @@ def test_compiled_layer_has_no_graph_break() -> None:
     y = compiled(x, doc_ids)
     torch.testing.assert_close(y, layer(x, doc_ids), atol=1e-5, rtol=1e-5)
     y.sum().backward()
+    assert counter.frame_count == 1
+
+
+# ----------------------------------------------------------------------------- the packed context (ctx=)
+
+PACKED = [[0] * 5 + [1] * 4 + [2] * 7, [0] * 3 + [1] * 13]  # two rows, five documents
+
+
+def _ctx(doc_ids: list[list[int]]) -> PackedContext:
+    return build_context(torch.tensor(doc_ids, device=DEV))
+
+
+@pytest.mark.parametrize("rope_impl", ["triton", "reference"])
+@pytest.mark.parametrize("flags", [dict(), dict(recompute_kv_upproj=False, recompute_q_upproj=True)], ids=["default", "recompute_q"])
+def test_context_path_equals_the_doc_ids_path_forward_and_backward(rope_impl: str, flags: dict) -> None:
+    ctx = _ctx(PACKED)
+    x = torch.randn(2, 16, 32, device=DEV)
+    y_ids, g_ids = _grads(_layer(rope_impl=rope_impl, **flags), x, doc_ids=ctx.doc_ids, positions=ctx.positions)
+    y_ctx, g_ctx = _grads(_layer(rope_impl=rope_impl, **flags), x, ctx=ctx)
+    torch.testing.assert_close(y_ctx, y_ids, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_ctx, g_ids):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    y_ref, _ = _grads(_layer(rope_impl="reference", **flags), x, ctx=ctx)  # and the kernels' equal the reference's
+    torch.testing.assert_close(y_ctx, y_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_context_reaches_the_kernels_packed_thd_path(monkeypatch) -> None:
+    """With ctx the layer hands the context itself to both RoPE kernels (their packed thd path on its validated
+    cu_seqlens), not positions to re-check."""
+    import megacpp_lab.kernels.rope as R
+    import megacpp_lab.nn.mla as M
+
+    seen = []
+    for name in ("mla_rope_q_", "mla_rope_kv"):
+        real = getattr(R, name)
+        monkeypatch.setattr(M, name, lambda *a, _real=real, _name=name, **kw: seen.append((_name, kw)) or _real(*a, **kw))
+    ctx = _ctx(PACKED)
+    _layer(rope_impl="triton")(torch.randn(2, 16, 32, device=DEV), ctx=ctx).sum().backward()
+    assert {n for n, _ in seen} == {"mla_rope_q_", "mla_rope_kv"}
+    assert all(kw["ctx"] is ctx and kw.get("positions") is None and kw.get("cu_seqlens") is None for _, kw in seen)
+
+
+def test_context_path_reads_nothing_back_from_the_device_and_the_check_can_fail() -> None:
+    ctx = _ctx(PACKED)
+    x = torch.randn(2, 16, 32, device=DEV, requires_grad=True)
+    for flags in (dict(), dict(recompute_kv_upproj=False, recompute_q_upproj=True, kv_fused_down_norm_up=True)):
+        layer = _layer(rope_impl="triton", **flags)
+        with no_host_reads():
+            layer(x, ctx=ctx).square().sum().backward()
+    # bare doc_ids / positions are checked on every call: the same detector trips on that path
+    with pytest.raises(AssertionError, match="host read on the validated path"), no_host_reads():
+        layer(x, ctx.doc_ids, ctx.positions)
+
+
+def test_flex_attention_through_the_context_equals_sdpa() -> None:
+    """attn_impl='flex' takes the context's block mask (built once with it), sdpa its doc_ids."""
+    ctx = build_context(torch.tensor(PACKED, device=DEV), block_mask=True)
+    sdpa, flex = _layer(rope_impl="triton"), _layer(rope_impl="triton", attn_impl="flex")
+    flex.load_state_dict(sdpa.state_dict())
+    x = torch.randn(2, 16, 32, device=DEV)
+    with torch.no_grad():  # flex has no CPU backward (FLEX_PROVEN)
+        torch.testing.assert_close(flex(x, ctx=ctx), sdpa(x, ctx=ctx), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sdpa(x, ctx=ctx), sdpa(x, ctx.doc_ids, ctx.positions), atol=1e-5, rtol=1e-5)
+
+
+def test_context_path_fails_closed() -> None:
+    ctx = _ctx(PACKED)
+    layer = _layer(rope_impl="triton")
+    with pytest.raises(ValueError, match="not both"):
+        layer(torch.randn(2, 16, 32, device=DEV), ctx.doc_ids, ctx=ctx)
+    with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 16\)"):
+        layer(torch.randn(2, 12, 32, device=DEV), ctx=ctx)
+
+
+def test_compiled_layer_through_the_context_has_no_graph_break_and_one_graph_for_any_document_count() -> None:
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    layer = _layer(rope_impl="triton")
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    for doc_ids in (PACKED, [[0] * 16, [0] * 8 + [1] * 8], [[0] * 2 + [1] * 2 + [2] * 12, [0] * 3 + [1] * 4 + [2] * 4 + [3] * 5]):
+        ctx = _ctx(doc_ids)
+        # cu_seqlens change length with the document count: a dynamic dim, or dynamo recompiles once for it
+        torch._dynamo.maybe_mark_dynamic(ctx.cu_seqlens, 0)
+        x = torch.randn(2, 16, 32, device=DEV, requires_grad=True)
+        y = compiled(x, ctx=ctx)
+        torch.testing.assert_close(y, layer(x, ctx=ctx), atol=1e-5, rtol=1e-5)
+        y.sum().backward()
     assert counter.frame_count == 1
 
 

@@ -18,7 +18,7 @@ from megacpp_lab.nn.table_store import InProcessBackend
 from megacpp_lab.testing import check_leaks
 
 TOK = ByteTokenizer()
-CFG = NgramHashConfig(vocab_size=259, d_model=32, n_layers=4, pad_id=TOK.pad_id, max_ngram=4,
+CFG = NgramHashConfig(vocab_size=259, d_model=32, pad_id=TOK.pad_id, max_ngram=4,
                       heads_per_order=2, table_size=1009, head_dim=8)
 
 
@@ -121,8 +121,6 @@ def test_memory_rejects_out_of_vocab_tokens_and_bad_shapes():
         mem(torch.randn(1, 16, 32), tokens)
     with pytest.raises(ValueError, match="NgramHashMemory needs h"):
         mem(torch.randn(1, 16, 31), tokens.clamp(max=255))
-    with pytest.raises(ValueError, match="layer_id 3 is not in"):
-        NgramHashMemory(NgramHashConfig(**{**CFG.__dict__, "layers": (0, 1)}), layer_id=3)
 
 
 def test_hash_statistics_on_real_cpp():
@@ -196,7 +194,7 @@ def test_ngram_config_rejects_values_that_would_fail_later(bad):
         NgramHashConfig(**{**CFG.__dict__, **bad})
 
 
-@pytest.mark.parametrize("layer_id", [-1, 4, True])
-def test_memory_layer_id_in_range(layer_id):
-    with pytest.raises(ValueError, match=r"layer_id must be an int in \[0, n_layers=4\)"):
+@pytest.mark.parametrize("layer_id", [-1, 1.0, True])
+def test_memory_layer_id_is_an_int_at_least_0(layer_id):
+    with pytest.raises(ValueError, match=r"layer_id must be an int >= 0"):
         NgramHashMemory(CFG, layer_id=layer_id)

@@ -1,7 +1,9 @@
 """RoPE kernels against the torch reference: MLA Q side, MLA KV side, generic GQA; forward and backward;
-bthd, packed thd (cu_seqlens) and explicit positions. CPU runs the kernels under TRITON_INTERPRET=1."""
+bthd, packed thd (cu_seqlens, or a validated PackedContext) and explicit positions. CPU runs the kernels
+under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
+
 
 import pytest
 import torch
@@ -10,11 +12,14 @@ from megacpp_lab.kernels.rope import (
     mla_rope_kv,
     mla_rope_kv_reference,
     mla_rope_q_,
+    mla_rope_q_op,
     mla_rope_q_reference,
     rope_qk_,
     rope_qk_reference,
 )
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
+from megacpp_lab.varlen import build_context
+from megacpp_lab.testing import no_host_reads
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -150,6 +155,10 @@ def test_bad_inputs_fail_closed() -> None:
         mla_rope_q_(torch.randn(2, 8, 2, 12, device=DEV).transpose(1, 2), cos, sin, 4)
     with pytest.raises(ValueError, match="needs cu_seqlens or positions"):
         mla_rope_q_(q.view(8, 2, 12).clone(), cos, sin, 4)
+    with pytest.raises(ValueError, match=r"d_rope / 2 must be a power of two"):  # was a Triton error deep in the launch
+        mla_rope_q_(torch.randn(1, 8, 2, 16, device=DEV), *rope_cos_sin(8, 12, device=DEV), 4)
+    with pytest.raises(ValueError, match=r"head dim D / 2 must be a power of two"):
+        rope_qk_(torch.randn(1, 8, 2, 12, device=DEV), torch.randn(1, 8, 1, 12, device=DEV), *rope_cos_sin(8, 12, device=DEV))
     with pytest.raises(ValueError, match="k_pe must be"):
         mla_rope_kv(torch.randn(1, 8, 2, 8, device=DEV), torch.randn(1, 7, 8, device=DEV), cos, sin, 4)
     if DEV == "cpu":  # value checks run on the host for CPU tensors (device asserts on the GPU)
@@ -157,6 +166,176 @@ def test_bad_inputs_fail_closed() -> None:
             mla_rope_q_(q.clone(), cos, sin, 4, positions=torch.tensor([0, 1, 2, 9, 0, 1, 2, 3]))
         with pytest.raises(ValueError, match="cu_seqlens must rise"):
             mla_rope_q_(q.view(8, 2, 12).clone(), cos, sin, 4, cu_seqlens=torch.tensor([0, 5, 7], dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------- a validated PackedContext
+
+
+def _packed(B: int = 2, T: int = 12):
+    """A context over B rows of packed documents (one crosses no row: rows always start a document)."""
+    doc_ids = torch.tensor([[0] * 5 + [1] * 4 + [2] * (T - 9), [0] * 3 + [1] * (T - 3)][:B], device=DEV)
+    return build_context(doc_ids)
+
+
+@pytest.mark.parametrize("layout", ["bthd", "thd"])
+def test_context_path_equals_the_checked_cu_seqlens_path_and_the_reference(layout: str) -> None:
+    B, T, H, dn, dr, dv, rank = 2, 12, 3, 8, 8, 4, 16
+    ctx = _packed(B, T)
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(T, dr))
+    shape = (lambda *rest: (B, T, *rest)) if layout == "bthd" else (lambda *rest: (B * T, *rest))
+    x, gq = torch.randn(shape(H, dn + dr), device=DEV), torch.randn(shape(H, dn + dr), device=DEV)
+    outs = {}
+    for name, kw in (("ctx", {"ctx": ctx}), ("cu_seqlens", {"cu_seqlens": ctx.cu_seqlens})):
+        leaf = x.clone().requires_grad_()
+        y = mla_rope_q_(leaf * 1.0, cos, sin, dn, **kw)
+        y.backward(gq)
+        outs[name] = (y.detach(), leaf.grad)
+    xr = x.clone().requires_grad_()
+    ref = mla_rope_q_reference(xr, cos, sin, dn, positions=ctx.positions)
+    ref.backward(gq)
+    for got in outs.values():
+        torch.testing.assert_close(got[0], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[1], xr.grad, atol=1e-5, rtol=1e-5)
+    kv, lat = torch.randn(shape(H, dn + dv), device=DEV), torch.randn(shape(rank + dr), device=DEV)
+    gk, gv = torch.randn(shape(H, dn + dr), device=DEV), torch.randn(shape(H, dv), device=DEV)
+    grads = []
+    for fn, kw in ((mla_rope_kv_reference, {"positions": ctx.positions}), (mla_rope_kv, {"ctx": ctx})):
+        a, b = kv.clone().requires_grad_(), lat.clone().requires_grad_()
+        key, value = fn(a, b[..., rank:], cos, sin, dn, **kw)
+        ((key * gk).sum() + (value * gv).sum()).backward()
+        grads.append((key.detach(), value.detach(), a.grad, b.grad))
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    cos_g, sin_g = (t.to(DEV) for t in rope_cos_sin(T, 16))
+    q, k = torch.randn(shape(4, 16), device=DEV), torch.randn(shape(2, 16), device=DEV)
+    rq, rk = rope_qk_reference(q, k, cos_g, sin_g, positions=ctx.positions)
+    oq, ok = rope_qk_(q.clone(), k.clone(), cos_g, sin_g, ctx=ctx)
+    torch.testing.assert_close(oq, rq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ok, rk, atol=1e-5, rtol=1e-5)
+
+
+def test_context_path_reads_nothing_back_and_the_detector_can_fail() -> None:
+    ctx = _packed()
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(12, 8))
+    q = torch.randn(2, 12, 3, 16, device=DEV, requires_grad=True)
+    kv = torch.randn(2, 12, 3, 12, device=DEV, requires_grad=True)
+    pe = torch.randn(2, 12, 8, device=DEV, requires_grad=True)
+    qg, kg = torch.randn(2, 12, 4, 8, device=DEV, requires_grad=True), torch.randn(2, 12, 2, 8, device=DEV, requires_grad=True)
+    with no_host_reads():  # forward and backward of all three public calls
+        y = mla_rope_q_(q * 1.0, cos, sin, 8, ctx=ctx)
+        key, value = mla_rope_kv(kv, pe, cos, sin, 8, ctx=ctx)
+        a, b = rope_qk_(qg * 1.0, kg * 1.0, cos, sin, ctx=ctx)
+        (y.sum() + key.sum() + value.sum() + a.sum() + b.sum()).backward()
+    # the same calls given bare cu_seqlens check their values on every call: the detector sees it
+    for call in (lambda: mla_rope_q_(q.detach().clone(), cos, sin, 8, cu_seqlens=ctx.cu_seqlens),
+                 lambda: mla_rope_kv(kv.detach(), pe.detach(), cos, sin, 8, cu_seqlens=ctx.cu_seqlens),
+                 lambda: rope_qk_(qg.detach().clone(), kg.detach().clone(), cos, sin, positions=ctx.positions)):  # fmt: skip
+        with pytest.raises(AssertionError, match="host read on the validated path"), no_host_reads():
+            call()
+    # a backward reuses what its forward checked: checked once, outside, then no read in the backward
+    y = mla_rope_q_(q * 1.0, cos, sin, 8, cu_seqlens=ctx.cu_seqlens)
+    with no_host_reads():
+        y.sum().backward()
+
+
+def test_context_path_fails_closed_on_what_it_still_checks() -> None:
+    ctx = _packed()
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(12, 8))
+    q = torch.randn(2, 12, 3, 16, device=DEV)
+    with pytest.raises(ValueError, match="not both"):
+        mla_rope_q_(q.clone(), cos, sin, 8, ctx=ctx, cu_seqlens=ctx.cu_seqlens)
+    with pytest.raises(ValueError, match="not both"):
+        mla_rope_kv(torch.randn(2, 12, 3, 12, device=DEV), torch.randn(2, 12, 8, device=DEV), cos, sin, 8, ctx=ctx,
+                    positions=ctx.positions)  # fmt: skip
+    with pytest.raises(ValueError, match="does not hold the context's tokens"):
+        mla_rope_q_(torch.randn(2, 11, 3, 16, device=DEV), cos, sin, 8, ctx=ctx)
+    with pytest.raises(ValueError, match="does not hold the context's tokens"):
+        mla_rope_q_(torch.randn(23, 3, 16, device=DEV), cos, sin, 8, ctx=ctx)
+    with pytest.raises(ValueError, match="ctx must be a PackedContext"):
+        mla_rope_q_(q.clone(), cos, sin, 8, ctx=ctx.cu_seqlens)
+    # rows longer than the table: the context's host max_seqlen decides, nothing read from the device
+    short_cos, short_sin = (t.to(DEV) for t in rope_cos_sin(8, 8))
+    with pytest.raises(ValueError, match="a document of 9 tokens is longer than the cos/sin table"), no_host_reads():
+        mla_rope_q_(q.clone(), short_cos, short_sin, 8, ctx=ctx)  # documents of 5, 4, 3 | 3, 9 tokens
+    fits = build_context(torch.tensor([[0] * 6 + [1] * 6, [0] * 4 + [1] * 8], device=DEV))
+    with no_host_reads():
+        out = mla_rope_q_(q.clone(), short_cos, short_sin, 8, ctx=fits)
+    torch.testing.assert_close(out, mla_rope_q_reference(q, short_cos, short_sin, 8, positions=fits.positions))
+
+
+def test_ops_skip_value_checks_only_when_told_validated() -> None:
+    """The op is what the benchmark times as the kernel alone (validated=True); by default it checks."""
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(16, 8))
+    x = torch.randn(8, 2, 12, device=DEV)
+    bad = torch.tensor([0, 5, 7], dtype=torch.int32, device=DEV)  # ends short of the 8 tokens
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="cu_seqlens must rise"):
+            mla_rope_q_op(x.clone(), cos, sin, None, bad, 4, False)
+    good = torch.tensor([0, 5, 8], dtype=torch.int32, device=DEV)
+    y = x.clone()
+    with no_host_reads():
+        mla_rope_q_op(y, cos, sin, None, good, 4, False, validated=True)
+    torch.testing.assert_close(y, mla_rope_q_reference(x, cos, sin, 4, cu_seqlens=good))
+    with pytest.raises(ValueError, match="cu_seqlens must be 1-D int32"):  # structure is checked even when validated
+        mla_rope_q_op(x.clone(), cos, sin, None, good.long(), 4, False, validated=True)
+
+
+def test_strided_cu_seqlens_and_positions_are_read_by_value() -> None:
+    """The kernel indexes them by pointer: a strided view must reach it as its values, not its storage."""
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(16, 8))
+    x = torch.randn(12, 2, 12, device=DEV)
+    cu = torch.tensor([0, 99, 5, 99, 12, 99], dtype=torch.int32, device=DEV)[::2]
+    torch.testing.assert_close(mla_rope_q_(x.clone(), cos, sin, 4, cu_seqlens=cu),
+                               mla_rope_q_reference(x, cos, sin, 4, cu_seqlens=cu.contiguous()))  # fmt: skip
+    pos = torch.arange(24, device=DEV).view(12, 2)[:, 0] % 7
+    torch.testing.assert_close(mla_rope_q_(x.clone(), cos, sin, 4, positions=pos),
+                               mla_rope_q_reference(x, cos, sin, 4, positions=pos))  # fmt: skip
+
+
+def test_tripwire_backward_leaves_a_shared_incoming_gradient_alone() -> None:
+    """The backward used to rotate the incoming gradient in place. Autograd hands the same gradient tensor to
+    every branch of a sum, so a residual beside the rope (y = b + rope(q)) got a rotated gradient, and
+    rope_qk_ rotated q's and k's shared gradient twice: wrong gradients, no error."""
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(16, 8))
+    x, g = torch.randn(1, 8, 2, 16, device=DEV), torch.randn(1, 8, 2, 16, device=DEV)
+    grads = []
+    for fn in (mla_rope_q_reference, mla_rope_q_):
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = b * 2.0 + fn(a * 1.0, cos, sin, 8)  # b's branch runs its backward after the rope's
+        y.backward(g)
+        grads.append((a.grad, b.grad))
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    cos_g, sin_g = (t.to(DEV) for t in rope_cos_sin(16, 16))
+    grads = []
+    for fn in (rope_qk_reference, rope_qk_):
+        a, k = x.clone().requires_grad_(), x.clone().requires_grad_()
+        q2, k2 = fn(a * 1.0, k * 1.0, cos_g, sin_g)
+        (q2 + k2).backward(g)  # one gradient tensor for both
+        grads.append((a.grad, k.grad))
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_context_path_never_syncs() -> None:
+    ctx = build_context(torch.tensor([[0] * 1000 + [1] * 3096] * 2, device="cuda"))
+    cos, sin = (t.cuda() for t in rope_cos_sin(4096, 64))
+    q = torch.randn(2, 4096, 16, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(2, 4096, 16, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    pe = torch.randn(2, 4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mla_rope_q_(q.detach().clone(), cos, sin, 128, ctx=ctx)  # autotune outside the sync check
+    mla_rope_kv(kv, pe, cos, sin, 128, ctx=ctx)[0].sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = mla_rope_q_(q * 1.0, cos, sin, 128, ctx=ctx)
+        key, value = mla_rope_kv(kv, pe, cos, sin, 128, ctx=ctx)
+        (y.float().sum() + key.float().sum() + value.float().sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = mla_rope_q_reference(q.detach(), cos, sin, 128, positions=ctx.positions)
+    torch.testing.assert_close(y.detach(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.cuda

@@ -84,7 +84,7 @@ def test_reference_resets_at_every_document_start():
 def test_triton_matches_chunked_and_step_loop(layout, G, monkeypatch):
     """Forward and every gradient; P=N=32 with 16-wide blocks exercises the state passes' [P, N] split and
     the output pass's P split; G=H takes the backward's direct (no per-head buffer) dB/dC path."""
-    for name in ("STATE_BLOCK_P", "STATE_BLOCK_N", "OUT_BLOCK_P"):
+    for name in ("STATE_BLOCK_P", "STATE_BLOCK_N", "OUT_BLOCK_P", "BWD_BLOCK_N"):
         monkeypatch.setattr(ssd_mod, name, 16)
     B, T = layout["B"], layout["T"]
     inputs = _inputs(B, T, 4, 32, 32, G)
@@ -315,3 +315,17 @@ def test_fla_core_forward_agrees_with_the_oracle_where_installed():
     )  # fmt: skip
     want = ssd_chunked_torch(*(t.float() for t in (x, dt, A, Bm, Cm)), cu)
     assert (o.float() - want).abs().max().item() <= 5e-2
+
+
+def test_validated_cu_seqlens_take_no_host_read():
+    """A PackedContext's cu_seqlens are validated once per batch: the scan then reads nothing back to the host
+    (forward and backward), and the same call unvalidated does read them (the tripwire can fire)."""
+    from megacpp_lab.testing import no_host_reads
+
+    inputs = _inputs(1, 53, 2, 16, 16, 1)
+    cu = _cu(*PACKED["cu"])
+    with no_host_reads():
+        y = ssd_scan(*inputs, cu_seqlens=cu, chunk=16, kernel="triton", cu_seqlens_validated=True)
+        torch.autograd.grad(y, inputs, torch.ones_like(y))
+    with pytest.raises(AssertionError, match="host read"), no_host_reads():
+        ssd_scan(*inputs, cu_seqlens=cu, chunk=16, kernel="triton")

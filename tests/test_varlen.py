@@ -117,10 +117,10 @@ def test_engram_and_ngram_memory_through_the_context_equal_their_doc_ids_paths()
     doc_ids = torch.tensor(DOC_IDS, device=DEVICE)
     ctx = build_context(doc_ids)
     h = torch.randn(2, 8, 32, device=DEVICE)
-    branch = EngramBranch(EngramConfig(d_model=32, n_layers=2, bottleneck=8, gated=True, conv_kernel=4)).to(DEVICE)
+    branch = EngramBranch(EngramConfig(d_model=32, bottleneck=8, gated=True, conv_kernel=4)).to(DEVICE)
     torch.nn.init.normal_(branch.out_proj.weight, std=0.05)  # zero-init would make both sides 0
     torch.testing.assert_close(branch(h, ctx=ctx), branch(h, doc_ids), atol=0, rtol=0)
-    memory = NgramHashMemory(NgramHashConfig(vocab_size=259, d_model=32, n_layers=2, pad_id=258, layers=(0,),
+    memory = NgramHashMemory(NgramHashConfig(vocab_size=259, d_model=32, pad_id=258,
                                              table_size=101, head_dim=8), layer_id=0).to(DEVICE)  # fmt: skip
     tokens = torch.randint(0, 259, (2, 8), device=DEVICE)
     torch.testing.assert_close(memory(h, tokens, ctx=ctx), memory(h, tokens, doc_ids), atol=0, rtol=0)

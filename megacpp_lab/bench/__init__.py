@@ -82,6 +82,35 @@ the main shape in the committed receipt, timed twice; the S sweep took 12 s)."""
             triton_on_cpu=True,
         ),
         BenchCommand(
+            "ssd",
+            "megacpp_lab.bench.ssd",
+            "SSD scan: Triton op vs fla chunk_simple_gla, compiled chunked torch, the step loop",
+            """\
+SSD scan (ssd_scan, Mamba-2 scalar decay per head) over packed rows: the lab's Triton op against its
+peers, same inputs, same run.
+
+Shape: B=8, T=4096, H=16, N=128 (state), P=64 (head), G=16 groups of B/C, chunk 64, bf16 (dt and A
+in fp32, as the layer passes them), 8 documents of seeded-random lengths per row (cu_seqlens over the
+B*T tokens). Contenders: the Triton op (kernel="triton"); flash-linear-attention's chunk_simple_gla
+(fla-core, where installed: q=C, k=B, v=x*dt, g=dt*A, scale 1, varlen on one flattened row; a
+backward fla refuses, as its gated one on Hopper with triton 3.4 to 3.7.0, is recorded as refused with
+fla's message) and its g_gamma variant (one constant decay per head: a different, easier problem,
+labelled so); torch.compile(ssd_chunked_torch); the reference step loop at B=1, T=256 (beside the
+Triton op at that shape). Forward and forward+backward time, peak memory, y and per-input gradient
+error against ssd_chunked_torch in fp32, and pass/fail against the bar: Triton forward at most 1.25x
+fla's, forward+backward at least 3x faster than the compiled chunked path, at most half its peak
+memory. Sweep, Triton vs compiled chunked: T = 1024, 2048, 4096, 8192 at B*T fixed, 1 and 64
+documents per row, G=1.
+Receipts under <out>/<device-slug>/ssd/: ssd_fwd_bwd.json/.png, ssd_seq_sweep.json/.png,
+ssd_triton.*.pt.trace.json.
+Run time on an H100: not yet measured (no committed receipt); expected two to three minutes, mostly
+first calls: torch.compile of the chunked path (again for each new B, T or G), fla's autotuning. The
+receipts record elapsed_s, every compile_s and first_call_s.
+--small (CPU, Triton interpreter, B=2, T=32): about 20 s; fla and torch.compile are skipped (the
+chunked path runs eager), and the receipt says so.""",
+            triton_on_cpu=True,
+        ),
+        BenchCommand(
             "mla",
             "megacpp_lab.bench.mla",
             "MLA: RoPE kernels vs copy bandwidth, layer memory per flag, KV-cache quantisation",

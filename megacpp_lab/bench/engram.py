@@ -51,8 +51,6 @@ def packed_doc_ids(B: int, T: int, device: torch.device | str) -> torch.Tensor:
 def _branch(shape: EngramBenchShape, *, gated: bool, conv_impl: str, dtype: torch.dtype, device: str) -> EngramBranch:
     cfg = EngramConfig(
         d_model=shape.C,
-        n_layers=1,
-        layers=(0,),
         bottleneck=shape.bottleneck,
         gated=gated,
         conv_kernel=4 if gated else 0,

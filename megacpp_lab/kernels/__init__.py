@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+__all__ = ["TRITON_INTERPRET", "warn_at_caller"]
+
 # read once at import, for every kernel module: kernels run under the Triton interpreter (CPU tests)
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

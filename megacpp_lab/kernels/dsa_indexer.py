@@ -21,6 +21,15 @@ import triton.language as tl
 
 from megacpp_lab.kernels import TRITON_INTERPRET
 
+__all__ = [
+    "allowed_keys",
+    "indexer_scores",
+    "indexer_scores_backward_reference",
+    "indexer_scores_reference",
+    "indexer_scores_streaming",
+    "topk_keys",
+]
+
 
 
 def indexer_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,19 @@ import triton.language as tl
 
 from megacpp_lab.kernels import TRITON_INTERPRET, warn_at_caller
 
+__all__ = [
+    "BF16_FILTER_EPS",
+    "DEFAULT_CHUNK_BYTES",
+    "IMPLS",
+    "REDUCTIONS",
+    "block_filter_",
+    "default_chunk_size",
+    "fused_linear_cross_entropy",
+    "kept_block_fraction",
+    "linear_cross_entropy_reference",
+    "resolve_impl",
+]
+
 REDUCTIONS = ("mean", "sum")
 IMPLS = ("auto", "triton", "eager")
 # The one reused [C, V] logits/gradient buffer. 80 MiB gives C = 256 at V = 151552 in bf16: with dW (V x H)

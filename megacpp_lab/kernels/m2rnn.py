@@ -30,6 +30,16 @@ import triton.language as tl
 from megacpp_lab.kernels import TRITON_INTERPRET, warn_at_caller
 from megacpp_lab.varlen import PackedContext
 
+__all__ = [
+    "DEFAULT_KERNEL",
+    "KERNELS",
+    "m2rnn_scan",
+    "m2rnn_scan_bwd",
+    "m2rnn_scan_fwd",
+    "m2rnn_scan_reference",
+    "resolve_kernel",
+]
+
 _INTERPRETED = tl.constexpr(TRITON_INTERPRET)
 
 # ----------------------------------------------------------------------------- reference

@@ -10,21 +10,34 @@ with cos/sin tables [P, d/2] fp32 from `megacpp_lab.nn.rope_freqs.rope_cos_sin` 
 piecewise frequencies all feed the same tables). Each token's table row is its position:
 - "bthd": x is [B, T, H, D] (or [B*T, H, D] with seq_len=T) and the position is t;
 - "thd":  x is packed [N, H, D] and `cu_seqlens` [S+1] give the documents; the position is the
-  offset from the token's document start (the kernel binary-searches cu_seqlens);
+  offset from the token's document start (the kernel counts the document starts at or before the
+  token, or binary-searches cu_seqlens beyond COUNT_SEARCH_MAX_DOCS documents);
 - explicit `positions` [N] (e.g. packed rows in bthd whose positions reset at every document).
 
-Kernels:
-- MLA Q side (`mla_rope_q_`): rotates the last d_rope dims of each of H heads of q [*, H, d_nope+d_rope],
-  in place; its backward rotates dq in place. Autotuned over BLOCK_H (heads per program).
-- MLA KV side (`mla_rope_kv`): split + rope + broadcast + concat in one pass: from the up-projected
+Public calls (checked, differentiable): `mla_rope_q_`, `mla_rope_kv`, `rope_qk_`. Positions come as one of
+- nothing: bthd, the position is t;
+- `positions=` or `cu_seqlens=`: checked on every call (host checks for CPU tensors; device-side asserts,
+  no host sync, on a GPU);
+- `ctx=`, a `megacpp_lab.varlen.PackedContext` whose rows x holds: the packed thd path over its B*T
+  tokens with the context's cu_seqlens, validated once when the context was built. Nothing is checked or
+  derived again and nothing is read back from the device: only host metadata (shapes, device, the
+  context's host max_seqlen against the table).
+
+Kernels (`@triton.autotune`d, public so the benchmark can report the config autotune picked), each behind an
+opaque custom op (`torch.library.custom_op`: no graph break under torch.compile; the ops take the positions
+as given and check their values unless `validated=True`):
+- MLA Q side (`mla_rope_q_kernel`, op `mla_rope_q_op`): rotates the last d_rope dims of each of H heads of
+  q [*, H, d_nope+d_rope], in place; its backward rotates a copy of dq. Autotuned over BLOCK_H.
+- MLA KV side (`mla_rope_kv_fwd_kernel` / `mla_rope_kv_bwd_kernel`, ops `mla_rope_kv_fwd_op` /
+  `mla_rope_kv_bwd_op`): split + rope + broadcast + concat in one pass: from the up-projected
   kv [*, H, d_nope+d_v] and the single shared rope row k_pe [*, d_rope] it writes key
   [*, H, d_nope+d_rope] (the rotated row copied to every head); value is returned as a strided view of
   kv (attention reads it in place, so it is never copied). Its backward writes dkv (dk_nope and dv) and
   dk_pe (the heads' rope gradients summed, then rotated back) in one pass. It is not in place: the
   rotated row has to be broadcast into H heads, so an output buffer is written anyway. (Rotating the
   cached k_pe row in place, for decode, is the Q-side kernel with H=1.)
-- Generic full-head RoPE for Q and K with GQA (`rope_qk_`): head counts are constexpr, ROPE_GROUP_SIZE
-  heads per program share one cos/sin load, K heads beyond n_heads_k are skipped. In place.
+- Generic full-head RoPE for Q and K with GQA (`rope_qk_kernel`, op `rope_qk_op`): head counts are constexpr,
+  ROPE_GROUP_SIZE heads per program share one cos/sin load, K heads beyond n_heads_k are skipped. In place.
 """
 
 from __future__ import annotations
@@ -34,6 +47,28 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import TRITON_INTERPRET
+from megacpp_lab.varlen import PackedContext
+
+__all__ = [
+    "COUNT_SEARCH_MAX_DOCS",
+    "ROPE_GROUP_SIZE",
+    "mla_rope_kv",
+    "mla_rope_kv_bwd_kernel",
+    "mla_rope_kv_bwd_op",
+    "mla_rope_kv_fwd_kernel",
+    "mla_rope_kv_fwd_op",
+    "mla_rope_kv_reference",
+    "mla_rope_q_",
+    "mla_rope_q_kernel",
+    "mla_rope_q_op",
+    "mla_rope_q_reference",
+    "rope_qk_",
+    "rope_qk_kernel",
+    "rope_qk_op",
+    "rope_qk_reference",
+    "rotate_half_split",
+    "token_positions",
+]
 
 # ----------------------------------------------------------------------------- reference
 
@@ -136,7 +171,7 @@ def _head_configs() -> list[triton.Config]:
 
 @triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_ROPE", "POS_MODE"], restore_value=["x_ptr"])
 @triton.jit
-def _mla_rope_q_kernel(
+def mla_rope_q_kernel(
     x_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, n_seqs, seq_len, stride_n, stride_h, H,
     D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr, SEARCH: tl.constexpr,
     BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -169,7 +204,7 @@ def _kv_fwd_configs() -> list[triton.Config]:
 
 @triton.autotune(configs=_kv_fwd_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
 @triton.jit
-def _mla_rope_kv_fwd_kernel(
+def mla_rope_kv_fwd_kernel(
     kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, N, n_seqs, seq_len, stride_kpe, H,
     D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
     SEARCH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -204,7 +239,7 @@ def _mla_rope_kv_fwd_kernel(
 
 @triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
 @triton.jit
-def _mla_rope_kv_bwd_kernel(
+def mla_rope_kv_bwd_kernel(
     dk_ptr, dv_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, dkv_ptr, dkpe_ptr, n_seqs, seq_len, H,
     D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
     SEARCH: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -242,7 +277,7 @@ def _mla_rope_kv_bwd_kernel(
     restore_value=["q_ptr", "k_ptr"],
 )
 @triton.jit
-def _rope_qk_kernel(
+def rope_qk_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, n_seqs, seq_len,
     N_HEADS_Q: tl.constexpr, N_HEADS_K: tl.constexpr, D: tl.constexpr, ROPE_GROUP_SIZE: tl.constexpr,
     POS_MODE: tl.constexpr, SEARCH: tl.constexpr, BACKWARD: tl.constexpr,
@@ -268,61 +303,97 @@ def _rope_qk_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers and checks
+# Who checks what. The public calls (mla_rope_q_, mla_rope_kv, rope_qk_) check shapes, dtypes, devices and the
+# cos/sin tables (host metadata: cheap, no sync) and hand the positions to the ops. The ops check their values
+# unless told `validated=True`: on CPU tensors on the host (a ValueError naming the offset), on CUDA tensors as
+# device-side asserts (a few tiny kernels, no host sync). A PackedContext was validated when it was built
+# (megacpp_lab.varlen.build_context), so a call given ctx= passes validated=True: no value check at all, no
+# sync, nothing re-derived (its device cu_seqlens are used as they are, its host max_seqlen bounds the
+# documents against the table). A backward reuses what its forward checked, so it passes validated=True too.
 
 COUNT_SEARCH_MAX_DOCS = 2048  # thd: up to this many documents, count starts; beyond, binary search
 ROPE_GROUP_SIZE = 4  # heads per program in the generic kernel, sharing one cos/sin load
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_position_values(positions: torch.Tensor, table_len: int) -> None:
+    """positions [N] within the cos/sin table: a named ValueError on the host for CPU tensors, a device assert
+    (no sync) on a GPU."""
+    if positions.device.type != "cpu":
+        torch._assert_async(((positions >= 0) & (positions < table_len)).all(), "positions outside the cos/sin table")
+        return
+    bad = (positions < 0) | (positions >= table_len)
+    if positions.numel() and bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"positions[{i}] = {int(positions[i])} is outside the cos/sin table [0, {table_len})")
+
+
+def _check_cu_seqlens_values(cu_seqlens: torch.Tensor, n_tokens: int, table_len: int) -> None:
+    """cu_seqlens rise strictly from 0 to n_tokens, every document within the cos/sin table: a named ValueError
+    on the host for CPU tensors, a device assert (no sync) on a GPU."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    if cu_seqlens.device.type != "cpu":
+        torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == n_tokens) & (lens > 0).all() & (lens <= table_len).all(),
+                            "cu_seqlens must rise strictly from 0 to the token count, documents within the cos/sin table")  # fmt: skip
+        return
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n_tokens or bool((lens <= 0).any()):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to the {n_tokens} tokens, got {cu_seqlens.tolist()[:8]}...")
+    if int(lens.max()) > table_len:
+        raise ValueError(f"a document of {int(lens.max())} tokens is longer than the cos/sin table ({table_len} rows)")
 
 
 def _pos_args(n_tokens: int, seq_len: int | None, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-              device: torch.device, table_len: int, check: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, int, int, int]:  # fmt: skip
-    """(POS_MODE, positions, cu_seqlens, n_seqs, seq_len, SEARCH) for a launch; fails closed on bad input.
+              table: torch.Tensor, validated: bool) -> tuple[int, torch.Tensor, torch.Tensor, int, int, int]:  # fmt: skip
+    """(POS_MODE, pos_ptr, cu_ptr, n_seqs, seq_len, SEARCH) for a launch; fails closed on bad input.
 
-    check=False skips only the device-side value asserts on CUDA tensors (a few tiny kernels per call); the
-    benchmark uses it to time the kernel alone and reports the checked call beside it."""
-    dummy = torch.empty(1, dtype=torch.int32, device=device)  # never read in the modes that pass it; empty: no fill kernel
+    table is the cos table: its length bounds the positions, its device is the input's. Structural checks
+    (dtype, shape, device) always run. The value checks run unless validated=True. No allocation: a pointer
+    the mode never reads is given an input tensor that is already there."""
+    device, table_len = table.device, table.shape[0]
     if positions is not None and cu_seqlens is not None:
         raise ValueError("give positions or cu_seqlens, not both")
     if positions is not None:
-        if positions.numel() != n_tokens or positions.dtype not in (torch.int32, torch.int64):
+        if positions.numel() != n_tokens or positions.dtype not in _ID_DTYPES:
             raise ValueError(f"positions must be int32/int64 with {n_tokens} entries, got {positions.dtype} {tuple(positions.shape)}")
-        if positions.device.type == "cpu" and positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= table_len):
-            bad = int(((positions < 0) | (positions >= table_len)).nonzero()[0, 0])
-            raise ValueError(f"positions[{bad}] = {int(positions.reshape(-1)[bad])} is outside the cos/sin table [0, {table_len})")
-        if positions.device.type != "cpu" and check:
-            torch._assert_async(((positions >= 0) & (positions < table_len)).all(), "positions outside the cos/sin table")
-        return 2, positions.reshape(-1).contiguous(), dummy, 1, 1, 1
+        if positions.device != device:
+            raise ValueError(f"positions are on {positions.device}, the input on {device}")
+        pos = positions.reshape(-1)
+        if not pos.is_contiguous():  # the kernel indexes it by pointer arithmetic
+            pos = pos.contiguous()
+        if not validated:
+            _check_position_values(pos, table_len)
+        return 2, pos, pos, 1, 1, 1
     if cu_seqlens is not None:
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype != torch.int32:
             raise ValueError(f"cu_seqlens must be 1-D int32 with >= 2 entries, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-        if cu_seqlens.device.type == "cpu":
-            lens = cu_seqlens[1:] - cu_seqlens[:-1]
-            if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n_tokens or bool((lens <= 0).any()):
-                raise ValueError(f"cu_seqlens must rise strictly from 0 to the {n_tokens} tokens, got {cu_seqlens.tolist()[:8]}...")
-            if int(lens.max()) > table_len:
-                raise ValueError(f"a document of {int(lens.max())} tokens is longer than the cos/sin table ({table_len} rows)")
-        elif check:
-            lens = cu_seqlens[1:] - cu_seqlens[:-1]
-            torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == n_tokens) & (lens > 0).all() & (lens <= table_len).all(),
-                                "cu_seqlens must rise strictly from 0 to the token count, documents within the cos/sin table")  # fmt: skip
-        n_seqs = cu_seqlens.numel() - 1
+        if cu_seqlens.device != device:
+            raise ValueError(f"cu_seqlens are on {cu_seqlens.device}, the input on {device}")
+        cu = cu_seqlens if cu_seqlens.is_contiguous() else cu_seqlens.contiguous()
+        if not validated:
+            _check_cu_seqlens_values(cu, n_tokens, table_len)
+        n_seqs = cu.numel() - 1
         if n_seqs <= COUNT_SEARCH_MAX_DOCS:
-            return 1, dummy, cu_seqlens, n_seqs, 1, min(triton.next_power_of_2(max(n_seqs, 2)), 512)
-        return 3, dummy, cu_seqlens, n_seqs, 1, (n_seqs - 1).bit_length()
+            return 1, cu, cu, n_seqs, 1, min(triton.next_power_of_2(max(n_seqs, 2)), 512)
+        return 3, cu, cu, n_seqs, 1, (n_seqs - 1).bit_length()
     if seq_len is None:
-        raise ValueError("a packed [N, H, D] input needs cu_seqlens or positions (bthd inputs are [B, T, H, D])")
+        raise ValueError("a packed [N, H, D] input needs cu_seqlens or positions, or ctx (bthd inputs are [B, T, H, D])")
     if seq_len > table_len:
         raise ValueError(f"seq_len {seq_len} is longer than the cos/sin table ({table_len} rows)")
-    return 0, dummy, dummy, 1, seq_len, 1
+    return 0, table, table, 1, seq_len, 1
 
 
-def _check_tables(cos: torch.Tensor, sin: torch.Tensor, d_rope: int, device: torch.device) -> None:
-    if d_rope < 2 or d_rope % 2:
-        raise ValueError(f"d_rope must be even and >= 2, got {d_rope}")
+def _check_tables(cos: torch.Tensor, sin: torch.Tensor, d: int, device: torch.device, what: str = "d_rope") -> None:
+    if d < 2 or d % 2:
+        raise ValueError(f"{what} must be even and >= 2, got {d}")
+    if (d // 2) & (d // 2 - 1):
+        raise ValueError(f"{what} / 2 must be a power of two for the kernel, got {d // 2}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 2 or t.shape[1] != d_rope // 2 or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 [P, {d_rope // 2}], got {t.dtype} {tuple(t.shape)}")
+        if t.dim() != 2 or t.shape[1] != d // 2 or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 [P, {d // 2}], got {t.dtype} {tuple(t.shape)}")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, the input on {device}")
+    if sin.shape[0] != cos.shape[0]:
+        raise ValueError(f"cos and sin must have the same rows, got {cos.shape[0]} and {sin.shape[0]}")
 
 
 def _check_heads(name: str, x: torch.Tensor, last: int) -> None:
@@ -344,36 +415,67 @@ def _tokens_view(name: str, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{name} must flatten to [B*T, H, D] without a copy, got strides {x.stride()}") from None
 
 
+def _context_positions(name: str, x: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                       ctx: PackedContext | None, table_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:  # fmt: skip
+    """(positions, cu_seqlens, validated) of a public call. With ctx: the context's device cu_seqlens (the
+    packed thd path over its B*T flattened tokens), validated when it was built, so no value is read back.
+    What is checked here is host metadata only: x's tokens are the context's, the device, and the longest
+    document (the context's host max_seqlen) against the table."""
+    if ctx is None:
+        return positions, cu_seqlens, False
+    if positions is not None or cu_seqlens is not None:
+        raise ValueError("give ctx, or positions / cu_seqlens, not both")
+    if not isinstance(ctx, PackedContext):
+        raise ValueError(f"ctx must be a PackedContext (megacpp_lab.varlen.build_context), got {type(ctx).__name__}")
+    B, T = ctx.shape
+    if (tuple(x.shape[:2]) != (B, T)) if x.dim() == 4 else (x.shape[0] != B * T):
+        raise ValueError(f"{name} {tuple(x.shape)} does not hold the context's tokens: [B, T] = {(B, T)}, B*T = {B * T}")
+    if ctx.cu_seqlens.device != x.device:
+        raise ValueError(f"ctx is on {ctx.cu_seqlens.device}, {name} on {x.device}")
+    if T <= table_len:  # no document is longer than its row
+        return None, ctx.cu_seqlens, True
+    if torch.compiler.is_compiling():  # reading max_seqlen here would guard (and recompile) on it: the op checks
+        return None, ctx.cu_seqlens, False
+    if ctx.max_seqlen > table_len:
+        raise ValueError(f"a document of {ctx.max_seqlen} tokens is longer than the cos/sin table ({table_len} rows)")
+    return None, ctx.cu_seqlens, True
+
+
+# ----------------------------------------------------------------------------- ops and public calls
+
+
 def _launch_mla_rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
-                       cu_seqlens: torch.Tensor | None, d_nope: int, backward: bool, check: bool = True) -> None:  # fmt: skip
+                       cu_seqlens: torch.Tensor | None, d_nope: int, backward: bool, validated: bool) -> None:  # fmt: skip
     d_rope = x.shape[-1] - d_nope
     _check_tables(cos, sin, d_rope, x.device)
     flat = _tokens_view("q", x)
     N, H = flat.shape[0], flat.shape[1]
     mode, pos, cu, n_seqs, seq_len, steps = _pos_args(N, x.shape[1] if x.dim() == 4 else None, positions, cu_seqlens,
-                                                      x.device, cos.shape[0], check)  # fmt: skip
+                                                      cos, validated)  # fmt: skip
     grid = lambda meta: (N, triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-    _mla_rope_q_kernel[grid](
+    mla_rope_q_kernel[grid](
         flat, cos, sin, pos, cu, n_seqs, seq_len, flat.stride(0), flat.stride(1), H,
         D_NOPE=d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH=steps, BACKWARD=backward,
     )  # fmt: skip
 
 
 @torch.library.custom_op("megacpp::mla_rope_q_", mutates_args={"x"})
-def _mla_rope_q_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
-                   cu_seqlens: torch.Tensor | None, d_nope: int, backward: bool) -> None:  # fmt: skip
-    _launch_mla_rope_q(x, cos, sin, positions, cu_seqlens, d_nope, backward)
+def mla_rope_q_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+                  cu_seqlens: torch.Tensor | None, d_nope: int, backward: bool, validated: bool = False) -> None:  # fmt: skip
+    """The Q-side kernel as an opaque op (no autograd): rotates x's last D - d_nope dims in place
+    (backward=True: the transposed rotation). validated=True skips the value checks of positions / cu_seqlens."""
+    _launch_mla_rope_q(x, cos, sin, positions, cu_seqlens, d_nope, backward, validated)
 
 
-@_mla_rope_q_op.register_fake
-def _(x, cos, sin, positions, cu_seqlens, d_nope, backward):
+@mla_rope_q_op.register_fake
+def _(x, cos, sin, positions, cu_seqlens, d_nope, backward, validated=False):
     return None
 
 
 class _MLARopeQ(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, cos, sin, positions, cu_seqlens, d_nope):
-        _mla_rope_q_op(q, cos, sin, positions, cu_seqlens, d_nope, False)
+    def forward(ctx, q, cos, sin, positions, cu_seqlens, d_nope, validated):
+        mla_rope_q_op(q, cos, sin, positions, cu_seqlens, d_nope, False, validated)
         ctx.mark_dirty(q)
         ctx.save_for_backward(cos, sin, positions, cu_seqlens)
         ctx.d_nope = d_nope
@@ -382,66 +484,75 @@ class _MLARopeQ(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq):
         cos, sin, positions, cu_seqlens = ctx.saved_tensors
-        dq = dq.contiguous().clone() if not dq.is_contiguous() else dq
-        _mla_rope_q_op(dq, cos, sin, positions, cu_seqlens, ctx.d_nope, True)  # in place on the incoming gradient
-        return dq, None, None, None, None, None
+        # a fresh buffer, rotated in place: the incoming gradient may be shared with another branch (the
+        # residual's, when the output was added to something) and must not be changed under it
+        dq = dq.clone(memory_format=torch.contiguous_format)
+        mla_rope_q_op(dq, cos, sin, positions, cu_seqlens, ctx.d_nope, True, True)  # checked in the forward
+        return dq, None, None, None, None, None, None
 
 
 def mla_rope_q_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d_nope: int, *,
-                positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                ctx: PackedContext | None = None) -> torch.Tensor:  # fmt: skip
     """Rotate the last d_rope = D - d_nope dims of every head of q [B,T,H,D] (or packed [N,H,D]) in place.
 
-    Differentiable; the backward rotates the incoming gradient in place with the transposed rotation."""
+    Positions: t in bthd; `positions` [N]; `cu_seqlens` [S+1] (packed thd, checked here); or `ctx`, a
+    PackedContext, whose rows q holds (packed thd over its B*T tokens, validated once when it was built: no
+    value check, no host sync). Differentiable; the backward rotates a copy of the incoming gradient."""
     _check_heads("q", q, q.shape[-1] if q.dim() in (3, 4) else -1)
     if not 0 <= d_nope < q.shape[-1]:
         raise ValueError(f"d_nope must be in [0, {q.shape[-1]}), got {d_nope}")
+    positions, cu_seqlens, validated = _context_positions("q", q, positions, cu_seqlens, ctx, cos.shape[0])
     if not (torch.is_grad_enabled() and q.requires_grad):  # no autograd node (dynamo traces mark_dirty only under grad)
-        _mla_rope_q_op(q, cos, sin, positions, cu_seqlens, d_nope, False)
+        mla_rope_q_op(q, cos, sin, positions, cu_seqlens, d_nope, False, validated)
         return q
-    return _MLARopeQ.apply(q, cos, sin, positions, cu_seqlens, d_nope)
+    return _MLARopeQ.apply(q, cos, sin, positions, cu_seqlens, d_nope, validated)
 
 
 @torch.library.custom_op("megacpp::mla_rope_kv_fwd", mutates_args=())
-def _mla_rope_kv_fwd_op(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seq_len: int,
-                        d_nope: int) -> torch.Tensor:  # fmt: skip
+def mla_rope_kv_fwd_op(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seq_len: int,
+                       d_nope: int, validated: bool = False) -> torch.Tensor:  # fmt: skip
+    """The KV-side forward kernel as an opaque op: key [N, H, d_nope + d_rope] from a contiguous kv [N, H,
+    d_nope + d_v] and k_pe [N, d_rope] (seq_len: the bthd row length, 0 for thd)."""
     N, H, DKV = kv.shape
     d_rope = k_pe.shape[-1]
     key = kv.new_empty((N, H, d_nope + d_rope))
-    mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, kv.device, cos.shape[0])
+    mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, cos, validated)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-    _mla_rope_kv_fwd_kernel[grid](
+    mla_rope_kv_fwd_kernel[grid](
         kv, k_pe, cos, sin, pos, cu, key, N, n_seqs, sl, k_pe.stride(0), H,
         D_NOPE=d_nope, D_V=DKV - d_nope, D_ROPE=d_rope, POS_MODE=mode, SEARCH=steps,
     )  # fmt: skip
     return key
 
 
-@_mla_rope_kv_fwd_op.register_fake
-def _(kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope):
+@mla_rope_kv_fwd_op.register_fake
+def _(kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope, validated=False):
     N, H, DKV = kv.shape
     return kv.new_empty((N, H, d_nope + k_pe.shape[-1]))
 
 
 @torch.library.custom_op("megacpp::mla_rope_kv_bwd", mutates_args=())
-def _mla_rope_kv_bwd_op(dkey: torch.Tensor, dvalue: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seq_len: int,
-                        d_nope: int, kpe_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def mla_rope_kv_bwd_op(dkey: torch.Tensor, dvalue: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seq_len: int,
+                       d_nope: int, kpe_dtype: torch.dtype, validated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The KV-side backward kernel as an opaque op: (dkv, dk_pe) from dkey and dvalue."""
     N, H, DK = dkey.shape
     d_rope, d_v = DK - d_nope, dvalue.shape[-1]
-    dkey, dvalue = dkey.contiguous(), dvalue.contiguous()
+    dkey, dvalue = dkey.contiguous(), dvalue.contiguous()  # no-ops when they already are
     dkv = dkey.new_empty((N, H, d_nope + d_v))
     dkpe = torch.empty((N, d_rope), device=dkey.device, dtype=kpe_dtype)
-    mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, dkey.device, cos.shape[0])
-    _mla_rope_kv_bwd_kernel[(N,)](
+    mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, cos, validated)
+    mla_rope_kv_bwd_kernel[(N,)](
         dkey, dvalue, cos, sin, pos, cu, dkv, dkpe, n_seqs, sl, H,
         D_NOPE=d_nope, D_V=d_v, D_ROPE=d_rope, POS_MODE=mode, SEARCH=steps,
     )  # fmt: skip
     return dkv, dkpe
 
 
-@_mla_rope_kv_bwd_op.register_fake
-def _(dkey, dvalue, cos, sin, positions, cu_seqlens, seq_len, d_nope, kpe_dtype):
+@mla_rope_kv_bwd_op.register_fake
+def _(dkey, dvalue, cos, sin, positions, cu_seqlens, seq_len, d_nope, kpe_dtype, validated=False):
     N, H, DK = dkey.shape
     return dkey.new_empty((N, H, d_nope + dvalue.shape[-1])), dkey.new_empty((N, DK - d_nope), dtype=kpe_dtype)
 
@@ -451,8 +562,8 @@ class _MLARopeKV(torch.autograd.Function):
     The backward kernel writes the whole dkv (dk_nope and dv) and dk_pe in one pass."""
 
     @staticmethod
-    def forward(ctx, kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope):
-        key = _mla_rope_kv_fwd_op(kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope)
+    def forward(ctx, kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope, validated):
+        key = mla_rope_kv_fwd_op(kv, k_pe, cos, sin, positions, cu_seqlens, seq_len, d_nope, validated)
         ctx.save_for_backward(cos, sin, positions, cu_seqlens)
         ctx.seq_len, ctx.d_nope, ctx.kpe_dtype = seq_len, d_nope, k_pe.dtype
         return key, kv[..., d_nope:]
@@ -460,16 +571,18 @@ class _MLARopeKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dkey, dvalue):
         cos, sin, positions, cu_seqlens = ctx.saved_tensors
-        dkv, dkpe = _mla_rope_kv_bwd_op(dkey, dvalue, cos, sin, positions, cu_seqlens, ctx.seq_len, ctx.d_nope, ctx.kpe_dtype)
-        return dkv, dkpe, None, None, None, None, None, None
+        dkv, dkpe = mla_rope_kv_bwd_op(dkey, dvalue, cos, sin, positions, cu_seqlens, ctx.seq_len, ctx.d_nope,
+                                       ctx.kpe_dtype, True)  # checked in the forward  # fmt: skip
+        return dkv, dkpe, None, None, None, None, None, None, None
 
 
 def mla_rope_kv(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d_nope: int, *,
-                positions: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                ctx: PackedContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(key, value) from the up-projected kv [B,T,H,d_nope+d_v] (or packed [N,H,...]) and the shared rope
     row k_pe [B,T,d_rope] (or [N,d_rope]; a strided slice of the down-projection is fine): key =
-    cat(kv[..., :d_nope], rope(k_pe) on every head), value = kv[..., d_nope:]. One pass, differentiable."""
+    cat(kv[..., :d_nope], rope(k_pe) on every head), value = kv[..., d_nope:]. One pass, differentiable.
+    Positions as for mla_rope_q_ (ctx: a validated PackedContext, no value check, no host sync)."""
     _check_heads("kv", kv, kv.shape[-1] if kv.dim() in (3, 4) else -1)
     d_rope = k_pe.shape[-1]
     _check_tables(cos, sin, d_rope, kv.device)
@@ -477,39 +590,44 @@ def mla_rope_kv(kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: to
         raise ValueError(f"d_nope must be in (0, {kv.shape[-1]}), got {d_nope}")
     if tuple(k_pe.shape[:-1]) != tuple(kv.shape[:-2]) or k_pe.stride(-1) != 1:
         raise ValueError(f"k_pe must be {tuple(kv.shape[:-2])} + (d_rope,) with a contiguous last dim, got {tuple(k_pe.shape)}")
-    for name, d in (("d_nope", d_nope), ("d_v", kv.shape[-1] - d_nope), ("d_rope / 2", d_rope // 2)):
+    if k_pe.device != kv.device:
+        raise ValueError(f"k_pe is on {k_pe.device}, kv on {kv.device}")
+    for name, d in (("d_nope", d_nope), ("d_v", kv.shape[-1] - d_nope)):
         if d & (d - 1):
             raise ValueError(f"{name} must be a power of two for the kernel, got {d}")
+    positions, cu_seqlens, validated = _context_positions("kv", kv, positions, cu_seqlens, ctx, cos.shape[0])
     shape = kv.shape
-    flat = kv.reshape(-1, shape[-2], shape[-1]).contiguous()
-    pe = k_pe.reshape(-1, d_rope)
-    if pe.stride(-1) != 1:
-        pe = pe.contiguous()
-    key, value = _MLARopeKV.apply(flat, pe, cos, sin, positions, cu_seqlens, shape[1] if kv.dim() == 4 else 0, d_nope)
+    flat = kv.reshape(-1, shape[-2], shape[-1])
+    if not flat.is_contiguous():  # the kernel reads kv by token and head: a copy only when it is strided
+        flat = flat.contiguous()
+    pe = k_pe.reshape(-1, d_rope)  # a view for a strided slice of the down-projection (rows of any stride)
+    key, value = _MLARopeKV.apply(flat, pe, cos, sin, positions, cu_seqlens, shape[1] if kv.dim() == 4 else 0, d_nope, validated)
     return key.view(*shape[:-1], -1), value.view(*shape[:-1], -1)
 
 
 @torch.library.custom_op("megacpp::rope_qk_", mutates_args={"q", "k"})
-def _rope_qk_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
-                cu_seqlens: torch.Tensor | None, seq_len: int, backward: bool) -> None:  # fmt: skip
+def rope_qk_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+               cu_seqlens: torch.Tensor | None, seq_len: int, backward: bool, validated: bool = False) -> None:  # fmt: skip
+    """The generic full-head kernel as an opaque op: rotates contiguous q and k in place (seq_len: the bthd
+    row length, 0 for thd)."""
     q, k = _tokens_view("q", q), _tokens_view("k", k)
     N, HQ, D = q.shape
-    mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, q.device, cos.shape[0])
-    _rope_qk_kernel[(N, triton.cdiv(HQ, ROPE_GROUP_SIZE))](
+    mode, pos, cu, n_seqs, sl, steps = _pos_args(N, seq_len or None, positions, cu_seqlens, cos, validated)
+    rope_qk_kernel[(N, triton.cdiv(HQ, ROPE_GROUP_SIZE))](
         q, k, cos, sin, pos, cu, n_seqs, sl, N_HEADS_Q=HQ, N_HEADS_K=k.shape[1], D=D,
         ROPE_GROUP_SIZE=ROPE_GROUP_SIZE, POS_MODE=mode, SEARCH=steps, BACKWARD=backward,
     )  # fmt: skip
 
 
-@_rope_qk_op.register_fake
-def _(q, k, cos, sin, positions, cu_seqlens, seq_len, backward):
+@rope_qk_op.register_fake
+def _(q, k, cos, sin, positions, cu_seqlens, seq_len, backward, validated=False):
     return None
 
 
 class _RopeQK(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin, positions, cu_seqlens, seq_len):
-        _rope_qk_op(q, k, cos, sin, positions, cu_seqlens, seq_len, False)
+    def forward(ctx, q, k, cos, sin, positions, cu_seqlens, seq_len, validated):
+        rope_qk_op(q, k, cos, sin, positions, cu_seqlens, seq_len, False, validated)
         ctx.mark_dirty(q, k)
         ctx.save_for_backward(cos, sin, positions, cu_seqlens)
         ctx.seq_len = seq_len
@@ -518,23 +636,30 @@ class _RopeQK(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin, positions, cu_seqlens = ctx.saved_tensors
-        dq, dk = dq.contiguous(), dk.contiguous()
-        _rope_qk_op(dq, dk, cos, sin, positions, cu_seqlens, ctx.seq_len, True)
-        return dq, dk, None, None, None, None, None
+        # fresh buffers: an incoming gradient may be shared (q + k hands both the same tensor) and must not
+        # be rotated under its other users, or twice
+        dq, dk = dq.clone(memory_format=torch.contiguous_format), dk.clone(memory_format=torch.contiguous_format)
+        rope_qk_op(dq, dk, cos, sin, positions, cu_seqlens, ctx.seq_len, True, True)  # checked in the forward
+        return dq, dk, None, None, None, None, None, None
 
 
 def rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-             positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Full-head RoPE of q [B,T,Hq,D] and k [B,T,Hk,D] (or packed [N,H,D]) in place, Hk <= Hq (GQA). Differentiable."""
+             positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+             ctx: PackedContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Full-head RoPE of q [B,T,Hq,D] and k [B,T,Hk,D] (or packed [N,H,D]) in place, Hk <= Hq (GQA).
+    Positions as for mla_rope_q_ (ctx: a validated PackedContext). Differentiable."""
     _check_heads("q", q, q.shape[-1] if q.dim() in (3, 4) else -1)
     _check_heads("k", k, q.shape[-1])
-    _check_tables(cos, sin, q.shape[-1], q.device)
+    _check_tables(cos, sin, q.shape[-1], q.device, what="head dim D")
     if q.shape[:-2] != k.shape[:-2] or k.shape[-2] > q.shape[-2]:
         raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} except for fewer (or equal) heads")
+    if q.dtype != k.dtype or q.device != k.device:
+        raise ValueError(f"q and k must share dtype and device, got {q.dtype} {q.device} and {k.dtype} {k.device}")
     if not (q.is_contiguous() and k.is_contiguous()):
         raise ValueError("q and k must be contiguous (the kernel rotates them in place)")
+    positions, cu_seqlens, validated = _context_positions("q", q, positions, cu_seqlens, ctx, cos.shape[0])
     seq_len = q.shape[1] if q.dim() == 4 else 0
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-        _rope_qk_op(q, k, cos, sin, positions, cu_seqlens, seq_len, False)
+        rope_qk_op(q, k, cos, sin, positions, cu_seqlens, seq_len, False, validated)
         return q, k
-    return _RopeQK.apply(q, k, cos, sin, positions, cu_seqlens, seq_len)
+    return _RopeQK.apply(q, k, cos, sin, positions, cu_seqlens, seq_len, validated)

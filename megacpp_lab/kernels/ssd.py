@@ -338,10 +338,11 @@ def _ssd_bwd_chunk_kernel(
     x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
     dx_ptr, ddt_ptr, da_ptr, db_ptr, dc_ptr,
     H, G, D,
-    P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr,
 ):  # fmt: skip
-    """Backward pass 2 (every chunk at once, all of P and N). Per chunk, with u = dt x, L the decay mask,
-    S the entering state, dS' the leaving state's gradient, w_j = exp(cs_last - cs_j):
+    """Backward pass 2 (every chunk at once, all of P; N in blocks of BN, twice). Per chunk, with u = dt x,
+    L the decay mask, S the entering state, dS' the leaving state's gradient, w_j = exp(cs_last - cs_j):
         y = (C B^T * L) u + exp(cs) * (C S^T);   S' = exp(cs_last) S + (u * w)^T B
     dB and dC go to [B,T,H,N] (fp32 when G < H: the launcher sums each group's heads)."""
     slot = tl.program_id(0)
@@ -354,47 +355,62 @@ def _ssd_bwd_chunk_kernel(
         A_h = tl.load(a_ptr + hd).to(tl.float32)
         rl = tl.arange(0, CHUNK)
         rp = tl.arange(0, P)
-        rn = tl.arange(0, N)
         t = first + rl
         m = t < end
         dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
-        x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
-        lo = DOT
-        Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(lo)
-        Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(lo)
-        dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(lo)
-        S = tl.load(st_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
-        dS = tl.load(dst_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
-        xf = x.to(tl.float32)
-        u = xf * dt[:, None]
-        Lm = _decay_mask(cs, rl)
+        x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        u = x * dt[:, None]
         w = tl.exp(cs_last - cs)
         ecs = tl.exp(cs)
-        CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION)
-        dYU = tl.dot(dy, tl.trans(u.to(lo)), input_precision=PRECISION)  # [i, j] = dy_i . u_j
-        # state terms in fp32 operands (tf32 for 16-bit inputs)
-        Q = tl.dot(Bc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)  # [j] = dS' B_j
-        CS = tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)  # [i] = S C_i
-        du = tl.dot(tl.trans((CB * Lm).to(lo)), dy, input_precision=PRECISION) + w[:, None] * Q
+        st_at = st_ptr + (slot * H + hd) * P * N
+        dst_at = dst_ptr + (slot * H + hd) * P * N
+        bc_at = (t[:, None] * G + g) * N
+        # first sweep over N: the reductions over N (state terms in fp32 operands: tf32 for 16-bit inputs)
+        CB = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        Q = tl.zeros((CHUNK, P), dtype=tl.float32)  # [j] = dS' B_j
+        CS = tl.zeros((CHUNK, P), dtype=tl.float32)  # [i] = S C_i
+        SdS = tl.zeros((P,), dtype=tl.float32)
+        for nb in tl.static_range(N // BN):
+            rn = nb * BN + tl.arange(0, BN)
+            Bc = tl.load(b_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0)
+            Cc = tl.load(c_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0)
+            S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+            dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+            CB += tl.dot(Cc.to(DOT), tl.trans(Bc.to(DOT)), input_precision=PRECISION)
+            Q += tl.dot(Bc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)
+            CS += tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)
+            SdS += tl.sum(dS * S, axis=1)
+        Lm = _decay_mask(cs, rl)
+        dYU = tl.dot(dy.to(DOT), tl.trans(u.to(DOT)), input_precision=PRECISION)  # [i, j] = dy_i . u_j
+        du = tl.dot(tl.trans((CB * Lm).to(DOT)), dy.to(DOT), input_precision=PRECISION) + w[:, None] * Q
         LdYU = Lm * dYU
-        dC = tl.dot(LdYU.to(lo), Bc, input_precision=PRECISION)
-        dC += ecs[:, None] * tl.dot(dy.to(tl.float32), S, input_precision=PRECISION)
-        dB = tl.dot(tl.trans(LdYU.to(lo)), Cc, input_precision=PRECISION)
-        dB += w[:, None] * tl.dot(u, dS, input_precision=PRECISION)
         # gradient of the cumulative log-decay: +/- each exp(cs_i - cs_j), then the state terms
         Sm = LdYU * CB
         R = w * tl.sum(u * Q, axis=1)
-        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) + ecs * tl.sum(dy.to(tl.float32) * CS, axis=1) - R
-        to_last = tl.exp(cs_last) * tl.sum(tl.sum(dS * S, axis=1), axis=0) + tl.sum(R, axis=0)
+        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) + ecs * tl.sum(dy * CS, axis=1) - R
+        to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
         # cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every real token
         dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
-        ddt = tl.sum(du * xf, axis=1) + dloga * A_h
+        ddt = tl.sum(du * x, axis=1) + dloga * A_h
         tl.store(da_ptr + slot * H + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
         tl.store(dx_ptr + (t[:, None] * H + hd) * P + rp[None, :], (du * dt[:, None]).to(dx_ptr.dtype.element_ty),
                  mask=m[:, None])  # fmt: skip
         tl.store(ddt_ptr + t * H + hd, ddt.to(ddt_ptr.dtype.element_ty), mask=m)
-        tl.store(db_ptr + (t[:, None] * H + hd) * N + rn[None, :], dB.to(db_ptr.dtype.element_ty), mask=m[:, None])
-        tl.store(dc_ptr + (t[:, None] * H + hd) * N + rn[None, :], dC.to(dc_ptr.dtype.element_ty), mask=m[:, None])
+        # second sweep over N: dC = (L * dy u^T) B + exp(cs) dy S;  dB = (L * dy u^T)^T C + w u dS'
+        LdYU_lo = LdYU.to(DOT)
+        dye, uw = dy * ecs[:, None], u * w[:, None]
+        for nb in tl.static_range(N // BN):
+            rn = nb * BN + tl.arange(0, BN)
+            Bc = tl.load(b_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+            Cc = tl.load(c_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+            S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+            dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+            dC = tl.dot(LdYU_lo, Bc, input_precision=PRECISION) + tl.dot(dye, S, input_precision=PRECISION)
+            dB = tl.dot(tl.trans(LdYU_lo), Cc, input_precision=PRECISION) + tl.dot(uw, dS, input_precision=PRECISION)
+            out_at = (t[:, None] * H + hd) * N + rn[None, :]
+            tl.store(db_ptr + out_at, dB.to(db_ptr.dtype.element_ty), mask=m[:, None])
+            tl.store(dc_ptr + out_at, dC.to(dc_ptr.dtype.element_ty), mask=m[:, None])
 
 
 # ----------------------------------------------------------------------------- launchers and custom ops
@@ -405,7 +421,11 @@ STATE_BLOCK_N = 64
 OUT_BLOCK_P = 64  # head-dim columns per forward-output program
 STATE_WARPS = 4
 OUT_WARPS = 4
-BWD_WARPS = 8
+# state columns per sweep step of the backward's parallel pass. On the H100 (triton 3.6) 64 beat 128;
+# 32 compiled to a kernel that wrote NaN into dC and, at P=128, read out of bounds: never below 64 there.
+BWD_BLOCK_N = 64
+BWD_WARPS = 4
+BWD_STAGES = 1
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -426,6 +446,8 @@ def _n_slots(total: int, chunk: int, n_docs: int) -> int:
 
 def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int, int], int, int]:
     bp, bn = min(STATE_BLOCK_P, P), min(STATE_BLOCK_N, N)
+    if D * H * (P // bp) * (N // bn) >= 2048 and N >= 2 * bn:  # programs to spare: wider blocks, fewer re-reads of x
+        bn *= 2
     return (D, H, (P // bp) * (N // bn)), bp, bn
 
 
@@ -491,7 +513,7 @@ def ssd_scan_bwd(
         dC = torch.empty_like(dB)
     _ssd_bwd_chunk_kernel[(n_slots, H)](
         x, dt, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dA, dB, dC, H, G, D,
-        P=P, N=N, CHUNK=chunk, **dots, num_warps=BWD_WARPS,
+        P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dots, num_warps=BWD_WARPS, num_stages=BWD_STAGES,
     )  # fmt: skip
     if G != H:
         dB, dC = (t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype) for t in (dB, dC))
@@ -507,6 +529,7 @@ def _setup_context(ctx, inputs, output):
     x, dt, A, Bm, Cm, cu_seqlens, chunk, save = inputs
     ctx.save_for_backward(x, dt, A, Bm, Cm, cu_seqlens, output[1])
     ctx.chunk = chunk
+    ctx.set_materialize_grads(False)  # else autograd allocates zeros the size of the states for their unused grad
 
 
 def _backward(ctx, dy, _dstates):

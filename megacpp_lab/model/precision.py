@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+__all__ = ["FP32_ATTR", "MixedPrecision", "PrecisionPlan", "apply_mixed_precision", "fp32_contract"]
+
 FP32_ATTR = "_fp32_params"
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+__all__ = ["build_config", "config_error"]
+
 C = TypeVar("C")
 
 

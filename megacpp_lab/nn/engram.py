@@ -17,50 +17,34 @@ document boundary sees zeros, exactly as if each document were left-padded on it
 from __future__ import annotations
 
 import functools
-import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.nn.config_builder import config_error
+from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.primitives import CONV_IMPLS, DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate
 from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids
+
+__all__ = ["MAX_CONV_KERNEL", "MAX_ORDER", "EngramBranch", "EngramConfig", "causal_local_averages"]
 
 MAX_ORDER = 16
 MAX_CONV_KERNEL = 16
 
-
 _fail = functools.partial(config_error, "EngramConfig")
-
-
-def _parse_layers(value: str | Sequence[int] | None, n_layers: int) -> tuple[int, ...] | None:
-    """'0,2,4' / 'all' / [0, 2] / None -> tuple, or None when not given."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == "all":
-            return tuple(range(n_layers))
-        if text == "":
-            return ()
-        try:
-            return tuple(int(p) for p in text.split(","))
-        except ValueError:
-            raise _fail("layers", "a comma-separated list of layer indices or 'all'", value) from None
-    return tuple(value)
 
 
 @dataclass(frozen=True)
 class EngramConfig:
-    """Engram branch settings. Frozen; every field is checked on construction."""
+    """One Engram branch's settings; build it with EngramConfig.build. Frozen, checked on construction.
+
+    Which layers carry a branch (and mHC over them) is model-level: megacpp_lab.model.config.ModelConfig.
+    """
 
     d_model: int
-    n_layers: int
-    layers: tuple[int, ...] = ()
     bottleneck: int = 256
     orders: tuple[int, ...] = (2, 3, 4)
     gated: bool = True
@@ -68,41 +52,33 @@ class EngramConfig:
     conv_impl: str = "maxtext_depthwise"
     dropout: float = 0.0
     eps: float = 1e-6
-    # hyper-connections (mHC) wrap the blocks listed in `layers`; with none they would be a no-op
-    mhc: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("gated", "mhc"):
-            if not isinstance(getattr(self, name), bool):
-                raise _fail(name, "a bool", getattr(self, name))
-        for name in ("d_model", "n_layers", "bottleneck", "conv_kernel"):
+        if not isinstance(self.gated, bool):
+            raise _fail("gated", "a bool", self.gated)
+        for name in ("d_model", "bottleneck", "conv_kernel"):
             if isinstance(getattr(self, name), bool):
                 raise _fail(name, "an int, not a bool", getattr(self, name))
-        if not isinstance(self.n_layers, int) or self.n_layers < 1:
-            raise _fail("n_layers", "an int >= 1", self.n_layers)
         if not isinstance(self.d_model, int) or self.d_model < 1:
             raise _fail("d_model", "an int >= 1", self.d_model)
-        object.__setattr__(self, "layers", tuple(self.layers))
-        object.__setattr__(self, "orders", tuple(self.orders))
-        bad = [i for i in self.layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
-        if bad:
-            raise _fail("layers", f"layer indices in [0, n_layers={self.n_layers})", bad)
-        if len(set(self.layers)) != len(self.layers):
-            raise _fail("layers", "unique layer indices", self.layers)
-        if self.mhc and not self.layers:
-            raise _fail(
-                "layers",
-                "non-empty when mhc=True (hyper-connections over no Engram layer are a silent no-op; "
-                "use EngramConfig.from_args, which defaults to all layers)",
-                self.layers,
-            )
-        if not self.orders or any(not isinstance(n, int) or not 2 <= n <= MAX_ORDER for n in self.orders):
+        orders = self.orders
+        if isinstance(orders, str):  # '2,3,4' from a command line
+            try:
+                orders = tuple(int(p) for p in orders.split(",") if p.strip())
+            except ValueError:
+                raise _fail("orders", "a comma-separated list of ints", self.orders) from None
+        if not isinstance(orders, Sequence):
+            raise _fail("orders", f"a non-empty tuple of n-gram orders in 2..{MAX_ORDER}", self.orders)
+        object.__setattr__(self, "orders", tuple(orders))
+        if not self.orders or any(
+            isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_ORDER for n in self.orders
+        ):
             raise _fail("orders", f"a non-empty tuple of n-gram orders in 2..{MAX_ORDER}", self.orders)
         if len(set(self.orders)) != len(self.orders):
             raise _fail("orders", "unique n-gram orders", self.orders)
         if not isinstance(self.bottleneck, int) or not 1 <= self.bottleneck <= self.d_model:
             raise _fail("bottleneck", f"an int in 1..d_model={self.d_model}", self.bottleneck)
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise _fail("dropout", "a float in [0, 1)", self.dropout)
         if not isinstance(self.conv_kernel, int) or not 0 <= self.conv_kernel <= MAX_CONV_KERNEL:
             raise _fail("conv_kernel", f"0 (no conv) or a kernel size in 1..{MAX_CONV_KERNEL}", self.conv_kernel)
@@ -112,44 +88,11 @@ class EngramConfig:
             raise _fail("eps", "a float in (0, 1)", self.eps)
 
     @classmethod
-    def from_args(
-        cls,
-        *,
-        d_model: int,
-        n_layers: int,
-        engram_layers: str | Sequence[int] | None = None,
-        mhc: bool = False,
-        **kwargs: object,
-    ) -> EngramConfig:
-        """Build from command-line style arguments.
-
-        With hyper-connections on and no explicit engram layers, every layer gets one,
-        with a warning: the old fallback to an empty list made mHC a silent no-op.
-        """
-        if not isinstance(n_layers, int) or n_layers < 1:
-            raise _fail("n_layers", "an int >= 1", n_layers)
-        layers = _parse_layers(engram_layers, n_layers)
-        if layers is None:
-            if mhc:
-                warnings.warn(
-                    f"mhc is on but no engram layers were given: Engram (and mHC) default to all "
-                    f"{n_layers} layers. Pass engram_layers explicitly to choose.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                layers = tuple(range(n_layers))
-            else:
-                layers = ()
-        if "orders" in kwargs and isinstance(kwargs["orders"], str):
-            try:
-                kwargs["orders"] = tuple(int(p) for p in str(kwargs["orders"]).split(","))
-            except ValueError:
-                raise _fail("orders", "a comma-separated list of ints", kwargs["orders"]) from None
-        return cls(d_model=d_model, n_layers=n_layers, layers=layers, mhc=mhc, **kwargs)  # type: ignore[arg-type]
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.layers)
+    def build(cls, source: Any = None, **overrides: Any) -> EngramConfig:
+        """The one builder: fields from a model config object (these names, engram_<name>, or Megatron's
+        hidden_size) and keyword overrides, else the defaults."""
+        aliases = {"d_model": ("d_model", "hidden_size")}
+        return build_config(cls, source, overrides, prefix="engram", aliases=aliases, required=("d_model",))
 
 
 def causal_local_averages(u: torch.Tensor, doc_ids: torch.Tensor | None, orders: Sequence[int]) -> torch.Tensor:

@@ -28,6 +28,20 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "MAX_BITS",
+    "METHODS",
+    "MIN_BITS",
+    "NORM_DTYPE",
+    "PolarQuant",
+    "QuantizedRows",
+    "TurboQuant",
+    "haar_rotation",
+    "make_quantizer",
+    "pack_codes",
+    "unpack_codes",
+]
+
 METHODS = ("turboquant", "polarquant")
 MIN_BITS, MAX_BITS = 2, 8
 NORM_DTYPE = torch.float16

@@ -27,6 +27,8 @@ from megacpp_lab.varlen import PackedContext, resolve_doc_ids
 from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, init_decay_params
 
+__all__ = ["M2RNN", "M2RNNConfig", "M2RNNMegatronMixer", "softplus_decay_gate"]
+
 
 _fail = functools.partial(config_error, "M2RNNConfig")
 

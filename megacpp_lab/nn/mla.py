@@ -16,6 +16,11 @@ and value (value is a view of the up-projection output), so the big H*(d_nope+d_
 either way; `megacpp-lab bench mla` measures what each flag saves. `recompute_q_upproj` does the same
 for the Q side.
 
+Packed rows: `forward(x, ctx=)` takes the batch's `PackedContext` (megacpp_lab.varlen), validated once when
+it was built, as given: RoPE runs the kernels' packed thd path on its cu_seqlens (no value check, no host
+sync), attention its doc_ids (sdpa) or its block mask (flex). Bare doc_ids / positions still work, checked on
+every call.
+
 Decode keeps only the normed latent c_kv and one rotated rope row per token (`MLAKVCache`). The
 expanded path re-projects keys and values from it; the absorbed path folds W_uk into the query and
 W_uv into the output, so attention runs in kv_lora_rank dims: a decode-only choice.
@@ -34,16 +39,30 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from megacpp_lab.kernels import TRITON_INTERPRET
 from megacpp_lab.kernels.rope import (
-    TRITON_INTERPRET,
     mla_rope_kv,
     mla_rope_kv_reference,
     mla_rope_q_,
     mla_rope_q_reference,
 )
-from megacpp_lab.varlen import FLEX_BLOCK, PackedContext, doc_causal_block_mask
+from megacpp_lab.varlen import FLEX_BLOCK, PackedContext, doc_causal_block_mask, resolve_doc_ids
 from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
+
+__all__ = [
+    "ATTN_IMPLS",
+    "FLEX_PROVEN",
+    "ROPE_IMPLS",
+    "FlexNotProvenError",
+    "FusedDownNormUp",
+    "MLAConfig",
+    "MLAKVCache",
+    "MultiLatentAttention",
+    "cache_bytes_per_token",
+    "down_norm_up_reference",
+    "flex_refusal",
+]
 
 ROPE_IMPLS = ("auto", "triton", "reference")
 ATTN_IMPLS = ("sdpa", "flex")
@@ -334,20 +353,26 @@ class MultiLatentAttention(nn.Module):
         c_lat, k_pe = self.w_dkv(x).split((c.kv_lora_rank, c.d_rope), dim=-1)
         return q_lat, c_lat, k_pe
 
-    def q_up_rope(self, q_lat: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def q_up_rope(self, q_lat: torch.Tensor, positions: torch.Tensor | None = None, *,
+                  ctx: PackedContext | None = None) -> torch.Tensor:  # fmt: skip
         c = self.config
         B, T = q_lat.shape[:2]
         q = self.w_uq(self.q_norm(q_lat)).view(B, T, c.n_heads, c.d_nope + c.d_rope)
-        return self.rope(q, c.d_nope, positions)
+        return self.rope(q, c.d_nope, positions, ctx=ctx)
 
-    def rope(self, x: torch.Tensor, d_nope: int, positions: torch.Tensor | None) -> torch.Tensor:
-        """Partial RoPE of x [B,T,H,d_nope+d_rope]: the Triton kernel (in place) or the reference."""
+    def rope(self, x: torch.Tensor, d_nope: int, positions: torch.Tensor | None = None, *,
+             ctx: PackedContext | None = None) -> torch.Tensor:  # fmt: skip
+        """Partial RoPE of x [B,T,H,d_nope+d_rope]: the Triton kernel (in place) or the reference. Positions:
+        ctx (a PackedContext: the kernel's packed thd path over its cu_seqlens, validated when the context was
+        built, so nothing is checked or derived again; the reference takes its positions), else positions
+        [B,T], else 0..T-1 per row."""
         if self._use_triton(x.device):
-            return mla_rope_q_(x, self.rope_cos, self.rope_sin, d_nope, positions=positions)
+            return mla_rope_q_(x, self.rope_cos, self.rope_sin, d_nope, positions=positions, ctx=ctx)
+        positions = ctx.positions if ctx is not None else positions
         return mla_rope_q_reference(x, self.rope_cos, self.rope_sin, d_nope, positions=positions)
 
-    def kv_up_rope(self, x: torch.Tensor, c_lat: torch.Tensor, k_pe: torch.Tensor,
-                    positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def kv_up_rope(self, x: torch.Tensor, c_lat: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor | None = None,
+                   *, ctx: PackedContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         c = self.config
         B, T = c_lat.shape[:2]
         if c.kv_fused_down_norm_up:  # latent recomputed from x in the backward, only rrms kept
@@ -358,7 +383,8 @@ class MultiLatentAttention(nn.Module):
             kv = self.w_ukv(self.kv_norm(c_lat))
         kv = kv.view(B, T, c.n_heads, c.d_nope + c.d_v)
         if self._use_triton(kv.device):
-            return mla_rope_kv(kv, k_pe, self.rope_cos, self.rope_sin, c.d_nope, positions=positions)
+            return mla_rope_kv(kv, k_pe, self.rope_cos, self.rope_sin, c.d_nope, positions=positions, ctx=ctx)
+        positions = ctx.positions if ctx is not None else positions
         return mla_rope_kv_reference(kv, k_pe, self.rope_cos, self.rope_sin, c.d_nope, positions=positions)
 
     def _attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, doc_ids: torch.Tensor | None,
@@ -398,31 +424,31 @@ class MultiLatentAttention(nn.Module):
         """x [B,T,d_model]; doc_ids [B,T] keep documents apart; positions [B,T] (reset at each document
         start, as PackedBatch gives them) pick the RoPE rows, else 0..T-1 per row. With attn_impl='flex',
         block_mask (from doc_causal_block_mask, built outside any compiled region) replaces doc_ids for the
-        attention mask; eager calls may leave it out and have it built here. ctx (a PackedContext) gives
-        all three at once, validated when it was built."""
+        attention mask; eager calls may leave it out and have it built here.
+
+        ctx (a PackedContext, validated once when it was built) gives all three at once and is taken as given:
+        RoPE runs the kernels' packed thd path on its cu_seqlens (no value check, no host sync; the reference
+        takes its positions), attention its doc_ids (sdpa) or its block_mask (flex)."""
         c = self.config
         B, T, _ = x.shape
-        if ctx is not None:
-            if doc_ids is not None or positions is not None or block_mask is not None:
-                raise ValueError("give ctx, or doc_ids / positions / block_mask, not both")
-            if ctx.shape != (B, T):
-                raise ValueError(f"ctx is for [B,T] = {ctx.shape}, the input is {(B, T)}")
-            doc_ids, positions, block_mask = ctx.doc_ids, ctx.positions, ctx.block_mask
+        if ctx is not None and (doc_ids is not None or positions is not None or block_mask is not None):
+            raise ValueError("give ctx, or doc_ids / positions / block_mask, not both")
+        doc_ids = resolve_doc_ids(doc_ids, ctx, (B, T))  # the context's as given, bare doc_ids checked here
+        if ctx is not None:  # the context holds every form of the batch: flex uses its block mask (when built)
+            block_mask = ctx.block_mask if c.attn_impl == "flex" else None
         if T > c.max_positions:
             raise ValueError(f"sequence length {T} exceeds MLAConfig.max_positions={c.max_positions}")
-        if doc_ids is not None and doc_ids.shape != (B, T):
-            raise ValueError(f"doc_ids must be [B, T] = {(B, T)}, got {tuple(doc_ids.shape)}")
         if positions is not None and positions.shape != (B, T):
             raise ValueError(f"positions must be [B, T] = {(B, T)}, got {tuple(positions.shape)}")
         q_lat, c_lat, k_pe = self.down_proj(x)
         if c.recompute_q_upproj and torch.is_grad_enabled():
-            q = checkpoint(self.q_up_rope, q_lat, positions, use_reentrant=False)
+            q = checkpoint(self.q_up_rope, q_lat, positions, ctx=ctx, use_reentrant=False)
         else:
-            q = self.q_up_rope(q_lat, positions)
+            q = self.q_up_rope(q_lat, positions, ctx=ctx)
         if c.recompute_kv_upproj and torch.is_grad_enabled():
-            key, value = checkpoint(self.kv_up_rope, x, c_lat, k_pe, positions, use_reentrant=False)
+            key, value = checkpoint(self.kv_up_rope, x, c_lat, k_pe, positions, ctx=ctx, use_reentrant=False)
         else:
-            key, value = self.kv_up_rope(x, c_lat, k_pe, positions)
+            key, value = self.kv_up_rope(x, c_lat, k_pe, positions, ctx=ctx)
         out = self._attend(q, key, value, doc_ids, block_mask)
         return self.w_o(out.reshape(B, T, c.n_heads * c.d_v))
 

@@ -20,17 +20,30 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.nn.config_builder import config_error
+from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate
 from megacpp_lab.nn.table_store import TableBackend, TableStore, TableStoreConfig
 from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids
+
+__all__ = [
+    "MAX_NGRAM",
+    "MAX_VOCAB",
+    "NgramHashConfig",
+    "NgramHashMemory",
+    "check_token_ids",
+    "distinct_primes",
+    "hash_statistics",
+    "is_prime",
+    "layer_multipliers",
+    "ngram_row_ids",
+]
 
 MAX_NGRAM = 8
 # tokens < 2**20 and multipliers < 2**31 keep every product and XOR inside int64
@@ -62,13 +75,12 @@ def distinct_primes(start: int, count: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class NgramHashConfig:
-    """Hashed n-gram memory settings. Frozen; every field is checked on construction."""
+    """One hashed n-gram memory layer's settings; build it with NgramHashConfig.build. Frozen, checked on
+    construction. Which layers carry a memory is model-level: megacpp_lab.model.config.ModelConfig.ngram_layers."""
 
     vocab_size: int
     d_model: int
-    n_layers: int
     pad_id: int
-    layers: tuple[int, ...] = ()
     max_ngram: int = 3
     heads_per_order: int = 4
     table_size: int = 49_999
@@ -78,8 +90,7 @@ class NgramHashConfig:
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layers", tuple(self.layers))
-        for name in ("vocab_size", "d_model", "n_layers", "pad_id", "max_ngram", "heads_per_order",
+        for name in ("vocab_size", "d_model", "pad_id", "max_ngram", "heads_per_order",
                      "table_size", "head_dim", "conv_kernel", "seed"):  # fmt: skip
             if isinstance(getattr(self, name), bool):
                 raise _fail(name, "an int, not a bool", getattr(self, name))
@@ -91,11 +102,6 @@ class NgramHashConfig:
             raise _fail("pad_id", f"a token id in [0, vocab_size={self.vocab_size})", self.pad_id)
         if not isinstance(self.d_model, int) or self.d_model < 1:
             raise _fail("d_model", "an int >= 1", self.d_model)
-        if not isinstance(self.n_layers, int) or self.n_layers < 1:
-            raise _fail("n_layers", "an int >= 1", self.n_layers)
-        bad = [i for i in self.layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
-        if bad or len(set(self.layers)) != len(self.layers):
-            raise _fail("layers", f"unique layer indices in [0, n_layers={self.n_layers})", self.layers)
         if not isinstance(self.max_ngram, int) or not 2 <= self.max_ngram <= MAX_NGRAM:
             raise _fail("max_ngram", f"an int in 2..{MAX_NGRAM} (orders 2..max_ngram are hashed)", self.max_ngram)
         if not isinstance(self.heads_per_order, int) or self.heads_per_order < 1:
@@ -110,26 +116,17 @@ class NgramHashConfig:
             raise _fail("eps", "a float in (0, 1)", self.eps)
 
     @classmethod
-    def from_args(
-        cls, *, layers: str | Sequence[int] = (), orders: str | Sequence[int] | None = None, **kwargs: object
-    ) -> NgramHashConfig:
-        """Command-line style: layers '1,3'; orders '2,3,4' must be a contiguous 2..N range."""
-        if isinstance(layers, str):
-            try:
-                layers = tuple(int(p) for p in layers.split(",") if p.strip())
-            except ValueError:
-                raise _fail("layers", "a comma-separated list of layer indices", layers) from None
-        if orders is not None:
-            if isinstance(orders, str):
-                try:
-                    orders = tuple(int(p) for p in orders.split(","))
-                except ValueError:
-                    raise _fail("max_ngram", "given through orders as a comma-separated list of ints", orders) from None
-            orders = tuple(orders)
-            if not orders or orders != tuple(range(2, max(orders) + 1)):
-                raise _fail("max_ngram", "given through orders as the contiguous range 2..N", orders)
-            kwargs["max_ngram"] = max(orders)
-        return cls(layers=tuple(layers), **kwargs)  # type: ignore[arg-type]
+    def build(cls, source: Any = None, **overrides: Any) -> NgramHashConfig:
+        """The one builder: fields from a model config object (these names, ngram_<name>, or Megatron's
+        hidden_size) and keyword overrides, else the defaults. head_dim and seed are read only as
+        ngram_head_dim / ngram_seed: a model's own head_dim or training seed is not this memory's."""
+        aliases = {
+            "d_model": ("d_model", "hidden_size"),
+            "head_dim": ("ngram_head_dim",),
+            "seed": ("ngram_seed",),
+        }
+        return build_config(cls, source, overrides, prefix="ngram", aliases=aliases,
+                            required=("vocab_size", "d_model", "pad_id"))  # fmt: skip
 
     @property
     def orders(self) -> tuple[int, ...]:
@@ -203,10 +200,8 @@ class NgramHashMemory(nn.Module):
         super().__init__()
         if not isinstance(config, NgramHashConfig):
             raise TypeError(f"NgramHashMemory needs an NgramHashConfig, got {type(config).__name__}")
-        if not isinstance(layer_id, int) or isinstance(layer_id, bool) or not 0 <= layer_id < config.n_layers:
-            raise ValueError(f"layer_id must be an int in [0, n_layers={config.n_layers}), got {layer_id!r}")
-        if config.layers and layer_id not in config.layers:
-            raise ValueError(f"layer_id {layer_id} is not in NgramHashConfig.layers {config.layers}")
+        if not isinstance(layer_id, int) or isinstance(layer_id, bool) or layer_id < 0:
+            raise ValueError(f"layer_id must be an int >= 0 (the model places the layer), got {layer_id!r}")
         self.config = config
         self.layer_id = layer_id
         sizes = torch.tensor(config.table_sizes, dtype=torch.int64)
@@ -232,7 +227,7 @@ class NgramHashMemory(nn.Module):
 
     def make_store(self, backend: TableBackend | None = None) -> TableStore:
         """A TableStore for this layer, populated with the current tables (create-only)."""
-        store = TableStore(self.layer_id, TableStoreConfig(self.config.table_sizes, self.config.head_dim), backend)
+        store = TableStore(self.layer_id, TableStoreConfig.build(self.config), backend)
         store.populate([t.detach() for t in self.head_tables()])
         return store
 

@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from megacpp_lab.nn.config_builder import build_config
+
+__all__ = ["RopeScaling", "apply_rope_reference", "rope_attention_scale", "rope_cos_sin", "rope_inv_freq"]
 
 _KINDS = ("none", "yarn", "piecewise")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
+    """Long-context scaling of the rotary frequencies. Frozen, checked on construction."""
+
     kind: str = "none"  # "none" | "yarn" | "piecewise"
     factor: float = 1.0  # context extension factor (>= 1)
     original_max_positions: int = 4096
@@ -53,6 +60,13 @@ class RopeScaling:
             raise ValueError(
                 f"low_freq_factor ({self.low_freq_factor}) must be < high_freq_factor ({self.high_freq_factor})"
             )
+
+    @classmethod
+    def build(cls, source: Any = None, **overrides: Any) -> RopeScaling:
+        """The one builder: fields from a source object, read only as rope_scaling_<name> (the bare names,
+        factor or kind, are too generic to take from a model config), and keyword overrides."""
+        aliases = {name: (f"rope_scaling_{name}",) for name in cls.__dataclass_fields__}
+        return build_config(cls, source, overrides, prefix="rope_scaling", aliases=aliases, required=())
 
 
 def _check_dim_base(dim: int, base: float) -> None:

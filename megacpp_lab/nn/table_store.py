@@ -26,8 +26,11 @@ import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from megacpp_lab.nn.config_builder import build_config
 
 __all__ = ["TableBackend", "InProcessBackend", "TableStoreConfig", "TableStore"]
 
@@ -133,6 +136,14 @@ class TableStoreConfig:
             raise ValueError(f"embedding_dim must be a positive int, got {self.embedding_dim!r}")
         object.__setattr__(self, "table_vocab_sizes", tuple(int(n) for n in sizes))
         object.__setattr__(self, "embedding_dim", int(self.embedding_dim))
+
+    @classmethod
+    def build(cls, source: Any = None, **overrides: Any) -> TableStoreConfig:
+        """The one builder: fields from a source object (these names, or an NgramHashConfig's table_sizes /
+        head_dim) and keyword overrides."""
+        aliases = {"table_vocab_sizes": ("table_vocab_sizes", "table_sizes"), "embedding_dim": ("embedding_dim", "head_dim")}
+        return build_config(cls, source, overrides, prefix="table_store", aliases=aliases,
+                            required=("table_vocab_sizes", "embedding_dim"))  # fmt: skip
 
     @property
     def num_heads(self) -> int:

@@ -1,6 +1,7 @@
-"""Test helpers: the packed-row leak harness and small reference mixers with planted leaks."""
+"""Test helpers: the packed-row leak harness, small reference mixers with planted leaks, the host-read tripwire."""
 
-from megacpp_lab.testing import leaks, planted
+from megacpp_lab.testing import host_reads, leaks, planted
+from megacpp_lab.testing.host_reads import no_host_reads
 from megacpp_lab.testing.leaks import (
     Dependence,
     DocSpan,
@@ -21,4 +22,4 @@ from megacpp_lab.testing.planted import (
     ZeroInitProjection,
 )
 
-__all__ = [*leaks.__all__, *planted.__all__]
+__all__ = [*host_reads.__all__, *leaks.__all__, *planted.__all__]
