@@ -226,8 +226,12 @@ def test_context_path_reads_nothing_back_and_the_detector_can_fail() -> None:
         key, value = mla_rope_kv(kv, pe, cos, sin, 8, ctx=ctx)
         a, b = rope_qk_(qg * 1.0, kg * 1.0, cos, sin, ctx=ctx)
         (y.sum() + key.sum() + value.sum() + a.sum() + b.sum()).backward()
-    # the same calls given bare cu_seqlens check their values on every call: the detector sees it
-    for call in (lambda: mla_rope_q_(q.detach().clone(), cos, sin, 8, cu_seqlens=ctx.cu_seqlens),
+    # the same calls given bare cu_seqlens check their values on every call: on CPU by reading them back (the
+    # detector sees it); on a GPU by device-side asserts, so there the detector is shown firing on a plain read
+    if DEV == "cuda":
+        with pytest.raises(AssertionError, match="host read on the validated path"), no_host_reads():
+            ctx.cu_seqlens.tolist()
+    for call in () if DEV == "cuda" else (lambda: mla_rope_q_(q.detach().clone(), cos, sin, 8, cu_seqlens=ctx.cu_seqlens),
                  lambda: mla_rope_kv(kv.detach(), pe.detach(), cos, sin, 8, cu_seqlens=ctx.cu_seqlens),
                  lambda: rope_qk_(qg.detach().clone(), kg.detach().clone(), cos, sin, positions=ctx.positions)):  # fmt: skip
         with pytest.raises(AssertionError, match="host read on the validated path"), no_host_reads():
