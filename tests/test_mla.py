@@ -1,25 +1,16 @@
 """MLA: config, training path (rope kernels vs reference, recompute flags, fused projections, leak
-harness, compile boundary), the packed context path, FusedDownNormUp, the compressed KV cache and decode."""
+harness, compile boundary), the packed context path, the compressed KV cache and decode."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
 from torch import nn
 
 from megacpp_lab.data import boundary_windows, load_sample
-from megacpp_lab.nn.mla import (
-    FusedDownNormUp,
-    MLAConfig,
-    MLAKVCache,
-    MultiLatentAttention,
-    cache_bytes_per_token,
-    down_norm_up_reference,
-)
-from megacpp_lab.testing import check_leaks
+from megacpp_lab.nn.mla import MLAConfig, MLAKVCache, MultiLatentAttention, cache_bytes_per_token
+from megacpp_lab.testing import check_leaks, no_host_reads
 from megacpp_lab.varlen import PackedContext, build_context
-from megacpp_lab.testing import no_host_reads
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=8, d_v=8, max_positions=64)
@@ -207,36 +198,6 @@ def test_compiled_layer_through_the_context_has_no_graph_break_and_one_graph_for
         torch.testing.assert_close(y, layer(x, ctx=ctx), atol=1e-5, rtol=1e-5)
         y.sum().backward()
     assert counter.frame_count == 1
-
-
-def test_fused_down_norm_up_matches_the_chain_and_saves_no_latent() -> None:
-    torch.manual_seed(0)
-    x = torch.randn(3, 5, 12, dtype=torch.float64, requires_grad=True)
-    w_down = torch.randn(16, 12, dtype=torch.float64, requires_grad=True)
-    rms_w = (1 + 0.1 * torch.randn(16, dtype=torch.float64)).requires_grad_()
-    w_up = torch.randn(20, 16, dtype=torch.float64, requires_grad=True)
-    args = (x, w_down, rms_w, w_up)
-    assert torch.autograd.gradcheck(lambda *a: FusedDownNormUp.apply(*a, 1e-6), args)
-    y = FusedDownNormUp.apply(*args, 1e-6)
-    torch.testing.assert_close(y, down_norm_up_reference(*args, 1e-6))
-    g = torch.randn_like(y)
-    grads = torch.autograd.grad(y, args, g)
-    ref = torch.autograd.grad(down_norm_up_reference(*args, 1e-6), args, g)
-    for a, b in zip(grads, ref):
-        torch.testing.assert_close(a, b)
-
-    def saved_activation_shapes(fn) -> list[tuple[int, ...]]:
-        shapes: list[tuple[int, ...]] = []
-        params = {p.data_ptr() for p in args[1:]}
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) if t.data_ptr() not in params else None or t,
-                                                      lambda t: t):  # fmt: skip
-            fn(*args, 1e-6)
-        return shapes
-
-    fused = saved_activation_shapes(FusedDownNormUp.apply)
-    chain = saved_activation_shapes(down_norm_up_reference)
-    assert (3, 5, 16) not in fused and (3, 5, 16) in chain  # the [*, rank] latent is not kept
-    assert sorted(fused) == [(3, 5, 1), (3, 5, 12)]  # x and rrms
 
 
 def _stack(n_layers: int = 2, **kw) -> nn.ModuleList:

@@ -17,7 +17,8 @@ import torch
 
 from megacpp_lab.bench import bench_device, output_root, require_triton_interpreter
 from megacpp_lab.kernels import rope as R
-from megacpp_lab.nn.mla import FusedDownNormUp, MLAConfig, MLAKVCache, MultiLatentAttention, cache_bytes_per_token, down_norm_up_reference
+from megacpp_lab.kernels.down_norm_up import FusedDownNormUp, down_norm_up_reference
+from megacpp_lab.nn.mla import MLAConfig, MLAKVCache, MultiLatentAttention, cache_bytes_per_token
 from megacpp_lab.nn.rope_freqs import rope_cos_sin
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt

@@ -40,6 +40,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from megacpp_lab.kernels import TRITON_INTERPRET
+from megacpp_lab.kernels.down_norm_up import FusedDownNormUp
 from megacpp_lab.kernels.rope import (
     mla_rope_kv,
     mla_rope_kv_reference,
@@ -55,12 +56,10 @@ __all__ = [
     "FLEX_PROVEN",
     "ROPE_IMPLS",
     "FlexNotProvenError",
-    "FusedDownNormUp",
     "MLAConfig",
     "MLAKVCache",
     "MultiLatentAttention",
     "cache_bytes_per_token",
-    "down_norm_up_reference",
     "flex_refusal",
 ]
 
@@ -135,48 +134,6 @@ def cache_bytes_per_token(config: MLAConfig, bytes_per_value: int = 2) -> dict[s
     mla = (config.kv_lora_rank + config.d_rope) * bytes_per_value
     mha = config.n_heads * (config.d_nope + config.d_rope + config.d_v) * bytes_per_value
     return {"mla_bytes": float(mla), "mha_bytes": float(mha), "ratio": mha / mla}
-
-
-# ----------------------------------------------------------------------------- fused down-norm-up
-
-
-class FusedDownNormUp(torch.autograd.Function):
-    """y = W_up @ RMSNorm(W_down @ x) * rms_weight, saving only x, rrms and the weights.
-
-    The latent [*, rank] is recomputed in the backward, and the RMSNorm gradient is written out
-    (grad_latent = rrms * (g - n * mean(g * n)), n = latent * rrms), not taken through autograd."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w_down: torch.Tensor, rms_weight: torch.Tensor, w_up: torch.Tensor, eps: float):
-        acc = torch.promote_types(x.dtype, torch.float32)  # norm math in fp32 (fp64 stays fp64 for gradcheck)
-        latent = (x @ w_down.t()).to(acc)
-        rrms = torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps)
-        normed = (latent * rrms * rms_weight.to(acc)).to(x.dtype)
-        ctx.save_for_backward(x, rrms, w_down, rms_weight, w_up)
-        return normed @ w_up.t()
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, rrms, w_down, rms_weight, w_up = ctx.saved_tensors
-        acc = rrms.dtype
-        n = (x @ w_down.t()).to(acc) * rrms  # the latent, recomputed: the one [*, rank] tensor not kept
-        normed = (n * rms_weight.to(acc)).to(x.dtype)
-        d_normed = (dy @ w_up).to(acc)
-        d_up = dy.reshape(-1, dy.shape[-1]).t() @ normed.reshape(-1, normed.shape[-1])
-        d_weight = (d_normed * n).reshape(-1, n.shape[-1]).sum(0)
-        g = d_normed * rms_weight.to(acc)
-        d_latent = (rrms * (g - n * (g * n).mean(-1, keepdim=True))).to(x.dtype)
-        dx = d_latent @ w_down
-        d_down = d_latent.reshape(-1, d_latent.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return dx, d_down, d_weight.to(rms_weight.dtype), d_up, None
-
-
-def down_norm_up_reference(x: torch.Tensor, w_down: torch.Tensor, rms_weight: torch.Tensor, w_up: torch.Tensor,
-                           eps: float) -> torch.Tensor:  # fmt: skip
-    """The unfused chain FusedDownNormUp must match."""
-    acc = torch.promote_types(x.dtype, torch.float32)
-    latent = (x @ w_down.t()).to(acc)
-    return F.rms_norm(latent, (latent.shape[-1],), rms_weight.to(acc), eps).to(x.dtype) @ w_up.t()
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -441,12 +398,16 @@ class MultiLatentAttention(nn.Module):
         if positions is not None and positions.shape != (B, T):
             raise ValueError(f"positions must be [B, T] = {(B, T)}, got {tuple(positions.shape)}")
         q_lat, c_lat, k_pe = self.down_proj(x)
+        # ctx reaches a checkpointed function by closure, never as an argument: dynamo flattens a checkpoint's
+        # arguments, reading every field of the frozen PackedContext, and guarded its int max_seqlen (one
+        # recompile per new longest document; seen on an H100, torch 2.11)
         if c.recompute_q_upproj and torch.is_grad_enabled():
-            q = checkpoint(self.q_up_rope, q_lat, positions, ctx=ctx, use_reentrant=False)
+            q = checkpoint(lambda q_lat_: self.q_up_rope(q_lat_, positions, ctx=ctx), q_lat, use_reentrant=False)
         else:
             q = self.q_up_rope(q_lat, positions, ctx=ctx)
         if c.recompute_kv_upproj and torch.is_grad_enabled():
-            key, value = checkpoint(self.kv_up_rope, x, c_lat, k_pe, positions, ctx=ctx, use_reentrant=False)
+            key, value = checkpoint(lambda x_, c_lat_, k_pe_: self.kv_up_rope(x_, c_lat_, k_pe_, positions, ctx=ctx),
+                                    x, c_lat, k_pe, use_reentrant=False)  # fmt: skip
         else:
             key, value = self.kv_up_rope(x, c_lat, k_pe, positions, ctx=ctx)
         out = self._attend(q, key, value, doc_ids, block_mask)
