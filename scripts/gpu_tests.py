@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,8 +55,20 @@ def main() -> int:
     files.sort(key=lambda p: (-split.get(p.name, 1), -p.stat().st_size))
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     t0 = time.perf_counter()
+    # each file's section lands in <out>.partial (and a line on stdout) as it finishes: a run killed from
+    # outside still leaves what it measured
+    partial = Path(str(args.out) + ".partial")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text(f"# partial log, started {started}; the full log replaces it at the end\n")
+    results = []
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda p: run_file(p, split.get(p.name, 1), args.timeout), files))
+        futures = [pool.submit(run_file, p, split.get(p.name, 1), args.timeout) for p in files]
+        for done in as_completed(futures):
+            path, counts, seconds, output = done.result()
+            results.append((path, counts, seconds, output))
+            with partial.open("a") as f:
+                f.write(f"===== {path.relative_to(ROOT)} ({seconds:.0f} s) {counts}\n{output.rstrip()}\n\n")
+            print(f"{len(results)}/{len(files)} {path.name}: {counts} in {seconds:.0f} s", flush=True)
     wall = time.perf_counter() - t0
 
     import torch
@@ -80,6 +92,7 @@ def main() -> int:
     lines.append(f"{total['passed']} passed, {total['failed'] + total['error']} failed, {total['skipped']} skipped")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
+    partial.unlink()
     print("\n".join(lines[-(len(results) + 3) :]))
     return 0 if total["failed"] == 0 and total["error"] == 0 else 1
 
