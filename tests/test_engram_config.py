@@ -79,6 +79,9 @@ def test_engram_config_build_reads_the_model_config_and_overrides():
     src = SimpleNamespace(hidden_size=32, engram_bottleneck=4, bottleneck=99, engram_gated=False)
     cfg = EngramConfig.build(src)
     assert (cfg.d_model, cfg.bottleneck, cfg.gated) == (32, 4, False)
+    # a model's own bare eps / conv_kernel / dropout (e.g. a Mamba conv of 4, a norm eps) are not the branch's
+    bare = EngramConfig.build(SimpleNamespace(d_model=512, eps=0.5, conv_kernel=7, dropout=0.5, orders=(5,)))
+    assert bare == EngramConfig(d_model=512)
     with pytest.raises(ValueError, match=r"EngramConfig\.build needs \['d_model'\]"):
         EngramConfig.build(SimpleNamespace())
     with pytest.raises(ValueError, match=r"EngramConfig\.conv_impl must be one of"):
@@ -202,6 +205,8 @@ def test_ngram_hash_config_build():
     # an attention head_dim or a training seed on the source is not the memory's: only ngram_<name> is read
     from_src = NgramHashConfig.build(src, d_model=32)
     assert (from_src.head_dim, from_src.seed, from_src.max_ngram) == (32, 0, 4)
+    bare = NgramHashConfig.build(SimpleNamespace(**NG, eps=0.5, conv_kernel=7, max_ngram=5, table_size=11))
+    assert bare == NgramHashConfig(**NG)
     for field in ("n_layers", "layers"):
         assert field not in {f.name for f in dataclasses.fields(NgramHashConfig)}
         with pytest.raises(ValueError, match=rf"NgramHashConfig has no field\(s\) \['{field}'\]"):

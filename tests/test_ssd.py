@@ -329,3 +329,13 @@ def test_validated_cu_seqlens_take_no_host_read():
         torch.autograd.grad(y, inputs, torch.ones_like(y))
     with pytest.raises(AssertionError, match="host read"), no_host_reads():
         ssd_scan(*inputs, cu_seqlens=cu, chunk=16, kernel="triton")
+
+
+def test_buffers_past_int32_offsets_fail_closed():
+    """The kernels index in int32: a call whose saved states would pass 2**31 elements is refused, not wrapped.
+    (Meta tensors: the check runs before any kernel or device check, so nothing of that size is allocated.)"""
+    x = torch.empty(1, 2**20, 32, 64, device="meta")
+    dt = torch.empty(1, 2**20, 32, device="meta")
+    Bm = torch.empty(1, 2**20, 1, 128, device="meta")
+    with pytest.raises(ValueError, match=r"indexes in int32.*split the batch"):
+        ssd_scan(x, dt, torch.empty(32, device="meta"), Bm, Bm, kernel="triton")

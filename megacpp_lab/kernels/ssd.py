@@ -575,12 +575,17 @@ def ssd_scan(
         return ssd_scan_reference(x, dt, A, Bm, Cm, cu_seqlens)
     if kernel == "chunked":
         return ssd_chunked_torch(x, dt, A, Bm, Cm, cu_seqlens, chunk=chunk)
+    B, T, H, P = x.shape
+    N, n_docs = Bm.shape[-1], (B if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+    elements = max(_n_slots(B * T, chunk, n_docs) * H * P * N, B * T * H * max(P, N))
+    if elements >= 2**31:  # the kernels index in int32
+        raise ValueError(f"the Triton SSD indexes in int32: x {tuple(x.shape)} with N={N}, chunk={chunk} and "
+                         f"{n_docs} documents needs {elements} elements in one buffer (limit 2**31); split the batch")
     if not (x.device.type == "cuda" or (x.device.type == "cpu" and TRITON_INTERPRET)):
         raise RuntimeError(f"kernel='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); x is on {x.device}")
-    B, T, H, P = x.shape
     _pow2_at_least_16("chunk", chunk)
     _pow2_at_least_16("P (x's head dim)", P)
-    _pow2_at_least_16("N (Bm's state dim)", Bm.shape[-1])
+    _pow2_at_least_16("N (Bm's state dim)", N)
     if x.dtype == torch.float64:
         raise ValueError("the Triton SSD takes float32, bfloat16 or float16 x; float64 is for the torch paths")
     if cu_seqlens is None:

@@ -89,9 +89,11 @@ class EngramConfig:
 
     @classmethod
     def build(cls, source: Any = None, **overrides: Any) -> EngramConfig:
-        """The one builder: fields from a model config object (these names, engram_<name>, or Megatron's
-        hidden_size) and keyword overrides, else the defaults."""
-        aliases = {"d_model": ("d_model", "hidden_size")}
+        """The one builder: fields from a model config object (d_model or Megatron's hidden_size; every other
+        field only as engram_<name>: a model's own eps or conv_kernel is not this branch's) and keyword
+        overrides, else the defaults."""
+        aliases = {name: (f"engram_{name}",) for name in cls.__dataclass_fields__}
+        aliases["d_model"] = ("d_model", "hidden_size")
         return build_config(cls, source, overrides, prefix="engram", aliases=aliases, required=("d_model",))
 
 

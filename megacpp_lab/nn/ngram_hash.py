@@ -117,14 +117,11 @@ class NgramHashConfig:
 
     @classmethod
     def build(cls, source: Any = None, **overrides: Any) -> NgramHashConfig:
-        """The one builder: fields from a model config object (these names, ngram_<name>, or Megatron's
-        hidden_size) and keyword overrides, else the defaults. head_dim and seed are read only as
-        ngram_head_dim / ngram_seed: a model's own head_dim or training seed is not this memory's."""
-        aliases = {
-            "d_model": ("d_model", "hidden_size"),
-            "head_dim": ("ngram_head_dim",),
-            "seed": ("ngram_seed",),
-        }
+        """The one builder: fields from a model config object (vocab_size, pad_id, d_model or Megatron's
+        hidden_size; every other field only as ngram_<name>: a model's own head_dim, eps, conv_kernel or
+        training seed is not this memory's) and keyword overrides, else the defaults."""
+        aliases = {name: (f"ngram_{name}",) for name in cls.__dataclass_fields__}
+        aliases.update(d_model=("d_model", "hidden_size"), vocab_size=("vocab_size",), pad_id=("pad_id",))
         return build_config(cls, source, overrides, prefix="ngram", aliases=aliases,
                             required=("vocab_size", "d_model", "pad_id"))  # fmt: skip
 
