@@ -4,6 +4,8 @@ server by its PID. Everything is bounded so CI can never hang on it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import shutil
@@ -82,12 +84,10 @@ def _wait_for_server_info(runtime: Path, port: int, proc: subprocess.Popen, log:
 def _wait_for_status(url: str, deadline: float) -> tuple[int, str, bytes]:
     answer: tuple[int, str, bytes] | None = None
     while time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(OSError):  # refused until the server accepts
             answer = _get(url)
             if answer[0] == 200:
                 return answer
-        except OSError:
-            pass  # not accepting yet
         time.sleep(0.2)
     pytest.fail(f"/api/status did not answer 200 within {START_S:.0f} s; last answer: {answer!r}")
 
