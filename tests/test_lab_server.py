@@ -5,7 +5,6 @@ server by its PID. Everything is bounded so CI can never hang on it."""
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import shutil
