@@ -224,7 +224,9 @@ def test_ngram_hash_config_build():
 
 # every config class of nn/ and model/; the census below fails when one is added and not listed here
 CONFIGS = (
+    "megacpp_lab.nn.concept_bank.ConceptBankConfig",
     "megacpp_lab.nn.engram.EngramConfig",
+    "megacpp_lab.nn.hyper_connections.HyperConnectionConfig",
     "megacpp_lab.nn.m2rnn.M2RNNConfig",
     "megacpp_lab.nn.mla.MLAConfig",
     "megacpp_lab.nn.ngram_hash.NgramHashConfig",
