@@ -227,6 +227,7 @@ CONFIGS = (
     "megacpp_lab.nn.concept_bank.ConceptBankConfig",
     "megacpp_lab.nn.engram.EngramConfig",
     "megacpp_lab.nn.hyper_connections.HyperConnectionConfig",
+    "megacpp_lab.nn.lm_head.LMHeadConfig",
     "megacpp_lab.nn.m2rnn.M2RNNConfig",
     "megacpp_lab.nn.mla.MLAConfig",
     "megacpp_lab.nn.ngram_hash.NgramHashConfig",
