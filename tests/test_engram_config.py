@@ -235,6 +235,7 @@ CONFIGS = (
     "megacpp_lab.nn.ssm.SSDConfig",
     "megacpp_lab.nn.table_store.TableStoreConfig",
     "megacpp_lab.model.config.ModelConfig",
+    "megacpp_lab.model.config.HybridConfig",
 )
 
 

@@ -15,16 +15,25 @@ Every config has one construction style: a frozen dataclass, checked on construc
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megacpp_lab.nn.concept_bank import ConceptBankConfig
 from megacpp_lab.nn.config_builder import build_config, config_error
+from megacpp_lab.nn.engram import EngramConfig
+from megacpp_lab.nn.hyper_connections import HyperConnectionConfig
+from megacpp_lab.nn.lm_head import LMHeadConfig
+from megacpp_lab.nn.m2rnn import M2RNNConfig
+from megacpp_lab.nn.mla import MLAConfig
+from megacpp_lab.nn.ngram_hash import NgramHashConfig
+from megacpp_lab.nn.ssm import SSDConfig
 
-__all__ = ["BLOCK_KINDS", "ModelConfig"]
+__all__ = ["BLOCK_KINDS", "HYBRID_PRESETS", "HybridConfig", "ModelConfig", "hybrid_preset"]
 
 # block letters of the layer pattern: A = MLA + MLP, M = SSD + MLP, R = M2RNN + MLP
 BLOCK_KINDS = ("A", "M", "R")
@@ -42,7 +51,7 @@ def _warn_at_caller(message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=level)
 
 
-def _layer_list(name: str, value: str | Sequence[int], n_layers: int) -> tuple[int, ...]:
+def _layer_list(name: str, value: str | Sequence[int], n_layers: int, fail: Any = _fail) -> tuple[int, ...]:
     """'0,2,4' / 'all' / '' / [0, 2] -> unique layer indices in [0, n_layers), or fail naming the field."""
     if isinstance(value, str):
         text = value.strip().lower()
@@ -51,15 +60,31 @@ def _layer_list(name: str, value: str | Sequence[int], n_layers: int) -> tuple[i
         try:
             value = tuple(int(p) for p in text.split(",") if p.strip())
         except ValueError:
-            raise _fail(name, "a comma-separated list of layer indices or 'all'", value) from None
+            raise fail(name, "a comma-separated list of layer indices or 'all'", value) from None
     if isinstance(value, (bytes, bytearray)) or not isinstance(value, Sequence):
-        raise _fail(name, "a sequence of layer indices, a comma-separated string or 'all'", value)
+        raise fail(name, "a sequence of layer indices, a comma-separated string or 'all'", value)
     layers = tuple(value)
     bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers]
     if bad:
-        raise _fail(name, f"layer indices in [0, n_layers={n_layers})", bad)
+        raise fail(name, f"layer indices in [0, n_layers={n_layers})", bad)
     if len(set(layers)) != len(layers):
-        raise _fail(name, "unique layer indices", layers)
+        raise fail(name, "unique layer indices", layers)
+    return layers
+
+
+def _engram_layers(value: Any, mhc: bool, n_layers: int, fail: Any) -> tuple[int, ...]:
+    """The Engram (and mHC) layers, with the tripwire: mhc without layers means all of them, loudly, and an
+    explicitly empty list with mhc fails closed (mHC over no layer was a silent no-op)."""
+    if value is None:
+        if not mhc:
+            return ()
+        _warn_at_caller(f"mhc is on but no engram_layers were given: Engram (and mHC) default to all {n_layers} "
+                        "layers. Pass engram_layers explicitly to choose.")  # fmt: skip
+        return tuple(range(n_layers))
+    layers = _layer_list("engram_layers", value, n_layers, fail)
+    if mhc and not layers:
+        raise fail("engram_layers", "non-empty when mhc=True (hyper-connections over no Engram layer are a silent "
+                   "no-op; leave engram_layers unset for all layers)", value)  # fmt: skip
     return layers
 
 
@@ -97,24 +122,7 @@ class ModelConfig:
         if pattern and (len(pattern) != self.n_layers or any(c not in BLOCK_KINDS for c in pattern)):
             raise _fail("pattern", f"{self.n_layers} (n_layers) block letters from {BLOCK_KINDS}, or ''", self.pattern)
         object.__setattr__(self, "pattern", pattern)
-        if self.engram_layers is None:
-            engram_layers: tuple[int, ...] = ()
-            if self.mhc:
-                _warn_at_caller(
-                    f"mhc is on but no engram_layers were given: Engram (and mHC) default to all {self.n_layers} "
-                    "layers. Pass engram_layers explicitly to choose."
-                )
-                engram_layers = tuple(range(self.n_layers))
-        else:
-            engram_layers = _layer_list("engram_layers", self.engram_layers, self.n_layers)
-        if self.mhc and not engram_layers:
-            raise _fail(
-                "engram_layers",
-                "non-empty when mhc=True (hyper-connections over no Engram layer are a silent no-op; "
-                "leave engram_layers unset for all layers)",
-                self.engram_layers,
-            )
-        object.__setattr__(self, "engram_layers", engram_layers)
+        object.__setattr__(self, "engram_layers", _engram_layers(self.engram_layers, self.mhc, self.n_layers, _fail))
         object.__setattr__(self, "ngram_layers", _layer_list("ngram_layers", self.ngram_layers, self.n_layers))
 
     @classmethod
@@ -129,3 +137,158 @@ class ModelConfig:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.n_layers:
             raise ValueError(f"layer must be an int in [0, n_layers={self.n_layers}), got {layer!r}")
         return self.pattern[layer] if self.pattern else ""
+
+
+# ----------------------------------------------------------------------------- the hybrid LM
+
+_hfail = functools.partial(config_error, "HybridConfig")
+
+# per-layer config field of HybridConfig -> (its class, defaults derived from the model's d_model)
+def _mla_defaults(d: int) -> dict[str, Any]:
+    heads = max(1, d // 128)
+    head = 128 if d >= 128 else max(8, d // heads)
+    return dict(n_heads=heads, q_lora_rank=max(16, d // 2), kv_lora_rank=max(16, d // 4), d_nope=head,
+                d_rope=max(8, head // 2), d_v=head)  # fmt: skip
+
+
+def _ssd_defaults(d: int) -> dict[str, Any]:
+    head = 64 if d >= 256 else 16
+    return dict(n_heads=max(1, 2 * d // head), head_dim=head, state_dim=128 if d >= 512 else 32)
+
+
+_SUBCONFIGS: dict[str, tuple[type, Any]] = {
+    "mla": (MLAConfig, _mla_defaults),
+    "ssd": (SSDConfig, _ssd_defaults),
+    "m2rnn": (M2RNNConfig, lambda d: dict(n_heads=max(1, d // 64))),  # per-head state 64 x 16 (K x V)
+    "engram": (EngramConfig, lambda d: dict(bottleneck=max(1, d // 4))),
+    "ngram": (NgramHashConfig, lambda d: {}),
+    "concept": (ConceptBankConfig, lambda d: dict(n_heads=max(1, d // 128), head_dim=min(64, d))),
+    "hyper": (HyperConnectionConfig, lambda d: {}),
+    "lm_head": (LMHeadConfig, lambda d: {}),
+}
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Everything HybridLM (megacpp_lab.model.hybrid) needs. Frozen, checked on construction, fails closed
+    naming the field. Build it with HybridConfig.build, or from a preset with hybrid_preset(name, **overrides).
+
+    pattern: block letters tiled across n_layers (layer i is pattern[i % len(pattern)]): A = MLA + SwiGLU MLP,
+    M = SSD + MLP, R = M2RNN + MLP. engram_layers / ngram_layers / cblock_layers: explicit layer indices
+    (tuple, '0,2' or 'all'); mhc: multi-stream hyper-connections over the Engram layers (the same tripwire as
+    ModelConfig: mhc without engram_layers means all layers, with a warning; an explicitly empty list fails).
+
+    The per-layer configs (mla, ssd, m2rnn, engram, ngram, concept, hyper, lm_head) are built through each
+    layer's own build(): leave one None for the defaults derived from d_model (and vocab_size / pad_id),
+    give a dict of overrides, or a finished config (its d_model must match). All are built even when no
+    layer uses them, so a bad field fails here, not at the first forward.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    pattern: str = "AMRM"
+    engram_layers: tuple[int, ...] | None = None
+    mhc: bool = False
+    ngram_layers: tuple[int, ...] = ()
+    cblock_layers: tuple[int, ...] = ()
+    mlp_ratio: float = 8 / 3  # SwiGLU hidden = mlp_ratio * d_model, rounded up to a multiple of 64
+    norm_eps: float = 1e-6
+    pad_id: int = 2  # the tokenizer's pad id (the BPE's); the n-gram memory hashes tokens before a doc start as it
+    mla: MLAConfig | Mapping[str, Any] | None = None
+    ssd: SSDConfig | Mapping[str, Any] | None = None
+    m2rnn: M2RNNConfig | Mapping[str, Any] | None = None
+    engram: EngramConfig | Mapping[str, Any] | None = None
+    ngram: NgramHashConfig | Mapping[str, Any] | None = None
+    concept: ConceptBankConfig | Mapping[str, Any] | None = None
+    hyper: HyperConnectionConfig | Mapping[str, Any] | None = None
+    lm_head: LMHeadConfig | Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _hfail(name, "an int >= 1", value)
+        if not isinstance(self.mhc, bool):
+            raise _hfail("mhc", "a bool", self.mhc)
+        if not isinstance(self.pattern, str) or not self.pattern.strip() or any(
+            c not in BLOCK_KINDS for c in self.pattern.strip().upper()
+        ):
+            raise _hfail("pattern", f"a non-empty string of block letters from {BLOCK_KINDS}", self.pattern)
+        object.__setattr__(self, "pattern", self.pattern.strip().upper())
+        object.__setattr__(self, "engram_layers", _engram_layers(self.engram_layers, self.mhc, self.n_layers, _hfail))
+        for name in ("ngram_layers", "cblock_layers"):
+            object.__setattr__(self, name, _layer_list(name, getattr(self, name), self.n_layers, _hfail))
+        ratio = self.mlp_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 64:
+            raise _hfail("mlp_ratio", "a number in (0, 64]", ratio)
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, float) or not 0 < self.norm_eps < 1:
+            raise _hfail("norm_eps", "a float in (0, 1)", self.norm_eps)
+        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int) or not 0 <= self.pad_id < self.vocab_size:
+            raise _hfail("pad_id", f"a token id in [0, vocab_size={self.vocab_size})", self.pad_id)
+        for name, (cls, defaults) in _SUBCONFIGS.items():
+            object.__setattr__(self, name, self._sub_config(name, cls, defaults(self.d_model)))
+
+    def _sub_config(self, name: str, cls: type, defaults: dict[str, Any]) -> Any:
+        value = getattr(self, name)
+        if isinstance(value, cls):
+            config = value
+        elif value is None or isinstance(value, Mapping):
+            try:  # the layer's own builder reads d_model (vocab_size, pad_id) from this config
+                config = cls.build(self, **{**defaults, **dict(value or {})})
+            except ValueError as err:
+                raise ValueError(f"HybridConfig.{name}: {err}") from None
+        else:
+            raise _hfail(name, f"a {cls.__name__}, a dict of its fields, or None", value)
+        for field in ("d_model", "vocab_size", "pad_id"):
+            if hasattr(config, field) and hasattr(self, field) and getattr(config, field) != getattr(self, field):
+                raise _hfail(name, f"a {cls.__name__} with {field}={getattr(self, field)}", getattr(config, field))
+        return config
+
+    @classmethod
+    def build(cls, source: Any = None, **overrides: Any) -> HybridConfig:
+        """The one builder: fields from a source object (these names, hybrid_<name>, or Megatron's
+        hidden_size / num_layers / padded_vocab_size) and keyword overrides, else the defaults."""
+        aliases = {name: (f"hybrid_{name}", name) for name in cls.__dataclass_fields__}
+        aliases.update(d_model=("d_model", "hidden_size"), n_layers=("n_layers", "num_layers"),
+                       vocab_size=("vocab_size", "padded_vocab_size"))  # fmt: skip
+        return build_config(cls, source, overrides, prefix="hybrid", aliases=aliases,
+                            required=("vocab_size", "d_model", "n_layers"))  # fmt: skip
+
+    @property
+    def blocks(self) -> str:
+        """The block letter of every layer: the pattern tiled across n_layers."""
+        return (self.pattern * (self.n_layers // len(self.pattern) + 1))[: self.n_layers]
+
+    @property
+    def mlp_hidden(self) -> int:
+        return 64 * math.ceil(self.mlp_ratio * self.d_model / 64)
+
+
+# Presets: name -> HybridConfig fields. tiny: CPU tests (< 2M parameters); small: ~50M; base: 12 layers, d=1024.
+HYBRID_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=512, d_model=64, n_layers=4, pattern="AMRM", engram_layers=(1,),
+        mla=dict(n_heads=2, q_lora_rank=32, kv_lora_rank=32, d_nope=16, d_rope=16, d_v=16, max_positions=1024),
+        ssd=dict(n_heads=4, head_dim=16, state_dim=16, chunk=16),
+        m2rnn=dict(n_heads=2, k_head_dim=16, v_head_dim=16, chunk=16),
+        engram=dict(bottleneck=16),
+        ngram=dict(max_ngram=3, heads_per_order=2, table_size=61, head_dim=8),
+        concept=dict(n_concepts=32, n_heads=2, head_dim=16),
+        hyper=dict(n_streams=2),
+    ),  # fmt: skip
+    "small": dict(vocab_size=32768, d_model=384, n_layers=12, pattern="AMRM", engram_layers=(1, 5, 9)),
+    "base": dict(vocab_size=32768, d_model=1024, n_layers=12, pattern="AMRM", engram_layers=(1, 5, 9)),
+}
+
+
+def hybrid_preset(name: str, **overrides: Any) -> HybridConfig:
+    """A preset's HybridConfig with keyword overrides. A dict override of a per-layer config (mla=dict(...))
+    is merged into the preset's dict for it; anything else replaces the preset's value."""
+    if name not in HYBRID_PRESETS:
+        raise ValueError(f"hybrid preset must be one of {tuple(HYBRID_PRESETS)}, got {name!r}")
+    values = dict(HYBRID_PRESETS[name])
+    for key, value in overrides.items():
+        base = values.get(key)
+        values[key] = {**base, **value} if isinstance(base, Mapping) and isinstance(value, Mapping) else value
+    return HybridConfig.build(**values)

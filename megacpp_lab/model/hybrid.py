@@ -1,0 +1,210 @@
+"""HybridLM: the whole model in one file, read top to bottom.
+
+    tokens [B,T] -> embedding -> n_layers blocks -> RMSNorm -> LMHead (fused linear cross-entropy)
+
+Block i has the kind HybridConfig.blocks[i] (the pattern tiled across the layers): A = MLA, M = SSD,
+R = M2RNN, each followed by a SwiGLU MLP. A block is a list of residual branches, each x -> x + f(x):
+
+    engram   x + EngramBranch(x, ctx=ctx)                 at engram_layers   (normalises x itself)
+    ngram    x + NgramHashMemory(x, tokens, ctx=ctx)      at ngram_layers    (normalises x itself)
+    mixer    x + mixer(RMSNorm(x), ctx=ctx)               every layer
+    mlp      x + SwiGLU(RMSNorm(x))                       every layer
+    cblock   x + ConceptBank(x, ctx=ctx)                  at cblock_layers   (read-only concept bank)
+
+Engram, the n-gram memory and the concept bank zero-initialise their output projections, so each starts
+as the identity on the residual. Every branch that mixes tokens gets the batch's PackedContext as given:
+no layer re-derives document boundaries.
+
+mHC (mhc=True): the residual is widened once, expand_streams(x, n) [B,T,n,d], and collapsed once before
+the final norm (collapse_streams, the mean). At the mHC layers (engram_layers, see ModelConfig's tripwire)
+every branch runs through its own HyperConnection: x <- H_res x + H_post^T f(H_pre x). At the other
+layers a branch reads the mean of the streams and adds f to every stream (the fixed connection
+H_pre = 1/n, H_post = 1, H_res = I). At init every HyperConnection is x + f(x) on equal streams, so the
+model equals the single-stream model to fp32 rounding.
+
+FLOPs per token (flops_per_token, forward + backward = 3 x forward):
+    matmul: 6 * (parameters applied to every token)  - every parameter except the lookups (token
+            embedding, n-gram tables, the concept bank and its k/v projections, applied once per step);
+            norm weights and biases are counted too (a small overcount)
+    A:      + 3 * 2 * H * (d_nope + d_rope + d_v) * T / 2   (QK^T and AV over the causal T/2 average;
+            document masking only lowers it, so this is an upper bound)
+    M:      + 3 * 4 * H * P * N                               (state update B x^T and readout C h)
+    R:      + 3 * H * (2 K V^2 + 4 K V)                       (h W, k (x) v, gate mix, q h)
+    cblock: + 3 * 4 * H * Dh * n_concepts                     (scores and values over the bank)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp_lab.model.config import HybridConfig
+from megacpp_lab.nn.concept_bank import ConceptBank
+from megacpp_lab.nn.engram import EngramBranch
+from megacpp_lab.nn.hyper_connections import HyperConnection, collapse_streams, expand_streams
+from megacpp_lab.nn.lm_head import LMHead, LMHeadOutput
+from megacpp_lab.nn.m2rnn import M2RNN
+from megacpp_lab.nn.mla import MultiLatentAttention
+from megacpp_lab.nn.ngram_hash import NgramHashMemory
+from megacpp_lab.nn.ssm import SSD
+from megacpp_lab.varlen import PackedContext
+
+__all__ = ["Block", "HybridLM", "SwiGLU"]
+
+Branch = Callable[[torch.Tensor], torch.Tensor]
+
+
+class SwiGLU(nn.Module):
+    """[B,T,d] -> [B,T,d]: w_down(SiLU(w_gate x) * w_up x)."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.w_down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+def _mixer(config: HybridConfig, kind: str) -> nn.Module:
+    if kind == "A":
+        return MultiLatentAttention(config.mla)
+    if kind == "M":
+        return SSD(config.ssd)
+    return M2RNN(config.m2rnn)
+
+
+class Block(nn.Module):
+    """One layer: its residual branches in order (engram?, ngram?, mixer, mlp, cblock?), each x + f(x),
+    through a HyperConnection each at an mHC layer."""
+
+    def __init__(self, config: HybridConfig, layer: int) -> None:
+        super().__init__()
+        c, d = config, config.d_model
+        self.layer, self.kind = layer, c.blocks[layer]
+        self.engram = EngramBranch(c.engram) if layer in c.engram_layers else None
+        self.ngram = NgramHashMemory(c.ngram, layer) if layer in c.ngram_layers else None
+        self.mixer_norm = nn.RMSNorm(d, eps=c.norm_eps)
+        self.mixer = _mixer(c, self.kind)
+        self.mlp_norm = nn.RMSNorm(d, eps=c.norm_eps)
+        self.mlp = SwiGLU(d, c.mlp_hidden)
+        self.cblock = ConceptBank(c.concept) if layer in c.cblock_layers else None
+        names = [n for n in ("engram", "ngram", "mixer", "mlp", "cblock") if getattr(self, n) is not None]
+        on = c.mhc and layer in c.engram_layers
+        self.hc = nn.ModuleDict({n: HyperConnection(d, c.hyper, layer_idx=layer) for n in names}) if on else None
+
+    def branches(self, tokens: torch.Tensor, ctx: PackedContext) -> list[tuple[str, Branch]]:
+        """(name, f) for every residual branch of this layer, in order; f: [B,T,d] -> [B,T,d]."""
+        out: list[tuple[str, Branch]] = []
+        if self.engram is not None:
+            out.append(("engram", lambda x: self.engram(x, ctx=ctx)))
+        if self.ngram is not None:
+            out.append(("ngram", lambda x: self.ngram(x, tokens, ctx=ctx)))
+        out.append(("mixer", lambda x: self.mixer(self.mixer_norm(x), ctx=ctx)))
+        out.append(("mlp", lambda x: self.mlp(self.mlp_norm(x))))
+        if self.cblock is not None:
+            out.append(("cblock", lambda x: self.cblock(x, ctx=ctx)))
+        return out
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        """x: [B,T,d] (single stream) or [B,T,n,d] (mHC streams)."""
+        for name, f in self.branches(tokens, ctx):
+            if x.dim() == 3:  # the plain pre-norm residual
+                x = x + f(x)
+            elif self.hc is not None:  # an mHC layer
+                x = self.hc[name](x, f)
+            else:  # streams through a layer without mHC: read the mean, add to every stream
+                x = x + f(x.mean(dim=-2)).unsqueeze(-2)
+        return x
+
+
+class HybridLM(nn.Module):
+    """forward(tokens [B,T], ctx, targets=None, *, return_logits=False) -> LMHeadOutput(loss, logits)."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"HybridLM needs a HybridConfig, got {type(config).__name__}")
+        self.config = c = config
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.blocks = nn.ModuleList(Block(c, i) for i in range(c.n_layers))
+        self.norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
+        self.lm_head = LMHead(c.lm_head)
+
+    def forward(self, tokens: torch.Tensor, ctx: PackedContext, targets: torch.Tensor | None = None, *,
+                return_logits: bool = False) -> LMHeadOutput:  # fmt: skip
+        """tokens [B,T] int ids; ctx: the batch's PackedContext (build_context, once per batch, outside any
+        compiled region), passed as given to every mixer; targets [B,T] for the loss."""
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"tokens must be [B,T] int32/int64, got shape {tuple(tokens.shape)} dtype {tokens.dtype}")
+        if not isinstance(ctx, PackedContext):
+            raise TypeError("ctx must be the batch's PackedContext (megacpp_lab.varlen.build_context), "
+                            f"got {type(ctx).__name__}")  # fmt: skip
+        if ctx.shape != tuple(tokens.shape):
+            raise ValueError(f"ctx is for [B,T] = {ctx.shape}, tokens are {tuple(tokens.shape)}")
+        x = self.embed(tokens)
+        if self.config.mhc:
+            x = expand_streams(x, self.config.hyper.n_streams)
+        for block in self.blocks:
+            x = block(x, tokens, ctx)
+        if self.config.mhc:
+            x = collapse_streams(x)
+        return self.lm_head(self.norm(x), targets, return_logits=return_logits)
+
+    # -- accounting
+
+    def _kind_of(self, name: str) -> str:
+        """The accounting bucket of a parameter: embedding / lm_head / final_norm, or within a block its
+        branch (engram, ngram, cblock, mhc) else the block's letter (mixer, MLP and their norms)."""
+        parts = name.split(".")
+        if parts[0] != "blocks":
+            return {"embed": "embedding", "norm": "final_norm"}.get(parts[0], parts[0])
+        branch = parts[2]
+        if branch == "hc":
+            return "mhc"
+        if branch in ("engram", "ngram", "cblock"):
+            return branch
+        return self.config.blocks[int(parts[1])]
+
+    def num_parameters(self) -> dict[str, int]:
+        """Parameter counts: 'total' and one entry per bucket (embedding, A, M, R, engram, ngram, cblock,
+        mhc, final_norm, lm_head; buckets the model does not have are left out)."""
+        counts: dict[str, int] = {}
+        for name, p in self.named_parameters():
+            key = self._kind_of(name)
+            counts[key] = counts.get(key, 0) + p.numel()
+        counts["total"] = sum(counts.values())
+        return counts
+
+    def flops_per_token(self, seq_len: int) -> dict[str, int]:
+        """Training (forward + backward) FLOPs per token, per bucket and 'total', at sequence length
+        seq_len (the attention term grows with it). The formula is in the module docstring."""
+        c = self.config
+        lookups = ("embed.weight", ".tables", ".bank.weight", ".k_proj.weight", ".v_proj.weight")
+        flops: dict[str, int] = {}
+        for name, p in self.named_parameters():
+            key = self._kind_of(name)
+            cblock_lookup = key == "cblock" and name.endswith(lookups[2:])
+            if name == lookups[0] or name.endswith(lookups[1]) or cblock_lookup:
+                continue
+            flops[key] = flops.get(key, 0) + 6 * p.numel()
+        for i, kind in enumerate(c.blocks):
+            if kind == "A":
+                a = c.mla
+                extra = 3 * 2 * a.n_heads * (a.d_nope + a.d_rope + a.d_v) * seq_len // 2
+            elif kind == "M":
+                s = c.ssd
+                extra = 3 * 4 * s.n_heads * s.head_dim * s.state_dim
+            else:
+                r = c.m2rnn
+                extra = 3 * r.n_heads * (2 * r.k_head_dim * r.v_head_dim**2 + 4 * r.k_head_dim * r.v_head_dim)
+            flops[kind] = flops.get(kind, 0) + extra
+            if i in c.cblock_layers:
+                b = c.concept
+                flops["cblock"] = flops.get("cblock", 0) + 3 * 4 * b.n_heads * b.head_dim * b.n_concepts
+        flops["total"] = sum(flops.values())
+        return flops

@@ -1,0 +1,220 @@
+"""HybridLM: the config fails closed naming the field, presets are sized as named, the forward gives a loss
+and logits, it learns, it keeps documents apart and is causal for every block kind and branch (a planted
+leak fails), mHC at init equals the plain model, and mixed precision keeps the fp32 contract."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megacpp_lab.data import boundary_windows, load_sample
+from megacpp_lab.model.config import HybridConfig, hybrid_preset
+from megacpp_lab.model.hybrid import HybridLM
+from megacpp_lab.model.precision import apply_mixed_precision, fp32_contract
+from megacpp_lab.testing import check_leaks
+from megacpp_lab.varlen import build_context
+
+# CPU: the M2RNN reference loop asked for by name (kernel="auto" would fall back with a loud warning)
+CPU = dict(m2rnn=dict(kernel="reference"))
+V = 512  # the tiny preset's vocab
+
+
+def tiny(**overrides) -> HybridConfig:
+    return hybrid_preset("tiny", **{**CPU, **overrides})
+
+
+def _model(seed: int = 0, **overrides) -> HybridLM:
+    torch.manual_seed(seed)
+    return HybridLM(tiny(**overrides)).eval()
+
+
+@pytest.fixture(scope="module")
+def window():
+    """Real packed BPE rows: 2 windows of 24 tokens with a document boundary 9 tokens in, ids folded into
+    the tiny vocab."""
+    w = boundary_windows(load_sample(tokenizer="bpe")[0].batch, 2, 24, lead=9)
+    return w.tokens.long() % V, w.doc_ids
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("pattern", "AMX", r"a non-empty string of block letters from \('A', 'M', 'R'\)"),
+        ("pattern", "", "a non-empty string of block letters"),
+        ("pattern", ["A"], "a non-empty string of block letters"),
+        ("engram_layers", (4,), r"layer indices in \[0, n_layers=4\)"),
+        ("ngram_layers", (0, 0), "unique layer indices"),
+        ("cblock_layers", "-1", r"layer indices in \[0, n_layers=4\)"),
+        ("n_layers", 0, "an int >= 1"),
+        ("vocab_size", True, "an int >= 1"),
+        ("mhc", "yes", "a bool"),
+        ("mlp_ratio", 0, r"a number in \(0, 64\]"),
+        ("norm_eps", 0.0, r"a float in \(0, 1\)"),
+        ("pad_id", 512, r"a token id in \[0, vocab_size=512\)"),
+        ("mla", 3, "a MLAConfig, a dict of its fields, or None"),
+    ],
+)
+def test_config_fails_closed_naming_the_field(field, value, allowed):
+    with pytest.raises(ValueError, match=rf"HybridConfig\.{field} must be {allowed}"):
+        tiny(**{field: value})
+
+
+def test_config_sub_configs_are_built_by_their_own_builders_and_fail_closed():
+    cfg = tiny(ssd=dict(state_dim=8))
+    assert cfg.ssd.state_dim == 8 and cfg.ssd.n_heads == 4 and cfg.ssd.d_model == 64  # merged into the preset's
+    assert cfg.lm_head.vocab_size == V and cfg.ngram.vocab_size == V and cfg.ngram.pad_id == 2
+    with pytest.raises(ValueError, match=r"HybridConfig\.ssd: SSDConfig\.n_groups must be"):
+        tiny(ssd=dict(n_groups=3))
+    with pytest.raises(ValueError, match=r"HybridConfig\.mla: MLAConfig has no field\(s\) \['bogus'\]"):
+        tiny(mla=dict(bogus=1))
+    other = HybridConfig.build(vocab_size=V, d_model=32, n_layers=2).mla
+    with pytest.raises(ValueError, match=r"HybridConfig\.mla must be a MLAConfig with d_model=64"):
+        tiny(mla=other)
+    with pytest.raises(ValueError, match=r"HybridConfig has no field\(s\) \['bogus'\]"):
+        HybridConfig.build(vocab_size=V, d_model=64, n_layers=2, bogus=1)
+    with pytest.raises(ValueError, match="hybrid preset must be one of"):
+        hybrid_preset("huge")
+    assert tiny(n_layers=6, pattern="amr").blocks == "AMRAMR"
+
+
+def test_config_keeps_the_mhc_without_engram_layers_tripwire():
+    with pytest.warns(UserWarning, match="default to all 4 layers"):
+        assert tiny(engram_layers=None, mhc=True).engram_layers == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match=r"HybridConfig\.engram_layers must be non-empty when mhc=True"):
+        tiny(engram_layers=(), mhc=True)
+
+
+def test_presets_are_sized_as_named():
+    assert HybridLM(tiny()).num_parameters()["total"] < 2_000_000
+    sizes = {}
+    for name in ("small", "base"):
+        with torch.device("meta"):
+            sizes[name] = HybridLM(hybrid_preset(name)).num_parameters()
+    assert 35e6 < sizes["small"]["total"] < 65e6, sizes["small"]
+    base = hybrid_preset("base")
+    assert (base.n_layers, base.d_model, base.pattern) == (12, 1024, "AMRM")
+    assert 150e6 < sizes["base"]["total"] < 400e6, sizes["base"]
+    counts = sizes["base"]
+    assert counts["total"] == sum(v for k, v in counts.items() if k != "total")
+    assert {"A", "M", "R", "embedding", "lm_head", "engram"} <= set(counts)
+
+
+def test_flops_per_token_by_block_kind():
+    model = HybridLM(tiny(cblock_layers=(3,)))
+    f1, f2 = model.flops_per_token(256), model.flops_per_token(512)
+    assert f1["total"] == sum(v for k, v in f1.items() if k != "total")
+    assert f2["A"] > f1["A"] and f2["M"] == f1["M"] and f2["R"] == f1["R"]  # only attention grows with T
+    params = model.num_parameters()
+    assert f1["lm_head"] == 6 * params["lm_head"] and "embedding" not in f1  # a lookup, not a matmul
+    assert f1["M"] > 6 * params["M"] and f1["cblock"] > 0
+
+
+# ----------------------------------------------------------------------------- forward and training
+
+
+def test_forward_gives_a_finite_loss_and_logits_when_asked(window):
+    tokens, doc_ids = window
+    model, ctx = _model(ngram_layers=(2,), cblock_layers=(3,)), build_context(doc_ids)
+    out = model(tokens, ctx, tokens.roll(-1, 1))
+    assert out.loss is not None and torch.isfinite(out.loss) and out.logits is None
+    out = model(tokens, ctx, tokens.roll(-1, 1), return_logits=True)
+    assert out.logits.shape == (2, 24, V) and torch.isfinite(out.logits).all()
+    with pytest.raises(ValueError, match="ctx is for"):
+        model(tokens[:, :12], ctx)
+
+
+def test_loss_decreases_over_a_few_steps(window):
+    tokens, doc_ids = window
+    model, ctx = _model().train(), build_context(doc_ids)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = model(tokens, ctx, tokens.roll(-1, 1)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+# ----------------------------------------------------------------------------- leaks
+
+
+def _wake(model: HybridLM) -> HybridLM:
+    """Move the zero-initialised outputs (Engram, n-gram memory, concept bank) and the mHC weights off zero,
+    so that every branch changes the logits and the leak check could fail."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("out_proj.weight", "value_proj.weight")) or ".hc." in name and name.endswith(".weight"):
+                p.normal_(std=0.05)
+    return model
+
+
+LEAK_CASES = {
+    "A": dict(pattern="A", n_layers=2, engram_layers=()),
+    "M": dict(pattern="M", n_layers=2, engram_layers=()),
+    "R": dict(pattern="R", n_layers=2, engram_layers=()),
+    "engram": dict(pattern="AMR", n_layers=3, engram_layers=(0, 2)),
+    "ngram": dict(pattern="MR", n_layers=2, engram_layers=(), ngram_layers=(1,)),
+    "mhc": dict(pattern="AMR", n_layers=3, engram_layers=(1,), mhc=True),
+    "cblock": dict(pattern="RA", n_layers=2, engram_layers=(), cblock_layers=(0,)),
+}
+
+
+def _logits(model: HybridLM):
+    return lambda t, d: model(t, build_context(d), return_logits=True).logits
+
+
+@pytest.mark.parametrize("case", list(LEAK_CASES))
+def test_whole_model_keeps_documents_apart_and_is_causal(window, case):
+    tokens, doc_ids = window
+    model = _wake(_model(**LEAK_CASES[case]))
+    report = check_leaks(_logits(model), tokens, doc_ids, vocab_size=V, causal_positions=range(0, 24, 3))
+    assert report.passed, str(report)
+
+
+@pytest.mark.parametrize("kind", ["A", "M", "R"])
+def test_a_planted_leak_fails_the_whole_model_check(window, kind):
+    """One mixer that drops ctx (so sees the packed row as one document) makes the model leak."""
+    tokens, doc_ids = window
+    model = _model(pattern=kind, n_layers=2, engram_layers=())
+    mixer = model.blocks[1].mixer
+    forward = mixer.forward
+    mixer.forward = lambda x, ctx=None, **kw: forward(x)  # the planted bug: ctx dropped
+    report = check_leaks(_logits(model), tokens, doc_ids, vocab_size=V, causal=False)
+    assert report.leaked and report.cross_doc.magnitude > report.tol, str(report)
+
+
+# ----------------------------------------------------------------------------- mHC at init, precision
+
+
+def test_mhc_at_init_equals_the_model_without_mhc(window):
+    tokens, doc_ids = window
+    ctx = build_context(doc_ids)
+    layers = dict(pattern="AMR", n_layers=3, engram_layers=(0, 2))
+    plain = _model(**layers)
+    streams = _model(**layers, mhc=True)
+    missing, unexpected = streams.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and missing and all(".hc." in k for k in missing)
+    assert streams.num_parameters()["mhc"] > 0
+    a = plain(tokens, ctx, return_logits=True).logits
+    b = streams(tokens, ctx, return_logits=True).logits
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_precision_keeps_every_declared_fp32_param_fp32(window):
+    model = _model(ngram_layers=(2,), cblock_layers=(3,), mhc=True)
+    declared = fp32_contract(model)
+    assert any("A_log" in n for n in declared) and any(".hc." in n for n in declared)
+    assert any("bank.weight" in n for n in declared)
+    wrapped = apply_mixed_precision(model, torch.bfloat16)
+    wrapped.check_contract()
+    params = dict(wrapped.module.named_parameters())
+    assert all(params[n].dtype == torch.float32 for n in declared if n in params)
+    assert params["blocks.0.mlp.w_down.weight"].dtype == torch.bfloat16
