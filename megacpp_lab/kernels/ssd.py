@@ -233,6 +233,22 @@ def _decay_mask(cs, rl):
 
 
 @triton.jit
+def _state_program(cu_ptr, a_ptr, H, G, P: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                   CHUNK: tl.constexpr):  # fmt: skip
+    """What a sequential-pass program (document, head, [BP, BN] state block) works on: its head and group,
+    the document's token range and first state slot, the head's decay rate, and the chunk/P/N index ranges."""
+    doc = tl.program_id(0)
+    hd = tl.program_id(1)
+    pb = tl.program_id(2) % (P // BP)
+    nb = tl.program_id(2) // (P // BP)
+    start = tl.load(cu_ptr + doc)
+    A_h = tl.load(a_ptr + hd).to(tl.float32)
+    rp = pb * BP + tl.arange(0, BP)
+    rn = nb * BN + tl.arange(0, BN)
+    return hd, hd // (H // G), start, tl.load(cu_ptr + doc + 1), start // CHUNK + doc, A_h, tl.arange(0, CHUNK), rp, rn
+
+
+@triton.jit
 def _ssd_fwd_state_kernel(
     x_ptr, dt_ptr, a_ptr, b_ptr, cu_ptr, st_ptr,
     H, G,
@@ -242,18 +258,7 @@ def _ssd_fwd_state_kernel(
     """Pass 1 (sequential over one document's chunks, one [BP, BN] block of the state per program):
     store the fp32 state entering every chunk; S' = exp(cs_last) S + (u * w)^T B, u = dt x,
     w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset."""
-    doc = tl.program_id(0)
-    hd = tl.program_id(1)
-    pb = tl.program_id(2) % (P // BP)
-    nb = tl.program_id(2) // (P // BP)
-    g = hd // (H // G)
-    start = tl.load(cu_ptr + doc)
-    end = tl.load(cu_ptr + doc + 1)
-    slot0 = start // CHUNK + doc
-    A_h = tl.load(a_ptr + hd).to(tl.float32)
-    rl = tl.arange(0, CHUNK)
-    rp = pb * BP + tl.arange(0, BP)
-    rn = nb * BN + tl.arange(0, BN)
+    hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
     S = tl.zeros((BP, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(end - start, CHUNK)):
         tl.store(st_ptr + (((slot0 + k) * H + hd) * P + rp[:, None]) * N + rn[None, :], S)
@@ -307,18 +312,7 @@ def _ssd_bwd_state_kernel(
 ):  # fmt: skip
     """Backward pass 1 (sequential, chunks in reverse): store dS', the gradient of the state leaving every
     chunk; the gradient of the entering state is exp(cs_last) dS' + sum_i exp(cs_i) dy_i C_i^T."""
-    doc = tl.program_id(0)
-    hd = tl.program_id(1)
-    pb = tl.program_id(2) % (P // BP)
-    nb = tl.program_id(2) // (P // BP)
-    g = hd // (H // G)
-    start = tl.load(cu_ptr + doc)
-    end = tl.load(cu_ptr + doc + 1)
-    slot0 = start // CHUNK + doc
-    A_h = tl.load(a_ptr + hd).to(tl.float32)
-    rl = tl.arange(0, CHUNK)
-    rp = pb * BP + tl.arange(0, BP)
-    rn = nb * BN + tl.arange(0, BN)
+    hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
     dS = tl.zeros((BP, BN), dtype=tl.float32)  # nothing leaves the last chunk: the next document starts at zero
     n_chunks = tl.cdiv(end - start, CHUNK)
     for kk in range(0, n_chunks):
