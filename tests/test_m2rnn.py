@@ -193,15 +193,10 @@ def _layer(**kw) -> M2RNN:
     return M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton", **kw)).to(DEVICE)
 
 
-def test_layer_passes_the_leak_harness_on_real_packed_rows():
-    w = boundary_windows(load_sample()[0].batch, 2, 24, lead=9)
+def test_layer_passes_the_leak_harness_on_real_packed_rows(sample_leak_reports):
     torch.manual_seed(0)
-    emb = torch.nn.Embedding(259, 32).to(DEVICE)
-    layer = _layer()
-    tokens, doc_ids = w.tokens.to(DEVICE), w.doc_ids.to(DEVICE)
-    report = check_leaks(lambda t, d: layer(emb(t), d), tokens, doc_ids, vocab_size=259, causal_positions=range(0, 24, 2))
+    report, leaky = sample_leak_reports(_layer(), DEVICE)
     assert report.passed, str(report)
-    leaky = check_leaks(lambda t, d: layer(emb(t), None), tokens, doc_ids, vocab_size=259, causal=False)
     assert not leaky.passed
 
 

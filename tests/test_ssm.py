@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacpp_lab.data import boundary_windows, load_sample
 from megacpp_lab.model.precision import apply_mixed_precision
 from megacpp_lab.nn.ssm import SSD, SSDConfig
-from megacpp_lab.testing import check_leaks
 from megacpp_lab.varlen import build_context
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,15 +57,10 @@ def test_layer_through_the_context_equals_bare_doc_ids() -> None:
         layer(x, doc_ids, ctx=build_context(doc_ids))
 
 
-def test_layer_passes_the_leak_harness_on_real_packed_rows_and_fails_without_doc_ids() -> None:
-    w = boundary_windows(load_sample()[0].batch, 2, 24, lead=9)
+def test_layer_passes_the_leak_harness_on_real_packed_rows_and_fails_without_doc_ids(sample_leak_reports) -> None:
     torch.manual_seed(0)
-    emb = torch.nn.Embedding(259, 32).to(DEVICE)
-    layer = _layer()
-    tokens, doc_ids = w.tokens.to(DEVICE), w.doc_ids.to(DEVICE)
-    report = check_leaks(lambda t, d: layer(emb(t), d), tokens, doc_ids, vocab_size=259, causal_positions=range(0, 24, 2))
+    report, leaky = sample_leak_reports(_layer(), DEVICE)
     assert report.passed, str(report)
-    leaky = check_leaks(lambda t, d: layer(emb(t), None), tokens, doc_ids, vocab_size=259, causal=False)
     assert not leaky.passed and leaky.cross_doc.magnitude > leaky.tol
 
 
