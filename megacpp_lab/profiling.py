@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,6 +43,36 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 3, rep: int = 20, device:
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
+
+
+def step_times_ms(fn: Callable[[], object], *, warmup: int = 2, steps: int = 10,
+                  device: torch.device | str | None = None) -> list[float]:  # fmt: skip
+    """Milliseconds of each of `steps` calls of fn after `warmup`, one CUDA event pair per call on a GPU.
+
+    For calls of tens of milliseconds or more (a training step), where do_bench would time one or two
+    calls: each call is timed on its own, so the spread shows too. No L2 flush: a step's working set is
+    far larger than the cache.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if warmup < 0 or steps < 1:
+        raise ValueError(f"warmup must be >= 0 and steps >= 1, got warmup={warmup}, steps={steps}")
+    for _ in range(warmup):
+        fn()
+    if dev.type != "cuda":
+        samples = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return samples
+    torch.cuda.synchronize(dev)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(dev)
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def profile_trace(
@@ -112,3 +144,116 @@ def peak_extra_mib(fn: Callable[[], object]) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+# ----------------------------------------------------------------------------- time per labelled module
+
+LABEL_SEP = "|"  # "<bucket>|<module path>": time_by_label sums a label's time into its bucket
+
+
+@contextmanager
+def label_modules(labels: Mapping[str, torch.nn.Module], *, forward_only: Collection[str] = ()) -> Iterator[None]:
+    """Profiler ranges around each module's forward (`<label>`) and backward (`<label>.backward`).
+
+    The backward range runs from the moment the gradient of the module's output arrives to the moment
+    the gradient of its inputs is complete (full backward hooks), on the autograd thread that launches
+    the backward kernels. Labels in forward_only get no backward range: a full backward hook rebuilds a
+    tuple output as a plain tuple (a NamedTuple loses its fields), and a module whose inputs need no
+    gradient (an embedding) has no backward range to time. time_by_label reads the ranges back.
+    """
+    unknown = set(forward_only) - set(labels)
+    if unknown:
+        raise ValueError(f"forward_only names labels that are not in labels: {sorted(unknown)}")
+    enter, leave = torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit
+    open_ranges: dict[tuple[int, str], list[Any]] = {}
+
+    def opener(key: tuple[int, str]) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            open_ranges.setdefault(key, []).append(enter(key[1], None))
+        return hook
+
+    def closer(key: tuple[int, str]) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            stack = open_ranges.get(key)
+            if stack:  # a backward hook fires without its pre-hook when no output needed a gradient
+                leave(stack.pop())
+        return hook
+
+    handles = []
+    for label, module in labels.items():
+        fwd, bwd = (id(module), label), (id(module), label + ".backward")
+        handles += [module.register_forward_pre_hook(opener(fwd)), module.register_forward_hook(closer(fwd))]
+        if label not in forward_only:
+            handles += [module.register_full_backward_pre_hook(opener(bwd)), module.register_full_backward_hook(closer(bwd))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for stack in open_ranges.values():  # an exception mid-forward leaves ranges open
+            while stack:
+                leave(stack.pop())
+
+
+def time_by_label(trace_path: str | Path, *, sep: str = LABEL_SEP) -> dict[str, Any]:
+    """Time per bucket of the label_modules ranges in a `*.pt.trace.json` (labels "<bucket>|<name>").
+
+    With GPU kernels in the trace: each kernel (memcpy and memset too) goes to the innermost labelled range
+    that encloses its launch on the launching thread, found through the launch's correlation id; a kernel
+    launched outside every range, or whose launch the trace lacks, counts as 'other' (the latter are
+    counted in 'kernels_without_launch'). Without GPU kernels (a CPU run): each range's wall time minus
+    the labelled ranges nested in it. Times are per profiled step (the trace's ProfilerStep ranges, whose
+    mean wall time is 'step_us'; None without them). Returns {'basis', 'steps', 'step_us', 'total_us',
+    'us': {bucket: us}, 'share': {bucket: fraction of total_us}, 'kernels_without_launch'}.
+    """
+    import bisect
+    import json
+
+    events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    ranges: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("cat") == "user_annotation" and sep in e["name"]:
+            bucket = e["name"].split(sep, 1)[0]
+            ranges.setdefault((e["pid"], e["tid"]), []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), bucket))
+    for spans in ranges.values():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+
+    def innermost(thread: tuple[Any, Any], ts: float) -> str | None:
+        spans = ranges.get(thread, [])
+        found = None
+        for start, end, bucket in spans[: bisect.bisect_right(spans, (ts, float("inf"), ""))]:
+            if start <= ts <= end:
+                found = bucket  # sorted by start: the last enclosing one is the innermost
+        return found
+
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    us: dict[str, float] = {}
+    unmatched = 0
+    if device:
+        launches = {e["args"]["correlation"]: e for e in events
+                    if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # fmt: skip
+        for k in device:
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            unmatched += launch is None
+            bucket = innermost((launch["pid"], launch["tid"]), float(launch["ts"])) if launch else None
+            us[bucket or "other"] = us.get(bucket or "other", 0.0) + float(k["dur"])
+        basis = "gpu kernel time, by the labelled range that launched each kernel"
+    else:
+        for thread, spans in ranges.items():
+            for i, (start, end, bucket) in enumerate(spans):
+                nested, reach = 0.0, start  # time of labelled ranges directly inside this one
+                for s2, e2, _ in spans[i + 1:]:
+                    if s2 >= end:
+                        break
+                    if s2 >= reach:
+                        nested += min(e2, end) - s2
+                        reach = e2
+                us[bucket] = us.get(bucket, 0.0) + (end - start - nested)
+        basis = "cpu wall time inside each labelled range, nested labelled ranges excluded"
+    steps = [float(e["dur"]) for e in events if e["name"].startswith("ProfilerStep#")]
+    n = max(1, len(steps))
+    us = {k: v / n for k, v in us.items()}
+    total = sum(us.values())
+    return {"basis": basis, "steps": len(steps), "step_us": sum(steps) / n if steps else None, "total_us": total,
+            "us": us, "kernels_without_launch": unmatched,
+            "share": {k: v / total for k, v in us.items()} if total else {}}  # fmt: skip

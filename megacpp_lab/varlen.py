@@ -30,7 +30,9 @@ __all__ = [
     "cu_seqlens_from_doc_ids",
     "doc_causal_block_mask",
     "doc_causal_shift",
+    "doc_ids_from_cu_seqlens",
     "doc_starts",
+    "packed_cu_seqlens",
     "positions_from_doc_ids",
     "resolve_doc_ids",
     "same_doc_as_lag",
@@ -184,6 +186,26 @@ def resolve_doc_ids(doc_ids: torch.Tensor | None, ctx: PackedContext | None,
     if ctx.shape != tuple(shape):
         raise ValueError(f"ctx is for [B,T] = {ctx.shape}, the input is {tuple(shape)}")
     return ctx.doc_ids
+
+
+def packed_cu_seqlens(B: int, T: int, docs: int, generator: torch.Generator) -> torch.Tensor:
+    """[B*docs + 1] int32 over the flattened B*T tokens: each row cut into `docs` documents of unequal,
+    seeded-random lengths (distinct cut points), every row start a document start."""
+    if not 1 <= docs <= T:
+        raise ValueError(f"docs per row must be in [1, T={T}], got {docs}")
+    bounds = [0]
+    for b in range(B):
+        cuts = torch.randperm(T - 1, generator=generator)[: docs - 1].add(1).sort().values
+        bounds += [b * T + int(c) for c in cuts] + [(b + 1) * T]
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """[B,T] int64 document ids (0, 1, ... over the flattened batch) from cu_seqlens over the B*T tokens."""
+    if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != B * T:
+        raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at B*T = {B * T}, got {cu_seqlens.tolist()}")
+    flat = torch.arange(B * T, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(torch.int64), flat, right=True).view(B, T)
 
 
 def validate_packed_layout(doc_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from megacpp_lab.data import boundary_windows, load_sample
 from megacpp_lab.model.config import HybridConfig, hybrid_preset
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.precision import apply_mixed_precision, fp32_contract
-from megacpp_lab.testing import check_leaks
+from megacpp_lab.testing import model_leak_report, wake_zero_initialised
 from megacpp_lab.varlen import build_context
 
 # CPU: the M2RNN reference loop asked for by name (kernel="auto" would fall back with a loud warning)
@@ -145,17 +145,6 @@ def test_loss_decreases_over_a_few_steps(window):
 # ----------------------------------------------------------------------------- leaks
 
 
-def _wake(model: HybridLM) -> HybridLM:
-    """Move the zero-initialised outputs (Engram, n-gram memory, concept bank) and the mHC weights off zero,
-    so that every branch changes the logits and the leak check could fail."""
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("out_proj.weight", "value_proj.weight")) or ".hc." in name and name.endswith(".weight"):
-                p.normal_(std=0.05)
-    return model
-
-
 LEAK_CASES = {
     "A": dict(pattern="A", n_layers=2, engram_layers=()),
     "M": dict(pattern="M", n_layers=2, engram_layers=()),
@@ -167,15 +156,11 @@ LEAK_CASES = {
 }
 
 
-def _logits(model: HybridLM):
-    return lambda t, d: model(t, build_context(d), return_logits=True).logits
-
-
 @pytest.mark.parametrize("case", list(LEAK_CASES))
 def test_whole_model_keeps_documents_apart_and_is_causal(window, case):
     tokens, doc_ids = window
-    model = _wake(_model(**LEAK_CASES[case]))
-    report = check_leaks(_logits(model), tokens, doc_ids, vocab_size=V, causal_positions=range(0, 24, 3))
+    model = wake_zero_initialised(_model(**LEAK_CASES[case]))
+    report = model_leak_report(model, tokens, doc_ids, vocab_size=V, causal_positions=range(0, 24, 3))
     assert report.passed, str(report)
 
 
@@ -187,7 +172,7 @@ def test_a_planted_leak_fails_the_whole_model_check(window, kind):
     mixer = model.blocks[1].mixer
     forward = mixer.forward
     mixer.forward = lambda x, ctx=None, **kw: forward(x)  # the planted bug: ctx dropped
-    report = check_leaks(_logits(model), tokens, doc_ids, vocab_size=V, causal=False)
+    report = model_leak_report(model, tokens, doc_ids, vocab_size=V, causal=False)
     assert report.leaked and report.cross_doc.magnitude > report.tol, str(report)
 
 
@@ -218,3 +203,37 @@ def test_mixed_precision_keeps_every_declared_fp32_param_fp32(window):
     params = dict(wrapped.module.named_parameters())
     assert all(params[n].dtype == torch.float32 for n in declared if n in params)
     assert params["blocks.0.mlp.w_down.weight"].dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- the GPU: small preset, Triton paths
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("features", [False, True], ids=["preset", "mhc-ngram-cblock"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_small_model_on_gpu_keeps_documents_apart_with_triton_scans(compiled, features):
+    """The whole-model leak check at the small preset on real packed BPE rows (2 x 512 tokens), bf16, the SSD
+    and M2RNN scans on Triton by name, eager and with every block compiled on its own (fullgraph)."""
+    from megacpp_lab.bench.model import whole_model_leak_check
+
+    report, config = whole_model_leak_check("small", "cuda", compiled=compiled, features=features)
+    assert (config.ssd.kernel, config.m2rnn.kernel, config.d_model, config.n_layers) == ("triton", "triton", 384, 12)
+    assert config.mhc == features and bool(config.cblock_layers) == features
+    assert report.passed, str(report)
+    assert report.n_docs_perturbed >= 4 and report.dependence.weakest > 10 * report.tol
+
+
+@pytest.mark.cuda
+def test_a_planted_leak_fails_the_small_model_check_on_gpu():
+    """On the GPU too the check can fail: an M2RNN mixer that drops ctx leaks across documents."""
+    from megacpp_lab.bench.model import build_model, leak_windows, model_config
+
+    config = model_config("small", "cuda")
+    model = build_model(config, "cuda").eval()
+    mixer = model.module.blocks[2].mixer
+    assert model.module.blocks[2].kind == "R"
+    forward = mixer.forward
+    mixer.forward = lambda x, ctx=None, **kw: forward(x)  # the planted bug: ctx dropped
+    tokens, doc_ids = leak_windows("cuda")
+    report = model_leak_report(model, tokens, doc_ids, vocab_size=config.vocab_size, causal=False)
+    assert report.leaked and report.cross_doc.magnitude > report.tol, str(report)

@@ -160,3 +160,15 @@ def test_boundary_windows_cut_real_rows_around_a_boundary():
     assert [s for _, s, _ in w.segments(0)] == [0, 2]
     with pytest.raises(ValueError, match="only 2 of the 2 rows"):
         boundary_windows(b, 3, 6, lead=2)
+
+
+def test_next_token_targets_stop_at_every_document_end():
+    from megacpp_lab.data import next_token_targets
+
+    b = _batch()
+    targets = next_token_targets(b.tokens, b.doc_ids)
+    # row 0: docs [0,1,2] [3,4] [5,6,7]; row 1: [8] [9..13] [14,15]
+    assert targets.tolist() == [[1, 2, -100, 4, -100, 6, 7, -100], [-100, 10, 11, 12, 13, -100, 15, -100]]
+    assert next_token_targets(b.tokens, b.doc_ids, ignore_index=-1)[0, 2] == -1
+    with pytest.raises(ValueError, match="tokens and doc_ids must both be"):
+        next_token_targets(b.tokens[:, :4], b.doc_ids)

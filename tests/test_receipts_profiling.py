@@ -139,3 +139,62 @@ def test_label_points_keeps_labels_apart_inside_the_axes_and_leader_lines_uncros
     with pytest.raises(ValueError, match="one entry per point"):
         label_points(ax, xs, ys[:2], ["a"])
     plt.close("all")
+
+
+# ----------------------------------------------------------------------------- time per labelled module
+
+
+class _Costly(torch.nn.Module):
+    """x -> tanh(x W)^k: `work` matmuls of n x n per call, forward and backward."""
+
+    def __init__(self, n: int, work: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(n, n) / n**0.5)
+        self.work = work
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.work):
+            x = torch.tanh(x @ self.w)
+        return x
+
+
+def _two_stage(device: str, n: int):
+    torch.manual_seed(0)
+    light, heavy = _Costly(n, 1).to(device), _Costly(n, 12).to(device)
+    x = torch.randn(n, n, device=device, requires_grad=True)
+    return light, heavy, lambda: heavy(light(x)).sum().backward()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_label_modules_and_time_by_label_split_a_step_by_module(tmp_path, device):
+    from megacpp_lab.profiling import label_modules, time_by_label
+
+    light, heavy, step = _two_stage(device, 256 if device == "cpu" else 2048)
+    with label_modules({"light|a": light, "heavy|b": heavy}):
+        path, _ = profile_trace(step, tmp_path, "two_stage", steps=2, warmup=1, record_shapes=False)
+    names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+    assert {"light|a", "light|a.backward", "heavy|b", "heavy|b.backward"} <= names
+    split = time_by_label(path)
+    assert split["steps"] == 2 and split["step_us"] > 0
+    assert ("gpu kernel" in split["basis"]) == (device == "cuda")
+    assert split["kernels_without_launch"] == 0
+    us = split["us"]
+    assert us["heavy"] > 4 * us["light"] > 0, us  # 12 matmuls (+ their backward) against 1
+    assert abs(sum(split["share"].values()) - 1) < 1e-9
+    assert split["total_us"] <= split["step_us"] * 1.01
+    # the hooks are gone afterwards: a trace without labels has nothing to split
+    path2, _ = profile_trace(step, tmp_path, "unlabelled", steps=1, warmup=0)
+    assert not any("|" in str(e.get("name")) for e in json.loads(path2.read_text())["traceEvents"])
+
+
+def test_label_modules_forward_only_and_bad_names():
+    from megacpp_lab.profiling import label_modules
+
+    light, heavy, step = _two_stage("cpu", 16)
+    with pytest.raises(ValueError, match=r"forward_only names labels that are not in labels: \['nope'\]"):
+        with label_modules({"light|a": light}, forward_only=("nope",)):
+            pass
+    with torch.profiler.profile() as prof, label_modules({"light|a": light, "heavy|b": heavy}, forward_only=("heavy|b",)):
+        step()
+    names = {e.name for e in prof.events()}
+    assert {"light|a", "light|a.backward", "heavy|b"} <= names and "heavy|b.backward" not in names

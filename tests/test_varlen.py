@@ -129,3 +129,17 @@ def test_engram_and_ngram_memory_through_the_context_equal_their_doc_ids_paths()
             call()
     with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 8\), the input is \(1, 8\)"):
         branch(h[:1], ctx=ctx)
+
+
+def test_random_packed_layout_round_trips_through_doc_ids() -> None:
+    from megacpp_lab.varlen import cu_seqlens_from_doc_ids, doc_ids_from_cu_seqlens, packed_cu_seqlens
+
+    cu = packed_cu_seqlens(3, 40, 5, torch.Generator().manual_seed(0))
+    assert cu.numel() == 3 * 5 + 1 and cu.dtype == torch.int32
+    assert set(range(0, 121, 40)) <= set(cu.tolist())  # every row start is a document start
+    doc_ids = doc_ids_from_cu_seqlens(cu, 3, 40)
+    assert doc_ids.shape == (3, 40) and torch.equal(cu_seqlens_from_doc_ids(doc_ids), cu)
+    with pytest.raises(ValueError, match="end at B\\*T = 100"):
+        doc_ids_from_cu_seqlens(cu, 2, 50)
+    with pytest.raises(ValueError, match=r"docs per row must be in \[1, T=4\]"):
+        packed_cu_seqlens(1, 4, 5, torch.Generator())

@@ -170,6 +170,32 @@ Run time on an H100: under a minute (the sequence sweep took 6 s in the committe
             triton_on_cpu=True,
             run_kwargs={"which": "dsa"},
         ),
+        BenchCommand(
+            "model",
+            "megacpp_lab.bench.model",
+            "HybridLM: the eager training step, its share per block kind, the whole-model leak check",
+            """\
+HybridLM (the hybrid of MLA, SSD and M2RNN blocks), its eager training step: the baseline that regional
+compile and the activation-memory policies improve.
+
+Shape: the base preset (12 layers, d=1024, pattern AMRM, Engram at layers 1, 5, 9, vocab 32768), B=4,
+T=4096, 8 documents of seeded-random lengths per row, bf16 under apply_mixed_precision, the SSD and
+M2RNN scans on their Triton kernels. Contenders: eager fwd+bwd (zero_grad, forward to the fused
+LM-head loss, backward), eager forward alone (no_grad), fwd+bwd + a fused AdamW step, and the
+per-batch build_context; median step time over 10 steps (CUDA events), tokens/s, TFLOP/s from
+HybridLM.flops_per_token, peak memory. One profiled fwd+bwd step gives each block kind's share of the
+step: every GPU kernel goes to the labelled module (block, Engram branch, embedding, LM head) that
+launched it, forward or backward. Sweep: B = 1, 2, 4, 8 at T=4096; T = 2048, 8192 at B*T fixed; 1 and
+64 documents per row; fwd+bwd and forward alone. Leak check: the small preset on real packed BPE rows
+(2 x 512 tokens of the committed sample), eager, bf16, Triton scans, with and without mHC, the n-gram
+memory and a CBlock.
+Receipts under <out>/<device-slug>/model/: model_step.json/.png, model_sweep.json/.png,
+model_leaks.json, model_step.*.pt.trace.json.
+Run time on an H200: RUNTIME.
+--small (CPU, the tiny preset at B=2, T=64, the chunked SSD and the M2RNN reference loop by name):
+about 20 s.""",
+            triton_on_cpu=False,
+        ),
     )
 }
 

@@ -22,6 +22,7 @@ from megacpp_lab.bench import bench_device, output_root, require_triton_interpre
 from megacpp_lab.kernels.ssd import ssd_chunked_torch, ssd_scan, ssd_scan_reference
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
+from megacpp_lab.varlen import packed_cu_seqlens
 
 # The issue's bar, each measured in the same run at the main shape.
 BAR = {
@@ -58,18 +59,6 @@ FULL_SEQ_LENS, FULL_DOCS = (1024, 2048, 4096, 8192), (1, 8, 64)
 SMALL_SEQ_LENS, SMALL_DOCS = (16, 32), (1, 2)
 # A --small run is a smoke test under the Triton interpreter: one timed call each, no warm-up.
 SMALL_REP = 1
-
-
-def packed_cu_seqlens(B: int, T: int, docs: int, generator: torch.Generator) -> torch.Tensor:
-    """[B*docs + 1] int32 over the flattened B*T tokens: each row cut into `docs` documents of unequal,
-    seeded-random lengths (distinct cut points), every row start a document start."""
-    if not 1 <= docs <= T:
-        raise ValueError(f"docs per row must be in [1, T={T}], got {docs}")
-    bounds = [0]
-    for b in range(B):
-        cuts = torch.randperm(T - 1, generator=generator)[: docs - 1].add(1).sort().values
-        bounds += [b * T + int(c) for c in cuts] + [(b + 1) * T]
-    return torch.tensor(bounds, dtype=torch.int32)
 
 
 def make_inputs(s: SSDShape, dtype: torch.dtype, device: str, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -216,3 +216,14 @@ def boundary_windows(batch: PackedBatch, rows: int, length: int, *, lead: int | 
     tokens = torch.stack([batch.tokens[r, lo : lo + length] for r, lo in picked])
     doc_ids = torch.stack([batch.doc_ids[r, lo : lo + length] for r, lo in picked])
     return PackedBatch.from_doc_ids(tokens, doc_ids)
+
+
+def next_token_targets(tokens: torch.Tensor, doc_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """[B,T] int64 targets for next-token prediction on packed rows: tokens[t+1] where t+1 is in t's document,
+    ignore_index at every document's last token (its next token belongs to another document, or to no one)."""
+    if tokens.shape != doc_ids.shape or tokens.dim() != 2:
+        raise ValueError(f"tokens and doc_ids must both be [B,T], got {tuple(tokens.shape)} and {tuple(doc_ids.shape)}")
+    targets = torch.full_like(tokens, ignore_index, dtype=torch.int64)
+    same_doc = doc_ids[:, 1:] == doc_ids[:, :-1]
+    targets[:, :-1] = torch.where(same_doc, tokens[:, 1:].long(), ignore_index)
+    return targets

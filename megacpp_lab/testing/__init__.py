@@ -1,6 +1,6 @@
-"""Test helpers: the packed-row leak harness, small reference mixers with planted leaks, the host-read tripwire."""
+"""Test helpers: the packed-row leak harness (and its whole-model form), small reference mixers with planted leaks, the host-read tripwire."""
 
-from megacpp_lab.testing import host_reads, leaks, planted
+from megacpp_lab.testing import host_reads, leaks, model_leaks, planted
 from megacpp_lab.testing.host_reads import no_host_reads
 from megacpp_lab.testing.leaks import (
     Dependence,
@@ -14,6 +14,7 @@ from megacpp_lab.testing.leaks import (
     influence_violation,
     plot_influence,
 )
+from megacpp_lab.testing.model_leaks import ZERO_INIT_SUFFIXES, model_leak_report, wake_zero_initialised
 from megacpp_lab.testing.planted import (
     CausalSmoother,
     CenteredSmoother,
@@ -22,4 +23,4 @@ from megacpp_lab.testing.planted import (
     ZeroInitProjection,
 )
 
-__all__ = [*host_reads.__all__, *leaks.__all__, *planted.__all__]
+__all__ = [*host_reads.__all__, *leaks.__all__, *model_leaks.__all__, *planted.__all__]

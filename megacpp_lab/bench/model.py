@@ -1,0 +1,383 @@
+"""Whole-model benchmark: HybridLM's eager training step, one run, three receipts.
+
+What it measures and writes, and how long it takes: `megacpp-lab bench model --help`
+(megacpp_lab.bench.COMMANDS["model"]). This is the eager baseline that regional compile and the
+activation-memory policies are measured against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megacpp_lab.bench import bench_device, output_root
+from megacpp_lab.data import boundary_windows, load_sample, next_token_targets
+from megacpp_lab.model.config import HybridConfig, hybrid_preset
+from megacpp_lab.model.hybrid import HybridLM
+from megacpp_lab.model.precision import apply_mixed_precision
+from megacpp_lab.profiling import LABEL_SEP, label_modules, profile_trace, step_times_ms, time_by_label
+from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
+from megacpp_lab.testing import model_leak_report, wake_zero_initialised
+from megacpp_lab.varlen import PackedContext, build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    preset: str
+    B: int
+    T: int
+    docs: int  # documents per row, of seeded-random lengths
+
+
+FULL_SHAPE = ModelShape("base", B=4, T=4096, docs=8)
+SMALL_SHAPE = ModelShape("tiny", B=2, T=64, docs=3)
+# generality: batch sizes at T=4096, T at B*T fixed, 1 and 64 documents per row
+FULL_SWEEP = tuple(replace(FULL_SHAPE, **kw) for kw in (
+    dict(B=1), dict(B=2), {}, dict(B=8), dict(B=8, T=2048), dict(B=2, T=8192), dict(docs=1), dict(docs=64),
+))  # fmt: skip
+SMALL_SWEEP = (SMALL_SHAPE, replace(SMALL_SHAPE, B=1, docs=1))
+# the leak check: real packed BPE rows through the `small` preset (and with every optional branch on)
+LEAK_ROWS, LEAK_LEN, LEAK_LEAD = 2, 512, 200
+
+
+def leak_features(n_layers: int) -> dict[str, Any]:
+    """Every optional branch on: mHC over the Engram layers, the n-gram memory at layer 2, a CBlock at the
+    middle layer."""
+    return dict(mhc=True, ngram_layers=(min(2, n_layers - 1),), cblock_layers=(n_layers // 2,))
+
+
+def model_config(preset: str, device: str, **overrides: Any) -> HybridConfig:
+    """The preset with its scans named explicitly: Triton on a GPU; on a CPU the chunked SSD and the
+    M2RNN reference loop, asked for by name (so neither falls back, loudly or silently)."""
+    kernels = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton")) if device == "cuda" else \
+        dict(m2rnn=dict(kernel="reference"), ssd=dict(kernel="chunked"))  # fmt: skip
+    return hybrid_preset(preset, **{**kernels, **overrides})
+
+
+def build_model(config: HybridConfig, device: str, *, seed: int = 0) -> nn.Module:
+    """HybridLM on the device: bf16 under apply_mixed_precision on a GPU (fp32-contract parameters stay
+    fp32), fp32 on a CPU."""
+    torch.manual_seed(seed)
+    model = HybridLM(config).to(device)
+    return apply_mixed_precision(model, torch.bfloat16) if device == "cuda" else model
+
+
+def make_batch(shape: ModelShape, vocab_size: int, device: str, *, seed: int = 0,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """tokens, doc_ids, targets [B,T]: uniform token ids (3.. vocab: no specials), `docs` documents of
+    seeded-random lengths per row, next-token targets ignored at each document's last token."""
+    g = torch.Generator().manual_seed(seed)
+    cu = packed_cu_seqlens(shape.B, shape.T, shape.docs, g)
+    doc_ids = doc_ids_from_cu_seqlens(cu, shape.B, shape.T)
+    tokens = torch.randint(3, vocab_size, (shape.B, shape.T), generator=g)
+    return tokens.to(device), doc_ids.to(device), next_token_targets(tokens, doc_ids).to(device)
+
+
+def profile_labels(model: HybridLM) -> dict[str, nn.Module]:
+    """'<bucket>|<module path>' -> module, for label_modules: each block under its letter, the Engram /
+    n-gram / concept-bank branches inside it under their own bucket (the innermost range wins), the
+    embedding, final norm and LM head. The buckets are those of HybridLM.num_parameters."""
+    labels: dict[str, nn.Module] = {f"embedding{LABEL_SEP}embed": model.embed}
+    for i, block in enumerate(model.blocks):
+        labels[f"{block.kind}{LABEL_SEP}blocks.{i}"] = block
+        for name in ("engram", "ngram", "cblock"):
+            if getattr(block, name) is not None:
+                labels[f"{name}{LABEL_SEP}blocks.{i}.{name}"] = getattr(block, name)
+    labels[f"final_norm{LABEL_SEP}norm"] = model.norm
+    labels[f"lm_head{LABEL_SEP}lm_head"] = model.lm_head
+    return labels
+
+
+# the embedding's input and the LM head's output (a NamedTuple) take no backward range: see `other` below
+FORWARD_ONLY = (f"embedding{LABEL_SEP}embed", f"lm_head{LABEL_SEP}lm_head")
+OTHER_NOTE = (
+    "'other': kernels launched outside every labelled range: the embedding's backward, the LM head's "
+    "backward (it only scales the gradients the fused loss formed in its forward), gradient zeroing, the "
+    "optimizer when it is in the step"
+)
+
+
+class TrainingStep:
+    """One eager step on a fixed batch: zero the grads, forward to the loss, backward; optionally an
+    optimizer step. The batch's context is built once, outside the step, as the training loop does."""
+
+    def __init__(self, model: nn.Module, tokens: torch.Tensor, ctx: PackedContext, targets: torch.Tensor,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:  # fmt: skip
+        self.model, self.tokens, self.ctx, self.targets, self.optimizer = model, tokens, ctx, targets, optimizer
+
+    def __call__(self) -> torch.Tensor:
+        self.model.zero_grad(set_to_none=True)
+        loss = self.model(self.tokens, self.ctx, self.targets).loss
+        loss.backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss.detach()
+
+    def forward_only(self) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(self.tokens, self.ctx, self.targets).loss
+
+
+def _peak(fn: Callable[[], object], device: str) -> dict[str, float]:
+    """Peak memory of one call: beyond what was held before it (peak_mib) and in all (peak_total_mib)."""
+    if device != "cuda":
+        return {}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return {"peak_mib": (peak - base) / 2**20, "peak_total_mib": peak / 2**20}
+
+
+def _timed_row(contender: str, fn: Callable[[], object], tokens: int, flops_per_token: int, *, device: str,
+               warmup: int, steps: int, key: str = "ms") -> dict[str, Any]:  # fmt: skip
+    fn()  # first call outside the peak: kernel autotuning and allocator growth
+    row: dict[str, Any] = {"contender": contender, **_peak(fn, device)}
+    samples = sorted(step_times_ms(fn, warmup=warmup, steps=steps, device=device))
+    ms = samples[len(samples) // 2]
+    row.update({key: ms, "ms_min": samples[0], "ms_max": samples[-1], "steps": steps,
+                "tokens_per_s": tokens / (ms / 1e3), "tflops": flops_per_token * tokens / (ms / 1e3) / 1e12})  # fmt: skip
+    return row
+
+
+def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", warmup: int = 3, steps: int = 10,
+                     trace_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """The eager training step at one shape: fwd+bwd, forward alone, fwd+bwd+fused AdamW, the context
+    build, and (with trace_dir) one profiled fwd+bwd step with each bucket's share of it."""
+    from tqdm.auto import tqdm
+
+    config = model_config(shape.preset, device)
+    model = build_model(config, device)
+    lm: HybridLM = model.module if hasattr(model, "module") else model
+    tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device)
+    n_tokens = shape.B * shape.T
+    flops = lm.flops_per_token(shape.T)
+    bar = tqdm(total=5 if trace_dir is not None else 4, desc=f"model {shape.preset} B={shape.B} T={shape.T}",
+               disable=not progress)  # fmt: skip
+    ctx_ms = sorted(step_times_ms(lambda: build_context(doc_ids), warmup=1, steps=steps, device=device))
+    ctx = build_context(doc_ids)
+    step = TrainingStep(model, tokens, ctx, targets)
+    bar.update()
+    results = [_timed_row("eager fwd+bwd", step, n_tokens, flops["total"], device=device, warmup=warmup, steps=steps)]
+    bar.update()
+    fwd = _timed_row("eager forward (no_grad)", step.forward_only, n_tokens, flops["total"] // 3, device=device,
+                     warmup=warmup, steps=steps, key="fwd_ms")  # fmt: skip
+    results.append(fwd)
+    bar.update()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    results.append(_timed_row("eager fwd+bwd + fused AdamW", TrainingStep(model, tokens, ctx, targets, adamw), n_tokens,
+                              flops["total"], device=device, warmup=warmup, steps=steps))  # fmt: skip
+    del adamw
+    results.append({"contender": "build_context (per batch, outside the step)", "ms": ctx_ms[len(ctx_ms) // 2]})
+    bar.update()
+    main = results[0]
+    main["bwd_ms"] = main["ms"] - fwd["fwd_ms"]
+    extra: dict[str, Any] = {}
+    if trace_dir is not None:
+        with label_modules(profile_labels(lm), forward_only=FORWARD_ONLY):
+            path, _ = profile_trace(step, trace_dir, "model_step", steps=1, warmup=1, record_shapes=False)
+        split = time_by_label(path)
+        step_us = split["step_us"]  # the profiled step's own wall time, synchronised at its end
+        extra["block_time"] = {
+            "basis": split["basis"],
+            "trace": path.name,
+            "profiled_step_ms": step_us / 1e3,
+            "ms_per_step": {k: v / 1e3 for k, v in sorted(split["us"].items(), key=lambda kv: -kv[1])},
+            "share_of_labelled_time": split["share"],
+            "share_of_step": {k: v / step_us for k, v in split["us"].items()},
+            "unaccounted_share_of_step": max(0.0, 1.0 - split["total_us"] / step_us),
+            "kernels_without_launch": split["kernels_without_launch"],
+            "note": OTHER_NOTE + ("; unaccounted: the GPU idle (no kernel running) during the step" if device == "cuda"
+                                  else "; unaccounted: host time outside every labelled range"),
+        }  # fmt: skip
+        bar.update()
+    bar.close()
+    params = lm.num_parameters()
+    return make_receipt(
+        "model_step", "model", shape=asdict(shape), dtype="bfloat16" if device == "cuda" else "float32",
+        results=results, device=device, **extra,
+        config={"pattern": config.pattern, "blocks": config.blocks, "n_layers": config.n_layers,
+                "d_model": config.d_model, "vocab_size": config.vocab_size, "engram_layers": list(config.engram_layers),
+                "attn_impl": config.mla.attn_impl, "ssd_kernel": config.ssd.kernel, "m2rnn_kernel": config.m2rnn.kernel,
+                "documents": int(ctx.n_seqs)},  # fmt: skip
+        parameters=params, flops_per_token=flops,
+        notes=(
+            "Eager (no torch.compile) training step of HybridLM on one fixed batch: zero_grad, forward to the fused "
+            "LM-head loss, backward (and a fused AdamW step in its row). Parameters bf16 under apply_mixed_precision, "
+            "fp32-contract parameters fp32. ms: median of `steps` steps, each timed with CUDA events after warm-up; "
+            "peak_mib: peak memory of one step beyond what was held before it (parameters, batch; gradients None), "
+            "peak_total_mib: the whole allocation peak. tflops = flops_per_token['total'] * tokens / time, with "
+            "HybridLM.flops_per_token (attention counted over the causal T/2 average, ignoring document masking: "
+            "an upper bound). block_time: one profiled step; each GPU kernel goes to the innermost labelled module "
+            "range (forward or backward) that launched it."
+        ),
+    )
+
+
+def bench_model_sweep(shapes: tuple[ModelShape, ...] = FULL_SWEEP, *, device: str = "cuda", warmup: int = 2,
+                      steps: int = 5, progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Forward+backward and forward alone at every shape: batch size, sequence length, documents per row."""
+    from tqdm.auto import tqdm
+
+    results = []
+    by_preset: dict[str, tuple[HybridConfig, nn.Module]] = {}
+    for shape in tqdm(shapes, desc="model sweep", disable=not progress):
+        if shape.preset not in by_preset:
+            config = model_config(shape.preset, device)
+            by_preset[shape.preset] = config, build_model(config, device)
+        config, model = by_preset[shape.preset]
+        lm: HybridLM = model.module if hasattr(model, "module") else model
+        tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device)
+        step = TrainingStep(model, tokens, build_context(doc_ids), targets)
+        flops, n = lm.flops_per_token(shape.T)["total"], shape.B * shape.T
+        results.append({"shape": asdict(shape), **_timed_row("eager fwd+bwd", step, n, flops, device=device,
+                                                             warmup=warmup, steps=steps)})  # fmt: skip
+        results.append({"shape": asdict(shape), **_timed_row("eager forward (no_grad)", step.forward_only, n, flops // 3,
+                                                             device=device, warmup=warmup, steps=steps, key="fwd_ms")})  # fmt: skip
+        model.zero_grad(set_to_none=True)
+    return make_receipt("model_sweep", "model", shape={"preset": shapes[0].preset, "points": len(shapes)},
+                        dtype="bfloat16" if device == "cuda" else "float32", results=results, device=device,
+                        notes="as model_step's rows, at each shape (rows carry their own shape)")  # fmt: skip
+
+
+def leak_windows(device: str, length: int = LEAK_LEN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real packed BPE rows: LEAK_ROWS windows of `length` tokens of the committed BPE sample, each with a
+    document boundary LEAK_LEAD tokens in (more where the documents are short)."""
+    window = boundary_windows(load_sample(tokenizer="bpe")[0].batch, LEAK_ROWS, length, lead=min(LEAK_LEAD, length // 3))
+    return window.tokens.long().to(device), window.doc_ids.to(device)
+
+
+def whole_model_leak_check(preset: str, device: str, *, compiled: bool = False, features: bool = False,
+                           length: int = LEAK_LEN, **overrides: Any) -> tuple[Any, HybridConfig]:  # fmt: skip
+    """The whole-model leak check on real packed BPE rows: the preset (its Triton scans on a GPU, in bf16),
+    its zero-initialised outputs woken, optionally every optional branch on (mHC, n-gram memory, concept
+    bank: leak_features) and every block compiled on its own (fullgraph). Returns (LeakReport, config)."""
+    if features:
+        overrides = {**leak_features(hybrid_preset(preset).n_layers), **overrides}
+    config = model_config(preset, device, **overrides)
+    model = build_model(config, device)
+    lm: HybridLM = model.module if hasattr(model, "module") else model
+    wake_zero_initialised(lm)
+    model.eval()
+    if compiled:
+        for block in lm.blocks:
+            block.compile(fullgraph=True)
+    tokens, doc_ids = leak_windows(device, length)
+    report = model_leak_report(model, tokens % config.vocab_size, doc_ids, vocab_size=config.vocab_size)
+    return report, config
+
+
+def bench_model_leaks(preset: str, *, device: str, length: int = LEAK_LEN, progress: bool = True) -> dict[str, Any]:
+    """The whole-model leak check, eager, as a receipt: the worst cross-document and causal change of the
+    logits against the tolerance, for the preset and for the preset with every optional branch."""
+    from tqdm.auto import tqdm
+
+    results = []
+    for features in tqdm((False, True), desc="whole-model leak check", disable=not progress):
+        start = time.perf_counter()
+        report, config = whole_model_leak_check(preset, device, features=features, length=length)
+        results.append({
+            "contender": f"{preset} eager" + (" + mHC, n-gram memory, CBlock" if features else ""),
+            "passed": report.passed, "tol": report.tol,
+            "cross_doc_leak": report.cross_doc.magnitude if report.cross_doc else 0.0,
+            "causal_leak": report.causal.magnitude if report.causal else 0.0,
+            "docs_perturbed": report.n_docs_perturbed, "positions_perturbed": report.n_positions_perturbed,
+            "weakest_own_response": report.dependence.weakest,
+            "engram_layers": list(config.engram_layers), "mhc": config.mhc, "ngram_layers": list(config.ngram_layers),
+            "cblock_layers": list(config.cblock_layers), "check_s": time.perf_counter() - start,
+            "report": str(report),
+        })  # fmt: skip
+    return make_receipt("model_leaks", "model", shape={"preset": preset, "B": LEAK_ROWS, "T": length},
+                        dtype="bfloat16" if device == "cuda" else "float32", results=results, device=device,
+                        notes="check_leaks on the logits of real packed BPE rows (the committed sample), the "
+                              "zero-initialised outputs woken (testing.wake_zero_initialised), the scans on their "
+                              "Triton paths; cross_doc_leak / causal_leak: the largest change of a logit of another "
+                              "document / an earlier position, which must stay below tol")  # fmt: skip
+
+
+def _plot_step(receipt: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    rows = [r for r in receipt["results"] if "tokens_per_s" in r]
+    names = [r["contender"] for r in rows]
+    ms = [r.get("ms", r.get("fwd_ms")) for r in rows]
+    bars = left.barh(names, ms, color="tab:blue")
+    left.bar_label(bars, labels=[f"{v:.1f} ms, {r['tokens_per_s'] / 1e3:.0f}k tok/s" for v, r in zip(ms, rows)],
+                   padding=3, fontsize=8)  # fmt: skip
+    left.invert_yaxis()
+    left.set_xlabel("ms per step (median)")
+    left.set_xlim(0, max(ms) * 1.6)
+    shape = ", ".join(f"{k}={v}" for k, v in receipt["shape"].items())
+    left.set_title(f"HybridLM eager step ({receipt['dtype']})\n{shape}\n{receipt['device']}", fontsize=9)
+    split = receipt.get("block_time")
+    if split:
+        idle = "GPU idle" if "gpu" in split["basis"] else "unlabelled"
+        share = {**split["share_of_step"], idle: split["unaccounted_share_of_step"]}
+        keys = sorted(share, key=lambda k: -share[k])
+        bars = right.barh(keys, [100 * share[k] for k in keys], color="tab:orange")
+        right.bar_label(bars, labels=[f"{100 * share[k]:.1f}%" for k in keys], padding=3, fontsize=8)
+        right.invert_yaxis()
+        right.set_xlabel("% of the profiled fwd+bwd step")
+        right.set_title(f"share of the step by block kind ({split['profiled_step_ms']:.1f} ms profiled)\n"
+                        f"{split['basis']}", fontsize=9)
+    else:
+        right.axis("off")
+    fig.tight_layout()
+    return left
+
+
+def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool = True) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from megacpp_lab.plots import save_figure
+
+    device = bench_device("model", small)
+    root = output_root(out_root, small)
+    shape = SMALL_SHAPE if small else FULL_SHAPE
+    slug = device_slug(device_name(device))
+    written: list[Path] = []
+    main = bench_model_step(shape, device=device, warmup=1 if small else 3, steps=2 if small else 10,
+                            trace_dir=root / slug / "model" if trace else None)  # fmt: skip
+    written.append(write_receipt(main, root))
+    written.append(save_figure(_plot_step(main), written[-1].with_suffix(".png")))
+    if trace:
+        written.append(root / slug / "model" / main["block_time"]["trace"])
+    sweep = bench_model_sweep(SMALL_SWEEP if small else FULL_SWEEP, device=device, warmup=1 if small else 2,
+                              steps=2 if small else 5)  # fmt: skip
+    written.append(write_receipt(sweep, root))
+    written.append(save_figure(_plot_sweep(sweep), written[-1].with_suffix(".png")))
+    leaks = bench_model_leaks("tiny" if small else "small", device=device, length=48 if small else LEAK_LEN)
+    written.append(write_receipt(leaks, root))
+    return written
+
+
+def _plot_sweep(receipt: dict[str, Any]) -> Any:
+    """Tokens/s at every swept shape, forward+backward beside forward alone."""
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(f"B={r['shape']['B']} T={r['shape']['T']}\n{r['shape']['docs']} docs/row"
+                                for r in receipt["results"]))  # fmt: skip
+    _, ax = plt.subplots(figsize=(max(7, 1.1 * len(labels)), 4))
+    width = 0.4
+    for i, contender in enumerate(dict.fromkeys(r["contender"] for r in receipt["results"])):
+        rows = [r for r in receipt["results"] if r["contender"] == contender]
+        xs = [labels.index(f"B={r['shape']['B']} T={r['shape']['T']}\n{r['shape']['docs']} docs/row") + (i - 0.5) * width
+              for r in rows]  # fmt: skip
+        bars = ax.bar(xs, [r["tokens_per_s"] / 1e3 for r in rows], width, label=contender)
+        ax.bar_label(bars, labels=[f"{r['tokens_per_s'] / 1e3:.0f}" for r in rows], fontsize=7)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("thousand tokens / s")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{receipt['name']}: HybridLM {receipt['shape']['preset']}, eager ({receipt['dtype']})\n"
+                 f"{receipt['device']}", fontsize=9)  # fmt: skip
+    return ax
