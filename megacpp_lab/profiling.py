@@ -250,7 +250,7 @@ def time_by_label(trace_path: str | Path, *, sep: str = LABEL_SEP) -> dict[str, 
                         reach = e2
                 us[bucket] = us.get(bucket, 0.0) + (end - start - nested)
         basis = "cpu wall time inside each labelled range, nested labelled ranges excluded"
-    steps = [float(e["dur"]) for e in events if e["name"].startswith("ProfilerStep#")]
+    steps = [float(e["dur"]) for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
     n = max(1, len(steps))
     us = {k: v / n for k, v in us.items()}
     total = sum(us.values())

@@ -198,6 +198,7 @@ def test_mixed_precision_keeps_every_declared_fp32_param_fp32(window):
     declared = fp32_contract(model)
     assert any("A_log" in n for n in declared) and any(".hc." in n for n in declared)
     assert any("bank.weight" in n for n in declared)
+    assert "blocks.0.mixer.rope_cos" in declared and "blocks.0.mixer.rope_sin" in declared  # MLA's RoPE tables
     wrapped = apply_mixed_precision(model, torch.bfloat16)
     wrapped.check_contract()
     params = dict(wrapped.module.named_parameters())

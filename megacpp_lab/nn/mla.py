@@ -264,6 +264,9 @@ def _refuse_compiled(reason: str) -> NoReturn:
 class MultiLatentAttention(nn.Module):
     """[B,T,d_model] -> [B,T,d_model] MLA over packed rows (doc_ids keep documents apart)."""
 
+    # the RoPE tables: the Triton kernels take fp32 cos/sin only, and bf16 tables would round the angles
+    _fp32_params = ("rope_cos", "rope_sin")
+
     def __init__(self, config: MLAConfig) -> None:
         super().__init__()
         self.config = c = config
