@@ -204,30 +204,38 @@ def time_by_label(trace_path: str | Path, *, sep: str = LABEL_SEP) -> dict[str, 
     counted in 'kernels_without_launch'). Without GPU kernels (a CPU run): each range's wall time minus
     the labelled ranges nested in it. Times are per profiled step (the trace's ProfilerStep ranges, whose
     mean wall time is 'step_us'; None without them). Returns {'basis', 'steps', 'step_us', 'total_us',
-    'us': {bucket: us}, 'share': {bucket: fraction of total_us}, 'kernels_without_launch'}.
+    'us': {bucket: us}, 'us_backward': {bucket: the part of us in `.backward` ranges}, 'share': {bucket:
+    fraction of total_us}, 'kernels_without_launch'}.
     """
     import bisect
     import json
 
     events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    ranges: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
+    # (start, end, bucket, is_backward) per thread
+    ranges: dict[tuple[Any, Any], list[tuple[float, float, str, bool]]] = {}
     for e in events:
         if e.get("cat") == "user_annotation" and sep in e["name"]:
-            bucket = e["name"].split(sep, 1)[0]
-            ranges.setdefault((e["pid"], e["tid"]), []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), bucket))
+            span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"].split(sep, 1)[0], e["name"].endswith(".backward"))
+            ranges.setdefault((e["pid"], e["tid"]), []).append(span)
     for spans in ranges.values():
         spans.sort(key=lambda s: (s[0], -s[1]))
 
-    def innermost(thread: tuple[Any, Any], ts: float) -> str | None:
+    def innermost(thread: tuple[Any, Any], ts: float) -> tuple[str, bool]:
         spans = ranges.get(thread, [])
-        found = None
-        for start, end, bucket in spans[: bisect.bisect_right(spans, (ts, float("inf"), ""))]:
+        found = ("other", False)
+        for start, end, bucket, backward in spans[: bisect.bisect_right(spans, (ts, float("inf"), "", True))]:
             if start <= ts <= end:
-                found = bucket  # sorted by start: the last enclosing one is the innermost
+                found = (bucket, backward)  # sorted by start: the last enclosing one is the innermost
         return found
+
+    def add(bucket: str, backward: bool, dur: float) -> None:
+        us[bucket] = us.get(bucket, 0.0) + dur
+        if backward:
+            us_backward[bucket] = us_backward.get(bucket, 0.0) + dur
 
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     us: dict[str, float] = {}
+    us_backward: dict[str, float] = {}
     unmatched = 0
     if device:
         launches = {e["args"]["correlation"]: e for e in events
@@ -235,25 +243,25 @@ def time_by_label(trace_path: str | Path, *, sep: str = LABEL_SEP) -> dict[str, 
         for k in device:
             launch = launches.get(k.get("args", {}).get("correlation"))
             unmatched += launch is None
-            bucket = innermost((launch["pid"], launch["tid"]), float(launch["ts"])) if launch else None
-            us[bucket or "other"] = us.get(bucket or "other", 0.0) + float(k["dur"])
+            add(*(innermost((launch["pid"], launch["tid"]), float(launch["ts"])) if launch else ("other", False)),
+                float(k["dur"]))
         basis = "gpu kernel time, by the labelled range that launched each kernel"
     else:
         for thread, spans in ranges.items():
-            for i, (start, end, bucket) in enumerate(spans):
+            for i, (start, end, bucket, backward) in enumerate(spans):
                 nested, reach = 0.0, start  # time of labelled ranges directly inside this one
-                for s2, e2, _ in spans[i + 1:]:
+                for s2, e2, _, _ in spans[i + 1:]:
                     if s2 >= end:
                         break
                     if s2 >= reach:
                         nested += min(e2, end) - s2
                         reach = e2
-                us[bucket] = us.get(bucket, 0.0) + (end - start - nested)
+                add(bucket, backward, end - start - nested)
         basis = "cpu wall time inside each labelled range, nested labelled ranges excluded"
     steps = [float(e["dur"]) for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
     n = max(1, len(steps))
     us = {k: v / n for k, v in us.items()}
     total = sum(us.values())
     return {"basis": basis, "steps": len(steps), "step_us": sum(steps) / n if steps else None, "total_us": total,
-            "us": us, "kernels_without_launch": unmatched,
+            "us": us, "us_backward": {k: v / n for k, v in us_backward.items()}, "kernels_without_launch": unmatched,
             "share": {k: v / total for k, v in us.items()} if total else {}}  # fmt: skip

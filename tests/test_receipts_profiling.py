@@ -180,6 +180,8 @@ def test_label_modules_and_time_by_label_split_a_step_by_module(tmp_path, device
     assert split["kernels_without_launch"] == 0
     us = split["us"]
     assert us["heavy"] > 4 * us["light"] > 0, us  # 12 matmuls (+ their backward) against 1
+    back = split["us_backward"]
+    assert 0 < back["heavy"] < us["heavy"] and 0 < back["light"] < us["light"]  # both directions were seen
     assert abs(sum(split["share"].values()) - 1) < 1e-9
     assert split["total_us"] <= split["step_us"] * 1.01
     # the hooks are gone afterwards: a trace without labels has nothing to split

@@ -191,7 +191,9 @@ launched it, forward or backward. Sweep: B = 1, 2, 4, 8 at T=4096; T = 2048, 819
 memory and a CBlock.
 Receipts under <out>/<device-slug>/model/: model_step.json/.png, model_sweep.json/.png,
 model_leaks.json, model_step.*.pt.trace.json.
-Run time on an H200: RUNTIME.
+Run time on an H200: about two minutes (a trial run: 32 s for the step and its profile, most of it
+the first call's Triton autotuning, 25 s for the first five sweep points); each receipt records its
+elapsed_s.
 --small (CPU, the tiny preset at B=2, T=64, the chunked SSD and the M2RNN reference loop by name):
 about 20 s.""",
             triton_on_cpu=False,
