@@ -159,7 +159,8 @@ def label_modules(labels: Mapping[str, torch.nn.Module], *, forward_only: Collec
     the gradient of its inputs is complete (full backward hooks), on the autograd thread that launches
     the backward kernels. Labels in forward_only get no backward range: a full backward hook rebuilds a
     tuple output as a plain tuple (a NamedTuple loses its fields), and a module whose inputs need no
-    gradient (an embedding) has no backward range to time. time_by_label reads the ranges back.
+    gradient (an embedding) has no backward range to time. time_by_label reads the ranges back. A forward
+    that raises leaves its range open until the context exits: profile steps that complete.
     """
     unknown = set(forward_only) - set(labels)
     if unknown:
@@ -180,12 +181,13 @@ def label_modules(labels: Mapping[str, torch.nn.Module], *, forward_only: Collec
         return hook
 
     handles = []
-    for label, module in labels.items():
-        fwd, bwd = (id(module), label), (id(module), label + ".backward")
-        handles += [module.register_forward_pre_hook(opener(fwd)), module.register_forward_hook(closer(fwd))]
-        if label not in forward_only:
-            handles += [module.register_full_backward_pre_hook(opener(bwd)), module.register_full_backward_hook(closer(bwd))]
-    try:
+    try:  # registration too: a failure half-way must not leave hooks behind
+        for label, module in labels.items():
+            fwd, bwd = (id(module), label), (id(module), label + ".backward")
+            handles += [module.register_forward_pre_hook(opener(fwd)), module.register_forward_hook(closer(fwd))]
+            if label not in forward_only:
+                handles += [module.register_full_backward_pre_hook(opener(bwd)),
+                            module.register_full_backward_hook(closer(bwd))]  # fmt: skip
         yield
     finally:
         for handle in handles:

@@ -202,8 +202,17 @@ def packed_cu_seqlens(B: int, T: int, docs: int, generator: torch.Generator) -> 
 
 def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
     """[B,T] int64 document ids (0, 1, ... over the flattened batch) from cu_seqlens over the B*T tokens."""
-    if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != B * T:
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != B * T:
         raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at B*T = {B * T}, got {cu_seqlens.tolist()}")
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    if bool((lengths <= 0).any()):
+        i = int((lengths <= 0).nonzero()[0])
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty document): cu_seqlens[{i}] = "
+                         f"{int(cu_seqlens[i])}, cu_seqlens[{i + 1}] = {int(cu_seqlens[i + 1])}")
+    missing = sorted(set(range(0, B * T, T)) - set(cu_seqlens.tolist()))
+    if missing:
+        raise ValueError(f"cu_seqlens must hold every row start (a document never spans two rows): offset {missing[0]} "
+                         f"(row {missing[0] // T}) is not a document start")
     flat = torch.arange(B * T, device=cu_seqlens.device)
     return torch.searchsorted(cu_seqlens[1:].to(torch.int64), flat, right=True).view(B, T)
 

@@ -238,3 +238,27 @@ def test_a_planted_leak_fails_the_small_model_check_on_gpu():
     tokens, doc_ids = leak_windows("cuda")
     report = model_leak_report(model, tokens, doc_ids, vocab_size=config.vocab_size, causal=False)
     assert report.leaked and report.cross_doc.magnitude > report.tol, str(report)
+
+
+def test_wake_moves_every_zero_initialised_parameter_and_a_leak_inside_a_branch_then_shows(window):
+    """A leak inside a zero-initialised branch is invisible at init (the branch adds exactly zero); once the
+    zero-initialised parameters are woken the same check catches it."""
+    tokens, doc_ids = window
+    layers = dict(pattern="AMR", n_layers=3, engram_layers=(1,), ngram_layers=(2,), cblock_layers=(0,), mhc=True)
+    model = _model(**layers)
+    zero = {n for n, p in model.named_parameters() if not p.any()}
+    assert {"blocks.1.engram.out_proj.weight", "blocks.2.ngram.value_proj.weight", "blocks.0.cblock.out_proj.weight",
+            "blocks.1.hc.mixer.weight"} <= zero
+    wake_zero_initialised(model)
+    assert all(p.any() for p in model.parameters())
+    results = {}
+    for woken in (False, True):
+        leaky = _model(**layers)
+        engram = leaky.blocks[1].engram
+        forward = engram.forward
+        engram.forward = lambda x, ctx=None, **kw: forward(x)  # the planted bug: Engram drops ctx
+        if woken:
+            wake_zero_initialised(leaky)
+        results[woken] = model_leak_report(leaky, tokens, doc_ids, vocab_size=V, causal=False, allow_vacuous=True)
+    assert not results[False].leaked, str(results[False])
+    assert results[True].leaked and results[True].cross_doc.magnitude > results[True].tol, str(results[True])

@@ -158,6 +158,17 @@ class _Costly(torch.nn.Module):
         return x
 
 
+class _Outer(torch.nn.Module):
+    """heavy(light(x)): the heavy stage nested inside the labelled outer module."""
+
+    def __init__(self, light: torch.nn.Module, heavy: torch.nn.Module) -> None:
+        super().__init__()
+        self.light, self.heavy = light, heavy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heavy(self.light(x))
+
+
 def _two_stage(device: str, n: int):
     torch.manual_seed(0)
     light, heavy = _Costly(n, 1).to(device), _Costly(n, 12).to(device)
@@ -184,6 +195,13 @@ def test_label_modules_and_time_by_label_split_a_step_by_module(tmp_path, device
     assert 0 < back["heavy"] < us["heavy"] and 0 < back["light"] < us["light"]  # both directions were seen
     assert abs(sum(split["share"].values()) - 1) < 1e-9
     assert split["total_us"] <= split["step_us"] * 1.01
+    # nested: the innermost labelled range wins, the outer module keeps only its own (light) part
+    outer = _Outer(light, heavy)
+    x = torch.randn(light.w.shape, device=device, requires_grad=True)
+    with label_modules({"outer|o": outer, "heavy|b": heavy}):
+        path3, _ = profile_trace(lambda: outer(x).sum().backward(), tmp_path, "nested", steps=1, warmup=1)
+    nested = time_by_label(path3)["us"]
+    assert nested["heavy"] > 4 * nested["outer"] > 0, nested
     # the hooks are gone afterwards: a trace without labels has nothing to split
     path2, _ = profile_trace(step, tmp_path, "unlabelled", steps=1, warmup=0)
     assert not any("|" in str(e.get("name")) for e in json.loads(path2.read_text())["traceEvents"])
@@ -200,3 +218,32 @@ def test_label_modules_forward_only_and_bad_names():
         step()
     names = {e.name for e in prof.events()}
     assert {"light|a", "light|a.backward", "heavy|b"} <= names and "heavy|b.backward" not in names
+
+
+def test_time_by_label_on_a_hand_written_trace(tmp_path):
+    """The attribution rules on a trace whose answer is known: the innermost range wins (two ranges that start
+    together), a backward range on its own thread, driver-API launches, GPU-side copies of the ranges and of
+    ProfilerStep ignored, a kernel launched outside every range or with no launch event goes to 'other'."""
+    from megacpp_lab.profiling import time_by_label
+
+    def x(name, ts, dur, cat, tid=1, pid=1, **args):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "pid": pid, "tid": tid, "args": args}
+
+    events = [
+        x("ProfilerStep#1", 0, 400, "user_annotation"), x("ProfilerStep#1", 0, 390, "gpu_user_annotation", pid=0, tid=7),
+        x("A|x", 0, 100, "user_annotation"), x("B|y", 0, 50, "user_annotation"),
+        x("A|x.backward", 200, 100, "user_annotation", tid=2), x("A|x", 5, 90, "gpu_user_annotation", pid=0, tid=7),
+        x("cudaLaunchKernel", 10, 1, "cuda_runtime", correlation=1), x("cudaLaunchKernel", 60, 1, "cuda_runtime", correlation=2),
+        x("cudaLaunchKernel", 250, 1, "cuda_runtime", tid=2, correlation=3),
+        x("cudaLaunchKernel", 350, 1, "cuda_runtime", correlation=4), x("cuLaunchKernel", 55, 1, "cuda_driver", correlation=6),
+    ]
+    for corr, dur in ((1, 10), (2, 20), (3, 30), (4, 5), (5, 7), (6, 3)):
+        events.append(x(f"k{corr}", 1000 + corr, dur, "kernel", pid=0, tid=7, correlation=corr))
+    events.append(x("Memcpy DtoD", 2000, 4, "gpu_memcpy", pid=0, tid=7, correlation=2))
+    path = tmp_path / "hand.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    split = time_by_label(path)
+    assert split["us"] == {"B": 10.0, "A": 20.0 + 30.0 + 3.0 + 4.0, "other": 5.0 + 7.0}
+    assert split["us_backward"] == {"A": 30.0}
+    assert split["kernels_without_launch"] == 1 and split["steps"] == 1 and split["step_us"] == 400.0
+    assert split["total_us"] == 79.0 and split["basis"].startswith("gpu kernel time")

@@ -141,5 +141,11 @@ def test_random_packed_layout_round_trips_through_doc_ids() -> None:
     assert doc_ids.shape == (3, 40) and torch.equal(cu_seqlens_from_doc_ids(doc_ids), cu)
     with pytest.raises(ValueError, match="end at B\\*T = 100"):
         doc_ids_from_cu_seqlens(cu, 2, 50)
+    with pytest.raises(ValueError, match=r"strictly increasing \(no empty document\): cu_seqlens\[1\] = 5, cu_seqlens\[2\] = 3"):
+        doc_ids_from_cu_seqlens(torch.tensor([0, 5, 3, 8]), 1, 8)
+    with pytest.raises(ValueError, match=r"strictly increasing"):
+        doc_ids_from_cu_seqlens(torch.tensor([0, 4, 4, 8]), 1, 8)
+    with pytest.raises(ValueError, match=r"offset 8 \(row 1\) is not a document start"):
+        doc_ids_from_cu_seqlens(torch.tensor([0, 6, 16]), 2, 8)
     with pytest.raises(ValueError, match=r"docs per row must be in \[1, T=4\]"):
         packed_cu_seqlens(1, 4, 5, torch.Generator())

@@ -184,8 +184,8 @@ M2RNN scans on their Triton kernels. Contenders: eager fwd+bwd (zero_grad, forwa
 LM-head loss, backward), eager forward alone (no_grad), fwd+bwd + a fused AdamW step, and the
 per-batch build_context; median step time over 10 steps (CUDA events), tokens/s, TFLOP/s from
 HybridLM.flops_per_token, peak memory. One profiled fwd+bwd step gives each block kind's share of the
-step: every GPU kernel goes to the labelled module (block, Engram branch, embedding, LM head) that
-launched it, forward or backward. Sweep: B = 1, 2, 4, 8 at T=4096; T = 2048, 8192 at B*T fixed; 1 and
+step: every GPU kernel goes to the labelled module (block, Engram branch, final norm: forward or
+backward; embedding, LM head: forward) that launched it, as a share of the unprofiled step. Sweep: B = 1, 2, 4, 8 at T=4096; T = 2048, 8192 at B*T fixed; 1 and
 64 documents per row; fwd+bwd and forward alone. Leak check: the small preset on real packed BPE rows
 (2 x 512 tokens of the committed sample), eager, bf16, Triton scans, with and without mHC, the n-gram
 memory and a CBlock.

@@ -7,6 +7,7 @@ activation-memory policies are measured against.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -68,7 +69,7 @@ def build_model(config: HybridConfig, device: str, *, seed: int = 0) -> nn.Modul
     return apply_mixed_precision(model, torch.bfloat16) if device == "cuda" else model
 
 
-def make_batch(shape: ModelShape, vocab_size: int, device: str, *, seed: int = 0,
+def make_batch(shape: ModelShape, vocab_size: int, device: str, *, seed: int = 0, ignore_index: int = -100,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """tokens, doc_ids, targets [B,T]: uniform token ids (3.. vocab: no specials), `docs` documents of
     seeded-random lengths per row, next-token targets ignored at each document's last token."""
@@ -76,7 +77,7 @@ def make_batch(shape: ModelShape, vocab_size: int, device: str, *, seed: int = 0
     cu = packed_cu_seqlens(shape.B, shape.T, shape.docs, g)
     doc_ids = doc_ids_from_cu_seqlens(cu, shape.B, shape.T)
     tokens = torch.randint(3, vocab_size, (shape.B, shape.T), generator=g)
-    return tokens.to(device), doc_ids.to(device), next_token_targets(tokens, doc_ids).to(device)
+    return tokens.to(device), doc_ids.to(device), next_token_targets(tokens, doc_ids, ignore_index).to(device)
 
 
 def profile_labels(model: HybridLM) -> dict[str, nn.Module]:
@@ -119,6 +120,10 @@ class TrainingStep:
             self.optimizer.step()
         return loss.detach()
 
+    def release(self) -> None:
+        """Free the gradients, so that a peak measured next starts from parameters and batch alone."""
+        self.model.zero_grad(set_to_none=True)
+
     def forward_only(self) -> torch.Tensor:
         with torch.no_grad():
             return self.model(self.tokens, self.ctx, self.targets).loss
@@ -137,12 +142,13 @@ def _peak(fn: Callable[[], object], device: str) -> dict[str, float]:
     return {"peak_mib": (peak - base) / 2**20, "peak_total_mib": peak / 2**20}
 
 
-def _timed_row(contender: str, fn: Callable[[], object], tokens: int, flops_per_token: int, *, device: str,
-               warmup: int, steps: int, key: str = "ms") -> dict[str, Any]:  # fmt: skip
+def _timed_row(contender: str, fn: Callable[[], object], release: Callable[[], None], tokens: int,
+               flops_per_token: int, *, device: str, warmup: int, steps: int, key: str = "ms") -> dict[str, Any]:  # fmt: skip
     fn()  # first call outside the peak: kernel autotuning and allocator growth
+    release()  # the peak's baseline holds parameters and batch, no gradients
     row: dict[str, Any] = {"contender": contender, **_peak(fn, device)}
     samples = sorted(step_times_ms(fn, warmup=warmup, steps=steps, device=device))
-    ms = samples[len(samples) // 2]
+    ms = statistics.median(samples)
     row.update({key: ms, "ms_min": samples[0], "ms_max": samples[-1], "steps": steps,
                 "tokens_per_s": tokens / (ms / 1e3), "tflops": flops_per_token * tokens / (ms / 1e3) / 1e12})  # fmt: skip
     return row
@@ -157,7 +163,7 @@ def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", wa
     config = model_config(shape.preset, device)
     model = build_model(config, device)
     lm: HybridLM = model.module if hasattr(model, "module") else model
-    tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device)
+    tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=config.lm_head.ignore_index)
     n_tokens = shape.B * shape.T
     flops = lm.flops_per_token(shape.T)
     bar = tqdm(total=5 if trace_dir is not None else 4, desc=f"model {shape.preset} B={shape.B} T={shape.T}",
@@ -166,38 +172,48 @@ def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", wa
     ctx = build_context(doc_ids)
     step = TrainingStep(model, tokens, ctx, targets)
     bar.update()
-    results = [_timed_row("eager fwd+bwd", step, n_tokens, flops["total"], device=device, warmup=warmup, steps=steps)]
+    results = [_timed_row("eager fwd+bwd", step, step.release, n_tokens, flops["total"], device=device, warmup=warmup, steps=steps)]
     bar.update()
-    fwd = _timed_row("eager forward (no_grad)", step.forward_only, n_tokens, flops["total"] // 3, device=device,
+    fwd = _timed_row("eager forward (no_grad)", step.forward_only, step.release, n_tokens, flops["total"] // 3, device=device,
                      warmup=warmup, steps=steps, key="fwd_ms")  # fmt: skip
     results.append(fwd)
     bar.update()
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    results.append(_timed_row("eager fwd+bwd + fused AdamW", TrainingStep(model, tokens, ctx, targets, adamw), n_tokens,
+    results.append(_timed_row("eager fwd+bwd + fused AdamW", TrainingStep(model, tokens, ctx, targets, adamw), step.release, n_tokens,
                               flops["total"], device=device, warmup=warmup, steps=steps))  # fmt: skip
     del adamw
     results.append({"contender": "build_context (per batch, outside the step)", "ms": ctx_ms[len(ctx_ms) // 2]})
     bar.update()
     main = results[0]
-    main["bwd_ms"] = main["ms"] - fwd["fwd_ms"]
     extra: dict[str, Any] = {}
     if trace_dir is not None:
         with label_modules(profile_labels(lm), forward_only=FORWARD_ONLY):
             path, _ = profile_trace(step, trace_dir, "model_step", steps=1, warmup=1, record_shapes=False)
         split = time_by_label(path)
-        step_us = split["step_us"]  # the profiled step's own wall time, synchronised at its end
+        # GPU: kernel durations are device-side and barely moved by the profiler, whose host-side recording
+        # stretches the profiled step with gaps; so the shares are of the unprofiled median step. CPU: the
+        # profiler slows the host work itself, so the shares are of the profiled step.
+        gpu = "gpu" in split["basis"]
+        step_us = main["ms"] * 1e3 if gpu else split["step_us"]
+        forward_us = split["total_us"] - sum(split["us_backward"].values()) - split["us"].get("other", 0.0)
         extra["block_time"] = {
             "basis": split["basis"],
             "trace": path.name,
-            "profiled_step_ms": step_us / 1e3,
+            "step_ms": step_us / 1e3,
+            "step": "the unprofiled median fwd+bwd step" if gpu else "the profiled step",
+            "profiled_step_ms": split["step_us"] / 1e3,
+            "labelled_ms": split["total_us"] / 1e3,
+            "forward_ms": forward_us / 1e3,
+            "backward_ms": sum(split["us_backward"].values()) / 1e3,
             "ms_per_step": {k: v / 1e3 for k, v in sorted(split["us"].items(), key=lambda kv: -kv[1])},
             "backward_ms_per_step": {k: v / 1e3 for k, v in split["us_backward"].items()},
             "share_of_labelled_time": split["share"],
             "share_of_step": {k: v / step_us for k, v in split["us"].items()},
             "unaccounted_share_of_step": max(0.0, 1.0 - split["total_us"] / step_us),
             "kernels_without_launch": split["kernels_without_launch"],
-            "note": OTHER_NOTE + ("; unaccounted: the GPU idle (no kernel running) during the step" if device == "cuda"
-                                  else "; unaccounted: host time outside every labelled range"),
+            "note": OTHER_NOTE + ("; unaccounted: the GPU idle (no kernel running) in the unprofiled step, taking "
+                                  "the profiled kernel times as they are" if gpu else
+                                  "; unaccounted: host time outside every labelled range"),
         }  # fmt: skip
         bar.update()
     bar.close()
@@ -214,11 +230,13 @@ def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", wa
             "Eager (no torch.compile) training step of HybridLM on one fixed batch: zero_grad, forward to the fused "
             "LM-head loss, backward (and a fused AdamW step in its row). Parameters bf16 under apply_mixed_precision, "
             "fp32-contract parameters fp32. ms: median of `steps` steps, each timed with CUDA events after warm-up; "
-            "peak_mib: peak memory of one step beyond what was held before it (parameters, batch; gradients None), "
+            "peak_mib: peak memory of one step beyond what was held before it (parameters, batch, optimizer state in "
+            "its row; gradients freed first), "
             "peak_total_mib: the whole allocation peak. tflops = flops_per_token['total'] * tokens / time, with "
             "HybridLM.flops_per_token (attention counted over the causal T/2 average, ignoring document masking: "
             "an upper bound). block_time: one profiled step; each GPU kernel goes to the innermost labelled module "
-            "range (forward or backward) that launched it."
+            "range (forward or backward) that launched it; block_time.forward_ms / backward_ms: kernel time in the "
+            "forward and backward ranges."
         ),
     )
 
@@ -239,12 +257,12 @@ def bench_model_sweep(shapes: tuple[ModelShape, ...] = FULL_SWEEP, *, device: st
             by_preset[shape.preset] = config, build_model(config, device)
         config, model = by_preset[shape.preset]
         lm: HybridLM = model.module if hasattr(model, "module") else model
-        tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device)
+        tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=config.lm_head.ignore_index)
         step = TrainingStep(model, tokens, build_context(doc_ids), targets)
         flops, n = lm.flops_per_token(shape.T)["total"], shape.B * shape.T
-        results.append({"shape": asdict(shape), **_timed_row("eager fwd+bwd", step, n, flops, device=device,
+        results.append({"shape": asdict(shape), **_timed_row("eager fwd+bwd", step, step.release, n, flops, device=device,
                                                              warmup=warmup, steps=steps)})  # fmt: skip
-        results.append({"shape": asdict(shape), **_timed_row("eager forward (no_grad)", step.forward_only, n, flops // 3,
+        results.append({"shape": asdict(shape), **_timed_row("eager forward (no_grad)", step.forward_only, step.release, n, flops // 3,
                                                              device=device, warmup=warmup, steps=steps, key="fwd_ms")})  # fmt: skip
         model.zero_grad(set_to_none=True)
     return make_receipt("model_sweep", "model", shape={"preset": shapes[0].preset, "points": len(shapes)},
@@ -336,7 +354,7 @@ def _plot_step(receipt: dict[str, Any]) -> Any:
         right.bar_label(bars, labels=[f"{100 * share[k]:.1f}%" for k in keys], padding=3, fontsize=8)
         right.invert_yaxis()
         right.set_xlabel("% of the profiled fwd+bwd step")
-        right.set_title(f"share of the step by block kind ({split['profiled_step_ms']:.1f} ms profiled)\n"
+        right.set_title(f"share of the step by block kind (of {split['step']}, {split['step_ms']:.1f} ms)\n"
                         f"{split['basis']}", fontsize=9)
     else:
         right.axis("off")
@@ -373,6 +391,9 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     leaks = bench_model_leaks("tiny" if small else "small", device=device, length=48 if small else LEAK_LEN)
     leaks["elapsed_s"] = time.perf_counter() - start
     written.append(write_receipt(leaks, root))
+    failed = [r["contender"] for r in leaks["results"] if not r["passed"]]
+    if failed:  # the receipt says what leaked; the command must not end as if nothing did
+        raise RuntimeError(f"the whole-model leak check failed for {failed}: see {written[-1]}")
     return written
 
 

@@ -14,7 +14,7 @@ from megacpp_lab.testing.leaks import (
     influence_violation,
     plot_influence,
 )
-from megacpp_lab.testing.model_leaks import ZERO_INIT_SUFFIXES, model_leak_report, wake_zero_initialised
+from megacpp_lab.testing.model_leaks import model_leak_report, wake_zero_initialised
 from megacpp_lab.testing.planted import (
     CausalSmoother,
     CenteredSmoother,

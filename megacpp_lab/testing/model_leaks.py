@@ -2,7 +2,7 @@
 
 A model's zero-initialised outputs (Engram, the n-gram memory, the concept bank, mHC's mixing weights) make
 those branches the identity at step 0, so a check at init could not see a leak inside them:
-`wake_zero_initialised` moves them off zero first. `model_leak_report` then runs `check_leaks` on the
+`wake_zero_initialised` moves every all-zero parameter off zero first. `model_leak_report` then runs `check_leaks` on the
 logits of `model(tokens, build_context(doc_ids), return_logits=True)`, the context rebuilt per call as the
 model gets it in training. Works for any model with that forward (HybridLM); imports nothing from nn/.
 """
@@ -18,20 +18,18 @@ from torch import nn
 from megacpp_lab.testing.leaks import LeakReport, check_leaks
 from megacpp_lab.varlen import build_context
 
-__all__ = ["ZERO_INIT_SUFFIXES", "model_leak_report", "wake_zero_initialised"]
-
-# parameters a model zero-initialises so that a branch starts as the identity: the output projections of
-# Engram, the n-gram memory and the concept bank, and the weights of mHC's hyper-connections (".hc.")
-ZERO_INIT_SUFFIXES = ("out_proj.weight", "value_proj.weight")
+__all__ = ["model_leak_report", "wake_zero_initialised"]
 
 
 def wake_zero_initialised(model: nn.Module, *, std: float = 0.05, seed: int = 1) -> nn.Module:
-    """Redraw the zero-initialised parameters (ZERO_INIT_SUFFIXES, and mHC's '.hc.' weights) from
-    N(0, std^2), seeded, so that every branch changes the logits and a leak inside it could show."""
+    """Redraw every floating parameter that is all zero (the branches' zero-initialised output projections,
+    mHC's coefficient weights, any zero bias) from N(0, std^2), seeded, so that every branch changes the
+    logits and a leak inside it could show. Chosen by value, not by name: a zero-initialised parameter under
+    a new name is woken too. Call it on a model at initialisation."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(ZERO_INIT_SUFFIXES) or (".hc." in name and name.endswith(".weight")):
+        for p in model.parameters():
+            if p.is_floating_point() and p.numel() and not p.any():
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
     return model
 
