@@ -215,9 +215,19 @@ def test_mixed_precision_keeps_every_declared_fp32_param_fp32(window):
 def test_small_model_on_gpu_keeps_documents_apart_with_triton_scans(compiled, features):
     """The whole-model leak check at the small preset on real packed BPE rows (2 x 512 tokens), bf16, the SSD
     and M2RNN scans on Triton by name, eager and with every block compiled on its own (fullgraph)."""
-    from megacpp_lab.bench.model import whole_model_leak_check
+    from torch._dynamo.utils import counters
 
+    from megacpp_lab.bench.model import whole_model_leak_check
+    from megacpp_lab.model.parallelize import block_structures, compile_stats
+
+    torch._dynamo.reset()
+    counters.clear()
     report, config = whole_model_leak_check("small", "cuda", compiled=compiled, features=features)
+    if compiled:  # one graph per block structure, none added by the ~70 perturbed calls of the check
+        with torch.device("meta"):
+            structures = block_structures(HybridLM(config))
+        stats = compile_stats()
+        assert stats.graphs == len(structures) and stats.graph_breaks == 0, (stats, structures)
     assert (config.ssd.kernel, config.m2rnn.kernel, config.d_model, config.n_layers) == ("triton", "triton", 384, 12)
     assert config.mhc == features and bool(config.cblock_layers) == features
     assert report.passed, str(report)

@@ -21,6 +21,7 @@ from megacpp_lab.bench import bench_device, output_root
 from megacpp_lab.data import boundary_windows, load_sample, next_token_targets
 from megacpp_lab.model.config import HybridConfig, hybrid_preset
 from megacpp_lab.model.hybrid import HybridLM
+from megacpp_lab.model.parallelize import apply_compile
 from megacpp_lab.model.precision import apply_mixed_precision
 from megacpp_lab.profiling import LABEL_SEP, label_modules, profile_trace, step_times_ms, time_by_label
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
@@ -281,7 +282,7 @@ def whole_model_leak_check(preset: str, device: str, *, compiled: bool = False, 
                            length: int = LEAK_LEN, **overrides: Any) -> tuple[Any, HybridConfig]:  # fmt: skip
     """The whole-model leak check on real packed BPE rows: the preset (its Triton scans on a GPU, in bf16),
     its zero-initialised outputs woken, optionally every optional branch on (mHC, n-gram memory, concept
-    bank: leak_features) and every block compiled on its own (fullgraph). Returns (LeakReport, config)."""
+    bank: leak_features) and every block compiled on its own (apply_compile). Returns (LeakReport, config)."""
     if features:
         overrides = {**leak_features(hybrid_preset(preset).n_layers), **overrides}
     config = model_config(preset, device, **overrides)
@@ -290,16 +291,9 @@ def whole_model_leak_check(preset: str, device: str, *, compiled: bool = False, 
     wake_zero_initialised(lm)
     model.eval()
     tokens, doc_ids = leak_windows(device, length)
-    if not compiled:
-        return model_leak_report(model, tokens % config.vocab_size, doc_ids, vocab_size=config.vocab_size), config
-    for block in lm.blocks:
-        block.compile(fullgraph=True)
-    # Blocks of different structure (mHC at some layers, a branch at others) are different graphs of one
-    # Block.forward, more than dynamo's default 8 per code object: this check is about leaks, and the
-    # number of graphs is for regional compile to bound, not for this check.
-    with torch._dynamo.config.patch(recompile_limit=64):
-        report = model_leak_report(model, tokens % config.vocab_size, doc_ids, vocab_size=config.vocab_size)
-    return report, config
+    if compiled:
+        apply_compile(model)
+    return model_leak_report(model, tokens % config.vocab_size, doc_ids, vocab_size=config.vocab_size), config
 
 
 def bench_model_leaks(preset: str, *, device: str, length: int = LEAK_LEN, progress: bool = True) -> dict[str, Any]:

@@ -1,0 +1,146 @@
+"""Regional compile (model/parallelize.py): one graph per block structure, shared by every block of that
+structure; the scans stay opaque custom ops; no graph break; no recompile when the number of documents per
+row changes from batch to batch; compiled equals eager. CPU at the tiny preset (the Triton scans under the
+interpreter), the GPU at the base preset."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from megacpp_lab.bench.model import ModelShape, TrainingStep, build_model, leak_features, make_batch, model_config
+from megacpp_lab.model.hybrid import HybridLM
+from megacpp_lab.model.parallelize import apply_compile, block_structures, compile_stats
+from megacpp_lab.varlen import build_context
+
+# the scans by name: Triton (the interpreter on a CPU), never the reference loop, which no graph may hold
+TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
+DOCS = [1 + (7 * i) % 8 for i in range(20)]  # 20 batches, 1..8 documents per row, in a shuffled order
+
+
+def _tiny(**overrides) -> HybridLM:
+    torch.manual_seed(0)
+    return HybridLM(model_config("tiny", "cpu", **{**TRITON, **overrides}))
+
+
+class _Capture:
+    """A dynamo backend that keeps each graph and runs it as traced (no inductor: the guards, graph count
+    and graph breaks are dynamo's, whatever the backend)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, inputs) -> object:
+        self.graphs.append(gm)
+        return gm.forward
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _ops(gm: torch.fx.GraphModule) -> set[str]:
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "megacpp" in str(n.target)}
+
+
+def test_one_graph_per_block_structure_with_the_scans_as_opaque_ops():
+    model = _tiny(**leak_features(4)).eval()
+    structures = block_structures(model)
+    assert len(structures) == 4 and sum(structures.values()) == 4
+    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 3), 512, "cpu")
+    ctx = build_context(doc_ids)
+    with torch.no_grad():
+        eager = model(tokens, ctx, targets).loss
+    capture = _Capture()
+    apply_compile(model, backend=capture)
+    with torch.no_grad():
+        compiled = model(tokens, ctx, targets).loss
+    stats = compile_stats()
+    assert stats.graphs == len(structures) == len(capture.graphs) and stats.graph_breaks == 0, stats
+    torch.testing.assert_close(compiled, eager)
+    kinds = [k for k, _ in sorted(structures.items(), key=lambda kv: kv[0])]
+    by_kind = {"M": "megacpp.ssd_scan_fwd", "R": "megacpp.m2rnn_scan_fwd"}
+    for gm in capture.graphs:
+        ops = _ops(gm)
+        # every M or R graph holds its scan as one custom op call; an unrolled step loop would hold none
+        assert len(ops) <= 1 and all(op.split(".default")[0] in by_kind.values() for op in ops), ops
+    assert sum(1 for gm in capture.graphs if _ops(gm)) == sum(1 for k in kinds if k[0] in by_kind)
+
+
+def test_twenty_training_steps_with_different_document_counts_add_no_graph():
+    model = _tiny().train()
+    capture = _Capture()
+    apply_compile(model, backend=capture)
+    after_first = None
+    for i, docs in enumerate(DOCS):
+        tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 16, docs), 512, "cpu", seed=i)
+        step = TrainingStep(model, tokens, build_context(doc_ids), targets)
+        loss = step()
+        assert torch.isfinite(loss)
+        if i == 0:
+            after_first = compile_stats()
+    stats = compile_stats()
+    assert after_first.graphs == len(block_structures(model)) == 4, after_first
+    assert stats.graphs == after_first.graphs and stats.graph_breaks == 0, (after_first, stats)
+    assert len(set(DOCS)) == 8
+
+
+def test_inductor_compiled_step_equals_eager_loss_and_gradients():
+    eager, compiled = _tiny().train(), _tiny().train()
+    apply_compile(compiled)
+    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 4), 512, "cpu")
+    ctx = build_context(doc_ids)
+    losses = [TrainingStep(m, tokens, ctx, targets)() for m in (eager, compiled)]
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+    stats = compile_stats()
+    assert stats.graph_breaks == 0 and stats.aot_graphs >= stats.graphs == 4, stats
+
+
+def test_apply_compile_refuses_more_structures_than_the_recompile_limit_and_a_non_model():
+    model = _tiny()
+    with torch._dynamo.config.patch(recompile_limit=3):
+        with pytest.raises(ValueError, match=r"4 block structures .* over torch._dynamo.config.recompile_limit=3"):
+            apply_compile(model)
+    assert not any(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl for b in model.blocks)
+    with pytest.raises(TypeError, match="expected a HybridLM"):
+        apply_compile(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.cuda
+def test_base_model_compiles_regionally_on_gpu_without_recompiles_across_document_counts():
+    """The base preset, bf16, inductor: four graphs for twelve blocks, no graph break, none added over 20
+    training steps of 1..64 documents per row, and the compiled loss equals the eager one."""
+    config = model_config("base", "cuda")
+    model = build_model(config, "cuda")
+    shape = ModelShape("base", 2, 4096, 8)
+    tokens, doc_ids, targets = make_batch(shape, config.vocab_size, "cuda")
+    ctx = build_context(doc_ids)
+    with torch.no_grad():
+        eager = model(tokens, ctx, targets).loss
+    apply_compile(model)
+    start = time.perf_counter()
+    with torch.no_grad():
+        compiled = model(tokens, ctx, targets).loss
+    print(f"cold compile of the forward graphs: {time.perf_counter() - start:.1f} s")
+    assert abs(compiled.item() - eager.item()) < 2e-2 * abs(eager.item()), (compiled.item(), eager.item())
+    after_first = None
+    for i, docs in enumerate([1 + (13 * i) % 64 for i in range(20)]):
+        tokens, doc_ids, targets = make_batch(ModelShape("base", 2, 4096, docs), config.vocab_size, "cuda", seed=i)
+        loss = TrainingStep(model, tokens, build_context(doc_ids), targets)()
+        assert torch.isfinite(loss)
+        if i == 0:
+            after_first = compile_stats()
+    stats = compile_stats()
+    print(f"after the first step: {after_first}; after 20: {stats}")
+    assert after_first.graphs == len(block_structures(model)) == 4, after_first
+    assert stats.graphs == after_first.graphs and stats.graph_breaks == 0, stats
