@@ -18,12 +18,15 @@ from megacpp_lab.varlen import build_context
 
 # the scans by name: Triton (the interpreter on a CPU), never the reference loop, which no graph may hold
 TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
+# the tiny tests run where the kernels can: the GPU when there is one (its Triton kernels are not built for
+# the interpreter there), else the CPU under TRITON_INTERPRET (tests/conftest.py)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DOCS = [1 + (7 * i) % 8 for i in range(20)]  # 20 batches, 1..8 documents per row, in a shuffled order
 
 
 def _tiny(**overrides) -> HybridLM:
     torch.manual_seed(0)
-    return HybridLM(model_config("tiny", "cpu", **{**TRITON, **overrides}))
+    return HybridLM(model_config("tiny", DEV, **{**TRITON, **overrides})).to(DEV)
 
 
 class _Capture:
@@ -54,7 +57,7 @@ def test_one_graph_per_block_structure_with_the_scans_as_opaque_ops():
     model = _tiny(**leak_features(4)).eval()
     structures = block_structures(model)
     assert len(structures) == 4 and sum(structures.values()) == 4
-    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 3), 512, "cpu")
+    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 3), 512, DEV)
     ctx = build_context(doc_ids)
     with torch.no_grad():
         eager = model(tokens, ctx, targets).loss
@@ -80,7 +83,7 @@ def test_twenty_training_steps_with_different_document_counts_add_no_graph():
     apply_compile(model, backend=capture)
     after_first = None
     for i, docs in enumerate(DOCS):
-        tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 16, docs), 512, "cpu", seed=i)
+        tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 16, docs), 512, DEV, seed=i)
         step = TrainingStep(model, tokens, build_context(doc_ids), targets)
         loss = step()
         assert torch.isfinite(loss)
@@ -95,7 +98,7 @@ def test_twenty_training_steps_with_different_document_counts_add_no_graph():
 def test_inductor_compiled_step_equals_eager_loss_and_gradients():
     eager, compiled = _tiny().train(), _tiny().train()
     apply_compile(compiled)
-    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 4), 512, "cpu")
+    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 4), 512, DEV)
     ctx = build_context(doc_ids)
     losses = [TrainingStep(m, tokens, ctx, targets)() for m in (eager, compiled)]
     torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
