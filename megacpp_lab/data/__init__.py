@@ -1,7 +1,9 @@
-"""Packed rows of real C++: corpus, tokenizers (bytes; a BPE trained on the corpus), packing, committed samples."""
+"""Packed rows of real C++: corpus, tokenizers (bytes; a BPE trained on the corpus), packing, committed samples,
+and the training loader (a held-out split by file, shuffled packed batches)."""
 
 from megacpp_lab.data.bpe import BpeTokenizer, BpeTrainConfig, load_bpe, train_bpe
 from megacpp_lab.data.corpus import SourceFile, list_cpp_files, load_corpus, torch_include_dir
+from megacpp_lab.data.loader import PackedRowStream, split_by_file, tokenize_files
 from megacpp_lab.data.packing import (
     PackedBatch,
     PackedRows,
@@ -21,6 +23,7 @@ __all__ = [
     "BpeTrainConfig",
     "ByteTokenizer",
     "PackedBatch",
+    "PackedRowStream",
     "PackedRows",
     "SampleConfig",
     "SourceFile",
@@ -35,7 +38,9 @@ __all__ = [
     "next_token_targets",
     "pack_documents",
     "positions_from_doc_ids",
+    "split_by_file",
     "torch_include_dir",
+    "tokenize_files",
     "train_bpe",
     "validate_packed",
 ]

@@ -1,0 +1,132 @@
+"""Training batches: packed BPE rows streamed from the corpus, shuffled per epoch, deterministic per seed.
+
+    files = load_corpus()                                        # SourceFile per C++ file
+    train, val = split_by_file(files, val_fraction=0.05)         # held out by file, not by row
+    docs = tokenize_files(train, load_bpe())                     # token ids per file (bos ... eos)
+    stream = PackedRowStream(docs, seq_len=4096, batch_size=8, pad_id=2, seed=0)
+    for batch in stream:                                          # PackedBatch [8, 4096], forever
+        ...
+    state = stream.state_dict()                                   # (epoch, batch): resume where it stopped
+
+The split hashes each file's relative path, so the validation files are the same for every seed and
+every run: no training row ever holds a token of a validation file. Each epoch permutes the file order with
+a generator seeded by (seed, epoch), packs the files back to back into rows (`pack_documents`: a file
+that runs past the end of a row continues in the next, as a new segment) and yields full batches; the
+last partial batch of an epoch is dropped, so every batch has the same shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from megacpp_lab.data.corpus import SourceFile
+from megacpp_lab.data.packing import PackedBatch, pack_documents
+
+__all__ = ["PackedRowStream", "split_by_file", "tokenize_files"]
+
+
+def _unit_hash(relpath: str) -> float:
+    """A number in [0, 1) fixed by the path alone."""
+    return int.from_bytes(hashlib.sha256(relpath.encode()).digest()[:8], "big") / 2.0**64
+
+
+def split_by_file(files: Sequence[SourceFile], val_fraction: float) -> tuple[list[SourceFile], list[SourceFile]]:
+    """(train, val): a file is held out when the hash of its relative path falls under val_fraction, so the
+    split does not depend on the seed, the file order or which other files are present. Fails closed when
+    either side would be empty."""
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be a number in (0, 1), got {val_fraction!r}")
+    relpaths = [f.relpath for f in files]
+    if len(set(relpaths)) != len(relpaths):
+        dup = next(p for p in relpaths if relpaths.count(p) > 1)
+        raise ValueError(f"the corpus holds {dup!r} twice: a file cannot be split by path")
+    train = [f for f in files if _unit_hash(f.relpath) >= val_fraction]
+    val = [f for f in files if _unit_hash(f.relpath) < val_fraction]
+    if not train or not val:
+        raise ValueError(f"val_fraction={val_fraction} over {len(files)} files leaves {len(train)} training and "
+                         f"{len(val)} validation files; both need at least one")  # fmt: skip
+    return train, val
+
+
+def tokenize_files(files: Sequence[SourceFile], tokenizer: Any, *, progress: bool = False) -> list[np.ndarray]:
+    """Token ids of each file, <bos> ... <eos>, as int32 arrays (the tokenizer's encode)."""
+    from tqdm.auto import tqdm
+
+    return [np.asarray(tokenizer.encode(f.data), dtype=np.int32)
+            for f in tqdm(files, desc="tokenizing", unit="file", disable=not progress)]  # fmt: skip
+
+
+class PackedRowStream:
+    """Full batches of packed rows over `docs`, epoch after epoch; see the module docstring.
+
+    state_dict() / load_state_dict() hold (epoch, batch): a stream restored from a state yields exactly the
+    batches the original would have yielded next."""
+
+    def __init__(self, docs: Sequence[np.ndarray], *, seq_len: int, batch_size: int, pad_id: int, seed: int = 0,
+                 shuffle: bool = True, max_doc_tokens: int | None = None) -> None:  # fmt: skip
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PackedRowStream.{name} must be an int >= 1, got {value!r}")
+        if not docs:
+            raise ValueError("PackedRowStream needs at least one document")
+        empty = [i for i, d in enumerate(docs) if len(d) == 0]
+        if empty:
+            raise ValueError(f"PackedRowStream: document {empty[0]} is empty")
+        self.docs, self.seq_len, self.batch_size = list(docs), seq_len, batch_size
+        self.pad_id, self.seed, self.shuffle, self.max_doc_tokens = pad_id, seed, shuffle, max_doc_tokens
+        tokens = sum(len(d) for d in docs)
+        self.batches_per_epoch = tokens // seq_len // batch_size
+        if self.batches_per_epoch < 1:
+            raise ValueError(f"PackedRowStream: {tokens} tokens make fewer than one batch of {batch_size} x {seq_len}")
+        self.epoch, self.batch = 0, 0
+        self._rows: tuple[int, PackedBatch] | None = None  # the current epoch's rows
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The document order of an epoch: a permutation seeded by (seed, epoch), or as given."""
+        if not self.shuffle:
+            return list(range(len(self.docs)))
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.docs), generator=gen).tolist()
+
+    def _epoch_rows(self, epoch: int) -> PackedBatch:
+        if self._rows is None or self._rows[0] != epoch:
+            order = self.epoch_order(epoch)
+            rows = self.batches_per_epoch * self.batch_size
+            packed = pack_documents([self.docs[i] for i in order], self.seq_len, pad_id=self.pad_id, max_rows=rows,
+                                    max_doc_tokens=self.max_doc_tokens)  # fmt: skip
+            self._rows = (epoch, packed.batch)
+        return self._rows[1]
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        return self
+
+    def __next__(self) -> PackedBatch:
+        rows = self._epoch_rows(self.epoch)
+        lo = self.batch * self.batch_size
+        out = rows.rows(slice(lo, lo + self.batch_size))
+        self.batch += 1
+        if self.batch == self.batches_per_epoch:
+            self.epoch, self.batch = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "documents": len(self.docs),
+                "batches_per_epoch": self.batches_per_epoch}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at a saved position; fails closed, naming the field, on a state from another stream."""
+        mine = self.state_dict()
+        for field in ("seed", "documents", "batches_per_epoch"):
+            if state.get(field) != mine[field]:
+                raise ValueError(f"loader state field {field!r} is {state.get(field)!r}, this stream has {mine[field]!r}")
+        epoch, batch = state.get("epoch"), state.get("batch")
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"loader state field 'epoch' must be an int >= 0, got {epoch!r}")
+        if not isinstance(batch, int) or not 0 <= batch < self.batches_per_epoch:
+            raise ValueError(f"loader state field 'batch' must be an int in [0, {self.batches_per_epoch}), got {batch!r}")
+        self.epoch, self.batch = epoch, batch
