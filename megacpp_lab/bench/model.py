@@ -19,7 +19,7 @@ from torch import nn
 
 from megacpp_lab.bench import bench_device, output_root
 from megacpp_lab.data import boundary_windows, load_sample, next_token_targets
-from megacpp_lab.model.config import HybridConfig, hybrid_preset
+from megacpp_lab.model.config import HybridConfig, hybrid_preset, model_config  # noqa: F401  (re-exported)
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import apply_compile
 from megacpp_lab.model.precision import apply_mixed_precision
@@ -52,14 +52,6 @@ def leak_features(n_layers: int) -> dict[str, Any]:
     """Every optional branch on: mHC over the Engram layers, the n-gram memory at layer 2, a CBlock at the
     middle layer."""
     return dict(mhc=True, ngram_layers=(min(2, n_layers - 1),), cblock_layers=(n_layers // 2,))
-
-
-def model_config(preset: str, device: str, **overrides: Any) -> HybridConfig:
-    """The preset with its scans named explicitly: Triton on a GPU; on a CPU the chunked SSD and the
-    M2RNN reference loop, asked for by name (so neither falls back, loudly or silently)."""
-    kernels = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton")) if device == "cuda" else \
-        dict(m2rnn=dict(kernel="reference"), ssd=dict(kernel="chunked"))  # fmt: skip
-    return hybrid_preset(preset, **{**kernels, **overrides})
 
 
 def build_model(config: HybridConfig, device: str, *, seed: int = 0) -> nn.Module:

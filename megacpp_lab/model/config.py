@@ -33,7 +33,7 @@ from megacpp_lab.nn.mla import MLAConfig
 from megacpp_lab.nn.ngram_hash import NgramHashConfig
 from megacpp_lab.nn.ssm import SSDConfig
 
-__all__ = ["BLOCK_KINDS", "HYBRID_PRESETS", "HybridConfig", "ModelConfig", "hybrid_preset"]
+__all__ = ["BLOCK_KINDS", "HYBRID_PRESETS", "HybridConfig", "ModelConfig", "device_kernels", "hybrid_preset", "model_config"]
 
 # block letters of the layer pattern: A = MLA + MLP, M = SSD + MLP, R = M2RNN + MLP
 BLOCK_KINDS = ("A", "M", "R")
@@ -292,3 +292,16 @@ def hybrid_preset(name: str, **overrides: Any) -> HybridConfig:
         base = values.get(key)
         values[key] = {**base, **value} if isinstance(base, Mapping) and isinstance(value, Mapping) else value
     return HybridConfig.build(**values)
+
+
+def model_config(preset: str, device: str, **overrides: Any) -> HybridConfig:
+    """The preset with its kernels named explicitly: Triton on a GPU; on a CPU the chunked SSD, the M2RNN
+    reference loop and the eager chunked loss, asked for by name (so none falls back, loudly or silently)."""
+    return hybrid_preset(preset, **{**device_kernels(device), **overrides})
+
+
+def device_kernels(device: str) -> dict[str, dict[str, str]]:
+    """HybridConfig overrides that name the scans' and the loss's kernels for a device."""
+    if device == "cuda":
+        return dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), lm_head=dict(loss_impl="triton"))
+    return dict(m2rnn=dict(kernel="reference"), ssd=dict(kernel="chunked"), lm_head=dict(loss_impl="eager"))

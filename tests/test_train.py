@@ -1,0 +1,253 @@
+"""model/train.py: the config fails early naming the field, the LR schedule, atomic checkpoints, bit-exact
+resume on a CPU, clear errors for corrupt or mismatched checkpoints, and the master-weight optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacpp_lab.model import train as train_mod
+from megacpp_lab.model.train import (
+    CHECKPOINT_FILE,
+    MasterWeightAdamW,
+    TrainConfig,
+    load_checkpoint,
+    load_checkpoint_model,
+    lr_at,
+    save_checkpoint,
+    train,
+)
+
+# the tiny preset on 40 real C++ headers: ~10 s a run on a CPU
+TINY = dict(preset="tiny", max_files=40, val_fraction=0.2, seq_len=64, batch_size=2, steps=6, warmup_steps=2,
+            log_every=2, val_every=3, ckpt_every=3, val_batches=2, device="cpu", tensorboard=False)  # fmt: skip
+
+
+def _state(result) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in result.model.state_dict().items()}
+
+
+def _no_rates(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in history]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One uninterrupted run, and the same run stopped at step 3 and resumed from its checkpoint."""
+    root = tmp_path_factory.mktemp("train")
+    straight = train(TrainConfig(**TINY, out_dir=str(root / "straight")), progress=False)
+    sliced_cfg = TrainConfig(**TINY, out_dir=str(root / "sliced"))
+    first = train(sliced_cfg, progress=False, stop_after=3)
+    ckpt_after_first = load_checkpoint(first.checkpoint)
+    resumed = train(sliced_cfg, progress=False)
+    return dict(straight=straight, first=first, resumed=resumed, ckpt3=ckpt_after_first, root=root)
+
+
+def test_resume_is_bit_exact(runs):
+    straight, resumed = runs["straight"], runs["resumed"]
+    assert runs["ckpt3"]["step"] == 3
+    assert _no_rates(resumed.history) == _no_rates(straight.history)
+    a, b = _state(straight), _state(resumed)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    final_a, final_b = load_checkpoint(straight.checkpoint), load_checkpoint(resumed.checkpoint)
+    assert final_a["step"] == final_b["step"] == 6
+    for k, v in final_a["optimizer"]["state"].items():
+        for name, t in v.items():
+            assert torch.equal(t, final_b["optimizer"]["state"][k][name]), (k, name)
+
+
+def test_training_lowers_the_loss_and_writes_its_outputs(runs):
+    s = runs["straight"]
+    train_rows = [r for r in s.history if "train_loss" in r]
+    val_rows = [r for r in s.history if "val_loss" in r]
+    assert [r["step"] for r in train_rows] == [2, 4, 6] and [r["step"] for r in val_rows] == [3, 6]
+    assert train_rows[-1]["train_loss"] < train_rows[0]["train_loss"] - 0.3
+    assert val_rows[-1]["val_loss"] < val_rows[0]["val_loss"]
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in train_rows)
+    assert (s.out_dir / "loss.png").stat().st_size > 1000
+    assert json.loads((s.out_dir / "history.json").read_text()) == s.history
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = TrainConfig(**{**TINY, "tensorboard": True, "steps": 4, "ckpt_every": 4, "val_every": 4},
+                      out_dir=str(tmp_path))  # fmt: skip
+    train(cfg, progress=False)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "lr", "grad_norm", "tokens_per_s"} <= tags, tags
+    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4]
+
+
+def test_checkpoint_loads_into_a_model_that_reproduces_the_val_loss(runs):
+    s = runs["straight"]
+    model, config = load_checkpoint_model(s.checkpoint)
+    assert config.vocab_size == 32768 and config.ssd.kernel == "chunked"  # the CPU's kernels, named
+    trained = {k: v.float() for k, v in train_mod._inner(s.model).state_dict().items()}
+    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / CHECKPOINT_FILE
+    save_checkpoint(path, {"step": 1, "weights": torch.arange(4.0)})
+
+    def dying_save(obj, f):
+        f.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(train_mod.torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, {"step": 2, "weights": torch.zeros(4)})
+    monkeypatch.undo()
+    kept = torch.load(path, weights_only=True)
+    assert kept["step"] == 1 and torch.equal(kept["weights"], torch.arange(4.0))
+
+
+def test_resume_ignores_a_half_written_temporary(runs, tmp_path):
+    """A save killed before its rename leaves checkpoint.pt.tmp: resume reads checkpoint.pt only."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(runs["root"] / "straight", out)
+    (out / (CHECKPOINT_FILE + ".tmp")).write_bytes(b"garbage")
+    again = train(TrainConfig(**TINY, out_dir=str(out)), progress=False)  # at step 6 of 6: nothing to do
+    assert _no_rates(again.history) == _no_rates(runs["straight"].history)
+
+
+def test_corrupt_checkpoint_names_the_file(runs, tmp_path):
+    path = tmp_path / CHECKPOINT_FILE
+    data = runs["straight"].checkpoint.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"checkpoint .*checkpoint.pt cannot be read \(corrupt or truncated"):
+        load_checkpoint(path)
+    with pytest.raises(ValueError, match="cannot be read"):
+        train(TrainConfig(**TINY, out_dir=str(tmp_path)), progress=False)
+
+
+@pytest.mark.parametrize("field", ["optimizer", "loader", "pending_loss"])
+def test_checkpoint_missing_a_field_names_it(runs, tmp_path, field):
+    state = load_checkpoint(runs["straight"].checkpoint)
+    del state[field]
+    save_checkpoint(tmp_path / CHECKPOINT_FILE, state)
+    with pytest.raises(ValueError, match=f"lacks the field '{field}'"):
+        load_checkpoint(tmp_path / CHECKPOINT_FILE)
+
+
+def test_mismatched_checkpoints_name_the_field(runs, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(runs["root"] / "straight", out)
+    with pytest.raises(ValueError, match=r"train_config\.lr' is 0\.001, this run has 0\.002"):
+        train(TrainConfig(**{**TINY, "lr": 2e-3}, out_dir=str(out)), progress=False)
+    # a weight of the wrong shape, named
+    state = load_checkpoint(out / CHECKPOINT_FILE)
+    state["model"]["lm_head.weight"] = state["model"]["lm_head.weight"][:, :8].clone()
+    save_checkpoint(out / CHECKPOINT_FILE, state)
+    with pytest.raises(ValueError, match=r"field 'model\.lm_head\.weight' has shape \(32768, 8\)"):
+        train(TrainConfig(**TINY, out_dir=str(out)), progress=False)
+    # the reporting cadence may change on resume
+    assert "log_every" in train_mod.RESUME_FREE and "out_dir" in train_mod.RESUME_FREE
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("preset", "huge", "preset must be one of"),
+    ("steps", 0, "steps must be an int >= 1"),
+    ("lr", -1.0, "lr must be a number in"),
+    ("lr", float("nan"), "lr must be a number in"),
+    ("warmup_steps", 10, "warmup_steps must be fewer than steps=6"),
+    ("batch_size", True, "batch_size must be an int >= 1"),
+    ("seq_len", 8, "seq_len must be at least 16"),
+    ("grad_clip", -1.0, "grad_clip must be a number >= 0"),
+    ("device", "tpu", "device must be 'auto', 'cpu' or 'cuda'"),
+    ("dtype", "fp16", "dtype must be 'auto', 'bf16' or 'fp32'"),
+    ("compile", "yes", "compile must be a bool"),
+    ("val_fraction", 1.0, "val_fraction must be a number in"),
+])  # fmt: skip
+def test_bad_config_values_fail_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=f"TrainConfig.{message}"):
+        TrainConfig(**{**TINY, field: value})
+
+
+def test_bad_model_shape_fails_before_the_corpus_is_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_mod, "load_corpus", lambda *a, **k: pytest.fail("the corpus was read"))
+    with pytest.raises(ValueError, match="pattern"):
+        train(TrainConfig(**{**TINY, "pattern": "AXM"}, out_dir=str(tmp_path)), progress=False)
+    with pytest.raises(ValueError, match="engram_layers"):
+        train(TrainConfig(**{**TINY, "engram_layers": "7"}, out_dir=str(tmp_path)), progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device is 'cuda' but this machine has no CUDA device"):
+            train(TrainConfig(**{**TINY, "device": "cuda"}, out_dir=str(tmp_path)), progress=False)
+
+
+def test_config_file_and_flags(tmp_path):
+    (tmp_path / "run.toml").write_text('preset = "tiny"\nsteps = 50\nwarmup_steps = 5\nlr = 3e-4\n')
+    (tmp_path / "run.json").write_text(json.dumps({"preset": "tiny", "steps": 50, "warmup_steps": 5}))
+    cfg = TrainConfig.from_sources(tmp_path / "run.toml", steps=None, lr=1e-3)  # a flag not given is None
+    assert (cfg.preset, cfg.steps, cfg.lr) == ("tiny", 50, 1e-3)
+    assert TrainConfig.from_sources(tmp_path / "run.json").steps == 50
+    (tmp_path / "bad.toml").write_text("stesp = 5\n")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['stesp'\]"):
+        TrainConfig.from_sources(tmp_path / "bad.toml")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="cannot be parsed"):
+        TrainConfig.from_sources(tmp_path / "broken.json")
+    with pytest.raises(FileNotFoundError, match="no config file"):
+        TrainConfig.from_sources(tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match="TrainConfig.steps must be an int"):
+        TrainConfig.from_sources(tmp_path / "run.toml", steps="many")
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lr_at(100, cfg) == pytest.approx(1e-4) and min(lrs[10:]) > 1e-4
+
+
+def test_master_weights_keep_bf16_updates_that_bf16_would_round_away():
+    """A bf16 weight of 1.0 moved by lr 1e-4 a step: bf16 alone rounds every update away (its spacing near
+    1 is 2^-7); the fp32 master accumulates them and the bf16 copy moves once they add up."""
+    from megacpp_lab.model.precision import apply_mixed_precision
+
+    lin = torch.nn.Linear(4, 4, bias=False)
+    torch.nn.init.ones_(lin.weight)
+    model = apply_mixed_precision(torch.nn.Sequential(lin), torch.bfloat16)
+    cfg = TrainConfig(lr=1e-4, weight_decay=0.0, warmup_steps=0, grad_clip=0.0)
+    opt = MasterWeightAdamW(model, cfg, fused=False)
+    assert opt.copied and opt.masters[0].dtype == torch.float32
+    for _ in range(100):
+        model.module[0].weight.grad = torch.ones(4, 4, dtype=torch.bfloat16)
+        opt.step(1e-4)
+        opt.zero_grad()
+    assert opt.masters[0].detach().sub(1 - 100 * 1e-4).abs().max() < 1e-5
+    assert model.module[0].weight.dtype == torch.bfloat16
+    assert torch.equal(model.module[0].weight, opt.masters[0].detach().to(torch.bfloat16))
+    assert float(model.module[0].weight[0, 0]) < 1.0
+
+
+def test_grad_clip_scales_to_the_limit():
+    lin = torch.nn.Linear(3, 3, bias=False)
+    cfg = TrainConfig(lr=1e-3, grad_clip=0.5, warmup_steps=0)
+    opt = MasterWeightAdamW(torch.nn.Sequential(lin), cfg, fused=False)
+    lin.weight.grad = torch.full((3, 3), 2.0)
+    norm = opt.step(1e-3)
+    assert float(norm) == pytest.approx(6.0)  # the norm before clipping
+    assert float(lin.weight.grad.norm()) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_the_config_records_every_field_in_the_checkpoint(runs):
+    saved = load_checkpoint(runs["straight"].checkpoint)["train_config"]
+    assert set(saved) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert Path(saved["out_dir"]).name == "straight"
