@@ -136,6 +136,64 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# `train` flags: (TrainConfig field, type, help). Every default is None (not given), so a config file's
+# value stands unless a flag overrides it; each help states TrainConfig's default (tests/test_cli.py checks).
+TRAIN_FLAGS: tuple[tuple[str, Any, str], ...] = (
+    ("preset", str, "model preset: tiny, small or base (default: small)"),
+    ("pattern", str, "block letters tiled over the layers, e.g. AMRM (default: the preset's)"),
+    ("d_model", int, "model width (default: the preset's)"),
+    ("n_layers", int, "layers (default: the preset's)"),
+    ("engram_layers", str, "Engram layers, e.g. 1,5,9, or none (default: the preset's)"),
+    ("corpus", str, "directory of C++ files (default: the installed torch's headers)"),
+    ("max_files", int, "read at most this many files of the corpus (default: all)"),
+    ("val_fraction", float, "share of files held out for validation, by path (default: 0.05)"),
+    ("seq_len", int, "tokens per packed row, T (default: 1024)"),
+    ("batch_size", int, "rows per batch, B (default: 8)"),
+    ("val_batches", int, "validation batches per evaluation (default: 8)"),
+    ("steps", int, "optimizer steps; the cosine schedule ends here (default: 1000)"),
+    ("lr", float, "peak learning rate (default: 0.001)"),
+    ("min_lr_ratio", float, "final LR as a fraction of the peak (default: 0.1)"),
+    ("warmup_steps", int, "linear warmup steps (default: 100)"),
+    ("weight_decay", float, "AdamW weight decay on matrices (default: 0.1)"),
+    ("beta1", float, "AdamW beta1 (default: 0.9)"),
+    ("beta2", float, "AdamW beta2 (default: 0.95)"),
+    ("grad_clip", float, "clip the global gradient norm to this; 0 = off (default: 1.0)"),
+    ("device", str, "auto, cpu or cuda (default: auto: cuda when there is one)"),
+    ("dtype", str, "auto, bf16 or fp32 (default: auto: bf16 on a GPU with fp32 master weights, fp32 on a CPU)"),
+    ("seed", int, "seed of the weights and of the data order (default: 0)"),
+    ("log_every", int, "steps per logged training loss (default: 10)"),
+    ("val_every", int, "steps per validation (default: 100)"),
+    ("ckpt_every", int, "steps per checkpoint (default: 200)"),
+    ("out_dir", str, "run directory: checkpoint.pt, history.json, loss.png, tensorboard/ (default: runs/train)"),
+)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megacpp_lab.model.train import TrainConfig, train
+
+    flags = {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS}
+    flags.update(compile=args.compile, tensorboard=args.tensorboard)
+    config = TrainConfig.from_sources(args.config, **flags)
+    result = train(config, progress=not args.quiet, resume=not args.no_resume, stop_after=args.stop_after)
+    last = {key: next((r[key] for r in reversed(result.history) if key in r), float("nan"))
+            for key in ("train_loss", "val_loss")}  # fmt: skip
+    print(f"trained to step {result.history[-1]['step'] if result.history else 0}: train loss {last['train_loss']:.4f}, "
+          f"val loss {last['val_loss']:.4f}, {result.tokens_per_s:,.0f} tokens/s; wrote {result.out_dir}/")
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    from megacpp_lab.model.decode import sample_text
+
+    text = sample_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed, device=args.device, num_samples=args.num_samples)
+    for i, piece in enumerate(text):
+        if len(text) > 1:
+            print(f"--- sample {i}")
+        print(piece)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser; building it imports no kernel (TRITON_INTERPRET is still free to be set)."""
     from megacpp_lab.data.bpe import DEFAULT_VOCAB_SIZE
@@ -239,6 +297,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=("small", "full"), default="small", help="problem scale of the notebooks")
     p.add_argument("--timeout", type=int, default=1200, help="seconds allowed per cell")
     p.set_defaults(func=_cmd_tour)
+
+    p = sub.add_parser(
+        "train",
+        help="train the hybrid model on packed C++ rows (resumes from its checkpoint)",
+        description=_paragraphs(
+            "Train HybridLM on packed BPE rows of real C++: shuffled per epoch and deterministic per seed, with "
+            "validation files held out by path. Fused AdamW over fp32 master weights (bf16 on a GPU, the "
+            "fp32-contract parameters kept fp32), linear warmup then cosine LR, global gradient clipping, a "
+            "progress bar with loss, tokens/s and LR, TensorBoard scalars and a loss-curve PNG.",
+            "Checkpoints are atomic (written, then renamed), and a run resumes from <out-dir>/checkpoint.pt "
+            "exactly where it stopped. Settings come from --config (a .json or .toml file of the same names), "
+            "then the flags; a bad value fails before any work starts.",
+        ),
+        **common,
+    )
+    p.add_argument("--config", default=None, help="a .json or .toml file of training settings (default: none)")
+    for name, kind, text in TRAIN_FLAGS:
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=text)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="regional torch.compile of every block (default: off)")  # fmt: skip
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="write TensorBoard scalars under <out-dir>/tensorboard (default: on)")  # fmt: skip
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this step of the schedule, with a checkpoint; the next call resumes "
+                   "(default: run to --steps)")  # fmt: skip
+    p.add_argument("--no-resume", action="store_true",
+                   help="refuse to start over an existing checkpoint instead of resuming from it (default: resume)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "sample",
+        help="generate C++ from a training checkpoint",
+        description=_paragraphs(
+            "Generate C++ from a checkpoint written by `megacpp-lab train`, one token at a time with real per-layer "
+            "decode state: MLA's compressed KV cache, the SSD and M2RNN states, the conv and Engram windows. "
+            "Temperature and top-k sampling; temperature 0 is greedy."
+        ),
+        **common,
+    )
+    p.add_argument("checkpoint", help="a checkpoint.pt written by `megacpp-lab train`")
+    p.add_argument("--prompt", default="#include <", help="the start of the C++ document")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--num-samples", type=int, default=1, help="independent samples (one batch)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.set_defaults(func=_cmd_sample)
     return parser
 
 

@@ -139,7 +139,7 @@ def test_top_level_help_is_for_users(capsys):
     text = capsys.readouterr().out
     assert "issue" not in text.lower()
     assert "benchmark each subsystem into receipts" in text and "--debug" in text
-    for command in ("data", "bench", "info", "tour"):
+    for command in ("data", "bench", "info", "tour", "train", "sample"):
         assert f"\n    {command} " in text
 
 
@@ -161,6 +161,8 @@ HELP_MUST_SAY = {
     "dsa": ("einsum slab", "per-head stream", "fused Triton", "sq = sk = 4096"),
     "model": ("base preset (12 layers, d=1024, pattern AMRM", "T=4096", "fused AdamW", "forward alone",
               "share of the step", "64 documents per row", "real packed BPE rows"),
+    "compile": ("regional compile", "whole-model torch.compile", "caches disabled", "recompiles", "MFU",
+                "989 TFLOP/s", "at most 1/3", "0.8x eager"),
 }
 
 
@@ -188,7 +190,7 @@ def walk(parser: argparse.ArgumentParser):
 
 def test_every_flag_has_help_that_states_its_default():
     parsers = list(walk(build_parser()))
-    assert len(parsers) == 1 + 4 + len(COMMANDS)  # top, data/bench/info/tour, one per subsystem
+    assert len(parsers) == 1 + 6 + len(COMMANDS)  # top, data/bench/info/tour/train/sample, one per subsystem
     for parser in parsers:
         assert parser.formatter_class is _HelpFormatter
         formatter = parser._get_formatter()
@@ -234,7 +236,7 @@ def test_bench_run_called_directly_refuses_without_the_interpreter(tmp_path):
 
 
 # engram compiles seven graphs on a cold inductor cache; mla compiles five and interprets seven kernels
-SLOW = {"engram", "mla"}
+SLOW = {"engram", "mla", "compile"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
@@ -312,3 +314,38 @@ def test_data_default_build_reproduces_the_committed_sample(tmp_path):
     assert main(["data", "--out", str(tmp_path), "--quiet"]) == 0
     for name in (SAMPLE_FILE, MANIFEST_FILE):
         assert (tmp_path / name).read_bytes() == (repo_data_dir() / name).read_bytes(), name
+
+
+def test_train_flags_state_train_config_defaults():
+    from megacpp_lab.cli import TRAIN_FLAGS
+    from megacpp_lab.model.train import TrainConfig
+
+    defaults = TrainConfig()
+    assert {name for name, _, _ in TRAIN_FLAGS} | {"compile", "tensorboard"} == set(defaults.__dataclass_fields__)
+    for name, _, text in TRAIN_FLAGS:
+        value = getattr(defaults, name)
+        if value is not None:
+            assert f"(default: {value}" in text, (name, value, text)
+
+
+def test_train_then_sample_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "tiny", "--max-files", "40", "--val-fraction", "0.2", "--seq-len", "64",
+            "--batch-size", "2", "--steps", "4", "--warmup-steps", "1", "--log-every", "2", "--val-every", "4",
+            "--ckpt-every", "4", "--val-batches", "1", "--no-tensorboard", "--out-dir", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "trained to step 4" in text and (out / "checkpoint.pt").is_file() and (out / "loss.png").is_file()
+    assert main(["sample", str(out / "checkpoint.pt"), "--prompt", "int main(", "--max-new-tokens", "8",
+                 "--num-samples", "2", "--temperature", "0"]) == 0  # fmt: skip
+    samples = capsys.readouterr().out
+    assert samples.count("int main(") == 2 and "--- sample 1" in samples
+    # greedy twice: the same text
+    assert samples.split("--- sample 1")[0].split("--- sample 0")[1].strip() == samples.split("--- sample 1")[1].strip()
+    assert main(argv[:-1] + ["--no-resume", "--quiet"]) == 2
+    assert "exists and resume is off" in capsys.readouterr().err
+    assert main(["sample", str(out / "checkpoint.pt"), "--top-k", "-3"]) == 2
+    assert "top_k" in capsys.readouterr().err
+    (tmp_path / "cfg.toml").write_text("steps = -1\n")
+    assert main(["train", "--config", str(tmp_path / "cfg.toml")]) == 2
+    assert "TrainConfig.steps must be an int >= 1, got -1" in capsys.readouterr().err

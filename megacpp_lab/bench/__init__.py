@@ -198,6 +198,29 @@ elapsed_s.
 about 20 s.""",
             triton_on_cpu=False,
         ),
+        BenchCommand(
+            "compile",
+            "megacpp_lab.bench.compile",
+            "HybridLM: regional against whole-model torch.compile (cold compile, step time, MFU, recompiles)",
+            """\
+HybridLM under torch.compile: regional compile (apply_compile: every block compiled on its own with
+fullgraph, one graph per block structure) against whole-model torch.compile and eager, one run.
+
+Shape: the base preset (12 layers, d=1024, pattern AMRM, Engram at layers 1, 5, 9), B=4, T=4096, 8
+documents per row, bf16, Triton scans. Each contender on a fresh model and a fresh dynamo with
+inductor's caches disabled: the cold first step and its compile time (first step minus the steady
+step), graphs and graph breaks, recompiles over batches of 1, 3, 17, 64, 5 and 8 documents per row,
+the median training step (forward, backward; 10 CUDA-event-timed steps), tokens/s, TFLOP/s from
+HybridLM.flops_per_token and MFU against 989 TFLOP/s (dense bf16). The summary holds the ratios and
+the bar: regional compile at most 1/3 of whole-model compile, the regional step at most 0.8x eager,
+MFU at least 30%.
+One profiled step of the regionally compiled model is the trace.
+Receipts under <out>/<device-slug>/compile/: compile_step.json, compile_regional.*.pt.trace.json.
+Run time on an H200: not measured yet; two cold compiles of the base model and 3 x 17 steps.
+--small (CPU, the tiny preset at B=1, T=32, the scans' Triton kernels under the interpreter, dynamo's
+aot_eager backend instead of inductor): about two minutes.""",
+            triton_on_cpu=True,
+        ),
     )
 }
 

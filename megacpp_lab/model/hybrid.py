@@ -22,6 +22,10 @@ layers a branch reads the mean of the streams and adds f to every stream (the fi
 H_pre = 1/n, H_post = 1, H_res = I). At init every HyperConnection is x + f(x) on equal streams, so the
 model equals the single-stream model to fp32 rounding.
 
+Decode (megacpp_lab.model.decode): Block.step runs the same branches in their recurrent form, one token at a
+time (each layer's `step` beside its forward; MLA through its compressed KV cache), through the same residual
+and mHC rule as the forward (Block.apply_branches).
+
 FLOPs per token (flops_per_token, forward + backward = 3 x forward):
     matmul: 6 * (parameters applied to every token)  - every parameter except the lookups (token
             embedding, n-gram tables, the concept bank and its k/v projections, applied once per step);
@@ -36,6 +40,7 @@ FLOPs per token (flops_per_token, forward + backward = 3 x forward):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,16 +48,16 @@ from torch import nn
 
 from megacpp_lab.model.config import HybridConfig
 from megacpp_lab.nn.concept_bank import ConceptBank
-from megacpp_lab.nn.engram import EngramBranch
+from megacpp_lab.nn.engram import EngramBranch, EngramState
 from megacpp_lab.nn.hyper_connections import HyperConnection, collapse_streams, expand_streams
 from megacpp_lab.nn.lm_head import LMHead, LMHeadOutput
-from megacpp_lab.nn.m2rnn import M2RNN
-from megacpp_lab.nn.mla import MultiLatentAttention
-from megacpp_lab.nn.ngram_hash import NgramHashMemory
-from megacpp_lab.nn.ssm import SSD
+from megacpp_lab.nn.m2rnn import M2RNN, M2RNNState
+from megacpp_lab.nn.mla import MLAKVCache, MultiLatentAttention
+from megacpp_lab.nn.ngram_hash import NgramHashMemory, NgramHashState
+from megacpp_lab.nn.ssm import SSD, SSDState
 from megacpp_lab.varlen import PackedContext
 
-__all__ = ["Block", "HybridLM", "SwiGLU"]
+__all__ = ["Block", "BlockState", "HybridLM", "SwiGLU"]
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
 
@@ -76,6 +81,18 @@ def _mixer(config: HybridConfig, kind: str) -> nn.Module:
     if kind == "M":
         return SSD(config.ssd)
     return M2RNN(config.m2rnn)
+
+
+@dataclass
+class BlockState:
+    """One layer's decode state: its Engram / n-gram windows (None where the layer has no such branch) and its
+    mixer's state: SSD / M2RNN state, or for an A layer the shared MLAKVCache and this layer's index in it."""
+
+    engram: EngramState | None
+    ngram: NgramHashState | None
+    mixer: SSDState | M2RNNState | None
+    kv_cache: MLAKVCache | None
+    kv_layer: int
 
 
 class Block(nn.Module):
@@ -110,9 +127,25 @@ class Block(nn.Module):
             out.append(("cblock", lambda x: self.cblock(x, ctx=ctx)))
         return out
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
-        """x: [B,T,d] (single stream) or [B,T,n,d] (mHC streams)."""
-        for name, f in self.branches(tokens, ctx):
+    def step_branches(self, tokens: torch.Tensor, state: BlockState) -> list[tuple[str, Branch]]:
+        """The same branches in their recurrent form, one token: f: [B,1,d] -> [B,1,d], advancing `state`."""
+        out: list[tuple[str, Branch]] = []
+        if self.engram is not None:
+            out.append(("engram", lambda x: self.engram.step(x, state.engram)))
+        if self.ngram is not None:
+            out.append(("ngram", lambda x: self.ngram.step(x, tokens, state.ngram)))
+        if self.kind == "A":  # writes this layer's row of the shared cache; the caller advances it once per step
+            out.append(("mixer", lambda x: self.mixer.decode(self.mixer_norm(x), state.kv_cache, state.kv_layer)))
+        else:
+            out.append(("mixer", lambda x: self.mixer.step(self.mixer_norm(x), state.mixer)))
+        out.append(("mlp", lambda x: self.mlp(self.mlp_norm(x))))
+        if self.cblock is not None:  # per token: no state
+            out.append(("cblock", lambda x: self.cblock(x)))
+        return out
+
+    def apply_branches(self, x: torch.Tensor, branches: list[tuple[str, Branch]]) -> torch.Tensor:
+        """Apply the branches in order, x + f(x) each, through the mHC seams: shared by forward and step."""
+        for name, f in branches:
             if x.dim() == 3:  # the plain pre-norm residual
                 x = x + f(x)
             elif self.hc is not None:  # an mHC layer
@@ -120,6 +153,26 @@ class Block(nn.Module):
             else:  # streams through a layer without mHC: read the mean, add to every stream
                 x = x + f(x.mean(dim=-2)).unsqueeze(-2)
         return x
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        """x: [B,T,d] (single stream) or [B,T,n,d] (mHC streams)."""
+        return self.apply_branches(x, self.branches(tokens, ctx))
+
+    def step(self, x: torch.Tensor, tokens: torch.Tensor, state: BlockState) -> torch.Tensor:
+        """One decode step: x [B,1,d] or [B,1,n,d], tokens [B,1]; advances `state` in place."""
+        return self.apply_branches(x, self.step_branches(tokens, state))
+
+    def init_state(self, batch: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                   kv: tuple[MLAKVCache, int] | None = None) -> BlockState:  # fmt: skip
+        """This layer's decode state at a document start; an A layer takes (the shared cache, its index in it)."""
+        if (self.kind == "A") != (kv is not None):
+            raise ValueError(f"layer {self.layer} ({self.kind}): kv=(cache, index) is for A layers and required there")
+        mixer = None if kv is not None else self.mixer.init_state(batch, device, dtype)
+        return BlockState(
+            engram=self.engram.init_state(batch, device, dtype) if self.engram is not None else None,
+            ngram=self.ngram.init_state(batch, device, dtype) if self.ngram is not None else None,
+            mixer=mixer, kv_cache=kv[0] if kv else None, kv_layer=kv[1] if kv else -1,
+        )  # fmt: skip
 
 
 class HybridLM(nn.Module):

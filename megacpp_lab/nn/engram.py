@@ -17,7 +17,7 @@ document boundary sees zeros, exactly as if each document were left-padded on it
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.nn.config_builder import build_config, config_error
-from megacpp_lab.nn.primitives import CONV_IMPLS, DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate
+from megacpp_lab.nn.primitives import (CONV_IMPLS, DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate,
+                                       conv_stepper)
 from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids
 
-__all__ = ["MAX_CONV_KERNEL", "MAX_ORDER", "EngramBranch", "EngramConfig", "causal_local_averages"]
+__all__ = ["MAX_CONV_KERNEL", "MAX_ORDER", "EngramBranch", "EngramConfig", "EngramState", "causal_local_averages"]
 
 MAX_ORDER = 16
 MAX_CONV_KERNEL = 16
@@ -113,6 +114,15 @@ def causal_local_averages(u: torch.Tensor, doc_ids: torch.Tensor | None, orders:
     return torch.stack([sums[n] / n for n in orders], dim=2)
 
 
+@dataclass
+class EngramState:
+    """One Engram branch's decode state: the last max(orders)-1 bottleneck values u [B,max(orders)-1,d] and
+    the conv window over m [B,K-1,d] (None without a conv)."""
+
+    u: torch.Tensor
+    conv: torch.Tensor | None
+
+
 class EngramBranch(nn.Module):
     """(B,T,C) -> (B,T,C) local n-gram features, added to the residual by the caller."""
 
@@ -141,8 +151,31 @@ class EngramBranch(nn.Module):
         h_norm = self.norm(h)
         u = self.in_proj(h_norm)
         m = (causal_local_averages(u, doc_ids, self.config.orders) * self.order_mix).sum(dim=2)
+        return self._output(h_norm, m, lambda m_: self.conv(m_, doc_ids))
+
+    def _output(self, h_norm: torch.Tensor, m: torch.Tensor,
+                conv: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """The context gate, the conv (the forward's or the decode step's) and out_proj over the averages m."""
         if self.key_proj is not None:
             m = context_gate(h_norm, self.norm(self.key_proj(m))) * m
         if self.conv is not None:
-            m = m + F.silu(self.conv(m, doc_ids))
+            m = m + F.silu(conv(m))
         return self.out_proj(self.dropout(m))
+
+    # -- decode: the recurrent form
+
+    def init_state(self, batch: int, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> EngramState:  # fmt: skip
+        """The state at a document start: zero windows, exactly the forward's zero fill."""
+        u = torch.zeros(batch, max(self.config.orders) - 1, self.config.bottleneck, device=device, dtype=dtype)
+        return EngramState(u, self.conv.init_window(batch, device, dtype) if self.conv is not None else None)
+
+    def step(self, h: torch.Tensor, state: EngramState) -> torch.Tensor:
+        """One token h [B,1,C] -> [B,1,C]; advances `state` in place. The averages come from the last
+        max(orders) bottleneck values only, the conv from its own window: no prefix is recomputed."""
+        h_norm = self.norm(h)
+        window = torch.cat([state.u, self.in_proj(h_norm)], dim=1)  # [B, max(orders), d], oldest first
+        state.u = window[:, 1:]
+        # the forward's averages over a window that holds all they read: its last position is this token's
+        m = (causal_local_averages(window, None, self.config.orders)[:, -1:] * self.order_mix).sum(dim=2)
+        return self._output(h_norm, m, conv_stepper(self.conv, state))

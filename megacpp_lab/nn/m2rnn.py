@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +26,9 @@ from torch import nn
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
 from megacpp_lab.varlen import PackedContext, resolve_doc_ids
 from megacpp_lab.nn.config_builder import build_config, config_error
-from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, init_decay_params
+from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
 
-__all__ = ["M2RNN", "M2RNNConfig", "M2RNNMegatronMixer", "softplus_decay_gate"]
+__all__ = ["M2RNN", "M2RNNConfig", "M2RNNMegatronMixer", "M2RNNState", "softplus_decay_gate"]
 
 
 _fail = functools.partial(config_error, "M2RNNConfig")
@@ -93,6 +94,15 @@ def softplus_decay_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Ten
     return torch.exp(-torch.exp(A_log.float()) * F.softplus(x.float() + dt_bias.float()))
 
 
+@dataclass
+class M2RNNState:
+    """One M2RNN layer's decode state: the conv window [B,K-1,qkv_dim] (None without a conv) and the fp32
+    matrix state h [B,H,K,V]."""
+
+    conv: torch.Tensor | None
+    h: torch.Tensor
+
+
 class M2RNN(nn.Module):
     """[B,S,d_model] -> [B,S,d_model] matrix-state recurrent mixer with document resets."""
 
@@ -132,28 +142,58 @@ class M2RNN(nn.Module):
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"M2RNN input must be [B,S,{c.d_model}], got {tuple(x.shape)}")
         B, S, _ = x.shape
-        H, K, V = c.n_heads, c.k_head_dim, c.v_head_dim
         if ctx is not None and cu_seqlens is not None:
             raise ValueError("give ctx or cu_seqlens, not both")
         conv_ids = resolve_doc_ids(doc_ids, ctx, (B, S))
         if cu_seqlens is not None:  # varlen: the conv still needs to see the boundaries
             conv_ids = (torch.searchsorted(cu_seqlens, torch.arange(S, device=x.device, dtype=cu_seqlens.dtype), right=True) - 1).view(1, S)
-        qkv, decay, gate = self.input_proj(x).split([self.qkv_dim, H, H * V], dim=-1)
-        if self.conv is not None:
-            qkv = F.silu(self.conv(qkv, conv_ids))
-        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-        q = q.reshape(B, S, H, K) / math.sqrt(K)
-        k = k.reshape(B, S, H, K) / math.sqrt(K)
-        v = v.reshape(B, S, H, V)
-        f = softplus_decay_gate(decay, self.A_log, self.dt_bias)  # fp32 into the scan: bf16 would round f near 1
+        q, k, v, f, gate = self._inputs(x, lambda qkv: self.conv(qkv, conv_ids))
         y = m2rnn_scan(
             q, k, v, f, self.W.to(q.dtype), doc_ids=doc_ids, cu_seqlens=cu_seqlens, context=ctx, chunk=c.chunk,
             grad_clip=c.gradient_clipping, kernel=kernel or c.kernel,
         )  # fmt: skip
+        return self._output(y, v, gate)
+
+    def _inputs(self, x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """input_proj -> conv (the forward's or the decode step's) + SiLU -> q, k [B,S,H,K] (scaled by
+        1/sqrt(K)), v [B,S,H,V], f [B,S,H] fp32 (bf16 would round f near 1), the output gate."""
+        c = self.config
+        B, S, _ = x.shape
+        H, K, V = c.n_heads, c.k_head_dim, c.v_head_dim
+        qkv, decay, gate = self.input_proj(x).split([self.qkv_dim, H, H * V], dim=-1)
+        if self.conv is not None:
+            qkv = F.silu(conv(qkv))
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+        q = q.reshape(B, S, H, K) / math.sqrt(K)
+        k = k.reshape(B, S, H, K) / math.sqrt(K)
+        return q, k, v.reshape(B, S, H, V), softplus_decay_gate(decay, self.A_log, self.dt_bias), gate
+
+    def _output(self, y: torch.Tensor, v: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """+ v * D -> * SiLU(gate) -> RMSNorm -> output_proj."""
         if self.D is not None:
             y = y + v * self.D.to(v.dtype)
-        y = y.reshape(B, S, H * V) * F.silu(gate)
+        y = y.reshape(*y.shape[:2], -1) * F.silu(gate)
         return self.output_proj(self.norm(y))
+
+    # -- decode: the recurrent form, m2rnn_scan_reference's step
+
+    def init_state(self, batch: int, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> M2RNNState:  # fmt: skip
+        """The state at a document start: an empty conv window (dtype: the activations') and h = 0 (fp32)."""
+        c = self.config
+        conv = self.conv.init_window(batch, device, dtype) if self.conv is not None else None
+        return M2RNNState(conv, torch.zeros(batch, c.n_heads, c.k_head_dim, c.v_head_dim, device=device))
+
+    def step(self, x: torch.Tensor, state: M2RNNState) -> torch.Tensor:
+        """One token x [B,1,d_model] -> [B,1,d_model]; advances `state` in place. The forward's math at that
+        token: z = tanh(h W + k (outer) v), h = f h + (1 - f) z, y = q h (no grad_clip: it acts on gradients)."""
+        q, k, v, f, gate = self._inputs(x, conv_stepper(self.conv, state))
+        W = self.W.to(q.dtype).float()  # the forward hands the scan W in the activations' dtype
+        qt, kt, vt, ft = q[:, 0].float(), k[:, 0].float(), v[:, 0].float(), f[:, 0, :, None, None]
+        z = torch.tanh(state.h @ W + kt[..., :, None] * vt[..., None, :])
+        state.h = ft * state.h + (1 - ft) * z
+        y = (qt[..., None, :] @ state.h).squeeze(-2)  # [B,H,V]
+        return self._output(y[:, None].to(q.dtype), v, gate)
 
 
 class M2RNNMegatronMixer(nn.Module):

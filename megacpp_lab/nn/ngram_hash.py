@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.nn.config_builder import build_config, config_error
-from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate
+from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate, conv_stepper
 from megacpp_lab.nn.table_store import TableBackend, TableStore, TableStoreConfig
 from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids
 
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_VOCAB",
     "NgramHashConfig",
     "NgramHashMemory",
+    "NgramHashState",
     "check_token_ids",
     "distinct_primes",
     "hash_statistics",
@@ -190,6 +192,15 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
         )
 
 
+@dataclass
+class NgramHashState:
+    """One n-gram memory's decode state: the last max_ngram-1 token ids [B,max_ngram-1] int64 (pad_id before
+    the document start) and the conv window [B,K-1,C] (None without a conv)."""
+
+    tokens: torch.Tensor
+    conv: torch.Tensor | None
+
+
 class NgramHashMemory(nn.Module):
     """Hashed 2..N-gram embeddings fused with the hidden state; (h, tokens) -> [B,T,C]."""
 
@@ -245,7 +256,11 @@ class NgramHashMemory(nn.Module):
                 f"got h {tuple(h.shape)}, tokens {tuple(tokens.shape)}"
             )
         doc_ids = resolve_doc_ids(doc_ids, ctx, tuple(tokens.shape))
-        ids = self.row_ids(tokens, doc_ids)
+        e = self._lookup(self.row_ids(tokens, doc_ids), h, store)
+        return self._fuse(h, e, lambda y: self.conv(y, doc_ids))
+
+    def _lookup(self, ids: torch.Tensor, h: torch.Tensor, store: TableStore | None) -> torch.Tensor:
+        """Row ids [B,T,H] -> the concatenated rows [B,T,H*D] in h's dtype: from the tables, or from `store`."""
         if store is None:
             e = F.embedding(ids + self.row_offsets, self.tables)
         else:
@@ -259,12 +274,30 @@ class NgramHashMemory(nn.Module):
                     f"this layer's {list(self.config.table_sizes)} x D={self.config.head_dim}"
                 )
             e = store.lookup(ids).to(device=h.device, dtype=h.dtype)
-        e = e.flatten(2).to(h.dtype)
-        h_norm = self.norm(h)
-        y = context_gate(h_norm, self.norm(self.key_proj(e))) * self.value_proj(e)
+        return e.flatten(2).to(h.dtype)
+
+    def _fuse(self, h: torch.Tensor, e: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The context gate over the rows e, then the conv (the forward's or the decode step's)."""
+        y = context_gate(self.norm(h), self.norm(self.key_proj(e))) * self.value_proj(e)
         if self.conv is not None:
-            y = y + F.silu(self.conv(self.norm(y), doc_ids))
+            y = y + F.silu(conv(self.norm(y)))
         return y
+
+    # -- decode: the recurrent form
+
+    def init_state(self, batch: int, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> NgramHashState:  # fmt: skip
+        """The state at a document start: pad_id for the tokens before it (the forward's fill), a zero conv window."""
+        tokens = torch.full((batch, self.config.max_ngram - 1), self.config.pad_id, dtype=torch.int64, device=device)
+        return NgramHashState(tokens, self.conv.init_window(batch, device, dtype) if self.conv is not None else None)
+
+    def step(self, h: torch.Tensor, tokens: torch.Tensor, state: NgramHashState, *,
+             store: TableStore | None = None) -> torch.Tensor:  # fmt: skip
+        """One token: h [B,1,C], tokens [B,1] -> [B,1,C]; advances `state` in place."""
+        window = torch.cat([state.tokens, tokens.to(torch.int64)], dim=1)  # [B, max_ngram], oldest first
+        state.tokens = window[:, 1:]
+        ids = self.row_ids(window)[:, -1:]  # the window holds every token the last position's n-grams read
+        return self._fuse(h, self._lookup(ids, h, store), conv_stepper(self.conv, state))
 
 
 def hash_statistics(

@@ -15,7 +15,7 @@ from torch import nn
 from megacpp_lab.varlen import doc_causal_shift, same_doc_as_lag
 
 __all__ = ["CONV_IMPLS", "DocCausalDepthwiseConv", "ParameterFreeRMSNorm", "check_decay_init", "context_gate",
-           "init_decay_params"]
+           "conv_stepper", "init_decay_params"]
 
 CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
 
@@ -85,8 +85,34 @@ class DocCausalDepthwiseConv(nn.Module):
         clean = same_doc_as_lag(doc_ids, K - 1)  # the whole window lies in the token's document
         return torch.where(clean[..., None], full, self._unfold_sum(x, doc_ids))
 
+    # -- decode: the recurrent form
+
+    def init_window(self, batch: int, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+        """[B, K-1, D] zeros: the inputs before a document start, exactly the forward's zero padding."""
+        return torch.zeros(batch, self.kernel - 1, self.weight.shape[0], device=device, dtype=dtype)
+
+    def step(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token x [B,1,D] after `window` [B,K-1,D] (the last K-1 inputs) -> (y [B,1,D], the next window)."""
+        taps = torch.cat([window, x.to(window.dtype)], dim=1)  # [B,K,D], oldest first: F.conv1d's tap order
+        y = torch.einsum("bkd,dk->bd", taps, self.weight[:, 0].to(taps.dtype))[:, None]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype), taps[:, 1:]
+
     def extra_repr(self) -> str:
         return f"channels={self.weight.shape[0]}, kernel={self.kernel}, impl={self.impl}"
+
+
+def conv_stepper(conv: DocCausalDepthwiseConv | None, state: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [B,1,D] -> conv.step over the window held in state.conv, advancing it: the decode twin of a layer's
+    `lambda x: conv(x, doc_ids)` (never called when the layer has no conv)."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y, state.conv = conv.step(x, state.conv)
+        return y
+
+    return step
 
 
 def check_decay_init(config: Any, fail: Callable[[str, str, Any], Exception]) -> None:

@@ -14,6 +14,7 @@ sits near 1, where bf16 would round it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +24,10 @@ from torch import nn
 
 from megacpp_lab.kernels.ssd import KERNELS, ssd_scan
 from megacpp_lab.nn.config_builder import build_config, config_error
-from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, init_decay_params
+from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
 from megacpp_lab.varlen import PackedContext, cu_seqlens_from_doc_ids, resolve_doc_ids
 
-__all__ = ["SSD", "SSDConfig"]
+__all__ = ["SSD", "SSDConfig", "SSDState"]
 
 _fail = functools.partial(config_error, "SSDConfig")
 
@@ -73,6 +74,15 @@ class SSDConfig:
         return build_config(cls, source, overrides, prefix="ssd", aliases=aliases, required=("d_model", "n_heads"))
 
 
+@dataclass
+class SSDState:
+    """One SSD layer's decode state: the conv window [B,K-1,xbc_dim] (None without a conv) and the fp32 SSM
+    state h [B,H,P,N]."""
+
+    conv: torch.Tensor | None
+    h: torch.Tensor
+
+
 class SSD(nn.Module):
     """[B,T,d_model] -> [B,T,d_model] Mamba-2-style state-space mixer with document resets."""
 
@@ -99,25 +109,56 @@ class SSD(nn.Module):
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"SSD input must be [B,T,{c.d_model}], got {tuple(x.shape)}")
-        B, T, _ = x.shape
-        H, P, G, N = c.n_heads, c.head_dim, c.n_groups, c.state_dim
-        doc_ids = resolve_doc_ids(doc_ids, ctx, (B, T))
+        doc_ids = resolve_doc_ids(doc_ids, ctx, tuple(x.shape[:2]))
         if ctx is not None:
             cu_seqlens = ctx.cu_seqlens
         elif doc_ids is not None:
             cu_seqlens = cu_seqlens_from_doc_ids(doc_ids)
         else:
             cu_seqlens = None
+        z, xs, Bm, Cm, dt = self._inputs(x, lambda xbc: self.conv(xbc, doc_ids))
+        A = -torch.exp(self.A_log.float())
+        y = ssd_scan(xs, dt, A, Bm, Cm, cu_seqlens=cu_seqlens, chunk=c.chunk, kernel=kernel or c.kernel,
+                     cu_seqlens_validated=ctx is not None)  # fmt: skip
+        return self._output(y, xs, z)
+
+    def _inputs(self, x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """in_proj -> conv (the forward's or the decode step's) + SiLU -> z, xs [B,T,H,P], B, C [B,T,G,N],
+        dt [B,T,H] fp32 (the decay exp(dt * A) is near 1: bf16 would round it)."""
+        c = self.config
+        B, T, _ = x.shape
+        H, P, G, N = c.n_heads, c.head_dim, c.n_groups, c.state_dim
         z, xbc, dt = self.in_proj(x).split([H * P, self.xbc_dim, H], dim=-1)
         if self.conv is not None:
-            xbc = self.conv(xbc, doc_ids)
-        xbc = F.silu(xbc)
-        xs, Bm, Cm = xbc.split([H * P, G * N, G * N], dim=-1)
-        xs = xs.reshape(B, T, H, P)
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # fp32 into the scan: the decay exp(dt * A) is near 1
-        A = -torch.exp(self.A_log.float())
-        y = ssd_scan(xs, dt, A, Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N), cu_seqlens=cu_seqlens,
-                     chunk=c.chunk, kernel=kernel or c.kernel, cu_seqlens_validated=ctx is not None)  # fmt: skip
+            xbc = conv(xbc)
+        xs, Bm, Cm = F.silu(xbc).split([H * P, G * N, G * N], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        return z, xs.reshape(B, T, H, P), Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N), dt
+
+    def _output(self, y: torch.Tensor, xs: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """+ x * D -> * SiLU(z) -> RMSNorm -> out_proj."""
         y = y + xs * self.D.to(xs.dtype)[:, None]
-        y = y.reshape(B, T, H * P) * F.silu(z)
+        y = y.reshape(*y.shape[:2], -1) * F.silu(z)
         return self.out_proj(self.norm(y))
+
+    # -- decode: the recurrent form, ssd_scan_reference's step
+
+    def init_state(self, batch: int, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> SSDState:  # fmt: skip
+        """The state at a document start: an empty conv window (dtype: the activations') and h = 0 (fp32)."""
+        c = self.config
+        conv = self.conv.init_window(batch, device, dtype) if self.conv is not None else None
+        return SSDState(conv, torch.zeros(batch, c.n_heads, c.head_dim, c.state_dim, device=device))
+
+    def step(self, x: torch.Tensor, state: SSDState) -> torch.Tensor:
+        """One token x [B,1,d_model] -> [B,1,d_model]; advances `state` in place. The forward's math at that
+        token: h = exp(dt A) h + dt x (outer) B, y = h C."""
+        H = self.config.n_heads
+        z, xs, Bm, Cm, dt = self._inputs(x, conv_stepper(self.conv, state))
+        # per head: head h reads group h // (H / G), as the scan does
+        Bh, Ch = (m[:, 0].repeat_interleave(H // m.shape[2], dim=1).float() for m in (Bm, Cm))  # [B,H,N]
+        dt, A = dt[:, 0], -torch.exp(self.A_log.float())
+        a = torch.exp(dt * A)[..., None, None]  # [B,H,1,1]
+        state.h = a * state.h + (dt[..., None] * xs[:, 0].float())[..., None] * Bh[:, :, None, :]
+        y = (state.h @ Ch[..., None]).squeeze(-1)  # [B,H,P]
+        return self._output(y[:, None].to(xs.dtype), xs, z)

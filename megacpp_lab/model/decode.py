@@ -1,0 +1,232 @@
+"""Step-by-step decode for HybridLM with real per-layer state, and a sampler.
+
+    state = init_decode_state(model, batch, max_len)      # every layer at a document start
+    logits = prefill(model, state, prompt)                 # [B,V] fp32: the prompt's last position
+    logits = decode_step(model, state, tokens)             # [B,V] fp32: one more token per row
+    out = generate(model, prompt, 32, temperature=0.8, top_k=50, generator=g)   # [B, P+32]
+
+Each row is one document, started by its prompt. A layer's state is what its forward reads of the past:
+SSD and M2RNN keep a conv window and an fp32 recurrent state; MLA the compressed KV cache (one MLAKVCache
+for all A layers, advanced once per step after the whole stack, never per layer); Engram and the n-gram
+memory short windows; the MLPs and the concept bank (per token) nothing. A step costs the same at any
+position except MLA's attention over its cache.
+
+The model may be a HybridLM or a wrapper holding one as .module (apply_mixed_precision): the step runs on
+the HybridLM, in its parameters' dtype. Everything runs under torch.inference_mode.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from megacpp_lab.model.hybrid import BlockState, HybridLM
+from megacpp_lab.nn.hyper_connections import collapse_streams, expand_streams
+from megacpp_lab.nn.mla import MLAKVCache
+
+__all__ = ["DecodeState", "decode_step", "generate", "init_decode_state", "prefill", "sample_next", "sample_text"]
+
+
+@dataclass
+class DecodeState:
+    """Every layer's decode state for one model and batch: blocks[i] is layer i's, kv_cache the MLA cache
+    shared by the A layers (None without any). length tokens consumed of max_len."""
+
+    blocks: list[BlockState]
+    kv_cache: MLAKVCache | None
+    batch: int
+    max_len: int
+    length: int = 0
+    model_ref: weakref.ReferenceType[HybridLM] | None = field(default=None, repr=False)
+
+
+def _unwrap(model: nn.Module) -> HybridLM:
+    inner = getattr(model, "module", model)  # apply_mixed_precision keeps the HybridLM as .module
+    if not isinstance(inner, HybridLM):
+        raise TypeError(f"model must be a HybridLM (or a wrapper holding one as .module), got {type(model).__name__}")
+    return inner
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_ids(name: str, ids: torch.Tensor, dims: int, vocab_size: int) -> None:
+    shape = "[B,P]" if dims == 2 else "[B]"
+    want = f"{name} must be a non-empty {shape} int32/int64 tensor of token ids"
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{want}, got {type(ids).__name__}")
+    if ids.dim() != dims or ids.dtype not in (torch.int32, torch.int64) or ids.numel() == 0:
+        raise ValueError(f"{want}, got shape {tuple(ids.shape)} dtype {ids.dtype}")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):  # an out-of-vocab id would index past the embedding (or hash to a valid row)
+        raise ValueError(f"{name} holds id {int(ids[bad][0])}, outside [0, vocab_size={vocab_size})")
+
+
+def _check_state(lm: HybridLM, state: DecodeState, batch: int) -> None:
+    if not isinstance(state, DecodeState):
+        raise TypeError(f"state must be a DecodeState (init_decode_state), got {type(state).__name__}")
+    if state.model_ref is None or state.model_ref() is not lm:
+        raise ValueError("state was built for another model: build it with init_decode_state(this model, ...)")
+    if batch != state.batch:
+        raise ValueError(f"state was built for batch {state.batch}, got a batch of {batch}")
+
+
+def _check_room(state: DecodeState, n: int) -> None:
+    if state.length + n > state.max_len:
+        raise ValueError(f"decode state max_len={state.max_len} overflows: {state.length} tokens held + {n} new")
+
+
+def _check_sampling(temperature: float, top_k: int | None, vocab_size: int) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= vocab_size):
+        raise ValueError(f"top_k must be None or an int in 1..vocab_size={vocab_size}, got {top_k!r}")
+
+
+@torch.inference_mode()
+def init_decode_state(model: nn.Module, batch: int, max_len: int, device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None) -> DecodeState:  # fmt: skip
+    """Every layer's state at a document start, for `batch` rows of up to `max_len` tokens. device and dtype
+    (of the windows and the KV cache; the recurrent states are fp32) default to the embedding's."""
+    lm = _unwrap(model)
+    c = lm.config
+    if not _is_int(batch) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    if not _is_int(max_len) or max_len < 1:
+        raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+    n_attn = c.blocks.count("A")
+    if n_attn and max_len > c.mla.max_positions:  # no RoPE row past the table
+        raise ValueError(f"max_len={max_len} exceeds MLAConfig.max_positions={c.mla.max_positions}")
+    device = lm.embed.weight.device if device is None else device
+    dtype = lm.embed.weight.dtype if dtype is None else dtype
+    cache = None
+    if n_attn:
+        cache = MLAKVCache(n_attn, batch, max_len, c.mla.kv_lora_rank, c.mla.d_rope, dtype=dtype, device=device)
+    blocks, a = [], 0
+    for block in lm.blocks:
+        kv = None
+        if block.kind == "A":  # the cache's layer index: the position among the A layers
+            kv, a = (cache, a), a + 1
+        blocks.append(block.init_state(batch, device, dtype, kv))
+    return DecodeState(blocks, cache, batch, max_len, model_ref=weakref.ref(lm))
+
+
+def _step(lm: HybridLM, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+    """One token per row through the whole stack (inputs already checked) -> fp32 logits [B,V]."""
+    tokens = tokens.to(torch.int64)[:, None]  # [B,1]: every layer steps on a length-1 sequence
+    x = lm.embed(tokens)
+    if lm.config.mhc:
+        x = expand_streams(x, lm.config.hyper.n_streams)
+    for block, block_state in zip(lm.blocks, state.blocks):
+        x = block.step(x, tokens, block_state)
+    if state.kv_cache is not None:
+        state.kv_cache.advance()  # once per step, after the whole stack: a per-layer advance leaves holes
+    state.length += 1
+    if lm.config.mhc:
+        x = collapse_streams(x)
+    return lm.lm_head(lm.norm(x), return_logits=True).logits[:, -1].float()
+
+
+@torch.inference_mode()
+def decode_step(model: nn.Module, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+    """Feed one token per row, tokens [B] int; advances `state`; returns the fp32 next-token logits [B,V]."""
+    lm = _unwrap(model)
+    _check_ids("tokens", tokens, 1, lm.config.vocab_size)
+    _check_state(lm, state, tokens.shape[0])
+    _check_room(state, 1)
+    return _step(lm, state, tokens)
+
+
+@torch.inference_mode()
+def prefill(model: nn.Module, state: DecodeState, prompt: torch.Tensor) -> torch.Tensor:
+    """Feed prompt [B,P] int, step by step; returns the fp32 logits [B,V] at its last position."""
+    lm = _unwrap(model)
+    _check_ids("prompt", prompt, 2, lm.config.vocab_size)
+    _check_state(lm, state, prompt.shape[0])
+    _check_room(state, prompt.shape[1])
+    for t in range(prompt.shape[1]):
+        logits = _step(lm, state, prompt[:, t])
+    return logits
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    """Next ids [B] int64 from logits [B,V]: argmax at temperature 0 (or top_k=1), else a draw from
+    softmax(logits / temperature) over the top_k most likely (all with top_k None)."""
+    _check_sampling(temperature, top_k, logits.shape[-1])
+    if temperature == 0 or top_k == 1:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+@torch.inference_mode()
+def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    """prompt [B,P] int (one document per row) -> [B, P+max_new_tokens] int64 on the model's device: the prompt
+    then the sampled tokens (sample_next; generator on that device). The model runs in eval mode meanwhile."""
+    lm = _unwrap(model)
+    c = lm.config
+    _check_ids("prompt", prompt, 2, c.vocab_size)
+    _check_sampling(temperature, top_k, c.vocab_size)
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    B, P = prompt.shape
+    total = P + max_new_tokens
+    if "A" in c.blocks and total > c.mla.max_positions:
+        raise ValueError(f"prompt length {P} + max_new_tokens {max_new_tokens} = {total} exceeds "
+                         f"MLAConfig.max_positions={c.mla.max_positions}")  # fmt: skip
+    prompt = prompt.to(device=lm.embed.weight.device, dtype=torch.int64)
+    out = [prompt]
+    training = lm.training
+    lm.eval()  # dropout off: generation is inference
+    try:
+        state = init_decode_state(lm, B, total)
+        logits = prefill(lm, state, prompt)
+        for i in range(max_new_tokens):
+            out.append(sample_next(logits, temperature, top_k, generator)[:, None])
+            if i + 1 < max_new_tokens:  # the last token is returned, never fed
+                logits = _step(lm, state, out[-1][:, 0])
+    finally:
+        lm.train(training)
+    return torch.cat(out, dim=1)
+
+
+def sample_text(checkpoint: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
+                top_k: int | None = 50, seed: int = 0, device: str = "auto", num_samples: int = 1) -> list[str]:  # fmt: skip
+    """C++ text from a training checkpoint (`megacpp-lab sample`): the prompt encoded as the start of one
+    document (<bos> first), `num_samples` rows sampled in one batch, each decoded until its first <eos>.
+    top_k 0 or None samples from the whole vocab."""
+    from megacpp_lab.data import load_bpe
+    from megacpp_lab.model.train import load_checkpoint_model
+
+    if not _is_int(num_samples) or num_samples < 1:
+        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but this machine has no CUDA device")
+    tok = load_bpe()
+    ids = tok.encode(prompt, add_eos=False)
+    model, config = load_checkpoint_model(checkpoint, dev)
+    if config.vocab_size != tok.vocab_size:
+        raise ValueError(f"checkpoint {checkpoint} has vocab_size {config.vocab_size}, the BPE has {tok.vocab_size}")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    rows = generate(model, torch.tensor([ids] * num_samples), max_new_tokens, temperature=temperature,
+                    top_k=top_k or None, generator=gen)  # fmt: skip
+    texts = []
+    for row in rows.tolist():
+        new = row[len(ids):]
+        end = new.index(tok.eos_id) if tok.eos_id in new else len(new)
+        texts.append(tok.decode(row[1 : len(ids)] + new[:end], show_special=False))
+    return texts
