@@ -194,6 +194,24 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from megacpp_lab.bench import use_triton_interpreter
+
+    if args.small and args.compiled and not torch.cuda.is_available():
+        use_triton_interpreter()  # the compiled scans' Triton kernels, before any kernel module is imported
+    from megacpp_lab.bench.profile import profile_training
+
+    paths = profile_training(preset=args.preset, batch=args.batch, seq_len=args.seq_len, docs=args.docs,
+                             wait=args.wait, warmup=args.warmup, active=args.active, compiled=args.compiled,
+                             optimizer=not args.no_optimizer, out=args.out, small=args.small,
+                             inductor_caches=args.inductor_caches, progress=not args.quiet)  # fmt: skip
+    for path in paths.values():
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser; building it imports no kernel (TRITON_INTERPRET is still free to be set)."""
     from megacpp_lab.data.bpe import DEFAULT_VOCAB_SIZE
@@ -346,6 +364,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.set_defaults(func=_cmd_sample)
+
+    p = sub.add_parser(
+        "profile",
+        help="profile the compiled training step region by region (trace, JSON summary, plot)",
+        description=_paragraphs(
+            "Profile HybridLM's training step under torch.profiler: one cold (compiling) step timed on its own, "
+            "then wait, warmup and active steps on the profiler's schedule, each on a batch with another number "
+            "of documents per row, with a record_function range per block. Writes under "
+            "<out>/<device-slug>/profile/ a TensorBoard trace (*.pt.trace.json: open it with `tensorboard "
+            "--logdir <that folder>` and the torch-tb-profiler plugin, or drop it on ui.perfetto.dev), a JSON "
+            "summary (the top kernels, each block kind's share of the step, step times and tokens/s, and the "
+            "compiled regions: count, graph breaks, recompiles, cold compile time per region) and a PNG.",
+            "The defaults profile the base preset at B=4, T=4096 on a GPU; --small runs the tiny preset on a CPU.",
+        ),
+        **common,
+    )
+    p.add_argument("--preset", default=None, help="model preset (default: base; tiny with --small)")
+    p.add_argument("--batch", type=int, default=None, help="rows per batch (default: 4; 2 with --small)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: 4096; 64 with --small)")
+    p.add_argument("--docs", type=int, default=None,
+                   help="documents per row; the steps vary it between half and twice this (default: 8; 2 with --small)")
+    p.add_argument("--wait", type=int, default=None, help="schedule: steps skipped (default: 1; 0 with --small)")
+    p.add_argument("--warmup", type=int, default=None, help="schedule: steps traced, not kept (default: 2; 1 with --small)")
+    p.add_argument("--active", type=int, default=None, help="schedule: steps recorded (default: 3; 1 with --small)")
+    p.add_argument("--eager", dest="compiled", action="store_false",
+                   help="profile the eager step instead of the regionally compiled one (default: compiled)")
+    p.add_argument("--no-optimizer", action="store_true", help="leave the fused AdamW step out of each step (default: in)")
+    p.add_argument("--inductor-caches", action="store_true",
+                   help="let inductor's on-disk caches serve the first step (default: off, a truly cold compile)")
+    p.add_argument("--out", default=None,
+                   help=f"receipt root (default: profiles/ at the repository root; with --small, {SMALL_OUT}/)")
+    p.add_argument("--small", action="store_true", help="the tiny preset on a CPU: a smoke run, not a receipt")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_profile)
     return parser
 
 

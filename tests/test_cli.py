@@ -139,7 +139,7 @@ def test_top_level_help_is_for_users(capsys):
     text = capsys.readouterr().out
     assert "issue" not in text.lower()
     assert "benchmark each subsystem into receipts" in text and "--debug" in text
-    for command in ("data", "bench", "info", "tour", "train", "sample"):
+    for command in ("data", "bench", "info", "tour", "train", "sample", "profile"):
         assert f"\n    {command} " in text
 
 
@@ -190,7 +190,7 @@ def walk(parser: argparse.ArgumentParser):
 
 def test_every_flag_has_help_that_states_its_default():
     parsers = list(walk(build_parser()))
-    assert len(parsers) == 1 + 6 + len(COMMANDS)  # top, data/bench/info/tour/train/sample, one per subsystem
+    assert len(parsers) == 1 + 7 + len(COMMANDS)  # top, data/bench/info/tour/train/sample/profile, one per subsystem
     for parser in parsers:
         assert parser.formatter_class is _HelpFormatter
         formatter = parser._get_formatter()

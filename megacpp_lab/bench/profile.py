@@ -1,0 +1,399 @@
+"""Profile HybridLM's training step, compiled regionally or eager: the logic of `megacpp-lab profile`.
+
+One run: a fresh dynamo, the model (bf16 under apply_mixed_precision on a GPU), apply_compile, one cold
+(compiling) step timed on its own, then wait + warmup + active steps under torch.profiler's schedule, every
+step on a batch with another number of documents per row (so a recompile would show). Writes, under
+<out>/<device-slug>/profile/: the TensorBoard `*.pt.trace.json` (torch-tb-profiler and Perfetto open it), a
+receipt `<name>.json` (top kernels, each block kind's share of the step, step times and tokens/s, the
+compiled regions: graphs, graph breaks, recompiles, cold compile per region from dynamo's own records) and
+`<name>.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megacpp_lab.bench import bench_device, output_root, require_triton_interpreter
+from megacpp_lab.bench.model import FORWARD_ONLY, ModelShape, TrainingStep, build_model, make_batch, profile_labels
+from megacpp_lab.model.config import HYBRID_PRESETS, model_config
+from megacpp_lab.model.hybrid import HybridLM
+from megacpp_lab.model.parallelize import apply_compile, block_structures, compile_stats
+from megacpp_lab.profiling import LABEL_SEP, label_modules, time_by_label
+from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
+from megacpp_lab.varlen import build_context
+
+__all__ = ["FULL", "SMALL", "profile_training"]
+
+SUBSYSTEM = "profile"
+# (preset, batch, seq_len, docs, wait, warmup, active): a full run and a --small CPU smoke run. Small: three
+# steps (the cold one, two profiled) of three different document counts out of 1..4; few, because on a CPU the
+# compiled scans run their Triton kernels under the interpreter, about 13 s per step at B=2, T=64.
+FULL = dict(preset="base", batch=4, seq_len=4096, docs=8, wait=1, warmup=2, active=3)
+SMALL = dict(preset="tiny", batch=2, seq_len=64, docs=2, wait=0, warmup=1, active=1)
+TOP_KERNELS = 12
+
+
+class _Outside(nn.Module):
+    """Calls a compiled block from eager code. label_modules' hooks open profiler ranges, an op dynamo cannot
+    trace under fullgraph; on this wrapper they run outside the block's compiled region, around it."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any) -> Any:
+        return self.block(*args)
+
+
+@contextmanager
+def _labelled(lm: HybridLM, compiled: bool) -> Iterator[list[str]]:
+    """Profiler ranges per block (and, eager, per Engram / n-gram / CBlock branch), embedding, final norm and
+    LM head; yields the label names. Compiled: each block is swapped for an _Outside wrapper for the run and
+    put back after; branches inside a compiled block count towards the block."""
+    labels = profile_labels(lm)
+    if not compiled:
+        with label_modules(labels, forward_only=FORWARD_ONLY):
+            yield list(labels)
+        return
+    blocks = list(lm.blocks)
+    outer = [_Outside(b) for b in blocks]
+    labels = {k: v for k, v in labels.items() if not k.startswith(("engram", "ngram", "cblock"))}
+    labels.update({f"{b.kind}{LABEL_SEP}blocks.{i}": outer[i] for i, b in enumerate(blocks)})
+    try:
+        for i, o in enumerate(outer):
+            lm.blocks[i] = o
+        with label_modules(labels, forward_only=FORWARD_ONLY):
+            yield list(labels)
+    finally:
+        for i, b in enumerate(blocks):
+            lm.blocks[i] = b
+
+
+def _doc_counts(docs: int, seq_len: int, n: int, seed: int) -> list[int]:
+    """n documents-per-row counts around `docs` (docs//2 .. 2*docs, within 1 .. seq_len), a seeded order of
+    them repeated: consecutive steps always differ."""
+    values = list(range(max(1, docs // 2), min(seq_len, max(2 * docs, 2)) + 1))
+    order = [values[i] for i in torch.randperm(len(values), generator=torch.Generator().manual_seed(seed)).tolist()]
+    if len(order) > 1 and order[0] != docs:  # the cold step sees `docs` itself
+        order.remove(docs)
+        order.insert(0, docs)
+    return [order[i % len(order)] for i in range(n)]
+
+
+def _check(preset: str, batch: int, seq_len: int, docs: int, wait: int, warmup: int, active: int) -> None:
+    """Fail closed, naming the argument, before any work."""
+    if preset not in HYBRID_PRESETS:
+        raise ValueError(f"preset must be one of {tuple(HYBRID_PRESETS)}, got {preset!r}")
+    for name, value, low in (("batch", batch, 1), ("seq_len", seq_len, 2), ("docs", docs, 1), ("wait", wait, 0),
+                             ("warmup", warmup, 0), ("active", active, 1)):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if docs > seq_len:
+        raise ValueError(f"docs (documents per row) must be at most seq_len={seq_len}, got {docs}")
+
+
+def _compile_records(structures: list[tuple[tuple[str, ...], int]], n_first: int) -> dict[str, Any]:
+    """Cold compile per region from dynamo's CompilationMetrics (torch._dynamo.utils.get_compilation_metrics,
+    on torch 2.11 and 2.13): one forward frame compile per block structure (the k-th is the k-th structure
+    in block order: they are compiled as the forward first reaches them), plus the lazily compiled backward
+    of the same compile id where it is logged on its own (when AOTAutograd compiled it with the forward, the
+    forward's time holds it). n_first: how many records the first step left; later ones are recompiles."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    def seconds(m: Any, *keys: str) -> float | None:
+        for key in keys:
+            value = getattr(m, key, None)
+            if value is not None:
+                return float(value) / (1e6 if key.endswith("_us") else 1.0)
+        return None
+
+    metrics = get_compilation_metrics()
+
+    def forward(ms: list[Any]) -> list[Any]:
+        return [m for m in ms if getattr(m, "is_forward", True) is not False]
+
+    cold, late = forward(metrics[:n_first]), forward(metrics[n_first:])
+    backward = {str(m.compile_id): m for m in metrics if getattr(m, "is_forward", True) is False}
+    if not cold:
+        raise RuntimeError("compiled=True, but torch._dynamo.utils.get_compilation_metrics() recorded no compile in "
+                           "the first step: cannot report cold compile times")  # fmt: skip
+    regions = []
+    for i, m in enumerate(cold):
+        fwd = seconds(m, "entire_frame_compile_time_s", "duration_us", "dynamo_cumulative_compile_time_us")
+        bwd_m = backward.get(str(m.compile_id))
+        bwd = seconds(bwd_m, "backward_cumulative_compile_time_us", "duration_us") if bwd_m is not None else None
+        if fwd is None:
+            raise RuntimeError(f"dynamo's record of compile {m.compile_id} holds no compile time")
+        structure, blocks = structures[i] if len(cold) == len(structures) else (None, None)
+        regions.append({"compile_id": str(m.compile_id), "structure": list(structure) if structure else None,
+                        "blocks": blocks, "forward_s": fwd, "backward_s": bwd, "cold_compile_s": fwd + (bwd or 0.0),
+                        "graph_ops": getattr(m, "graph_op_count", None)})  # fmt: skip
+    return {"per_region": regions, "cold_compile_s": sum(r["cold_compile_s"] for r in regions),
+            "compiled_later": [{"compile_id": str(m.compile_id), "reason": getattr(m, "recompile_reason", None)}
+                               for m in late],
+            "source": "torch._dynamo.utils.get_compilation_metrics(): entire_frame_compile_time_s per forward frame "
+                      "compile, backward_cumulative_compile_time_us per lazily compiled backward"}  # fmt: skip
+
+
+def _self_time(trace: Path, category: str) -> list[dict[str, Any]]:
+    """Time and calls per event name of one category, longest first, each event's nested events of the same
+    category excluded: CPU operators nest (aten::linear holds aten::addmm), so inclusive times would count the
+    same work several times; GPU kernels do not nest, and keep their whole duration."""
+    threads: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for e in json.loads(trace.read_text())["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") == category and "dur" in e:
+            threads.setdefault((e["pid"], e["tid"]), []).append(e)
+    totals: dict[str, list[float]] = {}
+    for events in threads.values():
+        events.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list[list[Any]] = []  # [end, name, own time]; the innermost open event last
+
+        def close(until: float) -> None:
+            while stack and stack[-1][0] <= until:
+                _, name, own = stack.pop()
+                entry = totals.setdefault(name, [0.0, 0])
+                entry[0], entry[1] = entry[0] + own, entry[1] + 1
+
+        for e in events:
+            ts, dur = float(e["ts"]), float(e["dur"])
+            close(ts)
+            if stack:  # the parent loses the span of this child (clipped to the parent's end)
+                stack[-1][2] -= min(dur, stack[-1][0] - ts)
+            stack.append([ts + dur, e["name"], dur])
+        close(math.inf)
+    rows = [{"name": name, "us": max(0.0, us), "calls": int(n)} for name, (us, n) in totals.items()]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def profile_training(*, preset: str | None = None, batch: int | None = None, seq_len: int | None = None,
+                     docs: int | None = None, wait: int | None = None, warmup: int | None = None,
+                     active: int | None = None, compiled: bool = True, optimizer: bool = True,
+                     device: str | None = None, out: str | Path | None = None, small: bool = False,
+                     inductor_caches: bool = False, seed: int = 0, progress: bool = True) -> dict[str, Path]:  # fmt: skip
+    """Profile the training step and write trace, receipt and plot; returns {'receipt', 'trace', 'plot'}.
+
+    Arguments left None take FULL's values (base, B=4, T=4096, 8 documents per row, schedule wait 1, warmup 2,
+    active 3), or with small=True SMALL's (tiny, B=2, T=64, 2 documents per row, schedule 0 / 1 / 1). A step is
+    zero_grad, forward to the fused LM-head loss, backward and (optimizer=True) an AdamW step, fused on a GPU.
+    compiled: apply_compile (every block on its own, fullgraph); on a CPU the scans then run their Triton
+    kernels under the interpreter (the reference loops are compiler-disabled), eager CPU runs take
+    model_config's chunked SSD and M2RNN reference loop. device: default 'cuda' when there is one, else 'cpu'
+    for a small run (a full-size run needs a GPU). out: the receipt root (default profiles/, with small=True
+    build/bench-small/). inductor_caches=False disables inductor's on-disk caches, so the first step is a
+    truly cold compile; True lets them serve it (the receipt counts the cache hits). The run resets dynamo
+    (every compiled graph of this process), so that the first step compiles from nothing.
+    """
+    # ---- arguments, checked before any work
+    chosen = {**(SMALL if small else FULL)}
+    chosen.update({k: v for k, v in dict(preset=preset, batch=batch, seq_len=seq_len, docs=docs, wait=wait,
+                                         warmup=warmup, active=active).items() if v is not None})  # fmt: skip
+    _check(**chosen)
+    preset, B, T, docs = chosen["preset"], chosen["batch"], chosen["seq_len"], chosen["docs"]
+    wait, warmup, active = chosen["wait"], chosen["warmup"], chosen["active"]
+    if device is None:
+        device = bench_device(SUBSYSTEM, small)
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (with a CUDA GPU present), got {device!r}")
+    root = output_root(out, small)
+    if compiled and device == "cpu":
+        require_triton_interpreter(SUBSYSTEM)  # the compiled scans' Triton kernels, under the interpreter
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
+    from tqdm.auto import tqdm
+
+    # ---- model, batches (contexts built here, outside every compiled region), fresh dynamo
+    start = time.perf_counter()
+    n_steps = wait + warmup + active
+    kernels = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton")) if compiled or device == "cuda" else {}
+    config = model_config(preset, device, **kernels)
+    if T > config.mla.max_positions:  # the RoPE table's length costs no time
+        config = model_config(preset, device, **kernels, mla=dict(max_positions=T))
+    model = build_model(config, device, seed=seed)
+    lm: HybridLM = model.module if hasattr(model, "module") else model
+    counts = _doc_counts(docs, T, 1 + n_steps, seed)
+    batches = []
+    for i, d in enumerate(counts):
+        tokens, doc_ids, targets = make_batch(ModelShape(preset, B, T, d), config.vocab_size, device, seed=seed + i,
+                                              ignore_index=config.lm_head.ignore_index)  # fmt: skip
+        batches.append((tokens, build_context(doc_ids), targets))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda") if optimizer else None
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compilation_metrics()
+    structures = list(block_structures(lm).items())  # in block order: the order dynamo compiles them
+    if compiled:
+        apply_compile(model)
+    name = f"profile_{preset}_{'compiled' if compiled else 'eager'}"
+    slug = device_slug(device_name(device))
+    trace_dir = root / slug / SUBSYSTEM
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    before = set(trace_dir.glob(f"{name}*.pt.trace.json"))
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    caches = nullcontext() if inductor_caches or not compiled else inductor_config.patch(force_disable_caches=True)
+    bar = tqdm(total=1 + n_steps, desc=f"profile {preset} B={B} T={T} {'compiled' if compiled else 'eager'}",
+               disable=not progress)  # fmt: skip
+
+    # ---- the cold step, then the profiled steps
+    with caches, _labelled(lm, compiled) as label_names:
+        _sync(device)
+        t0 = time.perf_counter()
+        loss0 = TrainingStep(model, *batches[0], opt)()
+        _sync(device)
+        first_s = time.perf_counter() - t0
+        n_first = len(get_compilation_metrics())
+        after_first = compile_stats()
+        bar.update()
+        step_ms, losses = [], [float(loss0)]
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=name),
+        ) as prof:
+            for tokens, ctx, targets in batches[1:]:
+                t0 = time.perf_counter()
+                loss = TrainingStep(model, tokens, ctx, targets, opt)()
+                _sync(device)
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+                losses.append(float(loss))
+                prof.step()
+                bar.update()
+    bar.close()
+    stats = compile_stats()
+    peak_mib = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
+    written = sorted(set(trace_dir.glob(f"{name}*.pt.trace.json")) - before, key=lambda p: p.stat().st_mtime)
+    if not written:
+        raise RuntimeError(f"the profiler wrote no trace for {name!r} under {trace_dir}")
+    trace = written[-1]
+    if not all(math.isfinite(v) for v in losses):
+        raise RuntimeError(f"a profiled step's loss is not finite: {losses}")
+
+    # ---- the summary
+    split = time_by_label(trace)
+    gpu = "gpu" in split["basis"]
+    step_us = split["step_us"] or statistics.median(step_ms[-active:]) * 1e3
+    category = "kernel" if gpu else "cpu_op"
+    ops = _self_time(trace, category)
+    active_ms = sorted(step_ms[-active:])
+    ms = statistics.median(active_ms)
+    tokens_per_s = B * T / (ms / 1e3)
+    block_time = {
+        "basis": split["basis"], "labels": label_names,
+        "profiled_step_ms": step_us / 1e3, "labelled_ms": split["total_us"] / 1e3,
+        "ms_per_step": {k: v / 1e3 for k, v in sorted(split["us"].items(), key=lambda kv: -kv[1])},
+        "backward_ms_per_step": {k: v / 1e3 for k, v in split["us_backward"].items()},
+        "share": split["share"],  # of the labelled (GPU: kernel) time: sums to 1
+        "share_of_step": {k: v / step_us for k, v in split["us"].items()},
+        "unaccounted_share_of_step": max(0.0, 1.0 - split["total_us"] / step_us),
+        "kernels_without_launch": split["kernels_without_launch"],
+        "note": ("branches inside a compiled block (Engram, n-gram, CBlock) count towards the block; " if compiled else "")
+                + ("'other': kernels launched outside every labelled range (the embedding's and the LM head's "
+                   "backward, gradient zeroing, the optimizer)" if gpu else
+                   "CPU: wall time in each labelled range (nested ones excluded); the rest of the step is unaccounted"),
+    }  # fmt: skip
+    top_kernels = {
+        "category": category, "steps": active,
+        "basis": "GPU kernel time per profiled step" if gpu else
+                 "CPU operators' self time per profiled step (the operators each one calls excluded)",
+        "total_ms_per_step": sum(r["us"] for r in ops) / active / 1e3,
+        "rows": [{"name": r["name"], "calls_per_step": r["calls"] / active, "us_per_step": r["us"] / active,
+                  "share_of_step": r["us"] / active / step_us} for r in ops[:TOP_KERNELS]],
+    }  # fmt: skip
+    row: dict[str, Any] = {
+        "contender": f"{'regional compile' if compiled else 'eager'} fwd+bwd{' + AdamW' if optimizer else ''} (profiled)",
+        "ms": ms, "ms_min": active_ms[0], "ms_max": active_ms[-1], "steps": active, "tokens_per_s": tokens_per_s,
+        **({"peak_total_mib": peak_mib} if peak_mib is not None else {}),
+    }  # fmt: skip
+    compile_section = None
+    if compiled:
+        records = _compile_records(structures, n_first)
+        row["compile_s"] = records["cold_compile_s"]
+        compile_section = {
+            "regions": len(structures), "graphs": stats.graphs, "graph_breaks": stats.graph_breaks,
+            "aot_graphs": stats.aot_graphs, "graphs_after_first_step": after_first.graphs,
+            # dynamo counts every block structure after the first as a recompile of Block.forward: the number
+            # here is what matters, graphs compiled after the first step (a batch broke a guard)
+            "recompiles": stats.graphs - after_first.graphs,
+            "block_structures": [{"structure": list(s), "blocks": n} for s, n in structures],
+            **records, "first_step_s": first_s, "inductor_caches": "enabled" if inductor_caches else "disabled",
+            "cache_counters": {k: int(v) for g in ("inductor", "aot_autograd")
+                               for k, v in counters[g].items() if "cache" in k},
+        }  # fmt: skip
+    first_row = {"contender": "first step" + (" (cold compile)" if compiled else ""), "ms": first_s * 1e3}
+    receipt = make_receipt(
+        name, SUBSYSTEM, shape=asdict(ModelShape(preset, B, T, docs)), dtype="bfloat16" if device == "cuda" else "float32",
+        results=[row, first_row], device=device, compiled=compiled, trace=trace.name,
+        schedule={"wait": wait, "warmup": warmup, "active": active, "repeat": 1, "steps": n_steps, "cold_steps_before": 1},
+        doc_counts={"first_step": counts[0], "per_step": counts[1:]},
+        step_time={"all_steps_ms": step_ms, "active_ms": step_ms[-active:], "median_ms": ms,
+                   "mean_ms": statistics.fmean(active_ms), "tokens_per_s": tokens_per_s, "losses": losses},
+        block_time=block_time, top_kernels=top_kernels, compile=compile_section,
+        config={"pattern": config.pattern, "blocks": config.blocks, "n_layers": config.n_layers, "d_model": config.d_model,
+                "vocab_size": config.vocab_size, "engram_layers": list(config.engram_layers),
+                "ssd_kernel": config.ssd.kernel, "m2rnn_kernel": config.m2rnn.kernel, "attn_impl": config.mla.attn_impl,
+                "optimizer": ("AdamW(fused=True)" if device == "cuda" else "AdamW") if optimizer else None},
+        elapsed_s=time.perf_counter() - start,
+        notes=("Training steps of HybridLM, each on a batch with another number of documents per row (doc_counts), "
+               "contexts built before the steps. The first step runs before the profiler and is timed on its own "
+               "(with compiled=True it compiles every block structure; on a GPU it also autotunes the Triton "
+               "kernels). Then torch.profiler's schedule (wait, warmup, active, repeat=1); step times are wall "
+               "times of the profiled steps (synchronised), so they carry the profiler's overhead; ms / "
+               "tokens_per_s: the median active step. block_time: time_by_label over the trace (per block kind; "
+               "GPU: each kernel to the labelled range that launched it). compile: graphs, breaks and recompiles "
+               "from dynamo's counters, cold compile per region from dynamo's CompilationMetrics."),
+    )  # fmt: skip
+    path = write_receipt(receipt, root)
+    plot = _plot(receipt, path.with_suffix(".png"))
+    return {"receipt": path, "trace": trace, "plot": plot}
+
+
+def _plot(receipt: dict[str, Any], path: Path) -> Path:
+    """Per-kind share of the step beside the top kernels (time per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megacpp_lab.plots import save_figure
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5))
+    split = receipt["block_time"]
+    share = {**split["share_of_step"], "unaccounted": split["unaccounted_share_of_step"]}
+    keys = sorted(share, key=lambda k: -share[k])
+    bars = left.barh(keys, [100 * share[k] for k in keys], color="tab:orange")
+    left.bar_label(bars, labels=[f"{100 * share[k]:.1f}%" for k in keys], padding=3, fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("% of the profiled step")
+    comp = receipt["compile"]
+    what = (f"compiled: {comp['regions']} regions, cold compile {comp['cold_compile_s']:.1f} s, {comp['graph_breaks']} "
+            f"breaks, {comp['recompiles']} recompiles" if comp else "eager")  # fmt: skip
+    shape = ", ".join(f"{k}={v}" for k, v in receipt["shape"].items())
+    left.set_title(f"{receipt['name']} ({receipt['dtype']}), {shape}\n{what}; median step "
+                   f"{receipt['step_time']['median_ms']:.1f} ms\n{receipt['device']}", fontsize=9)  # fmt: skip
+    rows = receipt["top_kernels"]["rows"]
+    names = [r["name"] if len(r["name"]) <= 60 else r["name"][:57] + "..." for r in rows]
+    bars = right.barh(names, [r["us_per_step"] / 1e3 for r in rows], color="tab:blue")
+    right.bar_label(bars, labels=[f"{100 * r['share_of_step']:.1f}%" for r in rows], padding=3, fontsize=7)
+    right.invert_yaxis()
+    right.tick_params(axis="y", labelsize=7)
+    right.set_xlabel("ms per profiled step")
+    what = "GPU kernels" if receipt["top_kernels"]["category"] == "kernel" else "CPU operators (self time)"
+    right.set_title(f"top {len(rows)} {what}, % of the profiled step", fontsize=9)
+    return Path(save_figure(left, path))

@@ -1,0 +1,129 @@
+"""profile_training (bench/profile.py): the small run writes a trace TensorBoard and Perfetto can open, a receipt
+that validates, and a plot; the compiled regions report no graph break, no recompile across batches of different
+document counts, and a cold compile time per region from dynamo's records; an eager run claims no compile; bad
+arguments fail before any work. CPU (the scans' Triton kernels under the interpreter), and a base-size run on a GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megacpp_lab import receipts
+from megacpp_lab.bench.profile import SMALL, _doc_counts, profile_training
+
+
+def _run(out: Path, **kw: Any) -> tuple[dict[str, Path], dict[str, Any]]:
+    # inductor's on-disk caches on: reruns of the suite skip gcc (the run still resets dynamo, so every region
+    # is traced and compiled again, and its compile time is recorded)
+    paths = profile_training(out=out, small=True, inductor_caches=True, progress=False, **kw)
+    return paths, json.loads(paths["receipt"].read_text())
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> tuple[dict[str, Path], dict[str, Any]]:
+    return _run(tmp_path_factory.mktemp("profile_compiled"))
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory) -> tuple[dict[str, Path], dict[str, Any]]:
+    return _run(tmp_path_factory.mktemp("profile_eager"), compiled=False)
+
+
+def _check_files(paths: dict[str, Path], receipt: dict[str, Any]) -> None:
+    trace = paths["trace"]
+    assert trace.name.endswith(".pt.trace.json") and trace.parent == paths["receipt"].parent
+    assert trace.parent.name == "profile" and trace.parent.parent.name == receipts.device_slug(receipt["device"])
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
+    assert len(steps) == receipt["schedule"]["active"], steps  # the active steps only
+    receipts.validate_receipt(receipt)
+    assert receipt["subsystem"] == "profile" and receipt["trace"] == trace.name
+    assert receipts.load_receipts("profile", root=paths["receipt"].parents[2])[0]["name"] == receipt["name"]
+    assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
+    split = receipt["block_time"]
+    assert math.isclose(sum(split["share"].values()), 1.0, rel_tol=1e-6), split["share"]
+    assert {"A", "M", "R", "lm_head"} <= set(split["share"]) and all(v >= 0 for v in split["share"].values())
+    assert 0 < sum(split["share_of_step"].values()) <= 1.0 + 1e-6
+    rows = receipt["top_kernels"]["rows"]
+    assert rows and rows == sorted(rows, key=lambda r: -r["us_per_step"])
+    times = receipt["step_time"]
+    assert len(times["all_steps_ms"]) == receipt["schedule"]["steps"] and times["tokens_per_s"] > 0
+    counts = [receipt["doc_counts"]["first_step"], *receipt["doc_counts"]["per_step"]]
+    assert all(a != b for a, b in zip(counts, counts[1:])) and len(counts) == 1 + receipt["schedule"]["steps"]
+    assert all(math.isfinite(v) for v in times["losses"])
+
+
+def test_small_compiled_run_writes_trace_receipt_and_plot(compiled):
+    paths, receipt = compiled
+    _check_files(paths, receipt)
+    small = {"preset": SMALL["preset"], "B": SMALL["batch"], "T": SMALL["seq_len"], "docs": SMALL["docs"]}
+    assert receipt["compiled"] is True and receipt["shape"] == small
+    assert set(receipt["block_time"]["labels"]) >= {"A|blocks.0", "M|blocks.1", "R|blocks.2", "M|blocks.3"}
+
+
+def test_compiled_regions_no_break_no_recompile_and_a_cold_compile_per_region(compiled):
+    _, receipt = compiled
+    comp = receipt["compile"]
+    counts = {receipt["doc_counts"]["first_step"], *receipt["doc_counts"]["per_step"]}
+    assert len(counts) == 3, counts  # three document counts went through the same graphs
+    assert comp["graph_breaks"] == 0 and comp["recompiles"] == 0 and comp["compiled_later"] == [], comp
+    assert comp["regions"] == comp["graphs"] == len(comp["block_structures"]) == 4
+    per_region = comp["per_region"]
+    assert len(per_region) == 4 and all(r["cold_compile_s"] > 0 and r["forward_s"] > 0 for r in per_region)
+    assert [r["structure"] for r in per_region] == [s["structure"] for s in comp["block_structures"]]
+    assert sum(r["blocks"] for r in per_region) == 4
+    assert math.isclose(comp["cold_compile_s"], sum(r["cold_compile_s"] for r in per_region))
+    assert comp["first_step_s"] * 1e3 == receipt["results"][1]["ms"] and comp["first_step_s"] > 0
+    assert receipt["results"][0]["compile_s"] == comp["cold_compile_s"]
+
+
+def test_eager_run_claims_no_compile(eager):
+    paths, receipt = eager
+    _check_files(paths, receipt)
+    assert receipt["compiled"] is False and receipt["compile"] is None
+    assert not any("compile_s" in row or "compile" in row["contender"] for row in receipt["results"])
+    assert "engram" in receipt["block_time"]["share"]  # eager: the Engram branch has its own range
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(wait=-1), "wait"), (dict(warmup=-1), "warmup"), (dict(active=0), "active"), (dict(batch=0), "batch"),
+        (dict(seq_len=1), "seq_len"), (dict(docs=0), "docs"), (dict(seq_len=8, docs=9), "docs"),
+        (dict(preset="huge"), "preset"), (dict(active=1.5), "active"), (dict(device="tpu"), "device"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_fail_closed_naming_the_argument_before_any_work(tmp_path, kw, name):
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        profile_training(out=tmp_path, small=True, progress=False, **kw)
+    assert not any(tmp_path.iterdir())
+
+
+def test_doc_counts_vary_around_docs_within_the_row():
+    for docs, seq_len in ((8, 4096), (2, 64), (1, 2), (5, 5)):
+        counts = _doc_counts(docs, seq_len, 20, seed=3)
+        assert counts[0] == docs and all(a != b for a, b in zip(counts, counts[1:]))
+        assert all(max(1, docs // 2) <= c <= min(seq_len, 2 * docs) for c in counts)
+    assert _doc_counts(8, 4096, 6, seed=0) == _doc_counts(8, 4096, 6, seed=0)
+
+
+@pytest.mark.cuda
+def test_base_profile_on_gpu(tmp_path):
+    """A short base-size profile, bf16, fused AdamW: GPU kernels in the trace and in the top rows, each block
+    kind's share of the kernel time, four regions with no break and no recompile."""
+    paths = profile_training(preset="base", batch=1, seq_len=2048, docs=4, wait=0, warmup=1, active=2, out=tmp_path,
+                             inductor_caches=True, progress=False)  # fmt: skip
+    receipt = json.loads(paths["receipt"].read_text())
+    _check_files(paths, receipt)
+    assert receipt["dtype"] == "bfloat16" and receipt["config"]["optimizer"] == "AdamW(fused=True)"
+    assert receipt["top_kernels"]["category"] == "kernel" and "gpu" in receipt["block_time"]["basis"]
+    assert receipt["results"][0]["peak_total_mib"] > 0
+    comp = receipt["compile"]
+    assert comp["graph_breaks"] == 0 and comp["recompiles"] == 0 and comp["graphs"] == 4
+    assert all(r["cold_compile_s"] > 0 and r["blocks"] for r in comp["per_region"]) and len(comp["per_region"]) == 4
+    assert [r["blocks"] for r in comp["per_region"]] == [s["blocks"] for s in comp["block_structures"]]
+    print(json.dumps({k: comp[k] for k in ("cold_compile_s", "first_step_s", "per_region")}, indent=1))
