@@ -221,6 +221,27 @@ Run time on an H200: not measured yet; two cold compiles of the base model and 3
 aot_eager backend instead of inductor): about two minutes.""",
             triton_on_cpu=True,
         ),
+        BenchCommand(
+            "train",
+            "megacpp_lab.bench.train",
+            "HybridLM training receipt: the small preset with and without Engram over the same tokens",
+            """\
+The training receipt: `megacpp-lab train`'s loop on the small preset (12 layers, d=384, pattern AMRM,
+Engram at layers 1, 5, 9, vocab 32768) over the torch headers, validation files held out by path, and
+the Engram on/off ablation: the same run with engram_layers=none, from the same tokenized corpus, seed
+and batch order.
+
+Each arm: B=16, T=1024, 1500 steps, peak LR 2e-3 after 100 warmup steps, cosine to 10%, fused AdamW over
+fp32 master weights, bf16 with fp32-contract parameters, regional compile; train loss every 25 steps,
+validation loss every 100 on 8 fixed held-out batches. The receipt holds both arms' curves, final
+losses, tokens/s and how steadily the validation loss falls, and 160 sampled tokens (temperature 0.8,
+top-k 50) from the Engram arm's checkpoint, decoded with real per-layer state. Checkpoints go to
+build/bench-train/ (not receipts).
+Receipts under <out>/<device-slug>/train/: train_ablation.json/.png.
+Run time on an H200: not measured yet.
+--small (CPU, the tiny preset on 60 files, 24 steps of 2 x 64 tokens): about a minute.""",
+            triton_on_cpu=False,
+        ),
     )
 }
 

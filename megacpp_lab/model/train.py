@@ -48,12 +48,14 @@ __all__ = [
     "CHECKPOINT_FILE",
     "MasterWeightAdamW",
     "TrainConfig",
+    "TokenizedCorpus",
     "TrainResult",
     "load_checkpoint",
     "load_checkpoint_model",
     "lr_at",
     "resolve_device",
     "save_checkpoint",
+    "tokenize_corpus",
     "train",
 ]
 
@@ -396,15 +398,37 @@ class TrainResult:
     tokens_per_s: float
 
 
-def _data(config: TrainConfig, tok: Any, progress: bool) -> tuple[PackedRowStream, list[Any]]:
-    """The training stream and the fixed validation batches (the first of the held-out files, in order)."""
+@dataclass(frozen=True)
+class TokenizedCorpus:
+    """The corpus as token ids, split by file: what a run trains and validates on. Tokenize once and hand the
+    same one to several runs (an ablation over the same tokens)."""
+
+    train: list[Any]
+    val: list[Any]
+    corpus: str | None
+    max_files: int | None
+    val_fraction: float
+
+
+def tokenize_corpus(config: TrainConfig, *, progress: bool = False) -> TokenizedCorpus:
+    """Read the corpus, hold out validation files by path, and tokenize both sides with the BPE."""
     files = load_corpus(config.corpus, max_files=config.max_files, progress=False)
     train_files, val_files = split_by_file(files, config.val_fraction)
-    pad_id = tok.pad_id
-    stream = PackedRowStream(tokenize_files(train_files, tok, progress=progress), seq_len=config.seq_len,
-                             batch_size=config.batch_size, pad_id=pad_id, seed=config.seed)  # fmt: skip
-    val = PackedRowStream(tokenize_files(val_files, tok, progress=progress), seq_len=config.seq_len,
-                          batch_size=config.batch_size, pad_id=pad_id, shuffle=False)  # fmt: skip
+    tok = load_bpe()
+    return TokenizedCorpus(tokenize_files(train_files, tok, progress=progress), tokenize_files(val_files, tok, progress=progress),
+                           config.corpus, config.max_files, config.val_fraction)  # fmt: skip
+
+
+def _data(config: TrainConfig, corpus: TokenizedCorpus, pad_id: int) -> tuple[PackedRowStream, list[Any]]:
+    """The training stream and the fixed validation batches (the first of the held-out files, in order)."""
+    for name in ("corpus", "max_files", "val_fraction"):
+        if getattr(corpus, name) != getattr(config, name):
+            raise ValueError(f"the tokenized corpus was built with {name}={getattr(corpus, name)!r}, the run asks "
+                             f"{getattr(config, name)!r}")  # fmt: skip
+    stream = PackedRowStream(corpus.train, seq_len=config.seq_len, batch_size=config.batch_size, pad_id=pad_id,
+                             seed=config.seed)  # fmt: skip
+    val = PackedRowStream(corpus.val, seq_len=config.seq_len, batch_size=config.batch_size, pad_id=pad_id,
+                          shuffle=False)  # fmt: skip
     return stream, [next(val) for _ in range(min(config.val_batches, val.batches_per_epoch))]
 
 
@@ -413,11 +437,12 @@ def _targets(tokens: torch.Tensor, doc_ids: torch.Tensor, pad_id: int, ignore_in
     return targets.masked_fill(targets == pad_id, ignore_index)  # padding is never a target
 
 
-def train(config: TrainConfig, *, progress: bool = True, resume: bool = True,
-          stop_after: int | None = None) -> TrainResult:  # fmt: skip
+def train(config: TrainConfig, *, progress: bool = True, resume: bool = True, stop_after: int | None = None,
+          corpus: TokenizedCorpus | None = None) -> TrainResult:  # fmt: skip
     """Run (or resume) a training run; see the module docstring. Everything checkable is checked before the
-    corpus is read. resume=False refuses an out_dir that holds a checkpoint. stop_after: end after this many steps of the schedule, with a checkpoint (a job sliced
-    into pieces; the next call resumes)."""
+    corpus is read. resume=False refuses an out_dir that holds a checkpoint. stop_after: end after this many
+    steps of the schedule, with a checkpoint (a job sliced into pieces; the next call resumes). corpus: the
+    tokenized corpus (tokenize_corpus), read here when None."""
     if stop_after is not None and (not isinstance(stop_after, int) or isinstance(stop_after, bool) or stop_after < 1):
         raise ValueError(f"stop_after must be an int >= 1 or None, got {stop_after!r}")
     from tqdm.auto import tqdm
@@ -434,7 +459,9 @@ def train(config: TrainConfig, *, progress: bool = True, resume: bool = True,
         _check_resume(saved, config, ckpt_path)
     ignore = hcfg.lm_head.ignore_index
 
-    stream, val_batches = _data(config, tok, progress)
+    if corpus is None:
+        corpus = tokenize_corpus(config, progress=progress)
+    stream, val_batches = _data(config, corpus, tok.pad_id)
     torch.manual_seed(config.seed)
     model: nn.Module = HybridLM(hcfg).to(device)
     if dtype != torch.float32:
