@@ -146,6 +146,42 @@ def peak_extra_mib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def saved_tensor_bytes(fn: Callable[[], object]) -> int:
+    """Bytes that autograd saves for the backward during one call of fn: every saved tensor's storage, each
+    storage once (views share it), parameters left out (they are held anyway). The activation memory a
+    checkpointing policy or budget acts on; works on a CPU."""
+    seen: dict[tuple[str, int], int] = {}  # storages stay alive while fn's output holds the graph
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_leaf and t.requires_grad):
+            storage = t.untyped_storage()
+            seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def retained_bytes(fn: Callable[[], object]) -> int:
+    """Bytes that one call of fn allocates and still holds when it returns (CPU and GPU memory together): for a
+    forward, what waits for the backward, the caches of selective checkpointing included (which
+    saved_tensor_bytes cannot see: they bypass the saved-tensor hooks). From the profiler's memory records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        out = fn()  # held past the profile: dropping it would free the graph and what it saved
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    del out
+    total = 0
+    for event in prof.events():
+        total += event.self_cpu_memory_usage
+        total += event.self_device_memory_usage if hasattr(event, "self_device_memory_usage") else 0
+    return int(total)
+
+
 # ----------------------------------------------------------------------------- time per labelled module
 
 LABEL_SEP = "|"  # "<bucket>|<module path>": time_by_label sums a label's time into its bucket

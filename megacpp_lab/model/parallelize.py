@@ -53,9 +53,29 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, **compile_kwargs:
         raise ValueError(f"the model has {len(structures)} block structures {sorted(structures)}, one compiled graph "
                          f"each, over torch._dynamo.config.recompile_limit={limit}; raise the limit to at least "
                          f"{len(structures)} before apply_compile")
+    from megacpp_lab.model.checkpointing import AC_ATTR, block_budget
+
+    wrapped = [i for i, b in enumerate(lm.blocks) if any(hasattr(m, AC_ATTR) for m in b.modules())]
+    if wrapped:
+        raise ValueError(f"blocks {wrapped} hold manual checkpoint wrappers (apply_ac without compiled=True); under "
+                         "regional compile the activation_memory_budget is the single authority: build the model "
+                         "again and call apply_ac(model, policy, compiled=True) before apply_compile")  # fmt: skip
     for block in lm.blocks:
-        block.compile(fullgraph=fullgraph, **compile_kwargs)
+        budget = block_budget(block)
+        if budget is None:
+            block.compile(fullgraph=fullgraph, **compile_kwargs)
+        else:  # the partitioner reads the budget when this block's graph compiles (its first call)
+            block._compiled_call_impl = _with_budget(torch.compile(block._call_impl, fullgraph=fullgraph, **compile_kwargs),
+                                                     budget)  # fmt: skip
     return model
+
+
+def _with_budget(fn: Any, budget: float) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,182 @@
+"""Activation checkpointing: one policy, per block kind, applied before compile (torchtitan's order).
+
+    policy = CheckpointingPolicy(A="full", M=("mm",), R="none")            # eager: checkpoint wrappers
+    apply_ac(model, policy)
+    policy = CheckpointingPolicy(A=0.3, M=0.5, R=1.0)                      # regional compile: budgets
+    apply_ac(model, policy, compiled=True); apply_compile(model)
+
+An entry (one per block kind A / M / R, and for the Engram and CBlock branches) is
+    "none"            save everything (no recompute)
+    "full"            non-reentrant torch.utils.checkpoint around the block (or branch): save its inputs only
+    ("mm", ...)       selective, a save list: keep the outputs of the aten ops named (overload packets, e.g.
+                      "mm", "addmm", "_scaled_dot_product_flash_attention") and recompute every other op (norms,
+                      activations, gates, the conv). The outputs of the `megacpp::` scans are always saved: they
+                      are the expensive ones to recompute. A saved output that a later op changes in place is
+                      refused by torch ("Tensor cached during selective activation checkpoint has been mutated").
+    0.3               a budget in [0, 1]: under regional compile, inductor's activation_memory_budget while this
+                      block kind compiles (the min-cut partitioner recomputes until the saved bytes fit)
+
+Under regional compile the budget is the single authority: apply_ac(compiled=True) turns "none" / "full" into
+budgets 1.0 / 0.0 and refuses op lists, and apply_compile refuses a block that holds a manual checkpoint wrapper.
+A budget is per block structure (one compiled graph each): a block with an Engram or CBlock branch takes that
+branch's entry when it is not "none", else its kind's.
+Eager, a budget is refused (nothing would read it).
+
+The last layer is never checkpointed (last_layer="never", the only value): its activations are the first the
+backward consumes, so recomputing them frees nothing and costs a forward. offload=True keeps the saved tensors
+of every non-checkpointed block in pinned CPU memory (torch.autograd.graph.save_on_cpu).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["AC_ATTR", "BUDGET_ATTR", "CheckpointingPolicy", "apply_ac", "block_budget"]
+
+KINDS = ("A", "M", "R", "engram", "cblock")
+AC_ATTR = "_megacpp_ac"  # set on a module whose forward apply_ac wrapped (eager)
+BUDGET_ATTR = "_megacpp_ac_budget"  # set on a block apply_ac gave a budget (regional compile)
+
+Entry = str | tuple[str, ...] | float
+
+
+def _check_entry(name: str, value: Any) -> Entry:
+    if value in ("none", "full"):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"CheckpointingPolicy.{name} budget must be in [0, 1], got {value!r}")
+        return float(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(op, str) and op for op in value):
+        return tuple(value)
+    raise ValueError(f"CheckpointingPolicy.{name} must be 'none', 'full', a non-empty tuple of aten op names to "
+                     f"save, or a budget in [0, 1]; got {value!r}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CheckpointingPolicy:
+    """Per block kind: see the module docstring. Frozen, checked on construction (the error names the field)."""
+
+    A: Entry = "none"
+    M: Entry = "none"
+    R: Entry = "none"
+    engram: Entry = "none"
+    cblock: Entry = "none"
+    last_layer: str = "never"
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        for kind in KINDS:
+            object.__setattr__(self, kind, _check_entry(kind, getattr(self, kind)))
+        if self.last_layer != "never":
+            raise ValueError(f"CheckpointingPolicy.last_layer must be 'never' (the last block's activations are the "
+                             f"first the backward reads: checkpointing it only adds a forward), got {self.last_layer!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"CheckpointingPolicy.offload must be a bool, got {self.offload!r}")
+
+    @classmethod
+    def uniform(cls, entry: Entry, **overrides: Any) -> CheckpointingPolicy:
+        """The same entry for every kind (a global policy), with overrides."""
+        return cls(**{**{k: entry for k in KINDS}, **overrides})
+
+    def entries(self) -> dict[str, Entry]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in KINDS}
+
+
+def _selective(save: tuple[str, ...]) -> Callable[[], Any]:
+    """A context_fn for checkpoint(): save the outputs of the named aten ops and of the scans, recompute the rest."""
+    names = frozenset(save)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        packet = getattr(op, "_overloadpacket", op)
+        namespace = getattr(packet, "_qualified_op_name", str(packet)).split("::")[0]
+        if namespace == "megacpp":  # the scans: never recompute
+            return CheckpointPolicy.MUST_SAVE
+        name = getattr(packet, "__name__", str(packet))
+        return CheckpointPolicy.MUST_SAVE if name in names else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def _wrap(module: nn.Module, entry: Entry) -> None:
+    """Checkpoint `module`'s forward in place (its parameters and state-dict keys unchanged)."""
+    inner = module.forward
+    context_fn = _selective(entry) if isinstance(entry, tuple) else None
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    module.forward = forward
+    setattr(module, AC_ATTR, entry)
+
+
+def _offload(module: nn.Module) -> None:
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+    setattr(module, AC_ATTR, "offload")
+
+
+def _lm(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", model)
+    if not hasattr(inner, "blocks"):
+        raise TypeError(f"expected a HybridLM (or a wrapper holding one as .module), got {type(model).__name__}")
+    return inner
+
+
+def apply_ac(model: nn.Module, policy: CheckpointingPolicy, *, compiled: bool = False) -> nn.Module:
+    """Apply the policy in place and return the model; call it once, before apply_compile."""
+    if not isinstance(policy, CheckpointingPolicy):
+        raise TypeError(f"apply_ac needs a CheckpointingPolicy, got {type(policy).__name__}")
+    lm = _lm(model)
+    if any(hasattr(m, AC_ATTR) or hasattr(m, BUDGET_ATTR) for m in lm.modules()):
+        raise ValueError("apply_ac was already applied to this model: apply it once, to a fresh model")
+    entries = policy.entries()
+    for kind, entry in entries.items():  # everything checked before any block changes
+        if compiled and isinstance(entry, tuple):
+            raise ValueError(f"CheckpointingPolicy.{kind} is an op list, which only the eager path applies; under "
+                             "regional compile give a budget in [0, 1] (inductor's activation_memory_budget)")
+        if not compiled and isinstance(entry, float):
+            raise ValueError(f"CheckpointingPolicy.{kind} is a budget ({entry}), which only regional compile reads: "
+                             "pass compiled=True (then apply_compile), or give 'none', 'full' or an op list")
+    last = len(lm.blocks) - 1
+    for i, block in enumerate(lm.blocks):
+        entry = entries[block.kind]
+        if compiled:  # one budget per block structure: a block with an Engram / CBlock branch takes that entry
+            for branch in ("engram", "cblock"):
+                if getattr(block, branch) is not None and entries[branch] != "none":
+                    entry = entries[branch]
+            budget = {"none": 1.0, "full": 0.0}.get(entry, entry)  # type: ignore[arg-type]
+            setattr(block, BUDGET_ATTR, 1.0 if i == last else float(budget))
+            continue
+        if i == last:
+            continue  # never checkpointed
+        if entry != "none":
+            _wrap(block, entry)
+            continue
+        for name in ("engram", "cblock"):  # a branch's own entry, inside an unwrapped block
+            branch = getattr(block, name)
+            if branch is not None and entries[name] != "none":
+                _wrap(branch, entries[name])
+        if policy.offload:
+            _offload(block)
+    return model
+
+
+def block_budget(block: nn.Module) -> float | None:
+    """The activation_memory_budget apply_ac gave this block for regional compile, or None."""
+    return getattr(block, BUDGET_ATTR, None)

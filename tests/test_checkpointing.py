@@ -1,0 +1,145 @@
+"""model/checkpointing.py: the policy fails closed naming the field; eager checkpointing keeps the gradients and
+saves fewer bytes; the last layer is never checkpointed; under regional compile the budget reaches the
+partitioner (saved bytes fall as the budget falls) and manual wrappers are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from megacpp_lab.bench.model import ModelShape, make_batch
+from megacpp_lab.model.checkpointing import AC_ATTR, CheckpointingPolicy, apply_ac, block_budget
+from megacpp_lab.model.config import model_config
+from megacpp_lab.model.hybrid import HybridLM
+from megacpp_lab.model.parallelize import apply_compile
+from megacpp_lab.profiling import retained_bytes, saved_tensor_bytes
+from megacpp_lab.testing import wake_zero_initialised
+from megacpp_lab.varlen import build_context
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPE = ModelShape("tiny", B=2, T=32, docs=3)
+
+
+def _model(**overrides) -> HybridLM:
+    torch.manual_seed(0)
+    model = HybridLM(model_config("tiny", DEV, **overrides)).to(DEV)
+    wake_zero_initialised(model)  # Engram's output projection too: its branch must carry gradient
+    return model
+
+
+def _batch(vocab: int = 512):
+    tokens, doc_ids, targets = make_batch(SHAPE, vocab, DEV)
+    return tokens, build_context(doc_ids), targets
+
+
+def _grads(model: HybridLM, batch) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(*batch).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("A", "some", "CheckpointingPolicy.A must be 'none', 'full'"),
+    ("M", 1.5, r"CheckpointingPolicy.M budget must be in \[0, 1\]"),
+    ("R", (), "CheckpointingPolicy.R must be"),
+    ("engram", True, "CheckpointingPolicy.engram must be"),
+    ("last_layer", "always", "CheckpointingPolicy.last_layer must be 'never'"),
+    ("offload", "yes", "CheckpointingPolicy.offload must be a bool"),
+])  # fmt: skip
+def test_bad_policy_fails_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CheckpointingPolicy(**{field: value})
+
+
+@pytest.mark.parametrize("entry", ["full", ("mm",)])
+def test_eager_checkpointing_keeps_the_gradients_and_saves_less(entry):
+    batch = _batch()
+    plain = _model(engram_layers=(1,))
+    wrapped = _model(engram_layers=(1,))
+    apply_ac(wrapped, CheckpointingPolicy.uniform(entry))
+    ref, got = _grads(plain, batch), _grads(wrapped, batch)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    full = retained_bytes(lambda: plain(*batch).loss)
+    less = retained_bytes(lambda: wrapped(*batch).loss)
+    assert less < 0.8 * full, (entry, less, full)
+
+
+def test_selective_saves_more_than_full_and_less_than_none():
+    batch = _batch()
+    sizes = {}
+    for name, entry in (("none", "none"), ("selective", ("mm", "bmm")), ("full", "full")):
+        model = _model()
+        apply_ac(model, CheckpointingPolicy.uniform(entry))
+        sizes[name] = retained_bytes(lambda: model(*batch).loss)
+    assert sizes["full"] < sizes["selective"] < sizes["none"], sizes
+    # the saved-tensor hooks see what autograd saves, not selective checkpointing's cache
+    plain = _model()
+    assert saved_tensor_bytes(lambda: plain(*batch).loss) > sizes["full"]
+
+
+def test_the_last_layer_is_never_checkpointed():
+    model = _model()
+    apply_ac(model, CheckpointingPolicy.uniform("full"))
+    marked = [hasattr(b, AC_ATTR) for b in model.blocks]
+    assert marked == [True] * (len(model.blocks) - 1) + [False]
+    compiled = _model()
+    apply_ac(compiled, CheckpointingPolicy.uniform(0.0), compiled=True)
+    assert [block_budget(b) for b in compiled.blocks] == [0.0] * (len(compiled.blocks) - 1) + [1.0]
+
+
+def test_engram_branch_entry_wraps_only_the_branch():
+    model = _model(engram_layers=(1,))
+    apply_ac(model, CheckpointingPolicy(engram="full"))
+    assert hasattr(model.blocks[1].engram, AC_ATTR) and not hasattr(model.blocks[1], AC_ATTR)
+    assert not any(hasattr(b, AC_ATTR) for i, b in enumerate(model.blocks) if i != 1)
+
+
+def test_offload_wraps_unchecked_blocks_and_keeps_the_gradients():
+    batch = _batch()
+    ref = _grads(_model(), batch)
+    model = _model()
+    apply_ac(model, CheckpointingPolicy(A="full", offload=True))
+    assert getattr(model.blocks[0], AC_ATTR) == "full" and getattr(model.blocks[1], AC_ATTR) == "offload"
+    got = _grads(model, batch)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_misuse_is_refused():
+    model = _model()
+    with pytest.raises(ValueError, match="op list, which only the eager path applies"):
+        apply_ac(model, CheckpointingPolicy(M=("mm",)), compiled=True)
+    with pytest.raises(ValueError, match="is a budget .* which only regional compile reads"):
+        apply_ac(_model(), CheckpointingPolicy(A=0.5))
+    apply_ac(model, CheckpointingPolicy(A="full"))
+    with pytest.raises(ValueError, match="already applied"):
+        apply_ac(model, CheckpointingPolicy())
+    with pytest.raises(ValueError, match="hold manual checkpoint wrappers .* single authority"):
+        apply_compile(model)
+    with pytest.raises(TypeError, match="CheckpointingPolicy"):
+        apply_ac(_model(), {"A": "full"})
+
+
+TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
+
+
+@pytest.mark.parametrize("kind", ["A", "M", "R"])
+def test_the_budget_reaches_the_partitioner(kind):
+    """One kind per model (3 layers of it): the bytes its compiled blocks save fall as the budget falls. The
+    min-cut partitioner of aot_eager_decomp_partition is inductor's, without the C++ compile."""
+    torch._dynamo.reset()
+    counters.clear()
+    batch = _batch()
+    saved = {}
+    for budget in (1.0, 0.5, 0.0):
+        torch._dynamo.reset()
+        model = _model(pattern=kind, n_layers=3, engram_layers=(), **TRITON)
+        apply_ac(model, CheckpointingPolicy.uniform(budget), compiled=True)
+        apply_compile(model, backend="aot_eager_decomp_partition")
+        saved[budget] = retained_bytes(lambda: model(*batch).loss)
+    torch._dynamo.reset()
+    assert saved[1.0] >= saved[0.5] >= saved[0.0], saved
+    assert saved[0.0] < 0.8 * saved[1.0], saved
