@@ -1,0 +1,61 @@
+"""model/remat.py: the remat explorer reads the partitioner's decision; a lower budget saves fewer activation
+bytes and recomputes more, for every block kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacpp_lab.bench.model import ModelShape, make_batch
+from megacpp_lab.model.config import model_config
+from megacpp_lab.model.hybrid import HybridLM
+from megacpp_lab.model.remat import remat_plan
+from megacpp_lab.varlen import build_context
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = HybridLM(model_config("tiny", DEV, m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))).to(DEV)
+    tokens, doc_ids, _ = make_batch(ModelShape("tiny", 2, 32, 3), 512, DEV)
+    x = model.embed(tokens).detach().requires_grad_()
+    return model, x, tokens, build_context(doc_ids)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])  # A, M with Engram, R
+def test_a_lower_budget_saves_less_and_recomputes_more(tiny, layer):
+    model, x, tokens, ctx = tiny
+    block = model.blocks[layer]
+    full = remat_plan(block, x, tokens, ctx, budget=1.0)
+    low = remat_plan(block, x, tokens, ctx, budget=0.0)
+    assert low.activation_bytes < 0.7 * full.activation_bytes, (block.kind, low.activation_bytes, full.activation_bytes)
+    assert sum(r["count"] for r in low.recomputed) > sum(r["count"] for r in full.recomputed)
+    # inputs and parameters are read by the backward at every budget
+    assert {s["name"] for s in full.saved if s["op"] == "input"} <= {s["name"] for s in low.saved} | {
+        s["name"] for s in full.saved if s["op"] == "input"}
+    for plan in (full, low):
+        assert all(s["bytes"] >= 0 and (s["shape"] is None) == (s["dtype"] == "symint") for s in plan.saved)
+        assert all(r["count"] >= 1 and r["bytes"] >= 0 for r in plan.recomputed)
+
+
+def test_the_scan_outputs_are_saved_at_full_budget(tiny):
+    model, x, tokens, ctx = tiny
+    ops = {s["op"] for s in remat_plan(model.blocks[2], x, tokens, ctx, budget=1.0).saved}
+    assert any("megacpp" in op for op in ops), ops
+
+
+def test_bad_budget_and_no_backward_are_refused(tiny):
+    model, x, tokens, ctx = tiny
+    with pytest.raises(ValueError, match=r"budget must be in \[0, 1\]"):
+        remat_plan(model.blocks[0], x, tokens, ctx, budget=1.5)
+    frozen = x.detach()
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    try:
+        with pytest.raises(ValueError, match="needs no gradient"):
+            remat_plan(model.blocks[0], frozen, tokens, ctx, budget=0.5)
+    finally:
+        for p in model.blocks[0].parameters():
+            p.requires_grad_(True)
