@@ -173,7 +173,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     flags = {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS}
     flags.update(compile=args.compile, tensorboard=args.tensorboard)
-    config = TrainConfig.from_sources(args.config, **flags)
+    config = TrainConfig.build(args.config, **flags)
     result = train(config, progress=not args.quiet, resume=not args.no_resume, stop_after=args.stop_after)
     last = {key: next((r[key] for r in reversed(result.history) if key in r), float("nan"))
             for key in ("train_loss", "val_loss")}  # fmt: skip

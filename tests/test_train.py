@@ -192,19 +192,19 @@ def test_bad_model_shape_fails_before_the_corpus_is_read(tmp_path, monkeypatch):
 def test_config_file_and_flags(tmp_path):
     (tmp_path / "run.toml").write_text('preset = "tiny"\nsteps = 50\nwarmup_steps = 5\nlr = 3e-4\n')
     (tmp_path / "run.json").write_text(json.dumps({"preset": "tiny", "steps": 50, "warmup_steps": 5}))
-    cfg = TrainConfig.from_sources(tmp_path / "run.toml", steps=None, lr=1e-3)  # a flag not given is None
+    cfg = TrainConfig.build(tmp_path / "run.toml", steps=None, lr=1e-3)  # a flag not given is None
     assert (cfg.preset, cfg.steps, cfg.lr) == ("tiny", 50, 1e-3)
-    assert TrainConfig.from_sources(tmp_path / "run.json").steps == 50
+    assert TrainConfig.build(tmp_path / "run.json").steps == 50
     (tmp_path / "bad.toml").write_text("stesp = 5\n")
-    with pytest.raises(ValueError, match=r"unknown field\(s\) \['stesp'\]"):
-        TrainConfig.from_sources(tmp_path / "bad.toml")
+    with pytest.raises(ValueError, match=r"TrainConfig has no field\(s\) \[.stesp.\]"):
+        TrainConfig.build(tmp_path / "bad.toml")
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="cannot be parsed"):
-        TrainConfig.from_sources(tmp_path / "broken.json")
+        TrainConfig.build(tmp_path / "broken.json")
     with pytest.raises(FileNotFoundError, match="no config file"):
-        TrainConfig.from_sources(tmp_path / "missing.toml")
+        TrainConfig.build(tmp_path / "missing.toml")
     with pytest.raises(ValueError, match="TrainConfig.steps must be an int"):
-        TrainConfig.from_sources(tmp_path / "run.toml", steps="many")
+        TrainConfig.build(tmp_path / "run.toml", steps="many")
 
 
 def test_lr_schedule():

@@ -30,14 +30,17 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from megacpp_lab.data import PackedRowStream, load_bpe, load_corpus, next_token_targets, split_by_file, tokenize_files
+from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.model.config import HYBRID_PRESETS, HybridConfig, device_kernels, model_config
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import apply_compile
@@ -70,7 +73,7 @@ RESUME_FREE = ("out_dir", "log_every", "val_every", "ckpt_every", "tensorboard")
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run needs. Frozen, checked on construction (the error names the field);
-    build it from a JSON/TOML file and flags with `TrainConfig.from_sources`."""
+    build it from a JSON/TOML file and flags with `TrainConfig.build`."""
 
     # model: a preset, optionally reshaped
     preset: str = "small"
@@ -155,17 +158,21 @@ class TrainConfig:
             raise fail("out_dir", "a non-empty path")
 
     @classmethod
-    def from_sources(cls, path: str | Path | None = None, **flags: Any) -> TrainConfig:
-        """Fields from a config file (.json or .toml; unknown keys are refused), then the flags that were
-        given (None means not given), else the defaults."""
-        values: dict[str, Any] = {}
-        if path is not None:
-            values = _read_config_file(Path(path))
-            unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+    def build(cls, source: Any = None, **overrides: Any) -> TrainConfig:
+        """The one builder: fields from a source (a .json / .toml file of TrainConfig fields, a mapping, or an
+        object with these attributes), then keyword overrides, else the defaults. Unknown fields are refused,
+        named; an override of None means "not given" (an unset command-line flag)."""
+        if isinstance(source, (str, Path)):
+            path = Path(source)
+            values = _read_config_file(path)
+            unknown = sorted(set(values) - set(cls.__dataclass_fields__))
             if unknown:
-                raise ValueError(f"config file {path}: unknown field(s) {unknown}; the fields are those of TrainConfig")
-        values.update({k: v for k, v in flags.items() if v is not None})
-        return cls(**values)
+                raise ValueError(f"config file {path}: TrainConfig has no field(s) {unknown}")
+            source = SimpleNamespace(**values)
+        elif isinstance(source, Mapping):
+            source = SimpleNamespace(**source)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return build_config(cls, source, given, prefix="train", aliases={}, required=())
 
     def hybrid_config(self, device: str, vocab_size: int) -> HybridConfig:
         """The model's config: the preset with this run's reshaping, the tokenizer's vocab, and scans named
