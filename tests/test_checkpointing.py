@@ -126,20 +126,20 @@ def test_misuse_is_refused():
 TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
 
 
-@pytest.mark.parametrize("kind", ["A", "M", "R"])
-def test_the_budget_reaches_the_partitioner(kind):
-    """One kind per model (3 layers of it): the bytes its compiled blocks save fall as the budget falls. The
-    min-cut partitioner of aot_eager_decomp_partition is inductor's, without the C++ compile."""
+def test_the_budget_reaches_the_partitioner():
+    """apply_ac(compiled=True) then apply_compile: the bytes the compiled blocks hold for the backward fall as the
+    budget falls (3 M layers; the last keeps budget 1.0). The min-cut partitioner of aot_eager_decomp_partition
+    is inductor's, without the C++ compile; tests/test_remat.py reads its decision for every block kind."""
+    kind = "M"
     torch._dynamo.reset()
     counters.clear()
     batch = _batch()
     saved = {}
-    for budget in (1.0, 0.5, 0.0):
+    for budget in (1.0, 0.0):
         torch._dynamo.reset()
         model = _model(pattern=kind, n_layers=3, engram_layers=(), **TRITON)
         apply_ac(model, CheckpointingPolicy.uniform(budget), compiled=True)
         apply_compile(model, backend="aot_eager_decomp_partition")
         saved[budget] = retained_bytes(lambda: model(*batch).loss)
     torch._dynamo.reset()
-    assert saved[1.0] >= saved[0.5] >= saved[0.0], saved
     assert saved[0.0] < 0.8 * saved[1.0], saved

@@ -185,7 +185,8 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
                      docs: int | None = None, wait: int | None = None, warmup: int | None = None,
                      active: int | None = None, compiled: bool = True, optimizer: bool = True,
                      device: str | None = None, out: str | Path | None = None, small: bool = False,
-                     inductor_caches: bool = False, seed: int = 0, progress: bool = True) -> dict[str, Path]:  # fmt: skip
+                     inductor_caches: bool = False, backend: str = "inductor", seed: int = 0,
+                     progress: bool = True) -> dict[str, Path]:  # fmt: skip
     """Profile the training step and write trace, receipt and plot; returns {'receipt', 'trace', 'plot'}.
 
     Arguments left None take FULL's values (base, B=4, T=4096, 8 documents per row, schedule wait 1, warmup 2,
@@ -195,7 +196,9 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     kernels under the interpreter (the reference loops are compiler-disabled), eager CPU runs take
     model_config's chunked SSD and M2RNN reference loop. device: default 'cuda' when there is one, else 'cpu'
     for a small run (a full-size run needs a GPU). out: the receipt root (default profiles/, with small=True
-    build/bench-small/). inductor_caches=False disables inductor's on-disk caches, so the first step is a
+    build/bench-small/). backend: the compiler of the regions (inductor; a CPU test may take dynamo's aot_eager,
+    whose graphs, breaks, recompiles and compile records are the same, without inductor's C++ compile).
+    inductor_caches=False disables inductor's on-disk caches, so the first step is a
     truly cold compile; True lets them serve it (the receipt counts the cache hits). The run resets dynamo
     (every compiled graph of this process), so that the first step compiles from nothing.
     """
@@ -238,7 +241,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     clear_compilation_metrics()
     structures = list(block_structures(lm).items())  # in block order: the order dynamo compiles them
     if compiled:
-        apply_compile(model)
+        apply_compile(model, backend=backend)
     name = f"profile_{preset}_{'compiled' if compiled else 'eager'}"
     slug = device_slug(device_name(device))
     trace_dir = root / slug / SUBSYSTEM
@@ -332,7 +335,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
             # here is what matters, graphs compiled after the first step (a batch broke a guard)
             "recompiles": stats.graphs - after_first.graphs,
             "block_structures": [{"structure": list(s), "blocks": n} for s, n in structures],
-            **records, "first_step_s": first_s, "inductor_caches": "enabled" if inductor_caches else "disabled",
+            **records, "first_step_s": first_s, "backend": backend, "inductor_caches": "enabled" if inductor_caches else "disabled",
             "cache_counters": {k: int(v) for g in ("inductor", "aot_autograd")
                                for k, v in counters[g].items() if "cache" in k},
         }  # fmt: skip
