@@ -369,14 +369,12 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
 
 def _plot(receipt: dict[str, Any], path: Path) -> Path:
     """Per-kind share of the step beside the top kernels (time per step)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
 
     from megacpp_lab.plots import save_figure
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5))
+    fig = Figure(figsize=(14, 4.5))
+    left, right = fig.subplots(1, 2)
     split = receipt["block_time"]
     share = {**split["share_of_step"], "unaccounted": split["unaccounted_share_of_step"]}
     keys = sorted(share, key=lambda k: -share[k])

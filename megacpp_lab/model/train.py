@@ -572,12 +572,10 @@ def train(config: TrainConfig, *, progress: bool = True, resume: bool = True, st
 
 def plot_history(history: list[dict[str, float]], path: str | Path, *, title: str = "") -> Path:
     """Train and validation loss against the step, as a PNG."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig = Figure(figsize=(6.4, 3.6))
+    ax = fig.subplots()
     for key, style in (("train_loss", "-"), ("val_loss", "o-")):
         rows = [r for r in history if key in r]
         if rows:
@@ -587,5 +585,4 @@ def plot_history(history: list[dict[str, float]], path: str | Path, *, title: st
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return Path(path)
