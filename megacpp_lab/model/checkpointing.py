@@ -24,7 +24,9 @@ Eager, a budget is refused (nothing would read it).
 
 The last layer is never checkpointed (last_layer="never", the only value): its activations are the first the
 backward consumes, so recomputing them frees nothing and costs a forward. offload=True keeps the saved tensors
-of every non-checkpointed block in pinned CPU memory (torch.autograd.graph.save_on_cpu).
+of every non-checkpointed block in pinned CPU memory (torch.autograd.graph.save_on_cpu). compact_rank=r swaps
+each MLP's up projection for a CompactLinear (nn/compact_linear.py): it saves a rank-r random projection of its
+d_model-wide input and reconstructs an approximate, unbiased weight gradient (eager, opt-in).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from megacpp_lab.nn.compact_linear import CompactLinear
 
 __all__ = ["AC_ATTR", "BUDGET_ATTR", "CheckpointingPolicy", "apply_ac", "block_budget"]
 
@@ -71,6 +75,7 @@ class CheckpointingPolicy:
     cblock: Entry = "none"
     last_layer: str = "never"
     offload: bool = False
+    compact_rank: int | None = None  # the MLPs save a rank-r random projection of their inputs (eager; opt-in)
 
     def __post_init__(self) -> None:
         for kind in KINDS:
@@ -80,6 +85,9 @@ class CheckpointingPolicy:
                              f"first the backward reads: checkpointing it only adds a forward), got {self.last_layer!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"CheckpointingPolicy.offload must be a bool, got {self.offload!r}")
+        rank = self.compact_rank
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+            raise ValueError(f"CheckpointingPolicy.compact_rank must be an int >= 1 or None, got {rank!r}")
 
     @classmethod
     def uniform(cls, entry: Entry, **overrides: Any) -> CheckpointingPolicy:
@@ -146,6 +154,12 @@ def apply_ac(model: nn.Module, policy: CheckpointingPolicy, *, compiled: bool = 
     if any(hasattr(m, AC_ATTR) or hasattr(m, BUDGET_ATTR) for m in lm.modules()):
         raise ValueError("apply_ac was already applied to this model: apply it once, to a fresh model")
     entries = policy.entries()
+    if compiled and policy.compact_rank is not None:
+        raise ValueError("CheckpointingPolicy.compact_rank is eager-only (its projection is drawn per call); under "
+                         "regional compile the budget is the single authority")
+    if policy.compact_rank is not None and policy.compact_rank > lm.config.d_model:
+        raise ValueError(f"CheckpointingPolicy.compact_rank must be at most d_model={lm.config.d_model}, "
+                         f"got {policy.compact_rank}")  # fmt: skip
     for kind, entry in entries.items():  # everything checked before any block changes
         if compiled and isinstance(entry, tuple):
             raise ValueError(f"CheckpointingPolicy.{kind} is an op list, which only the eager path applies; under "
@@ -164,7 +178,9 @@ def apply_ac(model: nn.Module, policy: CheckpointingPolicy, *, compiled: bool = 
             setattr(block, BUDGET_ATTR, 1.0 if i == last else float(budget))
             continue
         if i == last:
-            continue  # never checkpointed
+            continue  # never checkpointed, never compacted
+        if policy.compact_rank is not None:  # the MLP's up projection (its input: d_model wide)
+            block.mlp.w_gate_up = CompactLinear(block.mlp.w_gate_up, policy.compact_rank, seed=i)
         if entry != "none":
             _wrap(block, entry)
             continue
