@@ -41,7 +41,7 @@ from torch import nn
 
 from megacpp_lab.data import PackedRowStream, load_bpe, load_corpus, next_token_targets, split_by_file, tokenize_files
 from megacpp_lab.nn.config_builder import build_config
-from megacpp_lab.model.config import HYBRID_PRESETS, HybridConfig, device_kernels, model_config
+from megacpp_lab.model.config import HYBRID_PRESETS, HybridConfig, model_config
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import apply_compile
 from megacpp_lab.model.precision import apply_mixed_precision
