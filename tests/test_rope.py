@@ -363,3 +363,56 @@ def test_cuda_real_shapes(dtype: torch.dtype) -> None:
     c2, s2 = (t.cuda() for t in rope_cos_sin(T, 128))
     for got, want in zip(rope_qk_(qg.clone(), kg.clone(), c2, s2), rope_qk_reference(qg, kg, c2, s2)):
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_count_search_width_buckets() -> None:
+    from megacpp_lab.kernels.rope import COUNT_SEARCH_MAX_DOCS, COUNT_SEARCH_WIDTHS, count_search_width
+
+    assert [count_search_width(n) for n in (1, 2, 16, 17, 128, 129, 512, 513, COUNT_SEARCH_MAX_DOCS)] == \
+        [16, 16, 16, 128, 128, 512, 512, 512, 512]  # fmt: skip
+    assert {count_search_width(n) for n in range(1, COUNT_SEARCH_MAX_DOCS + 1)} == set(COUNT_SEARCH_WIDTHS)
+
+
+@pytest.mark.parametrize("n_docs", [1, 16, 17, 40])
+def test_thd_positions_at_width_bucket_edges(n_docs: int) -> None:
+    # a width larger than the document count: the masked lanes must not count as starts
+    N, H, dn, dr = 48, 2, 4, 8
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(64, dr))
+    bounds = torch.linspace(0, N, n_docs + 1).round().to(torch.int32)
+    cu = torch.unique(bounds).to(DEV) if n_docs <= N else bounds.to(DEV)
+    x = torch.randn(N, H, dn + dr, device=DEV)
+    want = mla_rope_q_reference(x, cos, sin, dn, cu_seqlens=cu)
+    torch.testing.assert_close(mla_rope_q_(x.clone(), cos, sin, dn, cu_seqlens=cu), want, atol=1e-5, rtol=1e-5)
+
+
+def _compiled_binaries(kernels) -> int:
+    device = torch.cuda.current_device()
+    return sum(len(k.fn.device_caches[device][0]) for k in kernels)
+
+
+@pytest.mark.cuda
+def test_cuda_new_document_counts_compile_nothing() -> None:
+    # tripwire: each batch's document count used to be an int Triton specialises on (== 1, % 16) and a
+    # constexpr width per power of two, so a training run recompiled the RoPE kernels on most new batches
+    from megacpp_lab.kernels.rope import mla_rope_kv_bwd_kernel, mla_rope_kv_fwd_kernel, mla_rope_q_kernel
+
+    kernels = (mla_rope_q_kernel, mla_rope_kv_fwd_kernel, mla_rope_kv_bwd_kernel)
+    T, H, dn, dr, dv = 4096, 4, 128, 64, 128
+    cos, sin = (t.cuda() for t in rope_cos_sin(T, dr))
+
+    def step(n_docs: int) -> None:
+        cu = torch.linspace(0, T, n_docs + 1, device="cuda").round().to(torch.int32)
+        q = torch.randn(T, H, dn + dr, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(T, H, dn + dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        pe = torch.randn(T, dr, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        mla_rope_q_(q, cos, sin, dn, cu_seqlens=cu)
+        key, value = mla_rope_kv(kv, pe, cos, sin, dn, cu_seqlens=cu)
+        (key.float().sum() + value.float().sum()).backward()
+
+    for n_docs in (32, 100, 300):  # one per width bucket (autotuning compiles every config once)
+        step(n_docs)
+    before = _compiled_binaries(kernels)
+    for n_docs in (1, 2, 7, 16, 17, 28, 48, 60, 64, 127, 128, 129, 500, 512):
+        step(n_docs)
+    torch.cuda.synchronize()
+    assert _compiled_binaries(kernels) == before

@@ -51,7 +51,10 @@ from megacpp_lab.varlen import PackedContext
 
 __all__ = [
     "COUNT_SEARCH_MAX_DOCS",
+    "COUNT_SEARCH_WIDTHS",
+    "DOC_COUNT_ARGS",
     "ROPE_GROUP_SIZE",
+    "count_search_width",
     "mla_rope_kv",
     "mla_rope_kv_bwd_kernel",
     "mla_rope_kv_bwd_op",
@@ -130,6 +133,19 @@ def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
 
 # ----------------------------------------------------------------------------- kernels
 
+# Every batch has another number of documents. Triton would compile a new binary per value class of an int
+# argument (== 1, divisible by 16) and per constexpr, so a training run with varying document counts paid a
+# compile (~0.25 s per kernel) on most new counts. n_seqs is left unspecialised and the count width is one of
+# three buckets: at most 3 binaries per kernel and mode for any number of documents up to COUNT_SEARCH_MAX_DOCS.
+DOC_COUNT_ARGS = ("n_seqs",)
+COUNT_SEARCH_WIDTHS = (16, 128, 512)
+
+
+def count_search_width(n_seqs: int) -> int:
+    """The vector width with which the thd kernels count document starts: the smallest bucket >= n_seqs."""
+    return next((w for w in COUNT_SEARCH_WIDTHS if n_seqs <= w), COUNT_SEARCH_WIDTHS[-1])
+
+
 
 @triton.jit
 def _token_position(n, pos_ptr, cu_ptr, n_seqs, seq_len, POS_MODE: tl.constexpr, SEARCH: tl.constexpr):
@@ -170,7 +186,7 @@ def _head_configs() -> list[triton.Config]:
 
 
 @triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_ROPE", "POS_MODE"], restore_value=["x_ptr"])
-@triton.jit
+@triton.jit(do_not_specialize=DOC_COUNT_ARGS)
 def mla_rope_q_kernel(
     x_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, n_seqs, seq_len, stride_n, stride_h, H,
     D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr, SEARCH: tl.constexpr,
@@ -203,7 +219,7 @@ def _kv_fwd_configs() -> list[triton.Config]:
 
 
 @triton.autotune(configs=_kv_fwd_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
-@triton.jit
+@triton.jit(do_not_specialize=DOC_COUNT_ARGS)
 def mla_rope_kv_fwd_kernel(
     kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, N, n_seqs, seq_len, stride_kpe, H,
     D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
@@ -238,7 +254,7 @@ def mla_rope_kv_fwd_kernel(
 
 
 @triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
-@triton.jit
+@triton.jit(do_not_specialize=DOC_COUNT_ARGS)
 def mla_rope_kv_bwd_kernel(
     dk_ptr, dv_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, dkv_ptr, dkpe_ptr, n_seqs, seq_len, H,
     D_NOPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, POS_MODE: tl.constexpr,
@@ -276,7 +292,7 @@ def mla_rope_kv_bwd_kernel(
     key=["N_HEADS_Q", "N_HEADS_K", "D", "ROPE_GROUP_SIZE", "POS_MODE"],
     restore_value=["q_ptr", "k_ptr"],
 )
-@triton.jit
+@triton.jit(do_not_specialize=DOC_COUNT_ARGS)
 def rope_qk_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, n_seqs, seq_len,
     N_HEADS_Q: tl.constexpr, N_HEADS_K: tl.constexpr, D: tl.constexpr, ROPE_GROUP_SIZE: tl.constexpr,
@@ -373,7 +389,7 @@ def _pos_args(n_tokens: int, seq_len: int | None, positions: torch.Tensor | None
             _check_cu_seqlens_values(cu, n_tokens, table_len)
         n_seqs = cu.numel() - 1
         if n_seqs <= COUNT_SEARCH_MAX_DOCS:
-            return 1, cu, cu, n_seqs, 1, min(triton.next_power_of_2(max(n_seqs, 2)), 512)
+            return 1, cu, cu, n_seqs, 1, count_search_width(n_seqs)
         return 3, cu, cu, n_seqs, 1, (n_seqs - 1).bit_length()
     if seq_len is None:
         raise ValueError("a packed [N, H, D] input needs cu_seqlens or positions, or ctx (bthd inputs are [B, T, H, D])")
