@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from megacpp_lab import receipts
-from megacpp_lab.bench.profile import SMALL, _doc_counts, profile_training
+from megacpp_lab.bench.profile import SMALL, _compile_records, _doc_counts, profile_training
 
 
 def _run(out: Path, **kw: Any) -> tuple[dict[str, Path], dict[str, Any]]:
@@ -102,6 +102,26 @@ def test_bad_arguments_fail_closed_naming_the_argument_before_any_work(tmp_path,
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         profile_training(out=tmp_path, small=True, progress=False, **kw)
     assert not any(tmp_path.iterdir())
+
+
+def test_compile_records_keep_runtime_records_out_of_the_regions():
+    """torch 2.11 on a GPU logs a runtime record per compile id (lazy kernel compiles at the first call) beside
+    the frame compile: it once counted as a region, so the regions lost their block structures."""
+    from types import SimpleNamespace as R
+
+    structures = [(("A",), 3), (("M", "engram"), 3)]
+    first = [R(compile_id="0/0", is_forward=True, entire_frame_compile_time_s=8.0, graph_op_count=38),
+             R(compile_id="0/0", is_forward=True, is_runtime=True, duration_us=100_000),
+             R(compile_id="0/0", is_forward=False, backward_cumulative_compile_time_us=500_000),
+             R(compile_id="1/0", is_forward=True, entire_frame_compile_time_s=16.0, graph_op_count=195),
+             R(compile_id="1/0", is_forward=True, is_runtime=True, duration_us=900_000)]  # fmt: skip
+    later = [R(compile_id="1/0", is_forward=False, is_runtime=True, duration_us=5_000)]
+    rec = _compile_records(structures, len(first), first + later)
+    assert [(r["structure"], r["blocks"]) for r in rec["per_region"]] == [(["A"], 3), (["M", "engram"], 3)]
+    a, m = rec["per_region"]
+    assert (a["forward_s"], a["backward_s"], a["runtime_s"]) == (8.0, 0.5, 0.1)
+    assert math.isclose(a["cold_compile_s"], 8.6) and math.isclose(m["cold_compile_s"], 16.9)
+    assert rec["compiled_later"] == []  # a runtime record after the first step is no recompile
 
 
 def test_doc_counts_vary_around_docs_within_the_row():

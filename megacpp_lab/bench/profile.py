@@ -103,12 +103,16 @@ def _check(preset: str, batch: int, seq_len: int, docs: int, wait: int, warmup: 
         raise ValueError(f"docs (documents per row) must be at most seq_len={seq_len}, got {docs}")
 
 
-def _compile_records(structures: list[tuple[tuple[str, ...], int]], n_first: int) -> dict[str, Any]:
+def _compile_records(structures: list[tuple[tuple[str, ...], int]], n_first: int,
+                     metrics: list[Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Cold compile per region from dynamo's CompilationMetrics (torch._dynamo.utils.get_compilation_metrics,
     on torch 2.11 and 2.13): one forward frame compile per block structure (the k-th is the k-th structure
     in block order: they are compiled as the forward first reaches them), plus the lazily compiled backward
     of the same compile id where it is logged on its own (when AOTAutograd compiled it with the forward, the
-    forward's time holds it). n_first: how many records the first step left; later ones are recompiles."""
+    forward's time holds it), plus the runtime records of that id (kernels compiled or autotuned lazily at
+    the first call; torch 2.11 logs them on a GPU). n_first: how many records the first step left; later
+    ones are recompiles.
+    metrics: dynamo's records (default: get_compilation_metrics())."""
     from torch._dynamo.utils import get_compilation_metrics
 
     def seconds(m: Any, *keys: str) -> float | None:
@@ -118,13 +122,20 @@ def _compile_records(structures: list[tuple[tuple[str, ...], int]], n_first: int
                 return float(value) / (1e6 if key.endswith("_us") else 1.0)
         return None
 
-    metrics = get_compilation_metrics()
+    metrics = get_compilation_metrics() if metrics is None else metrics
 
     def forward(ms: list[Any]) -> list[Any]:
-        return [m for m in ms if getattr(m, "is_forward", True) is not False]
+        # frame compiles only: not the lazily compiled backward, nor a runtime record (torch 2.11 logs one per
+        # compile id when the first call autotunes or lowers at run time, with no graph of its own)
+        return [m for m in ms if getattr(m, "is_forward", True) is not False and getattr(m, "is_runtime", None) is not True]
 
     cold, late = forward(metrics[:n_first]), forward(metrics[n_first:])
-    backward = {str(m.compile_id): m for m in metrics if getattr(m, "is_forward", True) is False}
+    backward = {str(m.compile_id): m for m in metrics
+                if getattr(m, "is_forward", True) is False and getattr(m, "is_runtime", None) is not True}  # fmt: skip
+    runtime: dict[str, float] = {}  # lazy kernel compiles and autotuning at the first call, per compile id
+    for m in metrics[:n_first]:
+        if getattr(m, "is_runtime", None) is True:
+            runtime[str(m.compile_id)] = runtime.get(str(m.compile_id), 0.0) + (seconds(m, "duration_us") or 0.0)
     if not cold:
         raise RuntimeError("compiled=True, but torch._dynamo.utils.get_compilation_metrics() recorded no compile in "
                            "the first step: cannot report cold compile times")  # fmt: skip
@@ -137,13 +148,15 @@ def _compile_records(structures: list[tuple[tuple[str, ...], int]], n_first: int
             raise RuntimeError(f"dynamo's record of compile {m.compile_id} holds no compile time")
         structure, blocks = structures[i] if len(cold) == len(structures) else (None, None)
         regions.append({"compile_id": str(m.compile_id), "structure": list(structure) if structure else None,
-                        "blocks": blocks, "forward_s": fwd, "backward_s": bwd, "cold_compile_s": fwd + (bwd or 0.0),
+                        "blocks": blocks, "forward_s": fwd, "backward_s": bwd, "runtime_s": runtime.get(str(m.compile_id)),
+                        "cold_compile_s": fwd + (bwd or 0.0) + runtime.get(str(m.compile_id), 0.0),
                         "graph_ops": getattr(m, "graph_op_count", None)})  # fmt: skip
     return {"per_region": regions, "cold_compile_s": sum(r["cold_compile_s"] for r in regions),
             "compiled_later": [{"compile_id": str(m.compile_id), "reason": getattr(m, "recompile_reason", None)}
                                for m in late],
             "source": "torch._dynamo.utils.get_compilation_metrics(): entire_frame_compile_time_s per forward frame "
-                      "compile, backward_cumulative_compile_time_us per lazily compiled backward"}  # fmt: skip
+                      "compile, backward_cumulative_compile_time_us per lazily compiled backward, duration_us of "
+                      "the runtime records (lazy kernel compiles at the first call)"}  # fmt: skip
 
 
 def _self_time(trace: Path, category: str) -> list[dict[str, Any]]:

@@ -234,3 +234,25 @@ def load_sample(data_dir: str | Path | None = None, *, tokenizer: str = "byte") 
     blob = torch.load(path, weights_only=True)
     batch = PackedBatch.from_doc_ids(blob["tokens"].to(torch.int64), blob["doc_ids"].to(torch.int64))
     return PackedRows(batch=batch, segments=blob["segments"]), fields
+
+
+def write_sample_corpus(out_dir: str | Path, data_dir: str | Path | None = None) -> Path:
+    """Write the committed byte sample's source documents back as C++ files under out_dir (their relative
+    paths from the manifest), and return out_dir: a small real corpus pinned by the manifest's sha256, the
+    same on every machine, where the installed torch's headers differ between torch versions."""
+    rows, manifest = load_sample(data_dir, tokenizer="byte")
+    tokens, files = rows.batch.tokens, manifest["files"]
+    parts: dict[int, list[tuple[int, bytes]]] = {}
+    for row, start, length, source, offset in rows.segments.tolist():
+        if source < 0:
+            continue
+        ids = tokens[row, start : start + length].tolist()
+        parts.setdefault(source, []).append((offset, bytes(t for t in ids if t < 256)))  # drop bos/eos/pad
+    out = Path(out_dir)
+    for source, pieces in sorted(parts.items()):
+        if not 0 <= source < len(files):
+            raise ValueError(f"segment source {source} is not a file of the manifest ({len(files)} files)")
+        path = out / files[source]["path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"".join(piece for _, piece in sorted(pieces)))
+    return out
