@@ -1,0 +1,272 @@
+"""`megacpp-lab memory sweep`: activation memory against step time, one run, every point on a fresh model.
+
+Points: the regionally compiled model at global activation_memory_budgets from 1.0 down to 0.0, per-block-kind
+budgets, and the eager model under the manual policies (none, full, a save list) and with CPU offload. Each
+point measures, on the same fixed batch:
+- activation_mib: what the forward leaves allocated for the backward (memory after the forward minus before
+  it, on the GPU allocator): the activation memory at its peak, the fwd/bwd boundary;
+- peak_step_mib: the step's max_memory_allocated minus what was allocated before it (gradients included);
+- saved_tensor_mib_by_kind: the bytes autograd's saved-tensor hooks see per block kind (each storage once);
+  a checkpointed region hides its inner saves from them, so on the GPU retained_mib_by_kind (the allocator's
+  delta over each block's forward, its output included) is the one to compare across policies;
+- ms: the median fwd+bwd step (CUDA events).
+The summary holds the bar (budget 0.3 against 1.0: activation memory -40% or more, step time +25% or less), the
+Pareto front over the compiled points and whether a per-kind point beats every global one at its memory, and
+whether the peak falls monotonically as the budget falls (it need not: the partitioner's choices are discrete).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megacpp_lab.bench import bench_device, output_root
+from megacpp_lab.bench.compile import SMALL_COMPILE_SHAPE, _config, _reset, _sync
+from megacpp_lab.bench.model import TrainingStep, ModelShape, build_model, make_batch
+from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
+from megacpp_lab.model.parallelize import apply_compile, compile_stats
+from megacpp_lab.profiling import step_times_ms
+from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
+from megacpp_lab.varlen import build_context
+
+__all__ = ["MemoryPoint", "run", "sweep_points", "memory_sweep"]
+
+FULL_SHAPE = ModelShape("base", B=4, T=4096, docs=8)
+GLOBAL_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)  # each point compiles the base model's 4 structures
+SMALL_BUDGETS = (1.0, 0.0)
+# per-kind candidates: spend recompute where a block kind's saved bytes are cheap to rebuild
+PER_KIND = (dict(A=1.0, M=0.3, R=0.3), dict(A=0.3, M=0.3, R=1.0), dict(A=1.0, M=0.1, R=0.5))
+# eager save list: keep the matmuls' and attention's outputs (and the megacpp scans, always), recompute the rest
+SAVE_LIST = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")
+BAR = {"budget": 0.3, "activation_cut_at_least": 0.40, "step_cost_at_most": 0.25}
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """One sweep point: a name, how the model runs (compiled or eager) and the policy."""
+
+    name: str
+    compiled: bool
+    policy: CheckpointingPolicy
+    family: str  # "global", "per-kind" or "eager"
+
+
+def sweep_points(small: bool = False) -> list[MemoryPoint]:
+    budgets = SMALL_BUDGETS if small else GLOBAL_BUDGETS
+    points = [MemoryPoint(f"budget {b:.1f}", True, CheckpointingPolicy.uniform(b), "global") for b in budgets]
+    for kw in PER_KIND[:1] if small else PER_KIND:
+        name = "per-kind " + " ".join(f"{k}={v:.1f}" for k, v in kw.items())
+        # engram / cblock stay "none": a block with a branch then takes its kind's budget
+        points.append(MemoryPoint(name, True, CheckpointingPolicy(**kw), "per-kind"))
+    eager = [("eager none", CheckpointingPolicy()), ("eager full", CheckpointingPolicy.uniform("full")),
+             ("eager save list", CheckpointingPolicy.uniform(SAVE_LIST)),
+             ("eager none + CPU offload", CheckpointingPolicy(offload=True))]  # fmt: skip
+    points += [MemoryPoint(n, False, p, "eager") for n, p in (eager[:2] if small else eager)]
+    return points
+
+
+@contextmanager
+def _block_accounting(blocks: list[nn.Module], device: str) -> Iterator[dict[str, dict[str, int]]]:
+    """Per block kind: saved-tensor bytes (hooks; each storage once) and, on a GPU, the allocator's delta over
+    each block's forward. Filled while the context is open."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    acc: dict[str, dict[str, int]] = {"saved": {}, "retained": {}}
+    current: list[str] = []
+    seen: set[Any] = set()
+    start: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current and not (t.is_leaf and t.requires_grad):
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref not in seen:
+                seen.add(ref)
+                acc["saved"][current[-1]] = acc["saved"].get(current[-1], 0) + t.untyped_storage().nbytes()
+        return t
+
+    def pre(i: int, kind: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            current.append(kind)
+            if device == "cuda":
+                start[i] = torch.cuda.memory_allocated()
+        return hook
+
+    def post(i: int, kind: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            current.pop()
+            if device == "cuda":
+                acc["retained"][kind] = acc["retained"].get(kind, 0) + torch.cuda.memory_allocated() - start[i]
+        return hook
+
+    handles = []
+    for i, block in enumerate(blocks):
+        handles += [block.register_forward_pre_hook(pre(i, block.kind)), block.register_forward_hook(post(i, block.kind))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield acc
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _measure(point: MemoryPoint, shape: ModelShape, device: str, *, steps: int, warmup: int, backend: str,
+             ) -> dict[str, Any]:  # fmt: skip
+    _reset()
+    config = _config(shape.preset, device)
+    model = build_model(config, device)
+    apply_ac(model, point.policy, compiled=point.compiled)
+    if point.compiled:
+        apply_compile(model, backend=backend)
+    tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=config.lm_head.ignore_index)
+    ctx = build_context(doc_ids)
+    step = TrainingStep(model, tokens, ctx, targets)
+    t0 = time.perf_counter()
+    step()  # compiles (compiled points) and autotunes
+    _sync(device)
+    first_s = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    mib = 2**20
+    row: dict[str, Any] = {"contender": point.name, "family": point.family, "compiled": point.compiled,
+                           "policy": {k: (list(v) if isinstance(v, tuple) else v) for k, v in point.policy.entries().items()},
+                           "offload": point.policy.offload, "first_step_s": first_s}  # fmt: skip
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    with _block_accounting(list(model.blocks), device) as acc:
+        loss = model(tokens, ctx, targets).loss
+    if device == "cuda":
+        row["activation_mib"] = (torch.cuda.memory_allocated() - before) / mib
+    loss.backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        row["peak_step_mib"] = (torch.cuda.max_memory_allocated() - before) / mib
+        row["retained_mib_by_kind"] = {k: v / mib for k, v in sorted(acc["retained"].items())}
+    row["saved_tensor_mib_by_kind"] = {k: v / mib for k, v in sorted(acc["saved"].items())}
+    row["saved_tensor_mib"] = sum(acc["saved"].values()) / mib
+    del loss
+    samples = sorted(step_times_ms(step, warmup=warmup, steps=steps, device=device))
+    row.update(ms=statistics.median(samples), ms_min=samples[0], ms_max=samples[-1], steps=steps)
+    if point.compiled:
+        stats = compile_stats()
+        row.update(graphs=stats.graphs, graph_breaks=stats.graph_breaks)
+    del step, model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _pareto(rows: list[dict[str, Any]], memory_key: str) -> list[str]:
+    """Names of the points no other point beats on both memory and time."""
+    front = []
+    for r in rows:
+        if not any(o is not r and o[memory_key] <= r[memory_key] and o["ms"] <= r["ms"]
+                   and (o[memory_key] < r[memory_key] or o["ms"] < r["ms"]) for o in rows):  # fmt: skip
+            front.append(r["contender"])
+    return front
+
+
+def summarize(rows: list[dict[str, Any]], memory_key: str) -> dict[str, Any]:
+    """The bar, the Pareto front over the compiled points, per-kind against global, and the monotonicity check."""
+    compiled = [r for r in rows if r["compiled"]]
+    glob = {r["contender"]: r for r in compiled if r["family"] == "global"}
+    summary: dict[str, Any] = {"memory_key": memory_key, "pareto_compiled": _pareto(compiled, memory_key)}
+    top, cut = glob.get("budget 1.0"), glob.get(f"budget {BAR['budget']:.1f}")
+    if top and cut:
+        reduction = 1 - cut[memory_key] / top[memory_key]
+        cost = cut["ms"] / top["ms"] - 1
+        summary["budget_0.3_vs_1.0"] = {"memory_reduction": reduction, "step_cost": cost}
+        summary["bar"] = {
+            f"budget 0.3 cuts activation memory >= 40% vs 1.0": reduction >= BAR["activation_cut_at_least"],
+            f"its step-time cost <= 25%": cost <= BAR["step_cost_at_most"],
+        }  # fmt: skip
+    per_kind = [r for r in compiled if r["family"] == "per-kind"]
+    beats = []
+    for p in per_kind:  # a global point using at least as much memory but slower
+        for g in glob.values():
+            if g[memory_key] >= p[memory_key] and g["ms"] > p["ms"]:
+                beats.append({"per_kind": p["contender"], "global": g["contender"],
+                              "memory": [p[memory_key], g[memory_key]], "ms": [p["ms"], g["ms"]]})  # fmt: skip
+    summary["per_kind_beats_global"] = beats
+    if "bar" in summary:
+        summary["bar"]["a per-kind policy beats a global budget at the same or lower memory"] = bool(beats)
+    ordered = [glob[k] for k in sorted(glob, key=lambda k: -float(k.split()[1]))]
+    values = [r[memory_key] for r in ordered]
+    summary["memory_monotonic_in_budget"] = all(a >= b for a, b in zip(values, values[1:]))
+    summary["memory_by_budget"] = {r["contender"]: r[memory_key] for r in ordered}
+    return summary
+
+
+def plot(rows: list[dict[str, Any]], summary: dict[str, Any], title: str) -> Any:
+    from matplotlib.figure import Figure
+
+    key = summary["memory_key"]
+    fig = Figure(figsize=(11, 4.5))
+    ax, bx = fig.subplots(1, 2)
+    styles = {"global": ("o-", "C0"), "per-kind": ("s", "C2"), "eager": ("^", "C3")}
+    for family, (marker, color) in styles.items():
+        pts = [r for r in rows if r["family"] == family]
+        if family == "global":
+            pts = sorted(pts, key=lambda r: r["ms"])
+        ax.plot([r["ms"] for r in pts], [r[key] for r in pts], marker, color=color, label=family)
+        for r in pts:
+            ax.annotate(r["contender"].replace("budget ", "").replace("per-kind ", ""), (r["ms"], r[key]),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    front = [r for r in rows if r["contender"] in summary["pareto_compiled"]]
+    front.sort(key=lambda r: r["ms"])
+    ax.step([r["ms"] for r in front], [r[key] for r in front], where="post", color="0.5", lw=0.8, label="Pareto (compiled)")
+    ax.set(xlabel="fwd+bwd step (ms)", ylabel=key.replace("_", " "), title="memory against time")
+    ax.legend(fontsize=8)
+    glob = sorted((r for r in rows if r["family"] == "global"), key=lambda r: -float(r["contender"].split()[1]))
+    bx.plot([float(r["contender"].split()[1]) for r in glob], [r[key] for r in glob], "o-", label=key)
+    if glob and "peak_step_mib" in glob[0]:
+        bx.plot([float(r["contender"].split()[1]) for r in glob], [r["peak_step_mib"] for r in glob], "s--", label="peak_step_mib")
+    bx.invert_xaxis()
+    bx.set(xlabel="activation_memory_budget (global)", ylabel="MiB", title="memory against the budget")
+    bx.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def memory_sweep(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", small: bool = False, steps: int = 8,
+                 warmup: int = 2, backend: str = "inductor", progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    points = sweep_points(small)
+    rows = []
+    from tqdm.auto import tqdm
+
+    for point in tqdm(points, desc="memory sweep", unit="point", disable=not progress):
+        rows.append(_measure(point, shape, device, steps=steps, warmup=warmup, backend=backend))
+    memory_key = "activation_mib" if device == "cuda" else "saved_tensor_mib"
+    receipt = make_receipt(
+        "memory_sweep", "memory", device=device, dtype="bfloat16" if device == "cuda" else "float32",
+        shape={"preset": shape.preset, "B": shape.B, "T": shape.T, "docs": shape.docs}, results=rows,
+    )  # fmt: skip
+    receipt["summary"] = summarize(rows, memory_key)
+    receipt["backend"] = backend
+    receipt["notes"] = __doc__.split("\n\n", 1)[1].strip()
+    return receipt
+
+
+def run(out_root: str | Path | None = None, *, small: bool = False, progress: bool = True) -> list[Path]:
+    device = bench_device("memory sweep", small)
+    root = output_root(out_root, small)
+    start = time.perf_counter()
+    shape = SMALL_COMPILE_SHAPE if small else FULL_SHAPE
+    receipt = memory_sweep(shape, device=device, small=small, steps=1 if small else 8, warmup=0 if small else 2,
+                           backend="aot_eager_decomp_partition" if small else "inductor", progress=progress)  # fmt: skip
+    receipt["elapsed_s"] = time.perf_counter() - start
+    path = write_receipt(receipt, root)
+    fig = plot(receipt["results"], receipt["summary"],
+               f"{device_name(device)}: {shape.preset} B={shape.B} T={shape.T}, {receipt['dtype']}")  # fmt: skip
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    return [path, png]
