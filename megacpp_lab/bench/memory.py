@@ -141,7 +141,7 @@ def _measure(point: MemoryPoint, shape: ModelShape, device: str, *, steps: int, 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if device == "cuda" else 0
-    with _block_accounting(list(model.blocks), device) as acc:
+    with _block_accounting(list(getattr(model, "module", model).blocks), device) as acc:  # under MixedPrecision
         loss = model(tokens, ctx, targets).loss
     if device == "cuda":
         row["activation_mib"] = (torch.cuda.memory_allocated() - before) / mib
