@@ -238,13 +238,20 @@ def plot(rows: list[dict[str, Any]], summary: dict[str, Any], title: str) -> Any
 
 
 def memory_sweep(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", small: bool = False, steps: int = 8,
-                 warmup: int = 2, backend: str = "inductor", progress: bool = True) -> dict[str, Any]:  # fmt: skip
-    points = sweep_points(small)
-    rows = []
+                 warmup: int = 2, backend: str = "inductor", progress: bool = True,
+                 partial: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Every point of sweep_points(small); partial: a file rewritten with the rows so far after each point (a
+    run cut off keeps what it measured; not a receipt)."""
+    import json
+
     from tqdm.auto import tqdm
 
-    for point in tqdm(points, desc="memory sweep", unit="point", disable=not progress):
+    rows = []
+    for point in tqdm(sweep_points(small), desc="memory sweep", unit="point", disable=not progress):
         rows.append(_measure(point, shape, device, steps=steps, warmup=warmup, backend=backend))
+        if partial is not None:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(rows, indent=1) + "\n")
     memory_key = "activation_mib" if device == "cuda" else "saved_tensor_mib"
     receipt = make_receipt(
         "memory_sweep", "memory", device=device, dtype="bfloat16" if device == "cuda" else "float32",
@@ -262,9 +269,11 @@ def run(out_root: str | Path | None = None, *, small: bool = False, progress: bo
     start = time.perf_counter()
     shape = SMALL_COMPILE_SHAPE if small else FULL_SHAPE
     receipt = memory_sweep(shape, device=device, small=small, steps=1 if small else 8, warmup=0 if small else 2,
-                           backend="aot_eager_decomp_partition" if small else "inductor", progress=progress)  # fmt: skip
+                           backend="aot_eager_decomp_partition" if small else "inductor", progress=progress,
+                           partial=root / "memory_sweep.partial.json")  # fmt: skip
     receipt["elapsed_s"] = time.perf_counter() - start
     path = write_receipt(receipt, root)
+    (root / "memory_sweep.partial.json").unlink(missing_ok=True)
     fig = plot(receipt["results"], receipt["summary"],
                f"{device_name(device)}: {shape.preset} B={shape.B} T={shape.T}, {receipt['dtype']}")  # fmt: skip
     png = path.with_suffix(".png")
