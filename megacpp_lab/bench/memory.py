@@ -92,29 +92,41 @@ def _block_accounting(blocks: list[nn.Module], device: str) -> Iterator[dict[str
                 acc["saved"][current[-1]] = acc["saved"].get(current[-1], 0) + t.untyped_storage().nbytes()
         return t
 
-    def pre(i: int, kind: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            current.append(kind)
-            if device == "cuda":
-                start[i] = torch.cuda.memory_allocated()
-        return hook
+    def enter(i: int, kind: str) -> None:
+        current.append(kind)
+        if device == "cuda":
+            start[i] = torch.cuda.memory_allocated()
 
-    def post(i: int, kind: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            current.pop()
-            if device == "cuda":
-                acc["retained"][kind] = acc["retained"].get(kind, 0) + torch.cuda.memory_allocated() - start[i]
-        return hook
+    def leave(i: int, kind: str) -> None:
+        current.pop()
+        if device == "cuda":
+            acc["retained"][kind] = acc["retained"].get(kind, 0) + torch.cuda.memory_allocated() - start[i]
 
-    handles = []
+    def around(fn: Callable[..., Any], i: int, kind: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            enter(i, kind)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                leave(i, kind)
+        return call
+
+    # wrap the call from outside: a module hook would run inside a compiled block's graph
+    patched = []
     for i, block in enumerate(blocks):
-        handles += [block.register_forward_pre_hook(pre(i, block.kind)), block.register_forward_hook(post(i, block.kind))]
+        name = "_compiled_call_impl" if getattr(block, "_compiled_call_impl", None) is not None else "forward"
+        own = name in block.__dict__
+        patched.append((block, name, own, block.__dict__.get(name)))
+        setattr(block, name, around(getattr(block, name), i, block.kind))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield acc
     finally:
-        for h in handles:
-            h.remove()
+        for block, name, own, original in patched:
+            if own:
+                setattr(block, name, original)
+            else:
+                delattr(block, name)
 
 
 def _measure(point: MemoryPoint, shape: ModelShape, device: str, *, steps: int, warmup: int, backend: str,
