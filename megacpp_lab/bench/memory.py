@@ -30,7 +30,7 @@ from torch import nn
 
 from megacpp_lab.bench import bench_device, output_root
 from megacpp_lab.bench.compile import SMALL_COMPILE_SHAPE, _config, _reset, _sync
-from megacpp_lab.bench.model import TrainingStep, ModelShape, build_model, make_batch
+from megacpp_lab.bench.model import FULL_SHAPE, ModelShape, TrainingStep, build_model, make_batch
 from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
 from megacpp_lab.model.parallelize import apply_compile, compile_stats
 from megacpp_lab.profiling import step_times_ms
@@ -39,7 +39,6 @@ from megacpp_lab.varlen import build_context
 
 __all__ = ["MemoryPoint", "run", "sweep_points", "memory_sweep"]
 
-FULL_SHAPE = ModelShape("base", B=4, T=4096, docs=8)
 GLOBAL_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)  # each point compiles the base model's 4 structures
 SMALL_BUDGETS = (1.0, 0.0)
 # per-kind candidates: spend recompute where a block kind's saved bytes are cheap to rebuild

@@ -247,7 +247,7 @@ def write_sample_corpus(out_dir: str | Path, data_dir: str | Path | None = None)
         if source < 0:
             continue
         ids = tokens[row, start : start + length].tolist()
-        parts.setdefault(source, []).append((offset, bytes(t for t in ids if t < 256)))  # drop bos/eos/pad
+        parts.setdefault(source, []).append((offset, bytes(t for t in ids if t < ByteTokenizer.bos_id)))  # no specials
     out = Path(out_dir)
     for source, pieces in sorted(parts.items()):
         if not 0 <= source < len(files):
