@@ -6,7 +6,8 @@ point measures, on the same fixed batch:
 - activation_mib: what the forward leaves allocated for the backward (memory after the forward minus before
   it, on the GPU allocator): the activation memory at its peak, the fwd/bwd boundary;
 - peak_step_mib: the step's max_memory_allocated minus what was allocated before it (gradients included);
-- saved_tensor_mib_by_kind: the bytes autograd's saved-tensor hooks see per block kind (each storage once);
+- saved_tensor_mib_by_kind: the bytes autograd's saved-tensor hooks see per block kind (each storage once,
+  parameters, buffers and their views left out);
   a checkpointed region hides its inner saves from them, so on the GPU retained_mib_by_kind (the allocator's
   delta over each block's forward, its output included) is the one to compare across policies;
 - ms: the median fwd+bwd step (CUDA events).
@@ -83,10 +84,12 @@ def _block_accounting(blocks: list[nn.Module], device: str) -> Iterator[dict[str
     seen: set[Any] = set()
     start: dict[int, int] = {}
 
+    state = {StorageWeakRef(t.untyped_storage()) for b in blocks for t in (*b.parameters(), *b.buffers())}
+
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if current and not (t.is_leaf and t.requires_grad):
+        if current:
             ref = StorageWeakRef(t.untyped_storage())
-            if ref not in seen:
+            if ref not in seen and ref not in state:  # a parameter or buffer (or a view of one) is no new memory
                 seen.add(ref)
                 acc["saved"][current[-1]] = acc["saved"].get(current[-1], 0) + t.untyped_storage().nbytes()
         return t

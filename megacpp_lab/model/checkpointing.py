@@ -42,7 +42,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from megacpp_lab.nn.compact_linear import CompactLinear
 
-__all__ = ["AC_ATTR", "BUDGET_ATTR", "CheckpointingPolicy", "apply_ac", "block_budget"]
+__all__ = ["AC_ATTR", "BUDGET_ATTR", "CheckpointingPolicy", "apply_ac", "block_budget", "checkpoint_module", "saves_output"]
 
 KINDS = ("A", "M", "R", "engram", "cblock")
 AC_ATTR = "_megacpp_ac"  # set on a module whose forward apply_ac wrapped (eager)
@@ -98,23 +98,27 @@ class CheckpointingPolicy:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in KINDS}
 
 
+def saves_output(op: Any, save: frozenset[str] | tuple[str, ...]) -> bool:
+    """Whether a save list keeps this op's output: the `megacpp::` scans always, else the aten ops named."""
+    packet = getattr(op, "_overloadpacket", op)
+    if getattr(packet, "_qualified_op_name", str(packet)).split("::")[0] == "megacpp":  # never recompute a scan
+        return True
+    return getattr(packet, "__name__", str(packet)) in save
+
+
 def _selective(save: tuple[str, ...]) -> Callable[[], Any]:
     """A context_fn for checkpoint(): save the outputs of the named aten ops and of the scans, recompute the rest."""
     names = frozenset(save)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        packet = getattr(op, "_overloadpacket", op)
-        namespace = getattr(packet, "_qualified_op_name", str(packet)).split("::")[0]
-        if namespace == "megacpp":  # the scans: never recompute
-            return CheckpointPolicy.MUST_SAVE
-        name = getattr(packet, "__name__", str(packet))
-        return CheckpointPolicy.MUST_SAVE if name in names else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if saves_output(op, names) else CheckpointPolicy.PREFER_RECOMPUTE
 
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
-def _wrap(module: nn.Module, entry: Entry) -> None:
-    """Checkpoint `module`'s forward in place (its parameters and state-dict keys unchanged)."""
+def checkpoint_module(module: nn.Module, entry: Entry) -> None:
+    """Checkpoint `module`'s forward in place under an eager entry: "full" or a save list (its parameters and
+    state-dict keys unchanged)."""
     inner = module.forward
     context_fn = _selective(entry) if isinstance(entry, tuple) else None
 
@@ -182,12 +186,12 @@ def apply_ac(model: nn.Module, policy: CheckpointingPolicy, *, compiled: bool = 
         if policy.compact_rank is not None:  # the MLP's up projection (its input: d_model wide)
             block.mlp.w_gate_up = CompactLinear(block.mlp.w_gate_up, policy.compact_rank, seed=i)
         if entry != "none":
-            _wrap(block, entry)
+            checkpoint_module(block, entry)
             continue
         for name in ("engram", "cblock"):  # a branch's own entry, inside an unwrapped block
             branch = getattr(block, name)
             if branch is not None and entries[name] != "none":
-                _wrap(branch, entries[name])
+                checkpoint_module(branch, entries[name])
         if policy.offload:
             _offload(block)
     return model

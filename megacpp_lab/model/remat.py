@@ -4,8 +4,9 @@
     plan.saved          # the tensors the forward keeps for the backward: name, producing op, shape, dtype, bytes
     plan.recomputed     # the forward ops the backward runs again: op, count, output bytes, FLOPs
 
-Read from the partitioner's own output, not guessed: the block is compiled (fullgraph) with AOTAutograd and
-min_cut_rematerialization_partition (inductor's partitioner) under torch._functorch.config's
+Read from the partitioner's own output, not guessed: the block is compiled (fullgraph) with AOTAutograd,
+inductor's decompositions and min_cut_rematerialization_partition (inductor's partitioner; the same joint graph
+and partition as the aot_eager_decomp_partition backend) under torch._functorch.config's
 activation_memory_budget; the backward graph's inputs other than the tangents are the saved values, and the
 backward's call nodes that share a name with a forward node are the recomputed ops (the partitioner copies
 them from the joint graph with their names). Sizes that dynamo keeps symbolic (the document count) are
@@ -96,6 +97,7 @@ def remat_plan(module: nn.Module, *args: Any, budget: float, **kwargs: Any) -> R
     recomputed. Resets dynamo first and after (the plan's compile must not reuse or leave a cached graph)."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
 
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"budget must be in [0, 1], got {budget!r}")
@@ -108,7 +110,7 @@ def remat_plan(module: nn.Module, *args: Any, budget: float, **kwargs: Any) -> R
 
     def backend(gm: torch.fx.GraphModule, example: Any) -> Any:
         return aot_module_simplified(gm, example, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
-                                     partition_fn=partition)  # fmt: skip
+                                     partition_fn=partition, decompositions=select_decomp_table())  # fmt: skip
 
     torch._dynamo.reset()
     try:

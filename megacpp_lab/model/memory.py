@@ -1,0 +1,296 @@
+"""The memory estimator: what a training step of a config holds, in structured fields, before you run it.
+
+    est = estimate_memory(config, batch=4, seq_len=4096, policy=CheckpointingPolicy.uniform(0.3), device="cuda")
+    est.activations_by_kind      # {"A": bytes, "M": ..., "R": ...}: the saved activations of every block of a kind
+    est.activations_by_feature   # what the Engram / n-gram / mHC / CBlock branches add to their blocks' totals
+    est.lm_head                  # the fused loss's dx [B*T, d] and dW [V, d], computed in the forward
+    est.peak_step_bytes          # parameters + activations at the fwd/bwd boundary + the loss's chunk buffer ...
+
+Where each number comes from:
+- parameters, gradients, optimizer state: counted from the model built on the meta device (nothing allocated),
+  in the dtypes the lab trains with (bf16 under apply_mixed_precision on a GPU, fp32-contract tensors fp32;
+  fp32 on a CPU). The optimizer is MasterWeightAdamW: an fp32 master per non-fp32 parameter, and AdamW's two
+  fp32 moments per parameter.
+- activations: one block of each distinct structure (kind + branches) is traced on a batch of the shape
+  ([B, T], `docs` documents per row) on `device`, under the policy's entry for it (not one row scaled by B:
+  the partitioner's choices are discrete, and a budget's saved set at one row differs from the batch's):
+    "none"      autograd's saved-tensor hooks (each storage once, parameters excluded);
+    "full"      the same hooks around the checkpointed block: the inputs it keeps;
+    a save list the inputs plus every output the selective checkpoint caches (the named aten ops and the
+                `megacpp::` scans; model/checkpointing.saves_output), read from a dispatch mode over the call;
+    offload     the device keeps nothing of the block (host_offload holds it instead);
+    a budget    the min-cut partitioner's saved values at that budget (model/remat.remat_plan, inductor's
+                decompositions) and the block input.
+  The last block is traced as the policy runs it: never checkpointed.
+  A feature's field is its block minus the same block traced without that branch, under the same entry.
+- the LM head: analytic, from kernels/linear_cross_entropy.py. Its forward computes dx and dW for the backward
+  and reuses one [C, V] logits buffer (transient: in the peak, not in the activations).
+The estimate is for the device it is traced on: the kernels a block runs (and so what they save) differ
+between a GPU (Triton scans, fused RoPE, bf16) and a CPU (reference paths, fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megacpp_lab.kernels.linear_cross_entropy import default_chunk_size
+from megacpp_lab.model.checkpointing import CheckpointingPolicy, Entry, checkpoint_module, saves_output
+from megacpp_lab.model.config import HybridConfig
+from megacpp_lab.model.hybrid import Block, HybridLM
+from megacpp_lab.model.precision import apply_mixed_precision
+from megacpp_lab.model.remat import remat_plan
+from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
+
+__all__ = ["FEATURES", "MemoryEstimate", "estimate_memory"]
+
+FEATURES = ("engram", "ngram", "mhc", "cblock")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes, per field; see the module docstring for where each comes from."""
+
+    batch: int
+    seq_len: int
+    device: str
+    parameters: int
+    gradients: int  # the model's .grad tensors, in the parameters' dtypes
+    optimizer: int  # MasterWeightAdamW: fp32 masters of non-fp32 parameters + two fp32 AdamW moments
+    activations_by_kind: dict[str, int]  # every block of a kind: its saved activations, its input included
+    activations_by_feature: dict[str, int]  # inside the by-kind totals: what each branch adds to its blocks
+    inputs: int  # the token ids (the embedding's backward reads them) and the context tensors blocks save, once
+    final_norm: int  # the final RMSNorm's input [B*T, d] and its per-token statistics (fp32)
+    lm_head: int  # the fused loss's dx [B*T, d] and dW [V, d], made in the forward
+    lm_head_chunk_buffer: int  # the loss's one [C, V] logits buffer (transient, forward only)
+    host_offload: int  # saved tensors CPU offload keeps in pinned host memory instead
+    per_block: list[dict[str, Any]] = field(default_factory=list)  # layer, kind, structure, entry, bytes
+
+    @property
+    def activations(self) -> int:
+        """What the forward leaves on the device for the backward: the fwd/bwd boundary."""
+        return sum(self.activations_by_kind.values()) + self.inputs + self.final_norm + self.lm_head
+
+    @property
+    def peak_step_bytes(self) -> int:
+        """The larger of the forward's end (activations plus the loss's chunk buffer) and the backward's end
+        (every gradient plus the lm_head's dW still held), above parameters and batch."""
+        return max(self.activations + self.lm_head_chunk_buffer, self.gradients + self.lm_head)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "per_block"}
+        return {**out, "activations": self.activations, "peak_step_bytes": self.peak_step_bytes,
+                "per_block": self.per_block}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- static state
+
+
+def _model_state_bytes(config: HybridConfig, device: str) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer) for the model as the lab trains it on `device`."""
+    with torch.device("meta"):
+        model = HybridLM(config)
+    if device == "cuda":
+        apply_mixed_precision(model, torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    masters = sum(p.numel() * 4 for p in params if p.dtype != torch.float32)
+    moments = sum(2 * p.numel() * 4 for p in params)
+    return weights, weights, masters + moments
+
+
+# ----------------------------------------------------------------------------- one block
+
+
+def _structure(config: HybridConfig, layer: int) -> tuple[str, ...]:
+    """A block's structure: its kind and the branches it carries (blocks of one structure save alike)."""
+    c = config
+    feats = [f for f, on in (("engram", layer in c.engram_layers), ("ngram", layer in c.ngram_layers),
+                             ("mhc", c.mhc and layer in c.engram_layers), ("cblock", layer in c.cblock_layers)) if on]  # fmt: skip
+    return (c.blocks[layer], *feats)
+
+
+def _without(block: Block, feature: str) -> Block:
+    """The same block without one branch (the fixed mean-read connection in place of mHC)."""
+    if feature == "mhc":
+        block.hc = None
+    else:
+        setattr(block, feature, None)
+    return block
+
+
+class _SavedOutputs(TorchDispatchMode):
+    """Records the storages of the outputs a save list's selective checkpoint caches (each storage once)."""
+
+    def __init__(self, save: tuple[str, ...]) -> None:
+        super().__init__()
+        self.save, self.bytes, self.seen = frozenset(save), 0, set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if saves_output(func, self.save):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                    self.seen.add(t.untyped_storage().data_ptr())
+                    self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def _hooked_bytes(block: nn.Module, x: torch.Tensor, tokens: torch.Tensor, ctx: Any, shared: dict[Any, int], *,
+                  record: _SavedOutputs | None = None) -> int:  # fmt: skip
+    """Bytes of the tensors autograd saves during one forward of `block` (parameters and buffers excluded, each
+    storage once), plus what `record` sees cached. The batch's token ids and context tensors are read by every block
+    but held once: a saved one is noted in `shared` (storage -> bytes), not counted."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    state = {StorageWeakRef(t.untyped_storage()) for t in (*block.parameters(), *block.buffers())}
+    batch_inputs = {StorageWeakRef(t.untyped_storage()): t for t in (tokens, *vars(ctx).values())
+                  if isinstance(t, torch.Tensor)}  # fmt: skip
+    seen: set[Any] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref in batch_inputs:
+            shared[ref] = t.untyped_storage().nbytes()
+        elif ref not in state and ref not in seen:
+            seen.add(ref)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if record is None:
+            out = block(x, tokens, ctx)
+        else:
+            with record:
+                out = block(x, tokens, ctx)
+    del out
+    return total + (record.bytes if record is not None else 0)
+
+
+def _block_bytes(block: Block, entry: Entry, x: torch.Tensor, tokens: torch.Tensor, ctx: Any, shared: dict[Any, int],
+               *, compiled: bool, offload: bool) -> tuple[int, int]:  # fmt: skip
+    """(device bytes, host bytes) this block keeps for the backward under `entry`."""
+    if compiled:
+        budget = {"none": 1.0, "full": 0.0}.get(entry, entry)  # type: ignore[arg-type]
+        plan = remat_plan(block, x, tokens, ctx, budget=float(budget))
+        # the block input is a graph input the backward reads at every budget (norm backward or recompute)
+        block_input = x.numel() * x.element_size() if any(
+            s["op"] == "input" and s["shape"] == tuple(x.shape) for s in plan.saved) else 0  # fmt: skip
+        return plan.activation_bytes + block_input, 0
+    if entry == "none":
+        saved = _hooked_bytes(block, x, tokens, ctx, shared)
+        return (0, saved) if offload else (saved, 0)
+    checkpoint_module(block, entry)
+    record = _SavedOutputs(entry) if isinstance(entry, tuple) else None
+    return _hooked_bytes(block, x, tokens, ctx, shared, record=record), 0
+
+
+def _block_input(config: HybridConfig, batch: int, seq_len: int, docs: int, device: str, dtype: torch.dtype,
+                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    """A block's input: x [B,T,d] (or [B,T,n,d] with mHC), token ids and the packed context (docs per row)."""
+    g = torch.Generator().manual_seed(0)
+    doc_ids = doc_ids_from_cu_seqlens(packed_cu_seqlens(batch, seq_len, docs, g), batch, seq_len)
+    tokens = torch.randint(3, config.vocab_size, (batch, seq_len), generator=g)
+    ctx = build_context(doc_ids.to(device))
+    shape = (batch, seq_len, config.d_model)
+    shape = (*shape[:2], config.hyper.n_streams, config.d_model) if config.mhc else shape
+    base = torch.randn(shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    return base.requires_grad_(), tokens.to(device), ctx
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+
+def _entry(policy: CheckpointingPolicy, config: HybridConfig, layer: int, compiled: bool) -> Entry:
+    """The entry apply_ac gives this layer (the last layer never checkpointed)."""
+    if layer == config.n_layers - 1:
+        return 1.0 if compiled else "none"
+    entries = policy.entries()
+    entry = entries[config.blocks[layer]]
+    for branch, layers in (("engram", config.engram_layers), ("cblock", config.cblock_layers)):
+        if layer in layers and entries[branch] != "none":
+            if compiled:  # one budget per block structure: the branch's
+                entry = entries[branch]
+            elif entry == "none":  # eager: a branch's own wrapper inside an unwrapped block
+                raise ValueError(f"CheckpointingPolicy.{branch}: the estimator traces whole blocks; an eager entry "
+                                 f"for the {branch} branch inside an unwrapped block is not estimated")  # fmt: skip
+    return entry
+
+
+def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int = 1,
+                    policy: CheckpointingPolicy | None = None, compiled: bool = False,
+                    device: str = "cpu") -> MemoryEstimate:  # fmt: skip
+    """The estimate for a [batch, seq_len] step of `config` (docs documents per row) under `policy` (eager,
+    or with compiled=True the regional-compile budgets apply_ac gives), traced on `device`."""
+    if not isinstance(config, HybridConfig):
+        raise TypeError(f"estimate_memory needs a HybridConfig, got {type(config).__name__}")
+    for name, value in (("batch", batch), ("seq_len", seq_len), ("docs", docs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"estimate_memory: {name} must be an int >= 1, got {value!r}")
+    if docs > seq_len:
+        raise ValueError(f"estimate_memory: docs={docs} documents do not fit in seq_len={seq_len} tokens")
+    policy = policy if policy is not None else CheckpointingPolicy()
+    if policy.compact_rank is not None:
+        raise ValueError("CheckpointingPolicy.compact_rank: the estimator does not model compact activations")
+    if compiled and policy.offload:
+        raise ValueError("CheckpointingPolicy.offload is eager-only; under regional compile the budget is the authority")
+    for kind, entry in policy.entries().items():  # the same refusals apply_ac makes, before any tracing
+        if compiled and isinstance(entry, tuple):
+            raise ValueError(f"CheckpointingPolicy.{kind} is an op list: under regional compile give a budget")
+        if not compiled and isinstance(entry, float):
+            raise ValueError(f"CheckpointingPolicy.{kind} is a budget ({entry}): pass compiled=True")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    params, grads, optimizer = _model_state_bytes(config, device)
+    x, tokens, ctx = _block_input(config, batch, seq_len, docs, device, dtype)
+    cache: dict[tuple[Any, ...], tuple[int, int]] = {}
+    shared: dict[Any, int] = {}  # the batch's token ids and context tensors some block saved
+
+    def traced(layer: int, entry: Entry, offload: bool, drop: str | None = None) -> tuple[int, int]:
+        key = (_structure(config, layer), drop, entry, offload)
+        if key not in cache:
+            torch.manual_seed(layer)
+            block = Block(config, layer).to(device)
+            if device == "cuda":
+                apply_mixed_precision(block, torch.bfloat16)
+            if drop is not None:
+                _without(block, drop)
+            cache[key] = _block_bytes(block, entry, x, tokens, ctx, shared, compiled=compiled, offload=offload)
+            del block
+        return cache[key]
+
+    by_kind: dict[str, int] = {}
+    by_feature: dict[str, int] = {}
+    host = 0
+    per_block = []
+    last = config.n_layers - 1
+    for layer in range(config.n_layers):
+        entry = _entry(policy, config, layer, compiled)
+        offload = policy.offload and layer != last
+        dev, off = traced(layer, entry, offload)
+        kind = config.blocks[layer]
+        by_kind[kind] = by_kind.get(kind, 0) + dev
+        host += off
+        structure = _structure(config, layer)
+        for feature in structure[1:]:
+            bare_dev, bare_off = traced(layer, entry, offload, drop=feature)
+            by_feature[feature] = by_feature.get(feature, 0) + dev + off - bare_dev - bare_off
+        per_block.append({"layer": layer, "kind": kind, "structure": "+".join(structure),
+                          "entry": list(entry) if isinstance(entry, tuple) else entry, "bytes": dev,
+                          "host_bytes": off})  # fmt: skip
+    d, V, n = config.d_model, config.vocab_size, batch * seq_len
+    es = torch.tensor([], dtype=dtype).element_size()
+    chunk = config.lm_head.loss_chunk_size or default_chunk_size(n, V, dtype)
+    return MemoryEstimate(
+        batch=batch, seq_len=seq_len, device=device, parameters=params, gradients=grads, optimizer=optimizer,
+        activations_by_kind=by_kind, activations_by_feature=by_feature,
+        inputs=sum(shared.values()) + n * tokens.element_size(),
+        final_norm=n * d * es + n * 4,
+        lm_head=n * d * es + V * d * es, lm_head_chunk_buffer=min(chunk, n) * V * es + n * 4,
+        host_offload=host, per_block=per_block,
+    )  # fmt: skip
