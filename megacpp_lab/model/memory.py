@@ -224,10 +224,11 @@ def _entry(policy: CheckpointingPolicy, config: HybridConfig, layer: int, compil
 
 
 def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int = 1,
-                    policy: CheckpointingPolicy | None = None, compiled: bool = False,
-                    device: str = "cpu") -> MemoryEstimate:  # fmt: skip
+                    policy: CheckpointingPolicy | None = None, compiled: bool = False, device: str = "cpu",
+                    trace_cache: dict[tuple[Any, ...], Any] | None = None) -> MemoryEstimate:  # fmt: skip
     """The estimate for a [batch, seq_len] step of `config` (docs documents per row) under `policy` (eager,
-    or with compiled=True the regional-compile budgets apply_ac gives), traced on `device`."""
+    or with compiled=True the regional-compile budgets apply_ac gives), traced on `device`. trace_cache: a dict
+    to reuse block traces across calls (several policies of one config, shape and device)."""
     if not isinstance(config, HybridConfig):
         raise TypeError(f"estimate_memory needs a HybridConfig, got {type(config).__name__}")
     for name, value in (("batch", batch), ("seq_len", seq_len), ("docs", docs)):
@@ -248,11 +249,12 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     params, grads, optimizer = _model_state_bytes(config, device)
     x, tokens, ctx = _block_input(config, batch, seq_len, docs, device, dtype)
-    cache: dict[tuple[Any, ...], tuple[int, int]] = {}
-    shared: dict[Any, int] = {}  # the batch's token ids and context tensors some block saved
+    cache = trace_cache if trace_cache is not None else {}
+    shared: dict[Any, int] = cache.setdefault(("shared", config, batch, seq_len, docs, device), {})
 
     def traced(layer: int, entry: Entry, offload: bool, drop: str | None = None) -> tuple[int, int]:
-        key = (_structure(config, layer), drop, entry, offload)
+        structure = tuple(f for f in _structure(config, layer) if f != drop)  # a bare twin is that structure
+        key = (config, batch, seq_len, docs, device, compiled, structure, entry, offload)
         if key not in cache:
             torch.manual_seed(layer)
             block = Block(config, layer).to(device)
