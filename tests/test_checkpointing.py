@@ -12,7 +12,7 @@ from megacpp_lab.bench.model import ModelShape, make_batch
 from megacpp_lab.model.checkpointing import AC_ATTR, CheckpointingPolicy, apply_ac, block_budget
 from megacpp_lab.model.config import model_config
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.model.parallelize import apply_compile
+from megacpp_lab.model.parallelize import apply_compile, compile_stats
 from megacpp_lab.profiling import retained_bytes, saved_tensor_bytes
 from megacpp_lab.testing import wake_zero_initialised
 from megacpp_lab.varlen import build_context
@@ -143,3 +143,31 @@ def test_the_budget_reaches_the_partitioner():
         saved[budget] = retained_bytes(lambda: model(*batch).loss)
     torch._dynamo.reset()
     assert saved[0.0] < 0.8 * saved[1.0], saved
+
+
+def test_the_last_block_keeps_its_budget_under_regional_compile():
+    """Tripwire: blocks of one structure share one compiled graph, and the budget is read when it compiles. The
+    last block (budget 1.0: never recomputed) once reused its structure's graph compiled at the lower budget:
+    on the H200 base model at budget 0.0 all six M blocks, the last included, kept only their inputs. The budget
+    is now part of a block's graph identity: the last block compiles apart and saves what budget 1.0 saves."""
+    from megacpp_lab.bench.memory import _block_accounting
+
+    batch = _batch()
+    saved = {}
+    for budget in (0.0, 1.0):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _model(pattern="M", n_layers=3, engram_layers=(), **TRITON)
+        apply_ac(model, CheckpointingPolicy.uniform(budget), compiled=True)
+        apply_compile(model, backend="aot_eager_decomp_partition")
+        for b, block in enumerate(model.blocks):
+            block.kind = f"M{b}"  # one accounting bucket per block
+        with _block_accounting(list(model.blocks), DEV) as acc:
+            model(*batch).loss
+        saved[budget] = acc["saved"]
+        if budget == 0.0:
+            assert compile_stats().graphs == 2  # the first two blocks share a graph, the last has its own
+    torch._dynamo.reset()
+    low, high = saved[0.0], saved[1.0]
+    assert low["M0"] < 0.5 * high["M0"] and low["M1"] < 0.5 * high["M1"], (low, high)
+    assert low["M2"] == pytest.approx(high["M2"], rel=0.02), (low, high)

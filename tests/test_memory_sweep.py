@@ -29,13 +29,16 @@ def test_summary_bar_pareto_per_kind_and_monotonicity():
     assert s["pareto_compiled"] == ["budget 1.0", "budget 0.0", "per-kind A=1.0 M=0.3 R=0.3"]
     assert {b["global"] for b in s["per_kind_beats_global"]} == {"budget 0.5", "budget 0.3"}
     assert s["memory_monotonic_in_budget"] is False  # 0.3 holds more than 0.5: shown, not hidden
+    # against the global front at its memory: 480 MiB lies between budget 0.0 (300, 140 ms) and 0.5 (500, 110 ms)
+    (front,) = s["per_kind_vs_global_front"]
+    assert front["global_ms_at_same_memory"] == pytest.approx(140 - 30 * 180 / 200)
     slow = [dict(r, ms=r["ms"] * (1.5 if r["contender"] == "budget 0.3" else 1)) for r in rows]
     assert summarize(slow, "activation_mib")["bar"]["its step-time cost <= 25%"] is False
 
 
 def test_sweep_points_cover_budgets_per_kind_and_manual_policies():
     names = [p.name for p in sweep_points()]
-    assert names[:6] == [f"budget {b:.1f}" for b in (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)]
+    assert names[:8] == [f"budget {b:.1f}" for b in (1.0, 0.9, 0.8, 0.7, 0.5, 0.3, 0.1, 0.0)]
     assert sum(n.startswith("per-kind") for n in names) >= 3
     assert {"eager none", "eager full", "eager save list", "eager none + CPU offload"} <= set(names)
     per_kind = next(p for p in sweep_points() if p.family == "per-kind")
@@ -55,6 +58,8 @@ def test_small_sweep_on_cpu(tmp_path, capsys):
         assert bottom["saved_tensor_mib_by_kind"][kind] < top["saved_tensor_mib_by_kind"][kind], kind
     assert rows["eager full"]["saved_tensor_mib"] < rows["eager none"]["saved_tensor_mib"]
     assert receipt["summary"]["memory_key"] == "saved_tensor_mib"
+    estimator = receipt["summary"]["estimator"]  # the estimator at every point, per block kind
+    assert estimator["checked"] == 3 * len(rows) and estimator["within"], estimator["worst"]
 
 
 @pytest.mark.cuda

@@ -46,10 +46,26 @@ def test_the_scan_outputs_are_saved_at_full_budget(tiny):
     assert any("megacpp" in op for op in ops), ops
 
 
+def test_inductor_plan_stops_at_the_partition_and_leaves_nothing_cached(tiny):
+    """backend='inductor' reads inductor's own partition (joint-graph passes included) and stops the compile
+    there: it must give a plan, restore the partitioner, and leave no compiled graph behind."""
+    import torch._inductor.compile_fx as compile_fx
+
+    model, x, tokens, ctx = tiny
+    original = compile_fx.min_cut_rematerialization_partition
+    plan = remat_plan(model.blocks[1], x, tokens, ctx, budget=0.3, backend="inductor")
+    decomp = remat_plan(model.blocks[1], x, tokens, ctx, budget=0.3, backend="aot_eager_decomp_partition")
+    assert compile_fx.min_cut_rematerialization_partition is original
+    assert plan.activation_bytes > 0 and decomp.activation_bytes > 0
+    assert {s["op"] for s in plan.saved if "megacpp" in s["op"]} == {s["op"] for s in decomp.saved if "megacpp" in s["op"]}
+
+
 def test_bad_budget_and_no_backward_are_refused(tiny):
     model, x, tokens, ctx = tiny
     with pytest.raises(ValueError, match=r"budget must be in \[0, 1\]"):
         remat_plan(model.blocks[0], x, tokens, ctx, budget=1.5)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        remat_plan(model.blocks[0], x, tokens, ctx, budget=0.5, backend="eager")
     frozen = x.detach()
     for p in model.blocks[0].parameters():
         p.requires_grad_(False)

@@ -49,8 +49,7 @@ GLOBAL_BUDGETS = (1.0, 0.9, 0.8, 0.7, 0.5, 0.3, 0.1, 0.0)  # each point compiles
 SMALL_BUDGETS = (1.0, 0.0)
 # per-kind candidates: spend recompute where a block kind's saved bytes are cheap to rebuild (the base model's
 # M blocks, Engram's among them, hold about two thirds of its activations at budget 1.0)
-PER_KIND = (dict(A=1.0, M=0.3, R=0.3), dict(A=0.3, M=0.3, R=1.0), dict(A=1.0, M=0.1, R=0.5), dict(A=1.0, M=0.3, R=1.0),
-            dict(A=1.0, M=0.1, R=1.0))  # fmt: skip
+PER_KIND = (dict(A=1.0, M=0.3, R=1.0), dict(A=0.3, M=0.3, R=1.0), dict(A=1.0, M=0.1, R=1.0))
 TOLERANCE = 0.15  # the estimator's per-kind bar against the measured bytes
 # eager save list: keep the matmuls' and attention's outputs (and the megacpp scans, always), recompute the rest
 SAVE_LIST = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")
@@ -320,7 +319,7 @@ def memory_sweep(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", small:
     config, cache, mib = _config(shape.preset, device), {}, 2**20
     for point, row in zip(tqdm(points, desc="estimates", unit="point", disable=not progress), rows):
         est = estimate_memory(config, batch=shape.B, seq_len=shape.T, docs=shape.docs, policy=point.policy,
-                              compiled=point.compiled, device=device, trace_cache=cache)  # fmt: skip
+                              compiled=point.compiled, device=device, backend=backend, trace_cache=cache)  # fmt: skip
         fields = est.as_dict()
         row["estimate_mib"] = {k: ({kk: vv / mib for kk, vv in v.items()} if isinstance(v, dict) else v / mib)
                                for k, v in fields.items() if k not in ("batch", "seq_len", "device", "per_block")}  # fmt: skip

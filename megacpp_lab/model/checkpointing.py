@@ -40,13 +40,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from megacpp_lab.model.hybrid import REMAT_BUDGET_ATTR
 from megacpp_lab.nn.compact_linear import CompactLinear
 
 __all__ = ["AC_ATTR", "BUDGET_ATTR", "CheckpointingPolicy", "apply_ac", "block_budget", "checkpoint_module", "saves_output"]
 
 KINDS = ("A", "M", "R", "engram", "cblock")
 AC_ATTR = "_megacpp_ac"  # set on a module whose forward apply_ac wrapped (eager)
-BUDGET_ATTR = "_megacpp_ac_budget"  # set on a block apply_ac gave a budget (regional compile)
+BUDGET_ATTR = REMAT_BUDGET_ATTR  # set on a block apply_ac gave a budget (regional compile; Block guards on it)
 
 Entry = str | tuple[str, ...] | float
 

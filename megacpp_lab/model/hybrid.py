@@ -57,7 +57,9 @@ from megacpp_lab.nn.ngram_hash import NgramHashMemory, NgramHashState
 from megacpp_lab.nn.ssm import SSD, SSDState
 from megacpp_lab.varlen import PackedContext
 
-__all__ = ["Block", "BlockState", "HybridLM", "SwiGLU"]
+__all__ = ["Block", "BlockState", "HybridLM", "REMAT_BUDGET_ATTR", "SwiGLU"]
+
+REMAT_BUDGET_ATTR = "_megacpp_ac_budget"  # the activation_memory_budget apply_ac gives a block (regional compile)
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
 
@@ -156,6 +158,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         """x: [B,T,d] (single stream) or [B,T,n,d] (mHC streams)."""
+        # Blocks of one structure share a compiled graph, and the partitioner reads the remat budget when it
+        # compiles. Comparing the budget here makes dynamo guard on it, so a block with another budget (the
+        # last: never recomputed) compiles apart instead of reusing a graph partitioned for a lower one.
+        if getattr(self, REMAT_BUDGET_ATTR, None) == 1.0:
+            pass
         return self.apply_branches(x, self.branches(tokens, ctx))
 
     def step(self, x: torch.Tensor, tokens: torch.Tensor, state: BlockState) -> torch.Tensor:

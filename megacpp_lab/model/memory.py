@@ -19,8 +19,8 @@ Where each number comes from:
     a save list the inputs plus every output the selective checkpoint caches (the named aten ops and the
                 `megacpp::` scans; model/checkpointing.saves_output), read from a dispatch mode over the call;
     offload     the device keeps nothing of the block (host_offload holds it instead);
-    a budget    the min-cut partitioner's saved values at that budget (model/remat.remat_plan, inductor's
-                decompositions) and the block input.
+    a budget    the min-cut partitioner's saved values at that budget, as inductor partitions the block's graph
+                (model/remat.remat_plan), and the block input.
   The last block is traced as the policy runs it: never checkpointed.
   A feature's field is its block minus the same block traced without that branch, under the same entry.
 - the LM head: analytic, from kernels/linear_cross_entropy.py. Its forward computes dx and dW for the backward
@@ -174,11 +174,11 @@ def _hooked_bytes(block: nn.Module, x: torch.Tensor, tokens: torch.Tensor, ctx: 
 
 
 def _block_bytes(block: Block, entry: Entry, x: torch.Tensor, tokens: torch.Tensor, ctx: Any, shared: dict[Any, int],
-               *, compiled: bool, offload: bool) -> tuple[int, int]:  # fmt: skip
+               *, compiled: bool, offload: bool, backend: str) -> tuple[int, int]:  # fmt: skip
     """(device bytes, host bytes) this block keeps for the backward under `entry`."""
     if compiled:
         budget = {"none": 1.0, "full": 0.0}.get(entry, entry)  # type: ignore[arg-type]
-        plan = remat_plan(block, x, tokens, ctx, budget=float(budget))
+        plan = remat_plan(block, x, tokens, ctx, budget=float(budget), backend=backend)
         # the block input is a graph input the backward reads at every budget (norm backward or recompute)
         block_input = x.numel() * x.element_size() if any(
             s["op"] == "input" and s["shape"] == tuple(x.shape) for s in plan.saved) else 0  # fmt: skip
@@ -225,9 +225,11 @@ def _entry(policy: CheckpointingPolicy, config: HybridConfig, layer: int, compil
 
 def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int = 1,
                     policy: CheckpointingPolicy | None = None, compiled: bool = False, device: str = "cpu",
-                    trace_cache: dict[tuple[Any, ...], Any] | None = None) -> MemoryEstimate:  # fmt: skip
+                    backend: str = "inductor", trace_cache: dict[tuple[Any, ...], Any] | None = None,
+                    ) -> MemoryEstimate:  # fmt: skip
     """The estimate for a [batch, seq_len] step of `config` (docs documents per row) under `policy` (eager,
-    or with compiled=True the regional-compile budgets apply_ac gives), traced on `device`. trace_cache: a dict
+    or with compiled=True the regional-compile budgets apply_ac gives, partitioned as `backend` partitions them:
+    remat_plan's backends), traced on `device`. trace_cache: a dict
     to reuse block traces across calls (several policies of one config, shape and device)."""
     if not isinstance(config, HybridConfig):
         raise TypeError(f"estimate_memory needs a HybridConfig, got {type(config).__name__}")
@@ -254,7 +256,7 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
 
     def traced(layer: int, entry: Entry, offload: bool, drop: str | None = None) -> tuple[int, int]:
         structure = tuple(f for f in _structure(config, layer) if f != drop)  # a bare twin is that structure
-        key = (config, batch, seq_len, docs, device, compiled, structure, entry, offload)
+        key = (config, batch, seq_len, docs, device, compiled, backend, structure, entry, offload)
         if key not in cache:
             torch.manual_seed(layer)
             block = Block(config, layer).to(device)
@@ -262,7 +264,8 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
                 apply_mixed_precision(block, torch.bfloat16)
             if drop is not None:
                 _without(block, drop)
-            cache[key] = _block_bytes(block, entry, x, tokens, ctx, shared, compiled=compiled, offload=offload)
+            cache[key] = _block_bytes(block, entry, x, tokens, ctx, shared, compiled=compiled, offload=offload,
+                                      backend=backend)
             del block
         return cache[key]
 

@@ -4,9 +4,10 @@
     plan.saved          # the tensors the forward keeps for the backward: name, producing op, shape, dtype, bytes
     plan.recomputed     # the forward ops the backward runs again: op, count, output bytes, FLOPs
 
-Read from the partitioner's own output, not guessed: the block is compiled (fullgraph) with AOTAutograd,
-inductor's decompositions and min_cut_rematerialization_partition (inductor's partitioner; the same joint graph
-and partition as the aot_eager_decomp_partition backend) under torch._functorch.config's
+Read from the partitioner's own output, not guessed: the block is compiled (fullgraph) by inductor, and the
+min_cut_rematerialization_partition call inductor makes (after its decompositions and joint-graph passes) is
+captured and the compile stopped there (or, backend="aot_eager_decomp_partition", the same partitioner without
+the joint-graph passes: what the CPU sweep runs) under torch._functorch.config's
 activation_memory_budget; the backward graph's inputs other than the tangents are the saved values, and the
 backward's call nodes that share a name with a forward node are the recomputed ops (the partitioner copies
 them from the joint graph with their names). Sizes that dynamo keeps symbolic (the document count) are
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RematPlan", "remat_plan"]
+__all__ = ["PLAN_BACKENDS", "RematPlan", "remat_plan"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,14 @@ class RematPlan:
     @property
     def recomputed_flops(self) -> int:
         return sum(r["flops"] for r in self.recomputed)
+
+
+def _stopped_by_plan(error: BaseException | None) -> bool:
+    while error is not None:
+        if isinstance(error, _Partitioned):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _hint(value: Any) -> Any:
@@ -92,31 +101,58 @@ def _op(node: torch.fx.Node) -> str:
     return name
 
 
-def remat_plan(module: nn.Module, *args: Any, budget: float, **kwargs: Any) -> RematPlan:
-    """Compile `module` on `args` at `budget` with the min-cut partitioner and return what it saved and
-    recomputed. Resets dynamo first and after (the plan's compile must not reuse or leave a cached graph)."""
+class _Partitioned(Exception):
+    """Raised from inside inductor once its partitioner returned: the plan needs no generated code."""
+
+
+PLAN_BACKENDS = ("inductor", "aot_eager_decomp_partition")
+
+
+def remat_plan(module: nn.Module, *args: Any, budget: float, backend: str = "inductor", **kwargs: Any) -> RematPlan:
+    """Compile `module` on `args` at `budget` and return what the min-cut partitioner saved and recomputed.
+
+    backend="inductor": inductor's own partition, its joint-graph passes included, read by wrapping the
+    partitioner inductor calls and stopping the compile there (no code is generated). "aot_eager_decomp_partition":
+    AOTAutograd with inductor's decompositions and the same partitioner, without the joint-graph passes (the
+    backend the CPU sweep compiles with). Resets dynamo first and after (the plan's compile must not reuse or leave
+    a cached graph)."""
+    import torch._inductor.compile_fx as compile_fx
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"budget must be in [0, 1], got {budget!r}")
+    if backend not in PLAN_BACKENDS:
+        raise ValueError(f"backend must be one of {PLAN_BACKENDS}, got {backend!r}")
     captured: dict[str, torch.fx.GraphModule] = {}
 
     def partition(joint: torch.fx.GraphModule, inputs: Any, **kw: Any) -> Any:
         fw, bw = min_cut_rematerialization_partition(joint, inputs, **kw)
         captured["fw"], captured["bw"] = fw, bw
+        if backend == "inductor":
+            raise _Partitioned
         return fw, bw
 
-    def backend(gm: torch.fx.GraphModule, example: Any) -> Any:
+    def decomp_partition(gm: torch.fx.GraphModule, example: Any) -> Any:
         return aot_module_simplified(gm, example, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
                                      partition_fn=partition, decompositions=select_decomp_table())  # fmt: skip
 
     torch._dynamo.reset()
+    original = compile_fx.min_cut_rematerialization_partition
     try:
-        with torch._functorch.config.patch(activation_memory_budget=budget), torch.enable_grad():
-            torch.compile(module, backend=backend, fullgraph=True)(*args, **kwargs)
+        compile_fx.min_cut_rematerialization_partition = partition
+        # no cache: a cached compile would skip the partitioner
+        with torch._functorch.config.patch(activation_memory_budget=budget, enable_autograd_cache=False), \
+                torch._inductor.config.patch(fx_graph_cache=False), torch.enable_grad():  # fmt: skip
+            compiled = torch.compile(module, backend="inductor" if backend == "inductor" else decomp_partition,
+                                     fullgraph=True)  # fmt: skip
+            compiled(*args, **kwargs)
+    except Exception as error:  # dynamo wraps what a backend raises
+        if "bw" not in captured or not _stopped_by_plan(error):
+            raise
     finally:
+        compile_fx.min_cut_rematerialization_partition = original
         torch._dynamo.reset()
     if "bw" not in captured:
         raise ValueError("the module's output needs no gradient: there is no backward to partition (give inputs or "
