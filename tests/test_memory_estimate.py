@@ -18,6 +18,8 @@ from megacpp_lab.model.memory import estimate_memory
 
 SHAPE = ModelShape("tiny", B=2, T=32, docs=2)
 BACKEND = "aot_eager_decomp_partition"  # the CPU sweep's backend: the same partitioner, no C++ compile
+# the CPU traces run the Triton scans under the interpreter, which the test setup turns on only without a GPU
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU traces (the interpreted scans); the GPU test is below")
 
 
 def _estimate(policy: CheckpointingPolicy, compiled: bool, **kw):
@@ -25,6 +27,7 @@ def _estimate(policy: CheckpointingPolicy, compiled: bool, **kw):
                            compiled=compiled, device="cpu", backend=BACKEND, **kw)  # fmt: skip
 
 
+@cpu_only
 def test_parameters_gradients_and_optimizer_are_counted_exactly():
     config = _config("tiny", "cpu")
     est = _estimate(CheckpointingPolicy(), False)
@@ -36,6 +39,7 @@ def test_parameters_gradients_and_optimizer_are_counted_exactly():
 
 # budgets 1.0 and 0.0, a per-kind policy, eager none and full: checked at every point of the CPU sweep
 # (tests/test_memory_sweep.py); here the points that sweep leaves out
+@cpu_only
 @pytest.mark.parametrize("name,policy,compiled", [
     ("eager offload", CheckpointingPolicy(offload=True), False),
     ("budget 0.3", CheckpointingPolicy.uniform(0.3), True),
@@ -51,6 +55,7 @@ def test_activations_per_kind_within_15_percent_of_measured(name, policy, compil
         assert est.activations_by_kind["A"] == est.activations_by_kind["R"] == 0
 
 
+@cpu_only
 def test_feature_fields_are_what_a_branch_adds():
     none = _estimate(CheckpointingPolicy(), False)
     assert none.activations_by_feature["engram"] > 0  # tiny has Engram at layer 1
@@ -60,6 +65,7 @@ def test_feature_fields_are_what_a_branch_adds():
     assert mhc.activations_by_feature["mhc"] > 0
 
 
+@cpu_only
 def test_a_trace_cache_is_shared_across_policies():
     cache: dict = {}
     first = _estimate(CheckpointingPolicy.uniform(0.0), True, trace_cache=cache)
