@@ -269,29 +269,46 @@ def summarize(rows: list[dict[str, Any]], memory_key: str) -> dict[str, Any]:
 
 
 def plot(rows: list[dict[str, Any]], summary: dict[str, Any], title: str) -> Any:
+    """Three panels: the compiled points up close (the Pareto front, per-kind against the global budgets), every
+    point on a log time axis (the eager policies and CPU offload), and memory against the global budget with the
+    estimator's activations beside the measured ones."""
     from matplotlib.figure import Figure
 
     key = summary["memory_key"]
-    fig = Figure(figsize=(11, 4.5))
-    ax, bx = fig.subplots(1, 2)
+    fig = Figure(figsize=(15, 4.8))
+    ax, wide, bx = fig.subplots(1, 3)
     styles = {"global": ("o-", "C0"), "per-kind": ("s", "C2"), "eager": ("^", "C3")}
-    for family, (marker, color) in styles.items():
-        pts = [r for r in rows if r["family"] == family]
-        if family == "global":
-            pts = sorted(pts, key=lambda r: r["ms"])
-        ax.plot([r["ms"] for r in pts], [r[key] for r in pts], marker, color=color, label=family)
-        for r in pts:
-            ax.annotate(r["contender"].replace("budget ", "").replace("per-kind ", ""), (r["ms"], r[key]),
-                        fontsize=7, xytext=(3, 3), textcoords="offset points")  # fmt: skip
-    front = [r for r in rows if r["contender"] in summary["pareto_compiled"]]
-    front.sort(key=lambda r: r["ms"])
+    for panel, families in ((ax, ("global", "per-kind")), (wide, ("global", "per-kind", "eager"))):
+        for family in families:
+            marker, color = styles[family]
+            pts = [r for r in rows if r["family"] == family]
+            if family == "global":
+                pts = sorted(pts, key=lambda r: -float(r["contender"].split()[1]))
+            panel.plot([r["ms"] for r in pts], [r[key] for r in pts], marker, color=color, label=family)
+            for i, r in enumerate(pts if panel is ax or family != "per-kind" else []):
+                label = r["contender"].replace("budget ", "").replace("per-kind ", "")
+                dy = 3 if family != "per-kind" else 3 + 9 * i
+                panel.annotate(label, (r["ms"], r[key]), fontsize=7, xytext=(4, dy), textcoords="offset points")
+    front = sorted((r for r in rows if r["contender"] in summary["pareto_compiled"]), key=lambda r: r["ms"])
     ax.step([r["ms"] for r in front], [r[key] for r in front], where="post", color="0.5", lw=0.8, label="Pareto (compiled)")
-    ax.set(xlabel="fwd+bwd step (ms)", ylabel=key.replace("_", " "), title="memory against time")
+    ax.set(xlabel="fwd+bwd step (ms)", ylabel=key.replace("_", " "), title="regional compile: memory against time")
     ax.legend(fontsize=8)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    wide.set_xscale("log")
+    wide.xaxis.set_major_formatter(ScalarFormatter())
+    wide.xaxis.set_minor_formatter(NullFormatter())
+    times = [r["ms"] for r in rows]
+    wide.set_xticks([t for t in (1, 2, 5, 10, 20, 50, 100, 150, 200, 300, 500, 800, 1000, 2000, 5000, 10000, 20000)
+                     if min(times) * 0.9 <= t <= max(times) * 1.1])  # fmt: skip
+    wide.set(xlabel="fwd+bwd step (ms, log)", ylabel=key.replace("_", " "), title="every policy")
     glob = sorted((r for r in rows if r["family"] == "global"), key=lambda r: -float(r["contender"].split()[1]))
-    bx.plot([float(r["contender"].split()[1]) for r in glob], [r[key] for r in glob], "o-", label=key)
+    budgets = [float(r["contender"].split()[1]) for r in glob]
+    bx.plot(budgets, [r[key] for r in glob], "o-", label=key)
     if glob and "peak_step_mib" in glob[0]:
-        bx.plot([float(r["contender"].split()[1]) for r in glob], [r["peak_step_mib"] for r in glob], "s--", label="peak_step_mib")
+        bx.plot(budgets, [r["peak_step_mib"] for r in glob], "s--", label="peak_step_mib")
+    if glob and "estimate_mib" in glob[0] and key == "activation_mib":
+        bx.plot(budgets, [r["estimate_mib"]["activations"] for r in glob], "x:", color="k", label="estimate (activations)")
     bx.invert_xaxis()
     bx.set(xlabel="activation_memory_budget (global)", ylabel="MiB", title="memory against the budget")
     bx.legend(fontsize=8)
