@@ -84,7 +84,7 @@ def _flops(node: torch.fx.Node) -> int:
         return 0
     shapes = [_shape(a.meta.get("val")) if isinstance(a, torch.fx.Node) else a for a in node.args]
     try:
-        return int(flop_registry[packet](*shapes, out_shape=_shape(node.meta.get("val"))))
+        return int(flop_registry[packet](*shapes, out_val=_shape(node.meta.get("val"))))
     except (TypeError, IndexError):  # a formula that wants arguments this call spells otherwise
         return 0
 
