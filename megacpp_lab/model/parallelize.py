@@ -1,5 +1,5 @@
 """Training concerns applied to a plain HybridLM, in torchtitan's order: activation checkpointing, then
-compile, then sharding. This file holds the compile step.
+compile, then sharding. This file holds the compile and the sharding steps.
 
 Regional compile: every block is compiled on its own (`block.compile(fullgraph=True)`), not the whole
 model. Blocks of one structure (the same letter and the same branches) run the same code on the same
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CompileStats", "apply_compile", "block_structures", "compile_stats"]
+__all__ = ["CompileStats", "apply_compile", "apply_fsdp", "block_structures", "compile_stats", "fsdp_groups"]
 
 
 def _lm(model: nn.Module) -> nn.Module:
@@ -101,3 +101,67 @@ def compile_stats() -> CompileStats:
         graph_breaks=int(sum(counters["graph_break"].values())),
         aot_graphs=int(counters["aot_autograd"]["total"]),
     )
+
+
+# ----------------------------------------------------------------------------- FSDP2
+
+
+def _fp32_contract_params(lm: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters submodules declare fp32 (`_fp32_params`; declared buffers, the RoPE tables, are not sharded)."""
+    from megacpp_lab.model.precision import fp32_contract
+
+    params = dict(lm.named_parameters())
+    return {name: params[name] for name in fp32_contract(lm) if name in params}
+
+
+def _average_over(group: Any, world: int) -> Any:
+    import torch.distributed as dist
+
+    def hook(param: torch.Tensor) -> None:  # SUM then divide: gloo has no AVG
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+        param.grad.div_(world)
+
+    return hook
+
+
+def fsdp_groups(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """The FSDP2 groups apply_fsdp makes, innermost first: each block, the embedding, [final norm, LM head],
+    then the root (what is left: nothing, for a HybridLM)."""
+    lm = _lm(model)
+    groups = [(f"blocks.{i}", [b]) for i, b in enumerate(lm.blocks)]
+    return groups + [("embed", [lm.embed]), ("norm+lm_head", [lm.norm, lm.lm_head]), ("root", [lm])]
+
+
+def apply_fsdp(model: nn.Module, *, mesh: Any = None, param_dtype: torch.dtype | None = torch.bfloat16,
+               reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2 (`fully_shard`) over the groups of fsdp_groups, in torchtitan's order: after apply_ac and
+    apply_compile, on an fp32 model (the shards are the fp32 masters; param_dtype is what the forward sees).
+
+    FSDP2 casts every parameter of a group to param_dtype: that would cast the fp32-contract parameters
+    (`_fp32_params`: the SSD / M2RNN decay path, the mHC gates, the concept bank) to bf16, the blanket cast the
+    seeds' Float16Module bug was. They are left out of every group (ignored_params): fp32, replicated on every
+    rank, their gradients averaged over the mesh by a post-accumulate hook. Needs an initialised process group."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    lm = _lm(model)
+    if lm is not model:
+        raise ValueError(f"apply_fsdp shards a plain HybridLM; got a {type(model).__name__} wrapper (FSDP2's "
+                         "MixedPrecisionPolicy replaces apply_mixed_precision: build the model in fp32)")  # fmt: skip
+    low = sorted(n for n, p in lm.named_parameters() if p.dtype != torch.float32)
+    if low:
+        raise ValueError(f"apply_fsdp shards fp32 masters, but {low[:3]} ({len(low)} in all) are not fp32: build "
+                         "the model in fp32 and let param_dtype cast the forward's copies")  # fmt: skip
+    if not dist.is_initialized():
+        raise RuntimeError("apply_fsdp needs an initialised process group (torchrun, or dist.init_process_group)")
+    keep = set(_fp32_contract_params(lm).values())
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for _, modules in fsdp_groups(lm):
+        target = modules[0] if len(modules) == 1 else modules
+        fully_shard(target, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=keep)  # fmt: skip
+    group = mesh.get_group() if mesh is not None else None
+    world = dist.get_world_size(group)
+    for param in keep:
+        param.register_post_accumulate_grad_hook(_average_over(group, world))
+    return model
