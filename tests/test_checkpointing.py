@@ -171,3 +171,13 @@ def test_the_last_block_keeps_its_budget_under_regional_compile():
     low, high = saved[0.0], saved[1.0]
     assert low["M0"] < 0.5 * high["M0"] and low["M1"] < 0.5 * high["M1"], (low, high)
     assert low["M2"] == pytest.approx(high["M2"], rel=0.02), (low, high)
+
+
+def test_a_block_refuses_a_budget_outside_0_1():
+    """Set by hand past apply_ac's checks, a bad budget fails in the block, naming it."""
+    from megacpp_lab.model.hybrid import REMAT_BUDGET_ATTR
+
+    model = _model()
+    setattr(model.blocks[2], REMAT_BUDGET_ATTR, 1.5)
+    with pytest.raises(ValueError, match=r"block 2: remat budget 1.5 is outside \[0, 1\]"):
+        model(*_batch())
