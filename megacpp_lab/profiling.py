@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -146,21 +146,39 @@ def peak_extra_mib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def saved_tensor_bytes(fn: Callable[[], object]) -> int:
-    """Bytes that autograd saves for the backward during one call of fn: every saved tensor's storage, each
-    storage once (views share it), parameters left out (they are held anyway). The activation memory a
-    checkpointing policy or budget acts on; works on a CPU."""
-    seen: dict[tuple[str, int], int] = {}  # storages stay alive while fn's output holds the graph
+@contextmanager
+def saved_storages(tag: Callable[[torch.Tensor], str | None] = lambda t: "saved",
+                   exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict[str, int]]:  # fmt: skip
+    """Bytes autograd saves for the backward while the context is open, per tag(tensor) at save time (None: not
+    counted): every saved tensor's storage, each storage once (views share it), the storages of `exclude`
+    (parameters, buffers: held anyway, no new memory) left out. Filled while open; works on a CPU."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    skip = {StorageWeakRef(t.untyped_storage()) for t in exclude}
+    seen: set[Any] = set()
+    acc: dict[str, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not (t.is_leaf and t.requires_grad):
-            storage = t.untyped_storage()
-            seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in skip and ref not in seen:
+            key = tag(t)
+            if key is not None:
+                seen.add(ref)
+                acc[key] = acc.get(key, 0) + t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
+        yield acc
+
+
+def saved_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes that autograd saves for the backward during one call of fn (saved_storages): leaf tensors that
+    require grad (parameters) and the storages of `exclude` (give the model's parameters and buffers: a view
+    of a parameter is no new memory either) left out. The activation memory a checkpointing policy or budget
+    acts on; works on a CPU."""
+    with saved_storages(lambda t: None if t.is_leaf and t.requires_grad else "saved", exclude) as acc:
+        fn()  # storages stay alive while fn's output holds the graph
+    return sum(acc.values())
 
 
 def retained_bytes(fn: Callable[[], object]) -> int:

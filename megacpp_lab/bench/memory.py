@@ -39,7 +39,7 @@ from megacpp_lab.bench.model import FULL_SHAPE, ModelShape, TrainingStep, build_
 from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
 from megacpp_lab.model.memory import MemoryEstimate, estimate_memory
 from megacpp_lab.model.parallelize import apply_compile, compile_stats
-from megacpp_lab.profiling import step_times_ms
+from megacpp_lab.profiling import saved_storages, step_times_ms
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
 
@@ -82,24 +82,11 @@ def sweep_points(small: bool = False) -> list[MemoryPoint]:
 
 @contextmanager
 def _block_accounting(blocks: list[nn.Module], device: str) -> Iterator[dict[str, dict[str, int]]]:
-    """Per block kind: saved-tensor bytes (hooks; each storage once) and, on a GPU, the allocator's delta over
-    each block's forward. Filled while the context is open."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    acc: dict[str, dict[str, int]] = {"saved": {}, "retained": {}}
+    """Per block kind: saved-tensor bytes (profiling.saved_storages: each storage once, parameters and buffers
+    left out) and, on a GPU, the allocator's delta over each block's forward. Filled while the context is open."""
+    acc: dict[str, dict[str, int]] = {"retained": {}}
     current: list[str] = []
-    seen: set[Any] = set()
     start: dict[int, int] = {}
-
-    state = {StorageWeakRef(t.untyped_storage()) for b in blocks for t in (*b.parameters(), *b.buffers())}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if current:
-            ref = StorageWeakRef(t.untyped_storage())
-            if ref not in seen and ref not in state:  # a parameter or buffer (or a view of one) is no new memory
-                seen.add(ref)
-                acc["saved"][current[-1]] = acc["saved"].get(current[-1], 0) + t.untyped_storage().nbytes()
-        return t
 
     def enter(i: int, kind: str) -> None:
         current.append(kind)
@@ -127,8 +114,10 @@ def _block_accounting(blocks: list[nn.Module], device: str) -> Iterator[dict[str
         own = name in block.__dict__
         patched.append((block, name, own, block.__dict__.get(name)))
         setattr(block, name, around(getattr(block, name), i, block.kind))
+    state = [t for b in blocks for t in (*b.parameters(), *b.buffers())]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages(lambda t: current[-1] if current else None, exclude=state) as saved:
+            acc["saved"] = saved
             yield acc
     finally:
         for block, name, own, original in patched:

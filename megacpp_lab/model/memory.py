@@ -44,6 +44,7 @@ from megacpp_lab.model.config import HybridConfig
 from megacpp_lab.model.hybrid import Block, HybridLM
 from megacpp_lab.model.precision import apply_mixed_precision
 from megacpp_lab.model.remat import remat_plan
+from megacpp_lab.profiling import saved_storages
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
 __all__ = ["FEATURES", "MemoryEstimate", "estimate_memory"]
@@ -142,35 +143,29 @@ class _SavedOutputs(TorchDispatchMode):
 
 def _hooked_bytes(block: nn.Module, x: torch.Tensor, tokens: torch.Tensor, ctx: Any, shared: dict[Any, int], *,
                   record: _SavedOutputs | None = None) -> int:  # fmt: skip
-    """Bytes of the tensors autograd saves during one forward of `block` (parameters and buffers excluded, each
-    storage once), plus what `record` sees cached. The batch's token ids and context tensors are read by every block
-    but held once: a saved one is noted in `shared` (storage -> bytes), not counted."""
+    """Bytes of the tensors autograd saves during one forward of `block` (profiling.saved_storages: parameters
+    and buffers excluded, each storage once), plus what `record` sees cached. The batch's token ids and context
+    tensors are read by every block but held once: a saved one is noted in `shared` (storage -> bytes)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    state = {StorageWeakRef(t.untyped_storage()) for t in (*block.parameters(), *block.buffers())}
-    batch_inputs = {StorageWeakRef(t.untyped_storage()): t for t in (tokens, *vars(ctx).values())
-                  if isinstance(t, torch.Tensor)}  # fmt: skip
-    seen: set[Any] = set()
-    total = 0
+    batch_inputs = {StorageWeakRef(t.untyped_storage()) for t in (tokens, *vars(ctx).values())
+                    if isinstance(t, torch.Tensor)}  # fmt: skip
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
+    def tag(t: torch.Tensor) -> str | None:
         ref = StorageWeakRef(t.untyped_storage())
         if ref in batch_inputs:
             shared[ref] = t.untyped_storage().nbytes()
-        elif ref not in state and ref not in seen:
-            seen.add(ref)
-            total += t.untyped_storage().nbytes()
-        return t
+            return None
+        return "block"
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.enable_grad(), saved_storages(tag, exclude=(*block.parameters(), *block.buffers())) as acc:
         if record is None:
             out = block(x, tokens, ctx)
         else:
             with record:
                 out = block(x, tokens, ctx)
     del out
-    return total + (record.bytes if record is not None else 0)
+    return acc.get("block", 0) + (record.bytes if record is not None else 0)
 
 
 def _block_bytes(block: Block, entry: Entry, x: torch.Tensor, tokens: torch.Tensor, ctx: Any, shared: dict[Any, int],
