@@ -159,8 +159,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         """x: [B,T,d] (single stream) or [B,T,n,d] (mHC streams)."""
         # Blocks of one structure share a compiled graph, and the partitioner reads the remat budget when it
-        # compiles. Checking the budget here makes dynamo guard on its value, so a block with another budget
-        # (the last: never recomputed) compiles apart instead of reusing a graph partitioned for a lower one.
+        # compiles. Checking the budget here makes dynamo guard on its exact value (apply_compile traces budgeted
+        # blocks with specialize_float, so it stays a constant), and a block with another budget (the last: never
+        # recomputed) compiles apart instead of reusing a graph partitioned for a lower one.
         budget = getattr(self, REMAT_BUDGET_ATTR, None)
         if budget is not None and not 0.0 <= budget <= 1.0:
             raise ValueError(f"block {self.layer}: remat budget {budget!r} is outside [0, 1] (set it with apply_ac)")

@@ -71,8 +71,12 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, **compile_kwargs:
 
 
 def _with_budget(fn: Any, budget: float) -> Any:
+    # specialize_float: without it, the recompile for the last block's budget turns the budget into a symbolic
+    # float (automatic dynamic), Block.forward's range check guards only 0 <= b <= 1, and that one graph,
+    # partitioned at the last block's budget, then serves every block of the structure from the next step on.
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._functorch.config.patch(activation_memory_budget=budget):
+        with torch._functorch.config.patch(activation_memory_budget=budget), \
+                torch._dynamo.config.patch(specialize_float=True):
             return fn(*args, **kwargs)
 
     return call
