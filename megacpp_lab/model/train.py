@@ -43,7 +43,20 @@ from megacpp_lab.data import PackedRowStream, load_bpe, load_corpus, next_token_
 from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.model.config import HYBRID_PRESETS, HybridConfig, model_config
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.model.parallelize import apply_compile
+from megacpp_lab.model.distributed import (
+    SHARDED_DIR,
+    Ranks,
+    all_reduce_sum,
+    init_ranks,
+    latest_sharded,
+    load_sharded,
+    load_sharded_full,
+    rank_rows,
+    read_sharded_meta,
+    save_sharded,
+    token_share,
+)
+from megacpp_lab.model.parallelize import apply_compile, apply_fsdp
 from megacpp_lab.model.precision import apply_mixed_precision
 from megacpp_lab.varlen import build_context
 
@@ -63,7 +76,7 @@ __all__ = [
 ]
 
 CHECKPOINT_FILE = "checkpoint.pt"
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: the optimizer state keyed by parameter name (any process count)
 CHECKPOINT_FIELDS = ("format", "step", "train_config", "model_config", "model", "optimizer", "loader", "rng", "history",
                      "pending_loss")
 # fields that may change between a run and its resume: where and how often it reports, not what it computes
@@ -250,9 +263,17 @@ class MasterWeightAdamW:
         self.buffers = [(n, b) for n, b in _inner(model).named_buffers() if n in persistent]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for _, p in self.named]
         self.copied = [i for i, (_, p) in enumerate(self.named) if self.masters[i] is not p]
-        decay = [m for (n, p), m in zip(self.named, self.masters) if p.dim() >= 2 and not n.startswith("embed.")]
-        no_decay = [m for (n, p), m in zip(self.named, self.masters) if not (p.dim() >= 2 and not n.startswith("embed."))]
-        groups = [dict(params=decay, weight_decay=config.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        from torch.distributed.tensor import DTensor
+
+        # one group per (decay, sharded): under FSDP2 a fused step cannot mix DTensors with the replicated
+        # fp32-contract parameters' plain tensors, and AdamW steps each group on its own
+        groups = []
+        for decays in (True, False):
+            for sharded in (True, False):
+                params = [m for (n, p), m in zip(self.named, self.masters)
+                          if (p.dim() >= 2 and not n.startswith("embed.")) == decays and isinstance(p, DTensor) == sharded]
+                if params:
+                    groups.append(dict(params=params, weight_decay=config.weight_decay if decays else 0.0))
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused)
         self.grad_clip = config.grad_clip
 
@@ -262,10 +283,12 @@ class MasterWeightAdamW:
         for i in self.copied:
             g = self.named[i][1].grad
             self.masters[i].grad = None if g is None else g.float()
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
+        parts = _grad_parts([m.grad for m in self.masters if m.grad is not None])
+        norm = _global_norm(parts)
         if self.grad_clip > 0:  # scale by min(1, clip / norm) on the device: no host sync
-            torch._foreach_mul_(grads, torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0))
+            factor = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+            for part in parts:
+                torch._foreach_mul_(part, factor)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -278,6 +301,37 @@ class MasterWeightAdamW:
         for (_, p), m in zip(self.named, self.masters):
             p.grad = None
             m.grad = None
+
+    def optimizer_state_by_name(self) -> dict[str, Any]:
+        """The AdamW state keyed by parameter name (torch.distributed.checkpoint's layout), so a checkpoint
+        fits any process count and any parameter order."""
+        raw = self.optimizer.state_dict()
+        index = self._names_in_optimizer_order()
+        groups = [{**g, "params": [index[i] for i in g["params"]]} for g in raw["param_groups"]]
+        return {"state": {index[i]: st for i, st in raw["state"].items()}, "param_groups": groups}
+
+    def load_optimizer_state_by_name(self, state: dict[str, Any], where: str) -> None:
+        """Load a state from optimizer_state_by_name (of this or any other process count); fails naming the field."""
+        order = self._names_in_optimizer_order()
+        index = {n: i for i, n in enumerate(order)}
+        try:  # groups differ with the process count (FSDP2 splits sharded from replicated): match by name
+            saved_group = {n: g for g in state["param_groups"] for n in g["params"]}
+            groups, i = [], 0
+            for mine in self.optimizer.param_groups:
+                names = order[i : i + len(mine["params"])]
+                i += len(names)
+                hyper = [{k: v for k, v in saved_group[n].items() if k != "params"} for n in names]
+                if any(h != hyper[0] for h in hyper):
+                    raise ValueError(f"parameters {names[:3]}... share a group here but not in the checkpoint")
+                groups.append({**hyper[0], "params": [index[n] for n in names]})
+            raw = {"state": {index[n]: st for n, st in state["state"].items()}, "param_groups": groups}
+            self.optimizer.load_state_dict(raw)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"{where}: field 'optimizer' does not fit this model: {type(err).__name__}: {err}") from None
+
+    def _names_in_optimizer_order(self) -> list[str]:
+        ids = {id(m): n for (n, _), m in zip(self.named, self.masters)}
+        return [ids[id(m)] for g in self.optimizer.param_groups for m in g["params"]]
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's parameters at full precision (the masters), by HybridLM parameter name, plus its
@@ -307,6 +361,32 @@ class MasterWeightAdamW:
                 b.copy_(state[n])
 
 
+def _grad_parts(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Gradients split into FSDP2's sharded DTensors and plain tensors (the replicated fp32-contract
+    parameters under FSDP2; every gradient in one process): foreach ops take one kind at a time."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    return [part for part in (sharded, plain) if part]
+
+
+def _global_norm(parts: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The L2 norm over every gradient: a sharded part's norm is reduced over the mesh (full_tensor); the
+    plain part is the same on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    if not parts:
+        return torch.zeros(())
+    norms = []
+    for part in parts:
+        norm = torch.nn.utils.get_total_norm(part)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
@@ -324,8 +404,15 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint; fails closed, naming the file and the field, when it is unreadable or incomplete."""
+    """Read a checkpoint: a checkpoint.pt, or a sharded checkpoint (a run's checkpoint.dcp directory or one of
+    its step directories) gathered into the same dict of full tensors. Fails closed, naming the file and the
+    field, when it is unreadable or incomplete."""
     path = Path(path)
+    if path.is_dir():
+        step_dir = latest_sharded(path) if (path / "LATEST").exists() else path
+        if step_dir is None or not (step_dir / ".metadata").is_file():
+            raise FileNotFoundError(f"no sharded checkpoint in {path} (no LATEST, no .metadata)")
+        return _checked(load_sharded_full(step_dir), step_dir)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint {path}")
     try:
@@ -333,10 +420,14 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - a truncated zip, a pickle error: all mean the same to the user
         raise ValueError(f"checkpoint {path} cannot be read (corrupt or truncated: {type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''})") from None  # fmt: skip
+    return _checked(state, path)
+
+
+def _checked(state: Any, path: Path, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise ValueError(f"checkpoint {path} holds a {type(state).__name__}, not a training checkpoint")
     for field in CHECKPOINT_FIELDS:
-        if field not in state:
+        if field not in state and field not in skip:
             raise ValueError(f"checkpoint {path} lacks the field '{field}'")
     if state["format"] != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint {path} field 'format' is {state['format']!r}, this code reads {CHECKPOINT_FORMAT}")
@@ -444,73 +535,149 @@ def _targets(tokens: torch.Tensor, doc_ids: torch.Tensor, pad_id: int, ignore_in
     return targets.masked_fill(targets == pad_id, ignore_index)  # padding is never a target
 
 
+def _latest_checkpoint(out: Path, ranks: Ranks) -> tuple[str, Path, dict[str, Any]] | None:
+    """The newest checkpoint in a run directory: ("pt", checkpoint.pt, its dict) or ("dcp", step directory, its
+    metadata). A run resumed at another process count writes the other kind; the higher step wins, and at
+    equal steps the kind this run writes."""
+    found = []
+    if (out / CHECKPOINT_FILE).exists():
+        found.append(("pt", out / CHECKPOINT_FILE, load_checkpoint(out / CHECKPOINT_FILE)))
+    step_dir = latest_sharded(out / SHARDED_DIR)
+    if step_dir is not None:
+        found.append(("dcp", step_dir, _checked(read_sharded_meta(step_dir), step_dir, skip=("model", "optimizer"))))
+    if not found:
+        return None
+    mine = "dcp" if ranks.world > 1 else "pt"
+    return max(found, key=lambda f: (int(f[2]["step"]), f[0] == mine))
+
+
+def _sharded_state(model: nn.Module, opt: MasterWeightAdamW) -> dict[str, Any]:
+    """{"model", "optimizer"} of an FSDP2 model as DCP saves and loads them (sharded, keyed by name)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(_inner(model), opt.optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def _load_state(model: nn.Module, opt: MasterWeightAdamW, found: tuple[str, Path, dict[str, Any]], ranks: Ranks) -> None:
+    """Weights and optimizer state from either checkpoint kind, at this run's process count (resharded)."""
+    kind, where, saved = found
+    if ranks.world == 1:
+        full = saved if kind == "pt" else load_checkpoint(where)
+        opt.load_master_state_dict(model, full["model"], f"checkpoint {where}")
+        opt.load_optimizer_state_by_name(full["optimizer"], f"checkpoint {where}")
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    if kind == "dcp":  # each rank reads the slices its shards need, whatever the saving world was
+        state = _sharded_state(model, opt)
+        load_sharded(where, state)
+        options = StateDictOptions()
+    else:  # one process's full tensors: every rank reads the file and keeps its shards
+        state, options = saved, StateDictOptions(full_state_dict=True)
+    try:
+        set_state_dict(_inner(model), opt.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=options)  # fmt: skip
+    except (KeyError, RuntimeError, ValueError) as err:
+        raise ValueError(f"checkpoint {where} does not fit this model: {type(err).__name__}: {err}") from None
+
+
 def train(config: TrainConfig, *, progress: bool = True, resume: bool = True, stop_after: int | None = None,
           corpus: TokenizedCorpus | None = None) -> TrainResult:  # fmt: skip
     """Run (or resume) a training run; see the module docstring. Everything checkable is checked before the
     corpus is read. resume=False refuses an out_dir that holds a checkpoint. stop_after: end after this many
     steps of the schedule, with a checkpoint (a job sliced into pieces; the next call resumes). corpus: the
-    tokenized corpus (tokenize_corpus), read here when None."""
+    tokenized corpus (tokenize_corpus), read here when None.
+
+    Under torchrun (WORLD_SIZE > 1) this process is one rank of the run (model/distributed.py): FSDP2 over an
+    fp32 model (bf16 forward on a GPU), batch_size the global batch, sharded checkpoints, and rank 0 alone
+    writing logs, plots and the progress bar. A process group this call made is torn down when it returns."""
     if stop_after is not None and (not isinstance(stop_after, int) or isinstance(stop_after, bool) or stop_after < 1):
         raise ValueError(f"stop_after must be an int >= 1 or None, got {stop_after!r}")
+    device, dtype = resolve_device(config)
+    ranks = init_ranks(device)
+    result = _train(config, device, dtype, ranks, progress=progress, resume=resume, stop_after=stop_after,
+                    corpus=corpus)  # fmt: skip
+    if ranks.owns_group:  # an exception skips this: torchrun stops the other ranks
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *, progress: bool, resume: bool,
+           stop_after: int | None, corpus: TokenizedCorpus | None) -> TrainResult:  # fmt: skip
     from tqdm.auto import tqdm
 
-    device, dtype = resolve_device(config)
+    rows = rank_rows(config.batch_size, ranks)
     tok = load_bpe()
     hcfg = config.hybrid_config(device, tok.vocab_size)
     out = Path(config.out_dir)
     ckpt_path = out / CHECKPOINT_FILE
-    if not resume and ckpt_path.exists():
-        raise ValueError(f"{ckpt_path} exists and resume is off: remove it or choose another out_dir")
-    saved = load_checkpoint(ckpt_path) if ckpt_path.exists() else None
+    found = _latest_checkpoint(out, ranks)
+    if not resume and found is not None:
+        raise ValueError(f"{found[1]} exists and resume is off: remove it or choose another out_dir")
+    saved = found[2] if found is not None else None
     if saved is not None:
-        _check_resume(saved, config, ckpt_path)
+        _check_resume(saved, config, found[1])
     ignore = hcfg.lm_head.ignore_index
 
     if corpus is None:
-        corpus = tokenize_corpus(config, progress=progress)
+        corpus = tokenize_corpus(config, progress=progress and ranks.main)
     stream, val_batches = _data(config, corpus, tok.pad_id)
     torch.manual_seed(config.seed)
     model: nn.Module = HybridLM(hcfg).to(device)
-    if dtype != torch.float32:
+    if ranks.world > 1:  # torchtitan's order: compile, then shard the fp32 masters; param_dtype is the forward's
+        if config.compile:
+            apply_compile(model)
+        low = dtype if dtype != torch.float32 else None
+        apply_fsdp(model, param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+    elif dtype != torch.float32:
         model = apply_mixed_precision(model, dtype)
     opt = MasterWeightAdamW(model, config)
     history: list[dict[str, float]] = []
     start = 0
     if saved is not None:
-        opt.load_master_state_dict(model, saved["model"], f"checkpoint {ckpt_path}")
-        try:
-            opt.optimizer.load_state_dict(saved["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as err:
-            raise ValueError(f"checkpoint {ckpt_path} field 'optimizer' does not fit this model: {err}") from None
+        _load_state(model, opt, found, ranks)
         stream.load_state_dict(saved["loader"])
         torch.set_rng_state(saved["rng"]["torch"])
         if device == "cuda" and saved["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(saved["rng"]["cuda"])
         start, history = int(saved["step"]), list(saved["history"])
-    if config.compile:
+    if config.compile and ranks.world == 1:
         apply_compile(model)
     writer = None
-    if config.tensorboard:
+    if config.tensorboard and ranks.main:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start)
 
+    def rank_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """This rank's rows on the device, their targets, and their share of the global batch's targets."""
+        targets = _targets(batch.tokens, batch.doc_ids, hcfg.pad_id, ignore)  # the whole batch, on the host
+        share = token_share(targets, rows, ignore) if ranks.world > 1 else 1.0
+        return (*(t[rows].to(device, non_blocking=True) for t in (batch.tokens, batch.doc_ids, targets)), share)
+
     def validate() -> float:
         model.eval()
-        total = 0.0
+        total = torch.zeros((), device=device, dtype=torch.float64)
         with torch.no_grad():
             for b in val_batches:
-                tokens, doc_ids = b.tokens.to(device), b.doc_ids.to(device)
-                total += float(model(tokens, build_context(doc_ids), _targets(tokens, doc_ids, hcfg.pad_id, ignore)).loss)
+                tokens, doc_ids, targets, share = rank_batch(b)
+                total += model(tokens, build_context(doc_ids), targets).loss.double() * share
         model.train()
-        return total / len(val_batches)
+        return float(all_reduce_sum(total, ranks)) / len(val_batches)
 
     def checkpoint(step: int) -> None:
         rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device == "cuda" else None}
-        save_checkpoint(ckpt_path, dict(format=CHECKPOINT_FORMAT, step=step, train_config=dataclasses.asdict(config),
-                                        model_config=dataclasses.asdict(hcfg), model=opt.master_state_dict(),
-                                        optimizer=opt.optimizer.state_dict(), loader=stream.state_dict(), rng=rng,
-                                        history=history, pending_loss=(float(loss_sum), s_log)))  # fmt: skip
+        meta = dict(format=CHECKPOINT_FORMAT, step=step, train_config=dataclasses.asdict(config),
+                    model_config=dataclasses.asdict(hcfg), loader=stream.state_dict(), rng=rng, history=history,
+                    pending_loss=(float(all_reduce_sum(loss_sum, ranks)), s_log))  # fmt: skip
+        if ranks.world > 1:
+            save_sharded(out / SHARDED_DIR, step, _sharded_state(model, opt), meta, ranks)
+        else:
+            save_checkpoint(ckpt_path, dict(meta, model=opt.master_state_dict(), optimizer=opt.optimizer_state_by_name()))
 
     def log(row: dict[str, float]) -> None:
         history.append(row)
@@ -521,28 +688,28 @@ def train(config: TrainConfig, *, progress: bool = True, resume: bool = True, st
                                       value, int(row["step"]))  # fmt: skip
 
     model.train()
-    tokens_per_step = config.batch_size * config.seq_len
+    tokens_per_step = config.batch_size * config.seq_len  # the global batch: every rank's rows
     end = config.steps if stop_after is None else min(config.steps, stop_after)
     bar = tqdm(range(start, end), initial=start, total=config.steps, desc="training", unit="step",
-               disable=not progress)  # fmt: skip
+               disable=not (progress and ranks.main))  # fmt: skip
     t_log, s_log, r_log, rates = time.perf_counter(), start, start, []  # r_log: the rate's own start
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    if saved is not None:  # the steps since the last log row, so that the row after a resume averages them too
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # this rank's share of the global mean
+    if saved is not None and ranks.main:  # the steps since the last log row (the global sum: on one rank only)
         loss_sum += saved["pending_loss"][0]
+    if saved is not None:
         s_log = int(saved["pending_loss"][1])
     for step in bar:
-        batch = next(stream)
-        tokens, doc_ids = batch.tokens.to(device, non_blocking=True), batch.doc_ids.to(device, non_blocking=True)
-        targets = _targets(tokens, doc_ids, hcfg.pad_id, ignore)
+        tokens, doc_ids, targets, share = rank_batch(next(stream))
         lr = lr_at(step, config)
         loss = model(tokens, build_context(doc_ids), targets).loss
-        loss.backward()
+        # FSDP2 averages gradients over ranks: weighted by share * world, the average is the global mean's
+        (loss * (share * ranks.world) if ranks.world > 1 else loss).backward()
         grad_norm = opt.step(lr)
         opt.zero_grad()
-        loss_sum += loss.detach().double()
+        loss_sum += loss.detach().double() * share if ranks.world > 1 else loss.detach().double()
         done = step + 1
         if done % config.log_every == 0 or done == config.steps:
-            mean_loss = float(loss_sum) / (done - s_log)  # the one host sync per log interval
+            mean_loss = float(all_reduce_sum(loss_sum, ranks)) / (done - s_log)  # one host sync per log interval
             now = time.perf_counter()
             rate = tokens_per_step * (done - r_log) / (now - t_log)
             rates.append(rate)
@@ -563,11 +730,14 @@ def train(config: TrainConfig, *, progress: bool = True, resume: bool = True, st
     bar.close()
     if writer is not None:
         writer.close()
-    (out / "history.json").write_text(json.dumps(history, indent=1) + "\n")
-    plot_history(history, out / "loss.png", title=f"{config.preset} on {device}")
+    if ranks.main:
+        (out / "history.json").write_text(json.dumps(history, indent=1) + "\n")
+        where = f"{ranks.world} x {device}" if ranks.world > 1 else device
+        plot_history(history, out / "loss.png", title=f"{config.preset} on {where}")
     # the first interval holds compilation and warm-up: the median of the rest is the steady rate
     steady = sorted(rates[1:] or rates)
-    return TrainResult(history, ckpt_path, out, model, hcfg, steady[len(steady) // 2] if steady else float("nan"))
+    checkpoint_at = out / SHARDED_DIR if ranks.world > 1 else ckpt_path
+    return TrainResult(history, checkpoint_at, out, model, hcfg, steady[len(steady) // 2] if steady else float("nan"))
 
 
 def plot_history(history: list[dict[str, float]], path: str | Path, *, title: str = "") -> Path:
