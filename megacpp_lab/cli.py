@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import traceback
@@ -171,15 +172,46 @@ TRAIN_FLAGS: tuple[tuple[str, Any, str], ...] = (
 def _cmd_train(args: argparse.Namespace) -> int:
     from megacpp_lab.model.train import TrainConfig, train
 
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+        world = os.environ.get("WORLD_SIZE")
+        if world is not None and int(world) != args.nproc:
+            raise ValueError(f"--nproc {args.nproc} under a launcher that started WORLD_SIZE={world} processes")
+        if world is None and args.nproc > 1:
+            return _launch_ranks(args.nproc, args.argv)
     flags = {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS}
     flags.update(compile=args.compile, tensorboard=args.tensorboard)
     config = TrainConfig.build(args.config, **flags)
     result = train(config, progress=not args.quiet, resume=not args.no_resume, stop_after=args.stop_after)
     last = {key: next((r[key] for r in reversed(result.history) if key in r), float("nan"))
             for key in ("train_loss", "val_loss")}  # fmt: skip
+    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 alone reports
+        return 0
     print(f"trained to step {result.history[-1]['step'] if result.history else 0}: train loss {last['train_loss']:.4f}, "
           f"val loss {last['val_loss']:.4f}, {result.tokens_per_s:,.0f} tokens/s; wrote {result.out_dir}/")
     return 0
+
+
+def _launch_ranks(nproc: int, argv: list[str]) -> int:
+    """`train --nproc N`: the same command under torchrun, N processes on this host. torchrun stops every
+    rank when one fails (no restarts), so a dead rank ends the job instead of leaving the others waiting."""
+    rest, skip = [], False
+    for a in argv:  # the command without --nproc: under torchrun each rank reads WORLD_SIZE instead
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "--monitor-interval=1", "-m", "megacpp_lab.cli", *rest]  # fmt: skip
+    code = subprocess.run(cmd).returncode
+    if code:
+        print(f"{PROG}: error: training failed on {nproc} processes (torchrun exit code {code}): the failing rank "
+              "and its exit code are in torchrun's summary above, its traceback above that; the other ranks were "
+              "stopped. The last complete checkpoint is intact: the same command resumes from it.", file=sys.stderr)
+    return code
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
@@ -286,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=_paragraphs(
             "Benchmark one subsystem and write its receipts: JSON stamped with device, versions and commit, plots, "
             "and a profiler trace.",
-            "A full run needs a CUDA GPU and writes under profiles/<device>/<subsystem>/; --small runs CPU-sized "
+            "A full run needs a CUDA GPU (table_store, which measures host code, runs on the CPU) and writes under "
+            "profiles/<device>/<subsystem>/; --small runs CPU-sized "
             f"shapes as a smoke test and writes under {SMALL_OUT}/. `megacpp-lab bench <subsystem> --help` says "
             "what each one measures, what it writes and how long it takes.",
         ),
@@ -356,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: run to --steps)")  # fmt: skip
     p.add_argument("--no-resume", action="store_true",
                    help="refuse to start over an existing checkpoint instead of resuming from it (default: resume)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes (GPUs) on this host: torchrun underneath, FSDP2 over the ranks, --batch-size the "
+                   "global batch, sharded checkpoints in <out-dir>/checkpoint.dcp (default: 1)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train)
 
@@ -449,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # train --nproc relaunches the same command
     try:
         with warnings.catch_warnings():
             if not args.debug:

@@ -22,6 +22,7 @@ METRIC_KEYS = (
     "ms", "fwd_ms", "bwd_ms", "peak_mib", "gb_per_s", "tflops", "max_abs_err", "rel_err",
     "compile_s", "tokens_per_s", "speedup", "nonfinite_outputs", "pct_of_copy", "saved_mib", "bytes_per_token",
     "compression_vs_bf16", "cross_doc_leak", "causal_leak", "ms_min", "ms_max", "peak_total_mib", "mfu", "val_loss", "train_loss",
+    "rows_per_s",
 )  # fmt: skip
 REQUIRED_KEYS = ("name", "subsystem", "device", "torch", "triton", "commit", "date", "shape", "dtype", "results")
 

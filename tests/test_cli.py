@@ -116,13 +116,21 @@ def test_tour_without_notebooks_is_one_line_error(tmp_path, capsys):
 
 
 @no_gpu
-@pytest.mark.parametrize("name", sorted(COMMANDS))
+@pytest.mark.parametrize("name", sorted(n for n, c in COMMANDS.items() if not c.cpu_receipts))
 def test_bench_refuses_full_size_on_cpu(tmp_path, capsys, name):
-    """Every subsystem, engram included, refuses a full-size CPU run before doing any work."""
+    """Every GPU subsystem, engram included, refuses a full-size CPU run before doing any work."""
     assert main(["bench", name, "--out", str(tmp_path)]) == 2
     line = one_error_line(capsys)
     assert f"bench {name}` runs full-size shapes and needs a CUDA GPU" in line and "--small" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_host_side_benchmarks_run_full_size_on_the_cpu():
+    """table_store measures host code (the lookup runs on the CPU either way): its full run is a receipt."""
+    from megacpp_lab.bench import bench_device
+
+    assert {n for n, c in COMMANDS.items() if c.cpu_receipts} == {"table_store"}
+    assert bench_device("table_store", small=False) == "cpu"
 
 
 def test_bench_small_refuses_to_write_into_profiles(capsys):
@@ -164,6 +172,9 @@ HELP_MUST_SAY = {
     "train": ("small preset", "engram_layers=none", "same tokenized corpus", "master weights", "sampled tokens"),
     "compile": ("regional compile", "whole-model torch.compile", "caches disabled", "recompiles", "MFU",
                 "989 TFLOP/s", "at most 1/3", "0.8x eager"),
+    "scale_out": ("--nproc N", "same per-GPU batch", "fp32-contract", "B=4 x T=4096 per GPU", "1.8x", "peak memory"),
+    "table_store": ("numpy gather", "in-process backend", "Mooncake backend through TableStore", "one range per row",
+                    "whole tables", "EngramStore.lookup", "B=8, L=4096, H=2, D=256", "TCP loopback", "libibverbs1"),
 }
 
 
@@ -175,7 +186,9 @@ def test_each_bench_subsystem_has_its_own_help(capsys):
         for phrase in HELP_MUST_SAY[name]:
             assert phrase in " ".join(text.split()), (name, phrase)
         assert f"Receipts under <out>/<device-slug>/{name}/" in text
-        assert re.search(r"Run time on an H[12]00", text), name  # the GPU its receipts were measured on
+        # the GPU its receipts were measured on, or the CPU for a host-side benchmark
+        where = r"Run time on a \d+-core CPU" if COMMANDS[name].cpu_receipts else r"Run time on an H[12]00"
+        assert re.search(where, " ".join(text.split())), name
         for flag in ("--out", "--small", "--no-trace", "--debug"):
             assert flag in text
 
@@ -294,6 +307,34 @@ def test_bench_ssd_small_records_what_it_did_not_measure():
     B, T, docs = ssd.SMALL_SHAPE.B, ssd.SMALL_SHAPE.T, ssd.SMALL_SHAPE.docs
     assert len(lengths) == B * docs and len(set(lengths)) > 1  # unequal documents ...
     assert all(sum(lengths[b * docs : (b + 1) * docs]) == T for b in range(B))  # ... that fill each row exactly
+
+
+def test_bench_table_store_small_receipt_is_exact_and_says_where_it_ran(monkeypatch):
+    """Every contender returns exactly the numpy gather's rows at the tiny shapes; the receipt records the CPU
+    and its cores; without Mooncake its contenders are listed as not measured, with the reason."""
+    from megacpp_lab.bench import table_store
+
+    def run() -> dict:
+        return table_store.bench_table_store(table_store.SMALL_SHAPES, **table_store.SMALL_REPS, progress=False)
+
+    monkeypatch.setattr(table_store, "mooncake_unavailable", lambda: "the system library libibverbs1 is missing")
+    receipt = run()
+    assert receipt["device"].startswith("CPU") and receipt["cpu_cores"] == len(os.sched_getaffinity(0))
+    assert {r["contender"] for r in receipt["results"]} == {table_store.NUMPY, table_store.IN_PROCESS}
+    assert [m["contender"] for m in receipt["not_measured"]] == list(table_store.MOONCAKE_CONTENDERS)
+    assert all("libibverbs1" in m["reason"] for m in receipt["not_measured"])
+    monkeypatch.undo()
+    from megacpp_lab.store.mooncake import mooncake_unavailable
+
+    if mooncake_unavailable() is not None:
+        pytest.skip(f"Mooncake backend not testable here: {mooncake_unavailable()}")
+    receipt = run()
+    rows = receipt["results"]
+    assert len(rows) == len(table_store.SMALL_SHAPES) * 6 and "not_measured" not in receipt
+    assert all(r["exact"] and r["max_abs_err"] == 0 and r["rows_per_s"] > 0 for r in rows), rows
+    planned = [r for r in rows if r["contender"] == table_store.MOONCAKE]
+    assert all(len(r["planned_reads"]) == r["shape"]["H"] for r in planned)
+    assert receipt["mooncake"]["version"] == "0.3.13.post1"
 
 
 def build_twice(tmp_path: Path, *argv: str) -> tuple[Path, Path]:

@@ -16,6 +16,7 @@ ALLOWED = {
     "testing": {"varlen"},
     "data": {"varlen"},
     "nn": {"kernels", "store", "varlen"},
+    "store": {"nn"},  # backends implement nn.table_store's TableBackend; nn imports no store module (checked below)
     "model": {"nn", "kernels", "store", "data", "varlen", "profiling"},  # profiling: the saved-tensor count, no imports of ours
 }
 
@@ -59,6 +60,43 @@ def test_package_imports_only_what_the_design_allows(package: str) -> None:
     assert not bad, "\n".join(bad)
 
 
+def _package_graph() -> dict[str, set[str]]:
+    """Subpackage -> the other subpackages its files import (top-level modules count as their own node)."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).parts
+        node = rel[0] if len(rel) > 1 else path.stem
+        graph.setdefault(node, set()).update(m.split(".")[0] for m in _imports(path) if m and m.split(".")[0] != node)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_packages() -> None:
+    """ALLOWED lets nn import store and store import nn; only one direction may exist (store -> nn today)."""
+    cycle = _cycle(_package_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    assert "nn" in _package_graph()["store"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check can fail
+
+
 def test_nn_never_imports_model() -> None:
     """model/ may import nn/, never the other way round (a layer knows no model)."""
     assert "model" not in ALLOWED["nn"]
@@ -67,7 +105,7 @@ def test_nn_never_imports_model() -> None:
     assert not bad, "\n".join(bad)
 
 
-PUBLIC_API_PACKAGES = ("nn", "kernels", "model")
+PUBLIC_API_PACKAGES = ("nn", "kernels", "model", "store")
 
 
 def _api_modules() -> list[str]:

@@ -1,3 +1,7 @@
+"""The table-store contract (megacpp_lab.nn.table_store), run on every backend: the in-process one always,
+Mooncake's when the `mooncake` extra and libibverbs1 are installed (one local master per session, see
+conftest.py). Tests of what only one backend has (its defaults, CUDA) say so by taking no `backend`."""
+
 import pytest
 import torch
 
@@ -25,9 +29,17 @@ def make_store(layer_id=3, backend=None) -> TableStore:
     return TableStore(layer_id, TableStoreConfig(SIZES, D), backend)
 
 
+@pytest.fixture(params=["in-process", "mooncake"])
+def backend(request) -> TableBackend:
+    """An empty backend of each kind."""
+    if request.param == "mooncake":
+        return request.getfixturevalue("mooncake_backend")
+    return InProcessBackend()
+
+
 @pytest.fixture
-def store() -> TableStore:
-    s = make_store()
+def store(backend) -> TableStore:
+    s = make_store(backend=backend)
     s.populate(make_tables())
     return s
 
@@ -64,14 +76,14 @@ def test_keys_getters_repr(store):
     assert store.get_embedding_dim() == D
     assert store.is_populated()
     r = repr(store)
-    assert "layer_id=3" in r and "InProcessBackend" in r and "embedding_dim=4" in r
+    assert "layer_id=3" in r and type(store.backend).__name__ in r and "embedding_dim=4" in r
     with pytest.raises(IndexError):
         store.key(3)
 
 
-def test_tables_read_back_and_store_owns_a_copy():
+def test_tables_read_back_and_store_owns_a_copy(backend):
     src = make_tables()
-    s = make_store()
+    s = make_store(backend=backend)
     s.populate(src)
     src[0].add_(100.0)  # caller mutates its tensor after upload
     back = s.tables()
@@ -81,8 +93,8 @@ def test_tables_read_back_and_store_owns_a_copy():
         torch.testing.assert_close(t, e, rtol=0, atol=0)
 
 
-def test_populate_accepts_other_float_dtypes_and_stores_float32():
-    s = make_store()
+def test_populate_accepts_other_float_dtypes_and_stores_float32(backend):
+    s = make_store(backend=backend)
     s.populate([t.double() for t in make_tables()])
     assert all(t.dtype == torch.float32 for t in s.tables())
 
@@ -101,8 +113,7 @@ def test_second_populate_refused_and_original_unchanged(store):
         torch.testing.assert_close(t, e, rtol=0, atol=0)
 
 
-def test_populate_refused_when_only_one_key_exists():
-    backend = InProcessBackend()
+def test_populate_refused_when_only_one_key_exists(backend):
     backend.put("engram:l3:h2", torch.zeros(13, D))
     s = make_store(backend=backend)
     with pytest.raises(ValueError, match="engram:l3:h2"):
@@ -134,8 +145,8 @@ def _bad_table_cases():
 
 
 @pytest.mark.parametrize("tables,pattern", _bad_table_cases())
-def test_populate_validation_writes_nothing(tables, pattern):
-    s = make_store()
+def test_populate_validation_writes_nothing(backend, tables, pattern):
+    s = make_store(backend=backend)
     with pytest.raises(ValueError, match=pattern):
         s.populate(tables)
     assert s.backend.keys() == []
@@ -145,42 +156,61 @@ def test_populate_validation_writes_nothing(tables, pattern):
 # ------------------------------------------------------------------ rollback
 
 
-class FailingBackend(InProcessBackend):
-    def __init__(self, fail_put_on: int, fail_delete: bool = False) -> None:
-        super().__init__()
+class FaultyBackend(TableBackend):
+    """Any backend with injected faults: the `fail_put_on`-th put raises before writing, a put of a key
+    ending in `lost_ack_on` raises after writing (a lost acknowledgement), and deletes of keys ending in
+    `fail_delete_on` raise ("" = every key)."""
+
+    def __init__(self, inner: TableBackend, fail_put_on: int = -1, lost_ack_on: str | None = None,
+                 fail_delete_on: str | None = None) -> None:  # fmt: skip
+        self.inner = inner
         self.fail_put_on = fail_put_on
-        self.fail_delete = fail_delete
+        self.lost_ack_on = lost_ack_on
+        self.fail_delete_on = fail_delete_on
         self.puts = 0
 
     def put(self, key, table):
         self.puts += 1
         if self.puts == self.fail_put_on:
             raise OSError(f"simulated transfer failure on {key}")
-        super().put(key, table)
+        self.inner.put(key, table)
+        if self.lost_ack_on is not None and key.endswith(self.lost_ack_on):
+            raise TimeoutError(f"stored {key} but the acknowledgement was lost")
 
     def delete(self, key):
-        if self.fail_delete:
+        if self.fail_delete_on is not None and key.endswith(self.fail_delete_on):
             raise ConnectionError(f"simulated delete failure on {key}")
-        return super().delete(key)
+        return self.inner.delete(key)
+
+    def exists(self, key):
+        return self.inner.exists(key)
+
+    def get_rows(self, key, rows):
+        return self.inner.get_rows(key, rows)
+
+    def shape(self, key):
+        return self.inner.shape(key)
+
+    def keys(self):
+        return self.inner.keys()
 
 
-def test_populate_rolls_back_on_put_failure():
-    backend = FailingBackend(fail_put_on=2)
-    s = make_store(backend=backend)
+def test_populate_rolls_back_on_put_failure(backend):
+    faulty = FaultyBackend(backend, fail_put_on=2)
+    s = make_store(backend=faulty)
     with pytest.raises(RuntimeError, match=r"head 1.*rolled back 1 of 1") as info:
         s.populate(make_tables())
     assert isinstance(info.value.__cause__, OSError)
     assert backend.keys() == []
     assert not s.is_populated()
     # the layer id is reusable straight away
-    backend.fail_put_on = -1
+    faulty.fail_put_on = -1
     s.populate(make_tables())
     assert s.is_populated()
 
 
-def test_rollback_delete_failure_does_not_mask_populate_error():
-    backend = FailingBackend(fail_put_on=3, fail_delete=True)
-    s = make_store(backend=backend)
+def test_rollback_delete_failure_does_not_mask_populate_error(backend):
+    s = make_store(backend=FaultyBackend(backend, fail_put_on=3, fail_delete_on=""))
     with pytest.raises(RuntimeError, match="head 2") as info:
         s.populate(make_tables())
     msg = str(info.value)
@@ -190,23 +220,15 @@ def test_rollback_delete_failure_does_not_mask_populate_error():
     assert sorted(backend.keys()) == ["engram:l3:h0", "engram:l3:h1"]
 
 
-def test_rollback_removes_a_key_the_backend_stored_before_raising():
-    class LostAck(InProcessBackend):
-        def put(self, key, table):
-            super().put(key, table)
-            if key.endswith(":h1"):
-                raise TimeoutError(f"stored {key} but the acknowledgement was lost")
-
-    backend = LostAck()
+def test_rollback_removes_a_key_the_backend_stored_before_raising(backend):
     with pytest.raises(RuntimeError, match="head 1"):
-        make_store(backend=backend).populate(make_tables())
+        make_store(backend=FaultyBackend(backend, lost_ack_on=":h1")).populate(make_tables())
     assert backend.keys() == []  # nothing half-populated blocks the retry
 
 
-def test_put_failure_on_first_head_writes_nothing():
-    backend = FailingBackend(fail_put_on=1)
+def test_put_failure_on_first_head_writes_nothing(backend):
     with pytest.raises(RuntimeError, match="head 0"):
-        make_store(backend=backend).populate(make_tables())
+        make_store(backend=FaultyBackend(backend, fail_put_on=1)).populate(make_tables())
     assert backend.keys() == []
 
 
@@ -252,14 +274,13 @@ def test_lookup_rejects_bad_input(store, ids, pattern):
         store.lookup(ids)
 
 
-def test_lookup_before_populate_names_missing_key():
-    s = make_store()
+def test_lookup_before_populate_names_missing_key(backend):
+    s = make_store(backend=backend)
     with pytest.raises(ValueError, match="engram:l3:h0"):
         s.lookup(make_ids())
 
 
-def test_lookup_on_partially_populated_layer_names_missing_key():
-    backend = InProcessBackend()
+def test_lookup_on_partially_populated_layer_names_missing_key(backend):
     s = make_store(backend=backend)
     s.populate(make_tables())
     backend.delete("engram:l3:h1")
@@ -268,8 +289,7 @@ def test_lookup_on_partially_populated_layer_names_missing_key():
         s.lookup(make_ids())
 
 
-def test_lookup_detects_table_written_with_other_config():
-    backend = InProcessBackend()
+def test_lookup_detects_table_written_with_other_config(backend):
     TableStore(3, TableStoreConfig([7, 11, 13], D + 1), backend).populate(make_tables(d=D + 1))
     with pytest.raises(ValueError, match=r"engram:l3:h0.*\[7, 4\]"):
         make_store(backend=backend).lookup(make_ids())
@@ -286,8 +306,7 @@ def test_remove_is_idempotent(store):
     assert store.remove_from_store(force=True) == 0
 
 
-def test_remove_partial_layer():
-    backend = InProcessBackend()
+def test_remove_partial_layer(backend):
     s = make_store(backend=backend)
     s.populate(make_tables())
     backend.delete("engram:l3:h0")
@@ -295,15 +314,8 @@ def test_remove_partial_layer():
     assert backend.keys() == []
 
 
-def test_remove_delete_errors_raise_or_warn_with_force():
-    class FlakyDelete(InProcessBackend):
-        def delete(self, key):
-            if key.endswith("h1"):
-                raise ConnectionError("simulated")
-            return super().delete(key)
-
-    backend = FlakyDelete()
-    s = make_store(backend=backend)
+def test_remove_delete_errors_raise_or_warn_with_force(backend):
+    s = make_store(backend=FaultyBackend(backend, fail_delete_on="h1"))
     s.populate(make_tables())
     with pytest.raises(RuntimeError, match=r"removed 2 key\(s\).*engram:l3:h1"):
         s.remove_from_store()
@@ -352,8 +364,7 @@ def test_bad_layer_id(layer_id):
 # ------------------------------------------------------------------ shared backend
 
 
-def test_two_layers_share_a_backend_without_colliding():
-    backend = InProcessBackend()
+def test_two_layers_share_a_backend_without_colliding(backend):
     l0, l1 = make_store(0, backend), make_store(1, backend)
     t0, t1 = make_tables(seed=10), make_tables(seed=11)
     l0.populate(t0)
@@ -368,6 +379,7 @@ def test_two_layers_share_a_backend_without_colliding():
 
 
 def test_default_backends_are_independent():
+    """TableStore's default backend: in-process, one per store."""
     a, b = make_store(), make_store()
     a.populate(make_tables())
     assert a.backend is not b.backend

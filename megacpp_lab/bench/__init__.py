@@ -1,6 +1,7 @@
 """One benchmark command per subsystem (`megacpp-lab bench <subsystem>`), each writing receipts.
 
-A full run needs a CUDA GPU and writes receipts under profiles/<device-slug>/<subsystem>/. A `--small`
+A full run needs a CUDA GPU (except a command with `cpu_receipts`, such as table_store, which measures
+host code and runs on the CPU) and writes receipts under profiles/<device-slug>/<subsystem>/. A `--small`
 run takes CPU-sized shapes: a smoke test of the same code, whose numbers are not receipts, so it
 writes under build/bench-small/ and never into profiles/. On a machine without a GPU its Triton
 kernels run under the Triton interpreter, which has to be switched on before `megacpp_lab.kernels`
@@ -36,6 +37,7 @@ class BenchCommand:
     description: str  # `megacpp-lab bench <name> --help`
     triton_on_cpu: bool  # a --small run without a GPU launches Triton kernels (so needs the interpreter)
     run_kwargs: dict[str, Any] = field(default_factory=dict)
+    cpu_receipts: bool = False  # measures host-side code: a full run on a CPU is a receipt, not refused
 
 
 # Run times: the committed H100 receipts (profiles/nvidia-h100-80gb-hbm3/) are stamped when each
@@ -243,14 +245,57 @@ Run time on an H200: not measured yet.
 --small (CPU, the tiny preset on 60 files, 24 steps of 2 x 64 tokens): about a minute.""",
             triton_on_cpu=False,
         ),
+        BenchCommand(
+            "table_store",
+            "megacpp_lab.bench.table_store",
+            "Engram table-store lookups: numpy gather vs the in-process and Mooncake backends (CPU)",
+            """\
+Engram table-store lookup: [B, L, H] precomputed row ids -> [B, L, H, D] float32 rows, on the host.
+
+Shapes: the issue's B=8, L=4096, H=2, D=256 (tables of 49999 and 50021 rows); a small batch on large
+tables, B=1, L=1024, H=2, D=256 (~200k rows per head); a large batch of narrow rows, B=16, L=4096, H=4,
+D=64. Contenders, same tables and ids, one run: a plain numpy gather, the in-process backend through
+TableStore, the Mooncake backend through TableStore (planned block reads), the Mooncake backend forced to
+one range per row and to whole tables, and Mooncake's own EngramStore.lookup on the same keys. Mooncake
+runs a local master and a second process that holds the tables, read over TCP loopback. Median, min and
+max ms after warm-up, rows/s, GB/s gathered, exactness against the numpy gather, the planner's choice;
+the receipt records the CPU, its cores and the Mooncake version. Without Mooncake (the `mooncake` extra
+and libibverbs1) its contenders are listed as not measured, with the reason.
+Receipts under <out>/<device-slug>/table_store/: table_store_lookup.json/.png (no profiler trace).
+Run time on a 2-core CPU: about a minute (the committed receipt: 54 s), most of it the one-range-per-row
+contenders (seconds per call at the large shapes). A full run on a CPU writes a receipt: the lookup is
+host code. --small (tiny shapes, one call each): about 10 s, most of it starting and stopping Mooncake.""",
+            triton_on_cpu=False,
+            cpu_receipts=True,
+        ),
+        BenchCommand(
+            "scale_out",
+            "megacpp_lab.bench.scale_out",
+            "FSDP2 scale-out: `megacpp-lab train` on one GPU against every GPU of the host",
+            """\
+The scale-out receipt: `megacpp-lab train --nproc N` (torchrun underneath; FSDP2 per block, embedding and
+[final norm, LM head], fp32 masters sharded, bf16 forward, fp32 gradient reduce, the fp32-contract
+parameters replicated) on 1 GPU and on every GPU of the host, from scratch, at the same per-GPU batch:
+the base preset, B=4 x T=4096 per GPU, bf16, regional compile, 40 steps.
+Per process count: tokens/s (the median over log intervals after the first, which holds the compile),
+tokens/s per GPU, the per-GPU peak memory (the largest over the ranks), and the loss curve. The bar: the
+2-GPU throughput at least 1.8x the 1-GPU throughput. Needs 2 or more GPUs (refused on one).
+Receipts under <out>/<device-slug>/scale_out/: scale_out.json/.png.
+Run time on an H200 host of 2 GPUs: not measured yet (no such host has been lent).
+--small (CPU, the tiny preset, 8 steps, 2 gloo processes against 1): about 20 s.""",
+            triton_on_cpu=False,
+        ),
     )
 }
 
 
 def bench_device(name: str, small: bool) -> str:
-    """'cuda' on a GPU machine; 'cpu' for a --small run without one; a full-size run needs a GPU."""
+    """'cuda' on a GPU machine; 'cpu' for a --small run without one; a full-size run needs a GPU, except
+    for a command that measures host-side code (cpu_receipts), which runs on the CPU."""
     import torch
 
+    if name in COMMANDS and COMMANDS[name].cpu_receipts:
+        return "cpu"
     if torch.cuda.is_available():
         return "cuda"
     if not small:

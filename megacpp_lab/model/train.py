@@ -715,7 +715,15 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
             rates.append(rate)
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"training loss is {mean_loss} at step {done}: stopping (lr={lr:.3g})")
-            log(dict(step=done, train_loss=mean_loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=rate))
+            row = dict(step=done, train_loss=mean_loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=rate)
+            if device == "cuda":  # per-GPU peak so far, the largest over the ranks
+                peak = torch.tensor(float(torch.cuda.max_memory_allocated()) / 2**20, device=device)
+                if ranks.world > 1:
+                    import torch.distributed as dist
+
+                    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                row["peak_mib"] = float(peak)
+            log(row)
             bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{rate / 1e3:.1f}k", lr=f"{lr:.2e}")
             loss_sum.zero_()
             t_log, s_log, r_log = time.perf_counter(), done, done
