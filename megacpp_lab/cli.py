@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -204,8 +205,14 @@ def _launch_ranks(nproc: int, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", "--monitor-interval=1", "-m", "megacpp_lab.cli", *rest]  # fmt: skip
+    # a static rendezvous on loopback: --standalone's c10d rendezvous looks the host's name up, which can
+    # stall for minutes on a machine without DNS
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1",
+           f"--master-port={port}", f"--nproc-per-node={nproc}", "--max-restarts=0", "--monitor-interval=1",
+           "-m", "megacpp_lab.cli", *rest]  # fmt: skip
     code = subprocess.run(cmd).returncode
     if code:
         print(f"{PROG}: error: training failed on {nproc} processes (torchrun exit code {code}): the failing rank "

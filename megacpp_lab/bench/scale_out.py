@@ -118,7 +118,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     matplotlib.use("Agg")
     from megacpp_lab.plots import save_figure
 
-    device = bench_device("scale_out", small)
+    device = "cpu" if small else bench_device("scale_out", small)  # the smoke run: gloo processes, any machine
     if device == "cuda" and torch.cuda.device_count() < 2:
         raise BenchSetupError(f"bench scale_out compares 1 GPU with several: this machine has "
                               f"{torch.cuda.device_count()} (use a host with 2 or more, e.g. nvidia-h200-x2)")  # fmt: skip
