@@ -189,8 +189,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             for key in ("train_loss", "val_loss")}  # fmt: skip
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 alone reports
         return 0
-    print(f"trained to step {result.history[-1]['step'] if result.history else 0}: train loss {last['train_loss']:.4f}, "
-          f"val loss {last['val_loss']:.4f}, {result.tokens_per_s:,.0f} tokens/s; wrote {result.out_dir}/")
+    logged = "" if last["train_loss"] != last["train_loss"] else (  # nan: no row logged before the stop
+        f": train loss {last['train_loss']:.4f}, val loss {last['val_loss']:.4f}, {result.tokens_per_s:,.0f} tokens/s")
+    print(f"trained to step {result.step}{logged}; wrote {result.out_dir}/")
     return 0
 
 

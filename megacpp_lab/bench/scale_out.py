@@ -79,11 +79,14 @@ def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Pat
         summary={"scaling": scaling, "ideal": float(many["nproc"]), "efficiency": scaling / many["nproc"],
                  "bar": {f"{many['nproc']}-rank throughput >= {BAR}x one rank": scaling >= BAR}},  # fmt: skip
         notes=("`megacpp-lab train --nproc N` (torchrun; FSDP2 per block, embedding and [norm, LM head]; fp32 "
-               "masters sharded, bf16 forward, fp32 gradient reduce; the fp32-contract parameters replicated) from "
-               "scratch at each N with the same rows per rank, so the global batch is N x B_per_rank. tokens_per_s: "
-               "the median over log intervals after the first (which holds the compile), every rank's tokens. "
-               "peak_mib: torch.cuda.max_memory_allocated, the largest over the ranks. The loss curves differ "
-               "because the global batch does."),
+               "masters sharded; the fp32-contract parameters replicated) from scratch at each N with the same rows "
+               "per rank, so the global batch is N x B_per_rank. tokens_per_s: the median over log intervals after "
+               "the first (which holds the compile), every rank's tokens. The loss curves differ because the global "
+               "batch does. "
+               + ("On the GPU: bf16 forward, fp32 gradient reduce, NCCL; peak_mib is torch.cuda.max_memory_allocated, "
+                  "the largest over the ranks." if base.device == "cuda" else
+                  "On the CPU (a smoke run, not a receipt): fp32 throughout, gloo over loopback, one thread per "
+                  "process, no peak memory.")),
     )  # fmt: skip
 
 

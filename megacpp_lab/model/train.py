@@ -494,6 +494,7 @@ class TrainResult:
     model: nn.Module
     config: HybridConfig
     tokens_per_s: float
+    step: int = 0  # the step the run stopped at (its checkpoint's), logged or not
 
 
 @dataclass(frozen=True)
@@ -745,7 +746,8 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
     # the first interval holds compilation and warm-up: the median of the rest is the steady rate
     steady = sorted(rates[1:] or rates)
     checkpoint_at = out / SHARDED_DIR if ranks.world > 1 else ckpt_path
-    return TrainResult(history, checkpoint_at, out, model, hcfg, steady[len(steady) // 2] if steady else float("nan"))
+    return TrainResult(history, checkpoint_at, out, model, hcfg, steady[len(steady) // 2] if steady else float("nan"),
+                       step=max(start, end))  # fmt: skip
 
 
 def plot_history(history: list[dict[str, float]], path: str | Path, *, title: str = "") -> Path:
@@ -760,7 +762,8 @@ def plot_history(history: list[dict[str, float]], path: str | Path, *, title: st
             ax.plot([r["step"] for r in rows], [r[key] for r in rows], style, label=key.replace("_", " "), ms=3)
     ax.set(xlabel="step", ylabel="loss (nats / token)", title=title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.lines:  # a run stopped before its first log row has no curve yet
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return Path(path)
