@@ -123,7 +123,7 @@ def _spawn(mode: str, tmp_path: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", f"--master_port={_free_port()}",
            __file__, mode, str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"torchrun {mode} failed ({done.returncode}):\n{done.stderr[-3000:]}"
     return json.loads(out.read_text())
 
@@ -173,7 +173,7 @@ def _cli_train(out_dir: Path, corpus: Path, *extra: str, nproc: int = 2, wait: b
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"train --nproc {nproc} failed ({done.returncode}):\n{done.stderr[-3000:]}"
     return done
 

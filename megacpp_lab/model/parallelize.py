@@ -158,6 +158,11 @@ def apply_fsdp(model: nn.Module, *, mesh: Any = None, param_dtype: torch.dtype |
                          "the model in fp32 and let param_dtype cast the forward's copies")  # fmt: skip
     if not dist.is_initialized():
         raise RuntimeError("apply_fsdp needs an initialised process group (torchrun, or dist.init_process_group)")
+    if mesh is None:  # on the model's device: fully_shard's own default picks CUDA whenever a GPU is present,
+        # and a CPU model on a one-GPU machine then failed on rank 1 ("invalid device ordinal")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(next(lm.parameters()).device.type, (dist.get_world_size(),))
     keep = set(_fp32_contract_params(lm).values())
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for _, modules in fsdp_groups(lm):
