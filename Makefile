@@ -44,7 +44,7 @@ lab: $(STAMP)
 
 # Two runs so the log shows the unit-test and the notebook (nbval) counts apart.
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=15
 	$(BIN)/python -m pytest --nbval-lax notebooks
 
 tour: $(STAMP)
