@@ -11,6 +11,8 @@ export PYTHONUNBUFFERED := 1
 LAB_IP ?= 127.0.0.1
 LAB_PORT ?= 8888
 LAB_ARGS ?=
+# pytest workers (pytest-xdist), one test file or notebook each at a time: CI's two cores both busy
+TEST_WORKERS ?= 2
 
 .PHONY: install libibverbs lab test tour data clean
 
@@ -44,8 +46,8 @@ lab: $(STAMP)
 
 # Two runs so the log shows the unit-test and the notebook (nbval) counts apart.
 test: $(STAMP)
-	$(BIN)/python -m pytest tests --durations=15
-	$(BIN)/python -m pytest --nbval-lax notebooks
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest --nbval-lax notebooks -n $(TEST_WORKERS) --dist loadfile
 
 tour: $(STAMP)
 	$(BIN)/megacpp-lab tour --notebooks notebooks --out build
