@@ -180,7 +180,8 @@ def _two_stage(device: str, n: int):
 def test_label_modules_and_time_by_label_split_a_step_by_module(tmp_path, device):
     from megacpp_lab.profiling import label_modules, time_by_label
 
-    light, heavy, step = _two_stage(device, 256 if device == "cpu" else 2048)
+    # 512 on a CPU: each matmul outweighs the profiler's per-range overhead, also with a busy second core
+    light, heavy, step = _two_stage(device, 512 if device == "cpu" else 2048)
     with label_modules({"light|a": light, "heavy|b": heavy}):
         path, _ = profile_trace(step, tmp_path, "two_stage", steps=2, warmup=1, record_shapes=False)
     names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
