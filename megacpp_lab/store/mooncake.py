@@ -60,6 +60,7 @@ import functools
 import importlib.util
 import math
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -627,6 +628,17 @@ def _stop_process(process: subprocess.Popen, timeout_s: float) -> None:
             process.wait()
 
 
+def _serves_http(url: str) -> bool:
+    """True when `url` gives any HTTP answer: the metadata server answers 404 for a key it does not hold."""
+    try:
+        urllib.request.urlopen(url, timeout=0.5).close()
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
 class MooncakeMaster:
     """A local ``mooncake_master`` for tests and benchmarks, as a context manager.
 
@@ -715,14 +727,9 @@ class MooncakeMaster:
             with urllib.request.urlopen(self.admin_url + "/health", timeout=0.5) as response:
                 if response.status != 200:
                     return False
-            if self.http_metadata:
-                try:
-                    urllib.request.urlopen(self.metadata_server, timeout=0.5).close()
-                except urllib.error.HTTPError:
-                    pass  # any HTTP answer (404 for no key) means it serves
+            return not self.http_metadata or _serves_http(self.metadata_server)
         except OSError:
             return False
-        return True
 
     def start(self) -> MooncakeMaster:
         if self._process is not None:
@@ -767,11 +774,7 @@ class MooncakeMaster:
         if process is not None:
             _stop_process(process, self.stop_timeout_s)
         if not keep_log and self.log_path is not None:
-            self.log_path.unlink(missing_ok=True)
-            try:
-                self.log_path.parent.rmdir()
-            except OSError:
-                pass
+            shutil.rmtree(self.log_path.parent, ignore_errors=True)  # the log's own temporary directory
             self.log_path = None
 
     def __enter__(self) -> MooncakeMaster:
