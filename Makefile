@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	# Pinned by itself first: here the pin resolves to the CPU build on local disk, on a CUDA host to the CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	@$(MAKE) --no-print-directory libibverbs
-	$(BIN)/python -m pip install -q -e '.[lab,test,mooncake]'
+	$(BIN)/python -m pip install -q -e '.[lab,test,mooncake,tripwires]'
 	@touch $(STAMP)
 
 # The Mooncake wheel (the `mooncake` extra) links against libibverbs.so.1, even for TCP. Installed with apt-get

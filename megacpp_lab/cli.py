@@ -266,6 +266,27 @@ def _cmd_memory_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tripwires(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from megacpp_lab.receipts import stamp
+    from megacpp_lab.tripwires import run_packs
+
+    results = run_packs(args.pack)
+    for r in results:
+        print("\n".join(r.lines()))
+    deviations = [line for r in results for line in r.deviations()]
+    if args.json:
+        out = {**stamp(), "packs": [{**asdict(r), "as_expected": r.as_expected} for r in results]}
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {path}")
+    for line in deviations:
+        print(f"{PROG}: tripwire: {line}", file=sys.stderr)
+    return 1 if deviations else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser; building it imports no kernel (TRITON_INTERPRET is still free to be set)."""
     from megacpp_lab.data.bpe import DEFAULT_VOCAB_SIZE
@@ -356,6 +377,22 @@ def build_parser() -> argparse.ArgumentParser:
         **common,
     )
     p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser(
+        "tripwires",
+        help="run the upstream regression packs and print their sentinels",
+        description=_paragraphs(
+            "Run each upstream regression pack's reproducer: TileLang packs 08 and 13 lower kernels for an sm_90 "
+            "target on this machine (the `tripwires` extra; no GPU needed), packs 10, 11, 12 and 16 check the "
+            "lab's own fixes. Each prints BUG FIRED or FIXED, the versions it ran on and one line per case.",
+            "Exit status 1, with one line per deviation naming the pack, when any run differs from the behaviour "
+            "measured on the pinned versions (a fix reverted, another tilelang release, the extra missing).",
+        ),
+        **common,
+    )
+    p.add_argument("--pack", nargs="+", default=None, metavar="N", help="packs to run (default: all): 08 10 11 12 13 16")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results, stamped, to FILE")
+    p.set_defaults(func=_cmd_tripwires)
 
     p = sub.add_parser(
         "tour",

@@ -6,10 +6,12 @@ import statistics
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def time_ms(fn: Callable[[], object], *, warmup: int = 3, rep: int = 20, device: torch.device | str | None = None,
@@ -144,6 +146,68 @@ def peak_extra_mib(fn: Callable[[], object]) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+@dataclass(frozen=True)
+class WorkingMemory:
+    """What one call allocated through torch ops: the peak of its new storages alive at once, and the largest."""
+
+    peak_bytes: int
+    largest_bytes: int
+    largest_shape: tuple[int, ...]
+    largest_op: str
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Tracks the storages that ops create while active (each once; an in-place op's output or a view of a known
+    storage is not new) and, after every op, the bytes of those still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self.live: dict[Any, int] = {}
+        self.live_bytes = self.peak = self.largest = 0
+        self.largest_shape: tuple[int, ...] = ()
+        self.largest_op = ""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._sweep()  # what was freed since the last op
+        seen_before = set()
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor):
+                seen_before.add(self._ref(a.untyped_storage()))
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            ref = self._ref(t.untyped_storage())
+            if ref in seen_before or ref in self.live:
+                continue
+            nbytes = t.untyped_storage().nbytes()
+            self.live[ref] = nbytes
+            self.live_bytes += nbytes
+            if nbytes > self.largest:
+                self.largest, self.largest_shape, self.largest_op = nbytes, tuple(t.shape), str(func.overloadpacket.__name__)
+        self.peak = max(self.peak, self.live_bytes)  # inputs and outputs of this op are alive together
+        return out
+
+    def _sweep(self) -> None:
+        for ref in [r for r in self.live if r.expired()]:
+            self.live_bytes -= self.live.pop(ref)
+
+
+def working_memory(fn: Callable[[], object]) -> WorkingMemory:
+    """The working memory of one call of fn: the peak bytes of the storages its torch ops allocate that are alive
+    at once (what existed before the call not counted), and the largest one with its shape and op. Works on real
+    tensors (CPU, GPU) and on meta tensors, so a memory contract can be checked at a shape that would not fit:
+    the same ops run, without data. Allocations outside torch's dispatcher (inside a Triton kernel, an
+    allocator's rounding, the caching allocator's slack) are not seen: on a GPU, peak_extra_mib is the truth."""
+    with _LiveStorages() as live:
+        out = fn()
+    del out
+    return WorkingMemory(live.peak, live.largest, live.largest_shape, live.largest_op)
 
 
 @contextmanager

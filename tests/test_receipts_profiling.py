@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megacpp_lab import receipts
-from megacpp_lab.profiling import profile_trace, time_ms, trace_summary
+from megacpp_lab.profiling import profile_trace, time_ms, trace_summary, working_memory
 from megacpp_lab.sizing import SIZE_ENV, by_device, lab_scale
 
 
@@ -248,3 +248,21 @@ def test_time_by_label_on_a_hand_written_trace(tmp_path):
     assert split["us_backward"] == {"A": 30.0}
     assert split["kernels_without_launch"] == 1 and split["steps"] == 1 and split["step_us"] == 400.0
     assert split["total_us"] == 79.0 and split["basis"].startswith("gpu kernel time")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_working_memory_counts_the_peak_of_new_storages_alive_at_once(device: str) -> None:
+    held = torch.ones(1 << 20, device=device)  # existed before: not counted
+
+    def fn():
+        a = torch.ones(1 << 18, device=device)  # 1 MiB
+        b = torch.ones(1 << 19, device=device)  # 2 MiB, with a alive: 3 MiB
+        view = b[:10]  # no new storage
+        del a
+        c = torch.ones(1 << 18, device=device) + view[0]  # a freed: 2 + 1 (+ the 1 MiB `ones` before the add)
+        held.add_(1.0)  # in place on an old storage: nothing new
+        return c
+
+    mem = working_memory(fn)
+    assert mem.peak_bytes == 4 * 2**20  # b, the ones and the sum: a is gone by then
+    assert (mem.largest_bytes, mem.largest_shape, mem.largest_op) == (2 * 2**20, (1 << 19,), "ones")
