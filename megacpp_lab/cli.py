@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         **common,
     )
     p.add_argument("--pack", nargs="+", default=None, metavar="N", help="packs to run (default: all): 08 10 11 12 13 16")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results, stamped, to FILE")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results, stamped, to FILE (default: none written)")
     p.set_defaults(func=_cmd_tripwires)
 
     p = sub.add_parser(

@@ -103,6 +103,14 @@ def test_pack11_measures_the_logits_it_saves() -> None:
     assert off["largest_shape"] == [128, 8192]
 
 
+@pytest.mark.cuda
+def test_pack11_on_a_gpu_measures_the_allocator_peak() -> None:
+    r = run_pack("11")
+    assert r.as_expected, "\n".join(r.deviations())
+    peaks = r.measured["cuda_peak_bytes"]
+    assert peaks["fused_loss=False"] - peaks["fused_loss=True"] >= 2 * 64 * 8192 * 4
+
+
 def test_pack12_at_the_seeds_shape_cuts_the_working_memory() -> None:
     m = run_pack("12").measured
     assert m["slab_bytes"] == 16 * 2**30  # the seeds' 16 GiB
@@ -136,6 +144,17 @@ def test_reverting_a_lab_fix_fails_naming_its_pack(tmp_path: Path, revert: str) 
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"pack {pack} ({PACKS[pack].title}): {BUG_FIRED}" in proc.stdout, proc.stdout
     assert f"tripwire: pack {pack} " in proc.stderr, proc.stderr
+
+
+def test_the_command_prints_sentinels_and_writes_stamped_json(tmp_path: Path, capsys) -> None:
+    from megacpp_lab.cli import main
+
+    assert main(["tripwires", "--pack", "12", "--json", str(tmp_path / "out.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"pack 12 ({PACKS['12'].title}): {FIXED}" in out and "versions: megacpp-lab" in out
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert {"device", "torch", "triton", "commit", "date"} <= set(data)
+    assert [(p["pack"], p["sentinel"], p["as_expected"]) for p in data["packs"]] == [("12", FIXED, True)]
 
 
 def test_status_table_has_a_row_per_pack() -> None:

@@ -64,7 +64,7 @@ def pack10_loss_fallback() -> PackResult:
     """fused_linear_cross_entropy(impl='auto') on CPU tensors, a device with no fused kernel: Megatron's dispatcher
     raised ValueError there. The lab's falls back to the eager chunked loss with a RuntimeWarning and gives the
     same loss and gradients (fp64 reference)."""
-    from megacpp_lab.kernels.linear_cross_entropy import fused_linear_cross_entropy
+    from megacpp_lab.kernels import linear_cross_entropy as flce
 
     g = torch.Generator().manual_seed(10)
     T, H, V = 96, 32, 512
@@ -75,10 +75,11 @@ def pack10_loss_fallback() -> PackResult:
     ref = F.cross_entropy(xd @ wd.t(), y)
     ref.backward()
     cases, measured = [], {}
+    flce._warn_fallback.cache_clear()  # it warns once per process and reason (a cache): here, every run
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # the fallback warns once per process and reason; here, every time
+        warnings.simplefilter("always")
         try:
-            loss = fused_linear_cross_entropy(x, w, y, impl="auto")
+            loss = flce.fused_linear_cross_entropy(x, w, y, impl="auto")
             loss.backward()
             raised = None
         except Exception as err:  # noqa: BLE001 (a crash is the bug's symptom: reported, not raised)
@@ -156,8 +157,43 @@ def pack11_fused_loss_wired(*, batch: int = 2, seq: int = 64, vocab: int = 8192,
                       "saves less than the fp32 logits", SAVES_LOGITS,
                       f"{less / MiB:.2f} MiB less with the flag on ({saved_less / MiB:.2f} MiB less saved for backward); "
                       f"fp32 [B,T,V] logits are {logits_bytes / MiB:.2f} MiB"))  # fmt: skip
-    fired = cases[0].outcome == FULL_LOGITS or not cases[2].as_expected
+    if torch.cuda.is_available():  # the allocator's peak, with the GPU kernels (Triton scans and loss)
+        cases.append(_pack11_cuda_peak(tokens, targets, vocab, chunk, logits_bytes, measured))
+    fired = cases[0].outcome == FULL_LOGITS or any(not c.as_expected for c in cases[2:])
     return _result("11", fired, cases, measured)
+
+
+def _pack11_cuda_peak(tokens: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int, logits_bytes: int,
+                      measured: dict[str, Any]) -> Case:  # fmt: skip
+    """Pack 11 on the GPU: the peak memory of one forward + backward above what the model holds, flag on and off."""
+    from megacpp_lab.model.config import model_config
+    from megacpp_lab.model.hybrid import HybridLM
+    from megacpp_lab.profiling import peak_extra_mib
+    from megacpp_lab.varlen import build_context
+
+    dev = torch.device("cuda")
+    seq = tokens.shape[1]
+    ctx = build_context((torch.arange(seq, device=dev) >= seq // 3).long().expand(tokens.shape[0], seq).contiguous())
+    tok, tgt = tokens.to(dev), targets.to(dev)
+    peaks = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        cfg = model_config("tiny", "cuda", vocab_size=vocab, lm_head=dict(fused_loss=fused, loss_chunk_size=chunk, loss_impl="triton"))
+        model = HybridLM(cfg).to(dev)
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            model(tok, ctx, tgt).loss.backward()
+
+        step()  # compiles the kernels, allocates the gradients once
+        peaks[fused] = peak_extra_mib(step) * MiB
+        del model
+    measured["cuda_peak_bytes"] = {"fused_loss=True": peaks[True], "fused_loss=False": peaks[False]}
+    less = peaks[False] - peaks[True]
+    return Case(f"CUDA peak memory ({torch.cuda.get_device_name()}), flag on against off",
+                SAVES_LOGITS if less >= logits_bytes else "saves less than the fp32 logits", SAVES_LOGITS,
+                f"peak {peaks[True] / MiB:.2f} MiB on, {peaks[False] / MiB:.2f} MiB off ({less / MiB:.2f} MiB less); "
+                f"fp32 [B,T,V] logits are {logits_bytes / MiB:.2f} MiB")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- pack 12
