@@ -270,6 +270,29 @@ LABEL_SEP = "|"  # "<bucket>|<module path>": time_by_label sums a label's time i
 
 
 @contextmanager
+def forward_dtypes(model: torch.nn.Module, *, buffers: bool = False) -> Iterator[dict[str, set[torch.dtype]]]:
+    """Forward pre-hooks on every module of `model` while open: the dtypes each of its own parameters (and, with
+    buffers=True, its floating buffers) has when the module's forward runs, by qualified name. What a precision
+    wrapper or FSDP2's policy really hands the forward (the unsharded, cast copies), not what the model holds."""
+    seen: dict[str, set[torch.dtype]] = {}
+    handles = []
+    for path, module in model.named_modules():
+
+        def pre(mod: torch.nn.Module, args: Any, path: str = path) -> None:
+            tensors = list(mod._parameters.items()) + (list(mod._buffers.items()) if buffers else [])
+            for name, t in tensors:
+                if t is not None and t.is_floating_point():
+                    seen.setdefault(f"{path}.{name}" if path else name, set()).add(t.dtype)
+
+        handles.append(module.register_forward_pre_hook(pre))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
 def label_modules(labels: Mapping[str, torch.nn.Module], *, forward_only: Collection[str] = ()) -> Iterator[None]:
     """Profiler ranges around each module's forward (`<label>`) and backward (`<label>.backward`).
 

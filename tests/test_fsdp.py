@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from megacpp_lab.model.config import model_config
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.model.precision import FP32_ATTR
+from megacpp_lab.model.precision import fp32_contract
+from megacpp_lab.profiling import forward_dtypes
 from megacpp_lab.varlen import build_context
 
 WORLD, B, T, STEPS = 2, 4, 32, 5
@@ -59,19 +60,6 @@ def _train(model: torch.nn.Module, rows: slice) -> list[float]:
     return [float(x) for x in losses]
 
 
-def _contract_dtypes(model: torch.nn.Module) -> dict[str, list[str]]:
-    """Forward pre-hooks on every module that declares fp32 parameters: their dtypes as the forward sees them."""
-    seen: dict[str, list[str]] = {}
-    for path, module in model.named_modules():
-        names = [n for n in getattr(type(module), FP32_ATTR, ()) if n in module._parameters and module._parameters[n] is not None]
-        if names:
-            def pre(mod, args, path=path, names=names):
-                for n in names:
-                    seen.setdefault(f"{path}.{n}", []).append(str(getattr(mod, n).dtype))
-            module.register_forward_pre_hook(pre)
-    return seen
-
-
 def _worker(mode: str, out: str) -> None:
     """One rank, under torchrun (its environment names rank, world and the master)."""
     dist.init_process_group("gloo")
@@ -82,6 +70,7 @@ def _worker(mode: str, out: str) -> None:
         from megacpp_lab.model.parallelize import apply_fsdp
 
         model = _model()
+        contract = set(fp32_contract(model))
         result: dict = {}
         if mode == "losses":
             apply_fsdp(model, param_dtype=None, reduce_dtype=None)  # fp32 on the CPU: equal to one process
@@ -98,12 +87,11 @@ def _worker(mode: str, out: str) -> None:
                 for block in model.blocks:
                     fully_shard(block, mp_policy=policy)
                 fully_shard(model, mp_policy=policy)
-            seen = _contract_dtypes(model)
-            weights: list[str] = []
-            model.blocks[0].mlp.register_forward_pre_hook(lambda m, a: weights.append(str(m.w_down.weight.dtype)))
             tokens, doc_ids, targets = _batch()
-            model(tokens[:1], build_context(doc_ids[:1]), targets[:1]).loss.backward()
-            result.update(contract=seen, weights=weights)
+            with forward_dtypes(model) as seen:  # each parameter's dtype while its module runs
+                model(tokens[:1], build_context(doc_ids[:1]), targets[:1]).loss.backward()
+            result.update(contract={n: sorted(map(str, seen[n])) for n in contract if n in seen},
+                          weights=sorted(map(str, seen["blocks.0.mlp.w_down.weight"])))
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:

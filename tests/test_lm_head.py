@@ -7,27 +7,12 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megacpp_lab.nn.lm_head import LMHead, LMHeadConfig
+from megacpp_lab.profiling import working_memory
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 B, T, D, V = 2, 32, 16, 96
-
-
-class LargestOutputs(TorchDispatchMode):
-    """Records the element count of every tensor an op returns while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sizes: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.sizes.append(t.numel())
-        return out
 
 
 def _head(**kw) -> LMHead:
@@ -64,11 +49,10 @@ def test_fused_head_never_materialises_full_logits_and_the_tripwire_can_fire():
         head = _head(fused_loss=fused, loss_impl="eager" if DEV == "cpu" else "auto")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the CPU eager fallback warns once; not what this test checks
-            with LargestOutputs() as watch:
-                loss = head(h, targets).loss
-                loss.backward()
-        tripped = max(watch.sizes) >= B * T * V
-        assert tripped == should_trip, f"fused_loss={fused}: largest tensor {max(watch.sizes)} vs B*T*V={B * T * V}"
+            mem = working_memory(lambda: head(h, targets).loss.backward())
+        largest = torch.Size(mem.largest_shape).numel()
+        tripped = largest >= B * T * V
+        assert tripped == should_trip, f"fused_loss={fused}: largest tensor {largest} vs B*T*V={B * T * V}"
 
 
 def test_logits_only_when_asked_and_the_loss_unchanged_by_asking():

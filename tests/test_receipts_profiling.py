@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megacpp_lab import receipts
-from megacpp_lab.profiling import profile_trace, time_ms, trace_summary, working_memory
+from megacpp_lab.profiling import forward_dtypes, profile_trace, time_ms, trace_summary, working_memory
 from megacpp_lab.sizing import SIZE_ENV, by_device, lab_scale
 
 
@@ -266,3 +266,17 @@ def test_working_memory_counts_the_peak_of_new_storages_alive_at_once(device: st
     mem = working_memory(fn)
     assert mem.peak_bytes == 4 * 2**20  # b, the ones and the sum: a is gone by then
     assert (mem.largest_bytes, mem.largest_shape, mem.largest_op) == (2 * 2**20, (1 << 19,), "ones")
+
+
+def test_forward_dtypes_records_what_each_module_runs_with_and_removes_its_hooks() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    model[0].to(torch.bfloat16)
+    model[1].register_buffer("scale", torch.ones(4))
+    with forward_dtypes(model, buffers=True) as seen:
+        model[1](model[0](torch.randn(2, 4, dtype=torch.bfloat16)).float())
+    assert seen == {"0.weight": {torch.bfloat16}, "0.bias": {torch.bfloat16}, "1.weight": {torch.float32},
+                    "1.bias": {torch.float32}, "1.scale": {torch.float32}}
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    with forward_dtypes(model) as params_only:
+        model[0](torch.randn(2, 4, dtype=torch.bfloat16))
+    assert params_only == {"0.weight": {torch.bfloat16}, "0.bias": {torch.bfloat16}}  # buffers left out; 1 not run

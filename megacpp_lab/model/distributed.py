@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SHARDED_DIR", "Ranks", "init_ranks", "rank_rows", "token_share", "save_sharded", "latest_sharded",
+__all__ = ["SHARDED_DIR", "Ranks", "init_ranks", "one_process_group", "rank_rows", "token_share", "save_sharded", "latest_sharded",
            "read_sharded_meta", "load_sharded", "load_sharded_full", "all_reduce_sum"]  # fmt: skip
 
 SHARDED_DIR = "checkpoint.dcp"
@@ -77,6 +79,22 @@ def init_ranks(device: str, *, timeout_s: float = 600.0) -> Ranks:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return Ranks(rank, world, local, owns_group=True)
+
+
+@contextmanager
+def one_process_group() -> Iterator[None]:
+    """A one-rank gloo group in this process (FSDP2 on one CPU process: notebooks, the regression packs), torn
+    down on exit; a group that is already initialised (under torchrun) is used as it is and left alone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def rank_rows(batch_size: int, ranks: Ranks) -> slice:

@@ -77,9 +77,11 @@ class PackResult:
 
 @dataclass(frozen=True)
 class Pack:
+    """A pack: its number, title, and the runner that returns its PackResult (what broke is in the runner's
+    docstring and in notebook 10)."""
+
     number: str
     title: str
-    what_broke: str
     run: Callable[[], list[PackResult]]  # one runner may serve several packs (the TileLang subprocess)
 
 
@@ -99,24 +101,12 @@ def _lab(name: str) -> Callable[[], list[PackResult]]:
 
 
 PACKS: dict[str, Pack] = {
-    "08": Pack("08", "TileLang TMA bulk copy, rank-3 shared memory",
-               "LowerBulkCopy asserted a rank-2 shared layout, so every rank-3 (or higher) TMA copy aborted the build; "
-               "fixed upstream by warning and falling back to a non-bulk copy", _tilelang),
-    "13": Pack("13", "TileLang FloorMod divide-by-zero in LayoutInference",
-               "csr // R and csr % R inside T.Parallel, with R a closed-over Python int, folded the divisor to 0 "
-               "and aborted LayoutInference with 'Divide by zero' when TMA lowering was on", _tilelang),
-    "10": Pack("10", "fused LM-head loss on an unsupported device",
-               "Megatron's fused linear cross-entropy raised ValueError on any GPU but Blackwell instead of "
-               "falling back", _lab("pack10_loss_fallback")),
-    "11": Pack("11", "fused loss dropped from the hybrid model (rebase-miss)",
-               "a rebase restored an older Mamba model file: the fused-loss flag was ignored and the model "
-               "materialised [s,b,V] logits, ~7 GiB of avoidable peak", _lab("pack11_fused_loss_wired")),
-    "12": Pack("12", "DSA indexer score slab",
-               "the indexer score einsum built an fp32 [sq,b,h,sk] slab, 16 GiB at sq=sk=4096, b=8, h=32",
-               _lab("pack12_indexer_slab")),
-    "16": Pack("16", "blanket bf16 cast of fp32-contract parameters",
-               "Float16Module cast every parameter to bf16, the scan's fp32 decay path included: a dtype error, "
-               "or silent garbage and grad_norm=NaN on step 1", _lab("pack16_fp32_contract")),
+    "08": Pack("08", "TileLang TMA bulk copy, rank-3 shared memory", _tilelang),
+    "13": Pack("13", "TileLang FloorMod divide-by-zero in LayoutInference", _tilelang),
+    "10": Pack("10", "fused LM-head loss on an unsupported device", _lab("pack10_loss_fallback")),
+    "11": Pack("11", "fused loss dropped from the hybrid model (rebase-miss)", _lab("pack11_fused_loss_wired")),
+    "12": Pack("12", "DSA indexer score slab", _lab("pack12_indexer_slab")),
+    "16": Pack("16", "blanket bf16 cast of fp32-contract parameters", _lab("pack16_fp32_contract")),
 }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.tripwires import BUG_FIRED, FIXED, PACKS, Case, PackResult
+from megacpp_lab.varlen import build_context
 
 __all__ = ["SEEDS_INDEXER_SHAPE", "pack10_loss_fallback", "pack11_fused_loss_wired", "pack12_indexer_slab",
            "pack16_fp32_contract"]  # fmt: skip
@@ -107,13 +107,12 @@ FULL_LOGITS = "materialised [B,T,V] logits"
 SAVES_LOGITS = "the flag saves at least the fp32 logits' bytes"
 
 
-def _packed_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    from megacpp_lab.varlen import build_context
-
+def _packed_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded tokens, next-token targets and doc_ids [B,T]: two documents per row."""
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-    doc_ids = (torch.arange(seq) >= seq // 3).long().expand(batch, seq).contiguous()  # two documents per row
-    return tokens[:, :-1], tokens[:, 1:], build_context(doc_ids)
+    doc_ids = (torch.arange(seq) >= seq // 3).long().expand(batch, seq).contiguous()
+    return tokens[:, :-1], tokens[:, 1:], doc_ids
 
 
 def pack11_fused_loss_wired(*, batch: int = 2, seq: int = 64, vocab: int = 8192, chunk: int = 32) -> PackResult:
@@ -126,7 +125,8 @@ def pack11_fused_loss_wired(*, batch: int = 2, seq: int = 64, vocab: int = 8192,
     from megacpp_lab.model.hybrid import HybridLM
     from megacpp_lab.profiling import saved_tensor_bytes, working_memory
 
-    tokens, targets, ctx = _packed_batch(batch, seq, vocab)
+    tokens, targets, doc_ids = _packed_batch(batch, seq, vocab)
+    ctx = build_context(doc_ids)
     full = batch * seq * vocab
     cases, measured = [], {}
     for fused in (True, False):
@@ -158,22 +158,20 @@ def pack11_fused_loss_wired(*, batch: int = 2, seq: int = 64, vocab: int = 8192,
                       f"{less / MiB:.2f} MiB less with the flag on ({saved_less / MiB:.2f} MiB less saved for backward); "
                       f"fp32 [B,T,V] logits are {logits_bytes / MiB:.2f} MiB"))  # fmt: skip
     if torch.cuda.is_available():  # the allocator's peak, with the GPU kernels (Triton scans and loss)
-        cases.append(_pack11_cuda_peak(tokens, targets, vocab, chunk, logits_bytes, measured))
+        cases.append(_pack11_cuda_peak(tokens, targets, doc_ids, vocab, chunk, logits_bytes, measured))
     fired = cases[0].outcome == FULL_LOGITS or any(not c.as_expected for c in cases[2:])
     return _result("11", fired, cases, measured)
 
 
-def _pack11_cuda_peak(tokens: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int, logits_bytes: int,
-                      measured: dict[str, Any]) -> Case:  # fmt: skip
+def _pack11_cuda_peak(tokens: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor, vocab: int, chunk: int,
+                      logits_bytes: int, measured: dict[str, Any]) -> Case:  # fmt: skip
     """Pack 11 on the GPU: the peak memory of one forward + backward above what the model holds, flag on and off."""
     from megacpp_lab.model.config import model_config
     from megacpp_lab.model.hybrid import HybridLM
     from megacpp_lab.profiling import peak_extra_mib
-    from megacpp_lab.varlen import build_context
 
     dev = torch.device("cuda")
-    seq = tokens.shape[1]
-    ctx = build_context((torch.arange(seq, device=dev) >= seq // 3).long().expand(tokens.shape[0], seq).contiguous())
+    ctx = build_context(doc_ids.to(dev))
     tok, tgt = tokens.to(dev), targets.to(dev)
     peaks = {}
     for fused in (True, False):
@@ -247,56 +245,19 @@ KEPT = "fp32-contract tensors fp32 in the forward, the other parameters bf16"
 CAST = "fp32-contract tensors cast to bf16"
 
 
-def _forward_dtypes(model: nn.Module) -> tuple[Callable[[], None], dict[str, torch.dtype], set[str]]:
-    """Forward pre-hooks on every module: the dtype of each of its own parameters and floating buffers as its
-    forward sees them (under FSDP2, the unsharded, policy-cast copies). Returns (remove, dtypes, parameter names)."""
-    seen: dict[str, torch.dtype] = {}
-    param_names: set[str] = set()
-    handles = []
-    for path, module in model.named_modules():
-
-        def hook(mod: nn.Module, args: Any, path: str = path) -> None:
-            for kind, named in (("param", mod.named_parameters(recurse=False)), ("buffer", mod.named_buffers(recurse=False))):
-                for name, t in named:
-                    if t is not None and t.is_floating_point():
-                        qual = f"{path}.{name}" if path else name
-                        seen[qual] = t.dtype
-                        if kind == "param":
-                            param_names.add(qual)
-
-        handles.append(module.register_forward_pre_hook(hook))
-    return (lambda: [h.remove() for h in handles]), seen, param_names
-
-
-def _contract_outcome(seen: dict[str, torch.dtype], params: set[str], contract: set[str]) -> tuple[str, str]:
+def _contract_outcome(seen: dict[str, set[torch.dtype]], params: set[str], contract: set[str]) -> tuple[str, str]:
     """KEPT when every contract tensor reached its forward in fp32 and every other parameter in bf16."""
-    bad = sorted(n for n in contract if seen.get(n) != torch.float32)
+    bad = sorted(n for n in contract if seen.get(n) != {torch.float32})
     others = sorted(params - contract)
-    low = sum(seen[n] == torch.bfloat16 for n in others)
+    low = sum(seen.get(n) == {torch.bfloat16} for n in others)
     if bad:
         outcome = CAST
     elif not contract or low < len(others) or not others:
         outcome = f"nothing to check: {len(contract)} contract tensors, {low} of {len(others)} other parameters bf16"
     else:
         outcome = KEPT
-    fp32 = sum(seen.get(n) == torch.float32 for n in contract)
     first = f" (first: {bad[0]})" if bad else ""
-    return outcome, f"{fp32} of {len(contract)} contract tensors fp32{first}, {low} of {len(others)} other parameters bf16"
-
-
-@contextlib.contextmanager
-def _one_rank_group() -> Iterator[None]:
-    """A one-process gloo group for FSDP2, torn down after; an existing group (under torchrun) is used as is."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    return outcome, f"{len(contract) - len(bad)} of {len(contract)} contract tensors fp32{first}, {low} of {len(others)} other parameters bf16"
 
 
 def pack16_fp32_contract() -> PackResult:
@@ -306,10 +267,13 @@ def pack16_fp32_contract() -> PackResult:
     (`.to(bfloat16)` on the bare model) must be seen as one. One optimiser-free backward checks the gradients."""
     from megacpp_lab.model.config import model_config
     from megacpp_lab.model.hybrid import HybridLM
+    from megacpp_lab.model.distributed import one_process_group
     from megacpp_lab.model.parallelize import apply_fsdp
     from megacpp_lab.model.precision import apply_mixed_precision, fp32_contract
+    from megacpp_lab.profiling import forward_dtypes
 
-    tokens, targets, ctx = _packed_batch(2, 32, model_config("tiny", "cpu").vocab_size)
+    tokens, targets, doc_ids = _packed_batch(2, 32, model_config("tiny", "cpu").vocab_size)
+    ctx = build_context(doc_ids)
 
     def build() -> HybridLM:
         torch.manual_seed(0)
@@ -327,18 +291,16 @@ def pack16_fp32_contract() -> PackResult:
                                ("blanket .to(bfloat16) (the watcher must fire)", blanket, CAST)):  # fmt: skip
         model = build()
         contract = set(fp32_contract(model))
-        with _one_rank_group() if wrap is apply_fsdp else contextlib.nullcontext():
+        params = {n for n, _ in model.named_parameters()}
+        with one_process_group() if wrap is apply_fsdp else contextlib.nullcontext():
             wrapped = wrap(model)
-            remove, seen, param_names = _forward_dtypes(model)
-            try:
+            with forward_dtypes(model, buffers=True) as seen:
                 loss = wrapped(tokens, ctx, targets).loss
                 loss.backward()
-                loss = float(loss.detach())
-            finally:
-                remove()
+            loss = float(loss.detach())
             grads_finite = all(bool(torch.isfinite(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).all())
                                for p in model.parameters() if p.grad is not None)  # fmt: skip
-        outcome, detail = _contract_outcome(seen, param_names, contract)
+        outcome, detail = _contract_outcome(seen, params, contract)
         detail = f"{detail}; loss {loss:.4f}, gradients {'finite' if grads_finite else 'NOT finite'}"
         measured[name] = {"loss": loss, "grads_finite": grads_finite, "contract": len(contract)}
         cases.append(Case(name, outcome if grads_finite or outcome != KEPT else "gradients not finite", expect, detail))

@@ -251,15 +251,14 @@ def _not_run(why: str) -> list[PackResult]:
                        (f"pack {n} ({PACKS[n].title}): {why}",)) for n in ("08", "13")]  # fmt: skip
 
 
-def run_tilelang_packs(python: str | None = None, *, env: dict[str, str] | None = None) -> list[PackResult]:
-    """Packs 08 and 13, lowered in a subprocess of `python` (this interpreter by default). NOT_RUN, with the
-    reason, when tilelang is not installed there or the subprocess fails."""
-    python = python or sys.executable
-    if python == sys.executable and importlib.util.find_spec("tilelang") is None:
+def run_tilelang_packs() -> list[PackResult]:
+    """Packs 08 and 13, lowered in a subprocess of this interpreter. NOT_RUN, with the reason, when tilelang is
+    not installed or the subprocess fails."""
+    if importlib.util.find_spec("tilelang") is None:
         return _not_run("tilelang is not installed; install the extra: pip install -e '.[tripwires]'")
     try:
-        proc = subprocess.run([python, "-m", "megacpp_lab.tripwires.tilelang_packs"], capture_output=True, text=True,
-                              timeout=TIMEOUT_S, env=env)  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "megacpp_lab.tripwires.tilelang_packs"], capture_output=True,
+                              text=True, timeout=TIMEOUT_S)  # fmt: skip
     except subprocess.TimeoutExpired:
         return _not_run(f"lowering did not finish within {TIMEOUT_S} s")
     if proc.returncode != 0:  # an abort inside a pass (SIGABRT) lands here: name it rather than crash
