@@ -45,8 +45,10 @@ libibverbs:
 lab: $(STAMP)
 	$(BIN)/python scripts/lab.py --ip '$(LAB_IP)' --port '$(LAB_PORT)' -- $(LAB_ARGS)
 
-# Two runs so the log shows the unit-test and the notebook (nbval) counts apart.
+# The regression packs' sentinels first, on the console (exit 1 on a deviation, naming the pack); then two runs so
+# the log shows the unit-test and the notebook (nbval) counts apart.
 test: $(STAMP)
+	$(BIN)/megacpp-lab tripwires
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
 	$(BIN)/python -m pytest --nbval-lax notebooks
 
