@@ -2,14 +2,22 @@
 
 A receipt lives at profiles/<device-slug>/<subsystem>/<name>.json and is stamped with the
 device, torch, triton, git commit and date of the run that produced it.
+
+The `commit` field is MEGACPP_LAB_COMMIT when that is set; else, in the project's own git checkout, HEAD's sha
+('-dirty' if tracked files changed); else (a copy without .git, such as the GPU machine's, perhaps inside some
+other repository) 'tree:<sha>', the git tree hash of the megacpp_lab/ package as it ran, which equals
+`git rev-parse <commit>:megacpp_lab` for every commit with that package: `commit_for_tree` finds one.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import json
 import math
 import os
 import re
+import stat
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,6 +26,11 @@ from typing import Any
 import torch
 
 COMMIT_ENV = "MEGACPP_LAB_COMMIT"
+PACKAGE = "megacpp_lab"
+# The root .gitignore's patterns that can match inside the package (those not anchored by a leading "/"; a
+# test keeps the two in step). A trailing "/" matches only directories, as there. Left out of the tree hash, as
+# git leaves them out of a commit; hard-coded so the hash does not depend on a .gitignore beside the copy.
+GITIGNORED = ("__pycache__/", "*.pyc", "*.egg-info/", ".ipynb_checkpoints/", ".venv/", "build/", ".pytest_cache/")
 METRIC_KEYS = (
     "ms", "fwd_ms", "bwd_ms", "peak_mib", "gb_per_s", "tflops", "max_abs_err", "rel_err",
     "compile_s", "tokens_per_s", "speedup", "nonfinite_outputs", "pct_of_copy", "saved_mib", "bytes_per_token",
@@ -55,18 +68,93 @@ def device_slug(name: str) -> str:
     return slug or "unknown-device"
 
 
-def git_commit() -> str:
-    """HEAD of the repo, '-dirty' if tracked files changed; MEGACPP_LAB_COMMIT wins (the GPU copy has no .git)."""
+def _git(root: Path, *args: str, stdin: str | None = None) -> str:
+    done = subprocess.run(["git", *args], cwd=root, input=stdin, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def _git_object(kind: bytes, body: bytes) -> bytes:
+    return hashlib.sha1(b"%s %d\0" % (kind, len(body)) + body).digest()
+
+
+def _ignored(name: str, is_dir: bool) -> bool:
+    return any(fnmatch.fnmatchcase(name, p.rstrip("/")) for p in GITIGNORED if is_dir or not p.endswith("/"))
+
+
+def _tree(directory: Path) -> bytes | None:
+    """The raw sha of the tree object git writes for `directory`; None if it holds nothing git tracks."""
+    entries = []  # (sort key, entry bytes)
+    with os.scandir(directory) as it:
+        for entry in it:
+            is_dir = entry.is_dir(follow_symlinks=False)
+            if _ignored(entry.name, is_dir):
+                continue
+            name = os.fsencode(entry.name)
+            if entry.is_symlink():  # git stores the link's target, not what it points at
+                mode, sha = b"120000", _git_object(b"blob", os.readlink(os.fsencode(entry.path)))
+            elif is_dir:
+                sub = _tree(Path(entry.path))
+                if sub is None:  # git has no empty directories
+                    continue
+                mode, sha = b"40000", sub
+            elif entry.is_file(follow_symlinks=False):
+                executable = entry.stat(follow_symlinks=False).st_mode & stat.S_IXUSR
+                mode = b"100755" if executable else b"100644"
+                sha = _git_object(b"blob", Path(entry.path).read_bytes())
+            else:  # sockets, fifos: nothing git can add
+                continue
+            # git orders a tree's entries by name bytes, a directory's name as if it ended in "/"
+            entries.append((name + b"/" if is_dir else name, b"%s %s\0%s" % (mode, name, sha)))
+    if not entries:
+        return None
+    return _git_object(b"tree", b"".join(body for _, body in sorted(entries)))
+
+
+def tree_hash(directory: str | Path | None = None) -> str:
+    """The git tree hash (hex) of `directory` (default: this package) as it is on disk, computed without git:
+    what `git rev-parse <commit>:<path>` prints for a commit holding exactly these files, less the ignored ones."""
+    path = Path(directory) if directory is not None else repo_root() / PACKAGE
+    sha = _tree(path)
+    if sha is None:
+        raise ValueError(f"{path} holds no file git would track")
+    return sha.hex()
+
+
+def git_commit(root: str | Path | None = None) -> str:
+    """Which code runs: MEGACPP_LAB_COMMIT if set; in the project's own checkout (default root:
+    repo_root()), HEAD's sha plus '-dirty' if tracked files changed; elsewhere 'tree:' + tree_hash of the package."""
     forced = os.environ.get(COMMIT_ENV)
     if forced:
         return forced
+    root = Path(root if root is not None else repo_root()).resolve()
     try:
-        root = repo_root()
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+        # Only a checkout whose top level is root itself: a copy without .git inside another repository would
+        # otherwise be stamped with that repository's HEAD.
+        if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() == root:
+            dirty = _git(root, "status", "--porcelain", "-uno")
+            return _git(root, "rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        pass  # no git, not a repository, or one without a commit yet: the files say what ran
+    return "tree:" + tree_hash(root / PACKAGE)
+
+
+def commit_for_tree(tree: str, *, max_commits: int = 2000, root: str | Path | None = None) -> str | None:
+    """The newest of HEAD's last `max_commits` commits whose megacpp_lab/ is `tree` ('tree:<hex>' or hex, as
+    git_commit stamps it), in the checkout at root (default repo_root()); None if none is, or there is no git."""
+    want = tree.removeprefix("tree:").lower()
+    if not re.fullmatch(r"[0-9a-f]{40}", want):
+        raise ValueError(f"{tree!r} is not a tree hash ('tree:' and 40 hex digits)")
+    root = Path(root if root is not None else repo_root())
+    try:
+        # rev-list (newest first), not `git log --format=%H`: plumbing, so no user config adds lines to its output
+        commits = _git(root, "rev-list", f"--max-count={max_commits}", "HEAD").split()
+        # One cat-file for all commits; a commit without the package answers '<commit>:megacpp_lab missing'
+        trees = _git(
+            root, "cat-file", "--batch-check=%(objectname)", stdin="".join(f"{c}:{PACKAGE}\n" for c in commits)
+        ).splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return next((c for c, t in zip(commits, trees, strict=True) if t == want), None)
 
 
 def stamp(device: torch.device | str | None = None) -> dict[str, str]:

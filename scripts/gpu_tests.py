@@ -10,7 +10,6 @@ Exit status: 0 when every file passed (skips allowed), 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -74,8 +73,14 @@ def main() -> int:
     import torch
     import triton
 
+    sys.path.insert(0, str(ROOT))
+    from megacpp_lab.receipts import git_commit  # the project's own commit, or its package's tree hash
+
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    commit = os.environ.get("MEGACPP_LAB_COMMIT", "unknown")
+    n_gpus = torch.cuda.device_count()
+    if n_gpus > 1:
+        device = f"{n_gpus} x {device}"
+    commit = git_commit()
     kinds = ("passed", "failed", "error", "skipped")
     lines = [f"# whole test suite, one pytest process per file ({args.jobs} at a time)",
              f"# device: {device}; torch {torch.__version__}; triton {triton.__version__}; commit {commit}",

@@ -1,4 +1,8 @@
 import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +38,128 @@ def test_receipt_is_stamped_and_round_trips(tmp_path, monkeypatch):
 def test_git_commit_reads_the_repo(monkeypatch):
     monkeypatch.delenv(receipts.COMMIT_ENV, raising=False)
     sha = receipts.git_commit()
-    assert sha == "unknown" or len(sha.removesuffix("-dirty")) == 40
+    if (receipts.repo_root() / ".git").exists():  # the project's own checkout: HEAD
+        assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", sha), sha
+    else:  # a copy without .git (the GPU machine's): the package's tree
+        assert re.fullmatch(r"tree:[0-9a-f]{40}", sha), sha
+
+
+# ----------------------------------------------------------------------------- the commit stamp of a copy
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs the git executable")
+
+
+def _git(cwd: Path, *args: str) -> str:
+    ident = ["-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    return subprocess.run(["git", *ident, *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _commit_all(repo: Path, message: str) -> str:
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", message)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def _copy_project(dest: Path) -> Path:
+    """The package (with whatever __pycache__ it has) and the root .gitignore under dest; returns dest."""
+    shutil.copytree(receipts.repo_root() / receipts.PACKAGE, dest / receipts.PACKAGE, symlinks=True)
+    shutil.copy(receipts.repo_root() / ".gitignore", dest / ".gitignore")
+    return dest
+
+
+def test_gitignored_mirrors_the_root_gitignore():
+    lines = (receipts.repo_root() / ".gitignore").read_text().splitlines()
+    unanchored = {line for line in lines if line.strip() and not line.startswith(("#", "/"))}
+    assert unanchored == set(receipts.GITIGNORED)
+
+
+@needs_git
+def test_tree_hash_is_what_git_stores_for_the_package(tmp_path):
+    repo = _copy_project(tmp_path)
+    pkg = repo / receipts.PACKAGE
+    (pkg / "__pycache__").mkdir(exist_ok=True)
+    (pkg / "__pycache__" / "x.pyc").write_bytes(b"bytecode")
+    (pkg / "stale.pyc").write_bytes(b"bytecode")  # ignored outside __pycache__ too
+    (pkg / "empty" / "nested").mkdir(parents=True)  # git stores no empty directory
+    (pkg / "zz_tool.sh").write_text("#!/bin/sh\necho hi\n")
+    (pkg / "zz_tool.sh").chmod(0o755)
+    (pkg / "zz_link").symlink_to("zz_tool.sh")
+    # the directory sorts as "zz/", after the file "zz.py" ("." < "/"); a plain sort by name puts it before
+    (pkg / "zz").mkdir()
+    (pkg / "zz" / "a.py").write_text("x = 1\n")
+    (pkg / "zz.py").write_text("y = 2\n")
+    _git(repo, "init", "-q")
+    _commit_all(repo, "copy")
+    tracked = _git(repo, "ls-files")
+    assert "__pycache__" not in tracked and ".pyc" not in tracked and "empty" not in tracked
+    listing = [line.split() for line in _git(repo, "ls-tree", "HEAD:megacpp_lab").splitlines()]
+    modes = {name: mode for mode, _, _, name in listing}
+    assert (modes["zz_tool.sh"], modes["zz_link"], modes["zz"]) == ("100755", "120000", "040000")
+    names = [name for *_, name in listing]
+    assert names.index("zz.py") < names.index("zz")
+    assert receipts.tree_hash(pkg) == _git(repo, "rev-parse", "HEAD:megacpp_lab")
+    (pkg / "zz_tool.sh").chmod(0o644)  # the executable bit is part of the hash
+    changed = receipts.tree_hash(pkg)
+    assert changed != _git(repo, "rev-parse", "HEAD:megacpp_lab")
+    _git(repo, "add", "-A")
+    assert changed == _git(repo, "write-tree", "--prefix=megacpp_lab/")
+
+
+@needs_git
+def test_a_copy_inside_another_repository_is_stamped_with_its_tree_not_that_repositorys_head(tmp_path, monkeypatch):
+    monkeypatch.delenv(receipts.COMMIT_ENV, raising=False)
+    outer = tmp_path / "outer"
+    (outer / "work").mkdir(parents=True)
+    (outer / "README").write_text("someone else's repository\n")
+    _git(outer, "init", "-q")
+    outer_head = _commit_all(outer, "unrelated")
+    copy = _copy_project(outer / "work" / "copy")
+    assert Path(_git(copy, "rev-parse", "--show-toplevel")).resolve() == outer.resolve()  # the trap is real
+    stamp = receipts.git_commit(copy)
+    assert stamp == "tree:" + receipts.tree_hash(copy / receipts.PACKAGE)
+    assert outer_head not in stamp
+    monkeypatch.setattr(receipts, "repo_root", lambda: copy)  # what stamp() reads on the GPU machine
+    assert receipts.git_commit() == stamp
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))  # no git at all: still the tree
+    assert receipts.git_commit() == stamp
+    monkeypatch.setenv(receipts.COMMIT_ENV, "abc123")  # the variable still wins
+    assert receipts.git_commit() == "abc123"
+
+
+@needs_git
+def test_commit_for_tree_finds_the_newest_commit_with_that_package(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "README").write_text("before the package\n")
+    _git(repo, "init", "-q")
+    _commit_all(repo, "no package yet")  # its '<commit>:megacpp_lab missing' line must not derail the search
+    (repo / "megacpp_lab").mkdir()
+    (repo / "megacpp_lab" / "a.py").write_text("v = 1\n")
+    first = _commit_all(repo, "v1")
+    assert receipts.git_commit(repo) == first  # a checkout of its own: HEAD's sha
+    tree1 = receipts.tree_hash(repo / "megacpp_lab")
+    (repo / "megacpp_lab" / "a.py").write_text("v = 2\n")
+    assert receipts.git_commit(repo) == first + "-dirty"
+    _commit_all(repo, "v2")
+    (repo / "README").write_text("the package unchanged\n")
+    third = _commit_all(repo, "docs only")
+    tree2 = receipts.tree_hash(repo / "megacpp_lab")
+    assert receipts.commit_for_tree("tree:" + tree1, root=repo) == first
+    assert receipts.commit_for_tree(tree2, root=repo) == third  # the newer of the two commits with that package
+    assert receipts.commit_for_tree(tree1, root=repo, max_commits=2) is None  # older than the window
+    assert receipts.commit_for_tree("0" * 40, root=repo) is None
+    assert receipts.commit_for_tree(tree1, root=tmp_path) is None  # not a repository
+    with pytest.raises(ValueError, match="not a tree hash"):
+        receipts.commit_for_tree("tree:abc", root=repo)
+
+
+@needs_git
+@pytest.mark.skipif(not (receipts.repo_root() / ".git").exists(), reason="needs the project's own git checkout")
+def test_commit_for_tree_maps_heads_package_back_to_head():
+    root = receipts.repo_root()
+    head = _git(root, "rev-parse", "HEAD")
+    tree = _git(root, "rev-parse", "HEAD:megacpp_lab")
+    assert receipts.commit_for_tree("tree:" + tree) == head
 
 
 @pytest.mark.parametrize(
