@@ -408,3 +408,163 @@ def time_by_label(trace_path: str | Path, *, sep: str = LABEL_SEP) -> dict[str, 
     return {"basis": basis, "steps": len(steps), "step_us": sum(steps) / n if steps else None, "total_us": total,
             "us": us, "us_backward": {k: v / n for k, v in us_backward.items()}, "kernels_without_launch": unmatched,
             "share": {k: v / total for k, v in us.items()} if total else {}}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- GPU timeline: compute, comm, idle
+
+_GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+_LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+_STEP_PREFIX = "ProfilerStep#"
+
+
+def _union_us(spans: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: sorted by start, then merged in one pass (O(n log n))."""
+    total = 0.0
+    run: tuple[float, float] | None = None  # the merged interval being extended
+    for start, end in sorted(spans):
+        if run is not None and start <= run[1]:
+            run = (run[0], max(run[1], end))
+            continue
+        if run is not None:
+            total += run[1] - run[0]
+        run = (start, end)
+    return total + (run[1] - run[0] if run is not None else 0.0)
+
+
+def _is_comm_kernel(name: str) -> bool:
+    # NCCL's kernels are plain (non-template) functions, so their demangled names start with "nccl":
+    # "ncclDevKernel_AllGather_RING_LL(...)" (NCCL >= 2.19), "ncclKernel_AllReduce_RING_LL_Sum_float(...)" (older)
+    return name.lower().startswith("nccl")
+
+
+def _split(gpu: list[dict[str, Any]]) -> dict[str, float]:
+    """The timeline split of a non-empty list of GPU events, in ms (see gpu_time_split)."""
+    comm: list[tuple[float, float]] = []
+    compute: list[tuple[float, float]] = []
+    for e in gpu:
+        start = float(e["ts"])
+        span = (start, start + float(e["dur"]))
+        (comm if e.get("cat") == "kernel" and _is_comm_kernel(e["name"]) else compute).append(span)
+    window = max(end for _, end in comm + compute) - min(start for start, _ in comm + compute)
+    comm_us, compute_us, busy_us = _union_us(comm), _union_us(compute), _union_us(comm + compute)
+    exposed = busy_us - compute_us  # |comm or compute| - |compute| = |comm and not compute|
+
+    def share(us: float) -> float:
+        return us / window if window else 0.0
+
+    return {"window_ms": window / 1e3, "comm_ms": comm_us / 1e3, "compute_ms": compute_us / 1e3,
+            "exposed_comm_ms": exposed / 1e3, "overlapped_comm_ms": (comm_us - exposed) / 1e3,
+            "idle_ms": (window - busy_us) / 1e3, "comm_share": share(comm_us), "exposed_comm_share": share(exposed),
+            "idle_share": share(window - busy_us)}  # fmt: skip
+
+
+def _read_trace_events(path: Path) -> list[dict[str, Any]]:
+    import gzip
+    import json
+
+    if not path.is_file():
+        raise FileNotFoundError(f"no profiler trace at {path}")
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":  # gzip magic, whatever the suffix: export_chrome_trace("x.json.gz") writes this
+        raw = gzip.decompress(raw)
+    data = json.loads(raw)
+    # The Chrome trace format allows a bare event array as well as {"traceEvents": [...]}
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def gpu_time_split(trace_path: str | Path, *, steps: int | None = None) -> dict[str, Any]:
+    """Where the GPU time of a profiled training window went: compute, communication (NCCL), and nothing.
+
+    Reads a PyTorch profiler Chrome trace (`*.pt.trace.json`, or `.json.gz`) recorded with CUDA activity, one
+    rank's file under torch.distributed. GPU events are the complete ("X") events of categories kernel,
+    gpu_memcpy and gpu_memset; if the trace holds several devices, only the one with the most kernel time is
+    read ('device' names it). A communication kernel is one whose name starts with "nccl" (any case); every
+    other GPU event is compute. Intervals on different streams overlap, so every time below is the length of a
+    union of intervals, not a sum of durations. All times in ms (the trace's ts/dur are microseconds):
+
+    - window_ms: first GPU event's start to the last one's end.
+    - comm_ms: time at least one communication kernel runs.
+    - compute_ms: time at least one other GPU event (kernel, memcpy, memset) runs.
+    - exposed_comm_ms: communication with no compute beside it (comm minus compute): the GPU only talks, or waits
+      inside a collective for a slower peer (a straggling rank shows up here, not as idle).
+    - overlapped_comm_ms: comm_ms - exposed_comm_ms, communication hidden under compute.
+    - idle_ms: window_ms minus the time anything runs: the GPU waits on the host (launch overhead, Python, a
+      synchronising call, the data loader).
+    - comm_share, exposed_comm_share, idle_share: those three over window_ms.
+    - comm_kernels: [{"name", "calls", "total_ms"}] per communication kernel name (the part before "("), by
+      total_ms descending; total_ms sums durations (concurrent calls both count).
+    - device: the device read.
+
+    By construction window_ms = compute_ms + exposed_comm_ms + idle_ms. That is why exposed communication and
+    idle time are the two terms that make an N-GPU step slower than a 1-GPU step at the same per-GPU batch:
+    each GPU runs the same compute kernels on the same shapes as the single GPU does, so compute_ms stays put,
+    and only the other two terms can grow. Overlapped communication costs no wall time here; idle grows when
+    the GPU waits for the host (a host sync on a collective's result, launch-bound work). One caveat: a
+    communication kernel running beside compute shares its SMs and memory bandwidth, which shows up as a
+    longer compute_ms; compare compute_ms with the 1-GPU trace's to see that cost.
+
+    per_step (only when the trace has ProfilerStep#<n> CPU annotations): the same numbers for each step, with
+    'step' = n, over the GPU events launched inside that step: each GPU event's args["correlation"] names its
+    launch (a cuda_runtime / cuda_driver event with the same correlation), and the step is the ProfilerStep
+    range that contains the launch's host timestamp, on whichever thread launched it (the autograd thread
+    launches the backward). A step's window runs from its own first GPU event to its own last, so the GPU gap
+    between two steps belongs to neither step (the top-level idle_ms counts it). Steps that launched no GPU
+    event are left out; `steps` keeps at most that many last steps. Alongside: step_ms (each kept step's
+    window_ms) and events_outside_steps (GPU events whose launch lies in no step or is missing from the trace).
+
+    Fails closed: FileNotFoundError for a missing file, ValueError for a trace with no GPU events (a CPU-only
+    trace).
+    """
+    import bisect
+
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be >= 1 or None, got {steps}")
+    path = Path(trace_path)
+    events = [e for e in _read_trace_events(path) if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    by_device: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("cat") in _GPU_CATS:
+            by_device.setdefault(e.get("args", {}).get("device", e.get("pid")), []).append(e)
+    if not by_device:
+        raise ValueError(f"{path} has no GPU kernels (no kernel/memcpy/memset events): a CPU-only trace?")
+
+    def kernel_us(device: Any) -> float:
+        return sum(float(e["dur"]) for e in by_device[device] if e.get("cat") == "kernel")
+
+    device = max(by_device, key=kernel_us)
+    gpu = by_device[device]
+    out: dict[str, Any] = {"device": device, **_split(gpu)}
+
+    calls: dict[str, list[float]] = {}
+    for e in gpu:
+        if e.get("cat") == "kernel" and _is_comm_kernel(e["name"]):
+            entry = calls.setdefault(e["name"].split("(", 1)[0].strip(), [0, 0.0])
+            entry[0] += 1
+            entry[1] += float(e["dur"])
+    rows = [{"name": name, "calls": int(n), "total_ms": us / 1e3} for name, (n, us) in calls.items()]
+    out["comm_kernels"] = sorted(rows, key=lambda row: -row["total_ms"])
+
+    # ProfilerStep ranges are sequential on the host (each closes before the next opens): sorted by start,
+    # a bisect finds the only candidate for a launch timestamp
+    ranges = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), int(e["name"][len(_STEP_PREFIX):]))
+                    for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(_STEP_PREFIX)
+                    and e["name"][len(_STEP_PREFIX):].isdigit())  # fmt: skip
+    if not ranges:
+        return out
+    starts = [start for start, _, _ in ranges]
+    launch_ts = {e["args"]["correlation"]: float(e["ts"]) for e in events
+                 if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}  # fmt: skip
+    per_step: dict[int, list[dict[str, Any]]] = {}
+    outside = 0
+    for e in gpu:
+        ts = launch_ts.get(e.get("args", {}).get("correlation"))
+        i = -1 if ts is None else bisect.bisect_right(starts, ts) - 1
+        if ts is not None and i >= 0 and ts <= ranges[i][1]:
+            per_step.setdefault(ranges[i][2], []).append(e)
+        else:
+            outside += 1
+    kept = sorted(per_step)[-steps:] if steps is not None else sorted(per_step)
+    out["per_step"] = [{"step": n, **_split(per_step[n])} for n in kept]
+    out["step_ms"] = [row["window_ms"] for row in out["per_step"]]
+    out["events_outside_steps"] = outside
+    return out
