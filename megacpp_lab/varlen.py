@@ -26,6 +26,7 @@ __all__ = [
     "FLEX_BLOCK",
     "PackedContext",
     "build_context",
+    "copy_to_device",
     "check_doc_ids",
     "cu_seqlens_from_doc_ids",
     "doc_causal_block_mask",
@@ -292,6 +293,18 @@ def validate_packed_layout(doc_ids: torch.Tensor, positions: torch.Tensor, cu_se
 # ----------------------------------------------------------------------------- the context
 
 
+def copy_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`. Host to GPU, the copy is non-blocking from pinned memory: from pageable memory
+    cudaMemcpyAsync first waits for all the work queued on the stream, a host sync in disguise. (The caching
+    host allocator keeps the pinned block until the copy has run.)"""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass(frozen=True, eq=False)
 class PackedContext:
     """One packed batch in every form the mixers and kernels use, validated once (build_context).
@@ -317,6 +330,20 @@ class PackedContext:
     @property
     def n_seqs(self) -> int:
         return self.cu_seqlens_host.numel() - 1
+
+    def to(self, device: torch.device | str) -> PackedContext:
+        """The same context on `device` (cu_seqlens_host stays on the host), copied without a host sync
+        (copy_to_device). Build and validate on the host, then move: validation reads values, and on a GPU
+        each read is a host sync, after which the CPU can no longer queue the next step ahead of the GPU."""
+        device = torch.device(device)
+        cu_seqlens = copy_to_device(self.cu_seqlens, device)
+        torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)  # a new tensor: marked as build_context marked the host one
+        return PackedContext(
+            doc_ids=copy_to_device(self.doc_ids, device), positions=copy_to_device(self.positions, device),
+            starts=copy_to_device(self.starts, device), cu_seqlens=cu_seqlens, cu_seqlens_host=self.cu_seqlens_host,
+            seq_index=copy_to_device(self.seq_index, device), max_seqlen=self.max_seqlen,
+            block_mask=None if self.block_mask is None else self.block_mask.to(device),
+        )  # fmt: skip
 
     @classmethod
     def from_batch(cls, batch: Any, *, block_mask: bool = False) -> PackedContext:

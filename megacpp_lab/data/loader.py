@@ -18,7 +18,9 @@ last partial batch of an epoch is dropped, so every batch has the same shape.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,12 +55,37 @@ def split_by_file(files: Sequence[SourceFile], val_fraction: float) -> tuple[lis
     return train, val
 
 
-def tokenize_files(files: Sequence[SourceFile], tokenizer: Any, *, progress: bool = False) -> list[np.ndarray]:
-    """Token ids of each file, <bos> ... <eos>, as int32 arrays (the tokenizer's encode)."""
+def tokenize_files(files: Sequence[SourceFile], tokenizer: Any, *, progress: bool = False,
+                   cache_dir: str | Path | None = None) -> list[np.ndarray]:  # fmt: skip
+    """Token ids of each file, <bos> ... <eos>, as int32 arrays (the tokenizer's encode).
+
+    cache_dir: keep the result in `<cache_dir>/<key>.npz`, the key a sha256 over the tokenizer's recorded
+    sha256 and every file's path and content, and read it back on the next call with the same files (every
+    rank of a run, a notebook restart, both runs of a benchmark): tokenizing thousands of files takes far
+    longer than reading them. A tokenizer that records no sha256 (`record`, set by load_bpe) cannot be
+    named in a key, so it is never cached."""
     from tqdm.auto import tqdm
 
-    return [np.asarray(tokenizer.encode(f.data), dtype=np.int32)
+    identity = (getattr(tokenizer, "record", None) or {}).get("sha256")
+    path = None
+    if cache_dir is not None and identity:
+        h = hashlib.sha256(f"tokenize_files v1 {identity}".encode())
+        for f in files:
+            h.update(f"\0{f.relpath}\0{f.sha256}".encode())
+        path = Path(cache_dir) / f"{h.hexdigest()[:32]}.npz"
+        if path.is_file():
+            with np.load(path) as saved:
+                flat, ends = saved["tokens"], saved["ends"]
+            return np.split(flat, ends[:-1]) if len(ends) else []
+    docs = [np.asarray(tokenizer.encode(f.data), dtype=np.int32)
             for f in tqdm(files, desc="tokenizing", unit="file", disable=not progress)]  # fmt: skip
+    if path is not None:  # written beside and renamed: a reader (another rank) sees a whole file or none
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+        ends = np.cumsum([len(d) for d in docs], dtype=np.int64)
+        np.savez(tmp, tokens=np.concatenate(docs) if docs else np.zeros(0, np.int32), ends=ends)
+        os.replace(tmp, path)
+    return docs
 
 
 class PackedRowStream:

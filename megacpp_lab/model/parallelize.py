@@ -118,14 +118,41 @@ def _fp32_contract_params(lm: nn.Module) -> dict[str, nn.Parameter]:
     return {name: params[name] for name in fp32_contract(lm) if name in params}
 
 
-def _average_over(group: Any, world: int) -> Any:
-    import torch.distributed as dist
+class _ReplicatedGradAverage:
+    """The gradient average of the replicated fp32-contract parameters: one all-reduce per backward, at its
+    end, over all of them at once (one flat buffer per dtype).
 
-    def hook(param: torch.Tensor) -> None:  # SUM then divide: gloo has no AVG
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
-        param.grad.div_(world)
+    One all-reduce per parameter, from each parameter's post-accumulate hook, cost the step dearly under
+    FSDP2: a blocking collective in the middle of the backward makes the compute stream wait until it is
+    done, and it is queued behind the block's reduce-scatter and the next all-gather on the same
+    communicator, so every block with a decay stalled the backward on communication FSDP2 would have hidden.
+    The first hook of a backward queues one callback on the autograd engine; it runs when the backward ends.
+    Under gradient accumulation the average is still right: it is linear, and the average of an average is
+    itself."""
 
-    return hook
+    def __init__(self, params: list[nn.Parameter], group: Any, world: int) -> None:
+        self.params, self.group, self.world = params, group, world
+        self.queued = False
+
+    def hook(self, param: torch.Tensor) -> None:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
+
+    def reduce(self) -> None:
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        self.queued = False
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)  # SUM then divide: gloo has no AVG
+            flat.div_(self.world)
+            torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))
 
 
 def fsdp_groups(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
@@ -144,7 +171,8 @@ def apply_fsdp(model: nn.Module, *, mesh: Any = None, param_dtype: torch.dtype |
     FSDP2 casts every parameter of a group to param_dtype: that would cast the fp32-contract parameters
     (`_fp32_params`: the SSD / M2RNN decay path, the mHC gates, the concept bank) to bf16, the blanket cast the
     seeds' Float16Module bug was. They are left out of every group (ignored_params): fp32, replicated on every
-    rank, their gradients averaged over the mesh by a post-accumulate hook. Needs an initialised process group."""
+    rank, their gradients averaged over the mesh in one all-reduce at the end of each backward
+    (_ReplicatedGradAverage). Needs an initialised process group."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -163,14 +191,18 @@ def apply_fsdp(model: nn.Module, *, mesh: Any = None, param_dtype: torch.dtype |
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(next(lm.parameters()).device.type, (dist.get_world_size(),))
-    keep = set(_fp32_contract_params(lm).values())
+    contract = _fp32_contract_params(lm)  # by name: the same order on every rank (the flat buffer's layout)
+    keep = set(contract.values())
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for _, modules in fsdp_groups(lm):
+    for name, modules in fsdp_groups(lm):
         target = modules[0] if len(modules) == 1 else modules
-        fully_shard(target, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
-                    ignored_params=keep)  # fmt: skip
+        # the LM head runs last in the forward and first in the backward: resharding it in between would
+        # only buy an all-gather the backward waits on at once (torchtitan keeps its last layer likewise)
+        reshard = reshard_after_forward and name != "norm+lm_head"
+        fully_shard(target, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=keep)
     group = mesh.get_group() if mesh is not None else None
     world = dist.get_world_size(group)
+    average = _ReplicatedGradAverage([contract[n] for n in sorted(contract)], group, world)
     for param in keep:
-        param.register_post_accumulate_grad_hook(_average_over(group, world))
+        param.register_post_accumulate_grad_hook(average.hook)
     return model
