@@ -172,7 +172,7 @@ HELP_MUST_SAY = {
     "train": ("small preset", "engram_layers=none", "same tokenized corpus", "master weights", "sampled tokens"),
     "compile": ("regional compile", "whole-model torch.compile", "caches disabled", "recompiles", "MFU",
                 "989 TFLOP/s", "at most 1/3", "0.8x eager"),
-    "scale_out": ("--nproc N", "same per-GPU batch", "fp32-contract", "B=4 x T=4096 per GPU", "1.8x", "peak memory"),
+    "scale_out": ("--nproc N", "same per-GPU batch", "fp32-contract", "B=4 x T=4096 per GPU", "1.85x", "peak memory"),
     "table_store": ("numpy gather", "in-process backend", "Mooncake backend through TableStore", "one range per row",
                     "whole tables", "EngramStore.lookup", "B=8, L=4096, H=2, D=256", "TCP loopback", "libibverbs1"),
 }

@@ -1,7 +1,9 @@
-"""model/parallelize.apply_fsdp and `train --nproc` on CPU: two gloo processes under torchrun, the tiny model.
+"""model/parallelize.apply_fsdp and `train --nproc`: two ranks under torchrun, the tiny model; gloo on CPU
+processes (CI) and, on a host with 2 GPUs, NCCL with one GPU per rank (marked cuda).
 
-- FSDP2 losses equal the single-process losses at the same global batch over 5 AdamW steps (fp32 params on
-  the CPU: tolerance rtol 1e-4, reduction order only);
+- FSDP2 losses equal the single-process losses at the same global batch over 5 AdamW steps, and the first
+  backward's gradients of the replicated fp32-contract parameters equal the whole batch's (fp32: reduction
+  order only);
 - the fp32-contract tripwire: inside the forward under a bf16 FSDP2 policy every declared fp32 parameter is
   fp32 while the other weights are bf16; a blanket policy (fully_shard each block with the same policy and no
   exception) fails the same check;
@@ -31,65 +33,90 @@ from megacpp_lab.varlen import build_context
 
 WORLD, B, T, STEPS = 2, 4, 32, 5
 pytestmark = pytest.mark.skipif(not dist.is_available() or sys.platform != "linux", reason="needs torch.distributed (gloo)")
+# gloo on CPU processes (CI), NCCL with one GPU per rank (a multi-GPU host): the same workers and assertions
+BACKENDS = ["gloo", pytest.param("nccl", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA devices for NCCL")])]  # fmt: skip
+# fp32 throughout, so only the reduction order differs: on a CPU 1e-4; on GPUs the Triton scans' tl.dot run
+# TF32 and cuBLAS picks its kernels by batch size, so a rank's half batch rounds differently from the whole
+RTOL = {"gloo": 1e-4, "nccl": 2e-3}
 
 
-def _model() -> HybridLM:
-    torch.manual_seed(0)
-    return HybridLM(model_config("tiny", "cpu", mhc=True))  # mHC: its gates are fp32-contract parameters too
+def _device(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _model(device: torch.device = torch.device("cpu")) -> HybridLM:
+    torch.manual_seed(0)  # mHC: its gates are fp32-contract parameters too
+    return HybridLM(model_config("tiny", device.type, mhc=True)).to(device)
+
+
+def _batch(device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, 512, (B, T + 1), generator=g)
     doc_ids = torch.zeros(B, T, dtype=torch.long)
     doc_ids[:, T // 2 :] = 1
-    return tokens[:, :-1], doc_ids, tokens[:, 1:]  # every target counts: each rank's mean weighs alike
+    return tokens[:, :-1].to(device), doc_ids, tokens[:, 1:].to(device)  # doc_ids stay on the host: build_context
 
 
-def _train(model: torch.nn.Module, rows: slice) -> list[float]:
-    tokens, doc_ids, targets = (t[rows] for t in _batch())
-    ctx = build_context(doc_ids)
+def _train(model: torch.nn.Module, rows: slice, device: torch.device) -> tuple[list[float], dict[str, list[float]]]:
+    """STEPS AdamW steps on `rows` of the batch: the losses, and the first step's gradients of the
+    fp32-contract parameters (FSDP2 leaves them replicated: full tensors on every rank)."""
+    tokens, doc_ids, targets = _batch(device)
+    tokens, doc_ids, targets = tokens[rows], doc_ids[rows], targets[rows]
+    ctx = build_context(doc_ids).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(STEPS):
+    contract = dict(model.named_parameters())
+    contract = {n: contract[n] for n in fp32_contract(model) if n in contract}
+    losses, grads = [], {}
+    for step in range(STEPS):
         loss = model(tokens, ctx, targets).loss
         loss.backward()
+        if step == 0:
+            grads = {n: p.grad.flatten().tolist() for n, p in contract.items() if p.grad is not None}
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    return [float(x) for x in losses]
+    return [float(x) for x in losses], grads
 
 
-def _worker(mode: str, out: str) -> None:
+def _worker(mode: str, out: str, backend: str) -> None:
     """One rank, under torchrun (its environment names rank, world and the master)."""
-    dist.init_process_group("gloo")
+    device = _device(backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
     rank = dist.get_rank()
     try:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from megacpp_lab.model.parallelize import apply_fsdp
 
-        model = _model()
+        mesh = init_device_mesh(device.type, (WORLD,))
+        model = _model(device)
         contract = set(fp32_contract(model))
         result: dict = {}
         if mode == "losses":
-            apply_fsdp(model, param_dtype=None, reduce_dtype=None)  # fp32 on the CPU: equal to one process
+            apply_fsdp(model, mesh=mesh, param_dtype=None, reduce_dtype=None)  # fp32: equal to one process
             per = B // WORLD
-            local = _train(model, slice(rank * per, (rank + 1) * per))
-            mean = torch.tensor(local)
+            local, grads = _train(model, slice(rank * per, (rank + 1) * per), device)
+            mean = torch.tensor(local, device=device)
             dist.all_reduce(mean)
             result["losses"] = (mean / WORLD).tolist()
+            result["grads"] = grads  # rank 0's: after the backward's all-reduce, the average over the ranks
         else:
             if mode == "contract":
-                apply_fsdp(model)  # bf16 forward
+                apply_fsdp(model, mesh=mesh)  # bf16 forward
             else:  # "blanket": the same policy over every parameter of a group
                 policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                 for block in model.blocks:
-                    fully_shard(block, mp_policy=policy)
-                fully_shard(model, mp_policy=policy)
-            tokens, doc_ids, targets = _batch()
+                    fully_shard(block, mesh=mesh, mp_policy=policy)
+                fully_shard(model, mesh=mesh, mp_policy=policy)
+            tokens, doc_ids, targets = _batch(device)
             with forward_dtypes(model) as seen:  # each parameter's dtype while its module runs
-                model(tokens[:1], build_context(doc_ids[:1]), targets[:1]).loss.backward()
+                model(tokens[:1], build_context(doc_ids[:1]).to(device), targets[:1]).loss.backward()
             result.update(contract={n: sorted(map(str, seen[n])) for n in contract if n in seen},
                           weights=sorted(map(str, seen["blocks.0.mlp.w_down.weight"])))
         if rank == 0:
@@ -105,29 +132,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(mode: str, tmp_path: Path) -> dict:
+def _spawn(mode: str, tmp_path: Path, backend: str) -> dict:
     """torchrun over this file (torch.multiprocessing.spawn aborted the gloo workers on exit on this CPU build)."""
-    out = tmp_path / f"{mode}.json"
+    out = tmp_path / f"{mode}-{backend}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", f"--master_port={_free_port()}",
-           __file__, mode, str(out)]  # fmt: skip
+           __file__, mode, str(out), backend]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"torchrun {mode} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"torchrun {mode} ({backend}) failed ({done.returncode}):\n{done.stderr[-3000:]}"
     return json.loads(out.read_text())
 
 
-def test_fsdp_losses_equal_single_process_at_the_same_global_batch(tmp_path):
-    reference = _train(_model(), slice(0, B))
-    got = _spawn("losses", tmp_path)["losses"]
-    assert got == pytest.approx(reference, rel=1e-4), (got, reference)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fsdp_losses_and_replicated_gradients_equal_single_process_at_the_same_global_batch(tmp_path, backend):
+    """Losses over 5 steps, and the first backward's gradients of the replicated fp32-contract parameters
+    (averaged in one all-reduce at the end of the backward), equal one process on the whole batch."""
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    reference, ref_grads = _train(_model(device), slice(0, B), device)
+    got = _spawn("losses", tmp_path, backend)
+    assert got["losses"] == pytest.approx(reference, rel=RTOL[backend]), (got["losses"], reference)
     assert reference[-1] < reference[0]  # it trains
+    assert got["grads"].keys() == ref_grads.keys() and len(ref_grads) > 1, (sorted(got["grads"]), sorted(ref_grads))
+    for name, want in ref_grads.items():  # a rank's own half-batch gradient is far off: the average is not
+        torch.testing.assert_close(torch.tensor(got["grads"][name]), torch.tensor(want), rtol=RTOL[backend] * 10,
+                                   atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
 
 
-def test_fp32_contract_parameters_stay_fp32_inside_the_forward(tmp_path):
-    kept = _spawn("contract", tmp_path)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_contract_parameters_stay_fp32_inside_the_forward(tmp_path, backend):
+    kept = _spawn("contract", tmp_path, backend)
     assert kept["weights"] == ["torch.bfloat16"]  # the policy does cast the rest
     assert kept["contract"] and all(set(d) == {"torch.float32"} for d in kept["contract"].values()), kept["contract"]
-    blanket = _spawn("blanket", tmp_path)  # the tripwire can fail: a blanket policy casts the contract away
+    blanket = _spawn("blanket", tmp_path, backend)  # the tripwire can fail: a blanket policy casts the contract away
     cast = sorted(n for n, d in blanket["contract"].items() if "torch.bfloat16" in d)
     assert cast, blanket["contract"]
 
@@ -170,13 +206,13 @@ def _history(out_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in json.loads((out_dir / "history.json").read_text())]
 
 
-def _assert_same_run(got: list[dict], want: list[dict]) -> None:
-    """Row by row, step and keys equal, the numbers within rtol 1e-4 (fp32 on the CPU: reduction order only)."""
+def _assert_same_run(got: list[dict], want: list[dict], rtol: float = RTOL["gloo"]) -> None:
+    """Row by row, step and keys equal, the numbers within rtol (fp32: reduction order only)."""
     assert [(r["step"], sorted(r)) for r in got] == [(r["step"], sorted(r)) for r in want]
     for a, b in zip(got, want):
         for key in COMPARED:
             if key in b:
-                assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key, a[key], b[key])
+                assert a[key] == pytest.approx(b[key], rel=rtol), (a["step"], key, a[key], b[key])
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +244,22 @@ def test_train_on_two_ranks_equals_one_process(runs):
     assert runs["two_stdout"].count("trained to step 6") == 1, runs["two_stdout"]  # rank 0 alone reports
     assert (root / "two" / "loss.png").is_file() and not (root / "two" / "checkpoint.pt").exists()
     assert (root / "two" / "checkpoint.dcp" / "LATEST").read_text() == "step-00000006"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA devices for NCCL")
+def test_train_on_two_gpus_equals_one_gpu(tmp_path):
+    """`train --nproc 2` on two GPUs (NCCL, the host-built context copied without a sync, the replicated
+    parameters' one all-reduce) equals one GPU at the same global batch, in fp32."""
+    from megacpp_lab.data.sample import write_sample_corpus
+    from megacpp_lab.model.train import TrainConfig, train
+
+    corpus = write_sample_corpus(tmp_path / "corpus")
+    gpu = dict(device="cuda", dtype="fp32")
+    train(TrainConfig(**{**TRAIN_ARGS, **gpu}, corpus=str(corpus), out_dir=str(tmp_path / "one")), progress=False)
+    _cli_train(tmp_path / "two", corpus, **gpu)
+    _assert_same_run(_history(tmp_path / "two"), _history(tmp_path / "one"), rtol=RTOL["nccl"])
+    assert _history(tmp_path / "one")[-2]["train_loss"] < _history(tmp_path / "one")[0]["train_loss"]  # it trains
 
 
 def test_resume_reshards_two_ranks_to_one_and_one_to_two(runs):
@@ -301,8 +353,8 @@ def _worker_pid(rank: int) -> int:
     raise AssertionError(f"no torchrun worker with RANK={rank}")
 
 
-if __name__ == "__main__":  # a torchrun worker: test_fsdp.py MODE OUT
-    _worker(sys.argv[1], sys.argv[2])
+if __name__ == "__main__":  # a torchrun worker: test_fsdp.py MODE OUT BACKEND
+    _worker(sys.argv[1], sys.argv[2], sys.argv[3])
     # Skip the interpreter's teardown: on this CPU build a gloo worker sometimes aborted there, after its
     # work and its result were done ("terminate called without an active exception", 1 run in CI).
     sys.stdout.flush()

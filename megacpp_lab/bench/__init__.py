@@ -275,13 +275,19 @@ host code. --small (tiny shapes, one call each): about 10 s, most of it starting
             """\
 The scale-out receipt: `megacpp-lab train --nproc N` (torchrun underneath; FSDP2 per block, embedding and
 [final norm, LM head], fp32 masters sharded, bf16 forward, fp32 gradient reduce, the fp32-contract
-parameters replicated) on 1 GPU and on every GPU of the host, from scratch, at the same per-GPU batch:
-the base preset, B=4 x T=4096 per GPU, bf16, regional compile, 40 steps.
-Per process count: tokens/s (the median over log intervals after the first, which holds the compile),
-tokens/s per GPU, the per-GPU peak memory (the largest over the ranks), and the loss curve. The bar: the
-2-GPU throughput at least 1.8x the 1-GPU throughput. Needs 2 or more GPUs (refused on one).
-Receipts under <out>/<device-slug>/scale_out/: scale_out.json/.png.
-Run time on an H200 host of 2 GPUs: not measured yet (no such host has been lent).
+parameters replicated and averaged in one all-reduce per backward) on 1 GPU and on every GPU of the host,
+from scratch, at the same per-GPU batch: the base preset, B=4 x T=4096 per GPU, bf16, regional compile, 40
+steps. The corpus is tokenized once (cached under build/tokenized/) and both runs share one inductor and one
+Triton cache (build/bench-scale-out/, unless TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set), so the
+N-GPU run compiles warm. Each run's lines are echoed as they come: phase, step, loss, tokens/s, peak memory.
+Per process count: tokens/s (the median over log intervals after the first, which holds the compile, and
+without the traced one), tokens/s per GPU, the per-GPU peak memory (the largest over the ranks), the loss
+curve, and a torch.profiler trace of the run's last 3 steps on rank 0, split into compute, exposed and hidden
+NCCL communication and idle time (profiling.gpu_time_split): the receipt's notes name where the N-GPU step
+loses time. The bar: the 2-GPU throughput at least 1.85x the 1-GPU throughput. Needs 2 or more GPUs
+(refused on one).
+Receipts under <out>/<device-slug>/scale_out/: scale_out.json/.png, scale_out_<N>gpu.pt.trace.json.gz.
+Run time on an H100 host of 2 GPUs: the receipt's elapsed_s (not measured yet).
 --small (CPU, the tiny preset, 8 steps, 2 gloo processes against 1): about 20 s.""",
             triton_on_cpu=False,
         ),

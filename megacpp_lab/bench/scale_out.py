@@ -1,9 +1,12 @@
 """The scale-out receipt: `megacpp-lab train` on one GPU and on every GPU of the host (torchrun, FSDP2), at
-the same per-GPU batch: tokens/s of each, the ratio, per-GPU peak memory, and both loss curves.
+the same per-GPU batch: tokens/s of each, the ratio, per-GPU peak memory, both loss curves, and a profiler
+trace of each run's last steps on rank 0, split into compute, communication (exposed or hidden) and idle
+time, so the receipt names where the N-GPU step loses time against the 1-GPU step.
 
 What it measures and writes, and how long it takes: `megacpp-lab bench scale_out --help`
 (megacpp_lab.bench.COMMANDS["scale_out"]). The runs go under build/bench-scale-out/ (their checkpoints are
-not receipts).
+not receipts). The corpus is tokenized once, here, into train's token cache, and both runs share one
+inductor and one Triton cache: the N-GPU run finds every graph and kernel the 1-GPU run compiled.
 """
 
 from __future__ import annotations
@@ -11,32 +14,45 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from megacpp_lab.bench import BenchSetupError, bench_device, output_root
-from megacpp_lab.model.train import TrainConfig
+from megacpp_lab.model.train import TrainConfig, tokenize_corpus
 from megacpp_lab.receipts import make_receipt, write_receipt
 
 # per-GPU batch: the base preset at B=4 x T=4096 per GPU, bf16, regional compile (the memory sweep's shape)
 FULL = TrainConfig(preset="base", seq_len=4096, batch_size=4, steps=40, warmup_steps=5, max_files=3000,
-                   log_every=5, val_every=40, ckpt_every=40, val_batches=1, compile=True, tensorboard=False)  # fmt: skip
+                   log_every=5, val_every=40, ckpt_every=40, val_batches=1, compile=True, tensorboard=False,
+                   trace_steps=3)  # fmt: skip
 # a CPU smoke run of the same code: 2 gloo processes against 1
 SMALL = TrainConfig(preset="tiny", seq_len=64, batch_size=2, steps=8, warmup_steps=2, max_files=60, val_fraction=0.2,
-                    log_every=2, val_every=8, ckpt_every=8, val_batches=1, device="cpu", tensorboard=False)  # fmt: skip
+                    log_every=2, val_every=8, ckpt_every=8, val_batches=1, device="cpu", tensorboard=False,
+                    trace_steps=1)  # fmt: skip
 RUNS_DIR = Path("build") / "bench-scale-out"
-BAR = 1.8  # N-GPU throughput over 1-GPU throughput, at 2 GPUs
+BAR = 1.85  # N-GPU throughput over 1-GPU throughput, at 2 GPUs
 
 
-def _launch(config: TrainConfig, nproc: int) -> list[dict[str, Any]]:
-    """`megacpp-lab train --nproc N` from scratch; its history rows."""
+# read at import, before inductor's first compile in this process writes its default into the environment
+_USER_CACHES = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+
+
+def _caches(runs_dir: Path) -> dict[str, str]:
+    """One inductor and one Triton cache for every run of the benchmark (a user's own settings win)."""
+    own = {"TORCHINDUCTOR_CACHE_DIR": runs_dir / "inductor-cache", "TRITON_CACHE_DIR": runs_dir / "triton-cache"}
+    return {k: _USER_CACHES[k] or str(v.resolve()) for k, v in own.items()}
+
+
+def _launch(config: TrainConfig, nproc: int, env: dict[str, str], label: str) -> list[dict[str, Any]]:
+    """`megacpp-lab train --nproc N` from scratch, its lines echoed as they come (prefixed with `label`); its
+    history rows."""
     out = Path(config.out_dir)
     if out.exists():  # a receipt is one fresh run, never a resume
-        import shutil
-
         shutil.rmtree(out)
     flags = []
     for f in dataclasses.fields(config):
@@ -45,56 +61,122 @@ def _launch(config: TrainConfig, nproc: int) -> list[dict[str, Any]]:
             continue
         name = f.name.replace("_", "-")
         flags.append(f"--{name}" if value is True else f"--no-{name}" if value is False else f"--{name}={value}")
-    cmd = [sys.executable, "-m", "megacpp_lab.cli", "train", f"--nproc={nproc}", "--quiet", *flags]
-    done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"train --nproc {nproc} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    cmd = [sys.executable, "-m", "megacpp_lab.cli", "train", f"--nproc={nproc}", *flags]
+    proc = subprocess.Popen(cmd, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    tail: deque[str] = deque(maxlen=60)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail.append(line)
+        print(f"[{label}] {line}", end="", flush=True)
+    if proc.wait():
+        raise RuntimeError(f"train --nproc {nproc} failed ({proc.returncode}):\n{''.join(tail)[-4000:]}")
     return json.loads((out / "history.json").read_text())
 
 
-def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Path = RUNS_DIR) -> dict[str, Any]:
-    """One run per process count, each at base.batch_size rows per process (the global batch grows with it)."""
-    results, curves = [], {}
+def _trace_split(run_dir: Path, device: str) -> tuple[Path | None, dict[str, Any] | None]:
+    """The run's rank-0 trace and, on a GPU, its compute / communication / idle split per traced step."""
+    from megacpp_lab.profiling import gpu_time_split
+
+    traces = sorted((run_dir / "trace").glob("*.pt.trace.json*"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        return None, None
+    return traces[-1], (gpu_time_split(traces[-1]) if device == "cuda" else None)
+
+
+def _step_split(split: dict[str, Any]) -> dict[str, float]:
+    """Milliseconds per traced step: the whole traced window's window, compute, communication, exposed
+    communication and idle over the number of steps (per_step windows leave out the gaps between steps,
+    where a step that waits on the host loses its time)."""
+    n = max(1, len(split.get("per_step") or []))
+    return {k: float(split[k]) / n for k in ("window_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "idle_ms")}
+
+
+def _gap_notes(one: dict[str, float], many: dict[str, float], nproc: int) -> str:
+    """Where the N-GPU step's extra time goes, in the trace's own numbers."""
+    extra = {"compute (the same kernels, slower: NCCL kernels share the SMs and memory bandwidth, FSDP2's "
+             "copy-in/copy-out and casts)": many["compute_ms"] - one["compute_ms"],
+             "exposed communication (NCCL running while no compute kernel does)": many["exposed_comm_ms"] - one["exposed_comm_ms"],
+             "GPU idle (waiting for the host, or for another rank)": many["idle_ms"] - one["idle_ms"]}  # fmt: skip
+    order = sorted(extra, key=lambda k: -extra[k])
+    parts = "; ".join(f"{extra[k]:+.1f} ms {k}" for k in order)
+    return (f"Traced steps (rank 0, per step): {nproc} GPUs {many['window_ms']:.1f} ms against 1 GPU "
+            f"{one['window_ms']:.1f} ms ({many['window_ms'] - one['window_ms']:+.1f} ms): {parts}. NCCL kernels run "
+            f"{many['comm_ms']:.1f} ms a step, {many['comm_ms'] - many['exposed_comm_ms']:.1f} ms of it under compute. "
+            f"The largest term is {order[0].split(' (')[0]}.")  # fmt: skip
+
+
+def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Path = RUNS_DIR,
+                    traces_to: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """One run per process count, each at base.batch_size rows per process (the global batch grows with it).
+    traces_to: copy each run's rank-0 trace there (the receipt's directory)."""
+    print(f"scale_out: tokenizing the corpus once for every run (cached, {base.max_files} files at most)", flush=True)
+    tokenize_corpus(base, progress=True)
+    env = _caches(runs_dir)
+    cold = not any(Path(env["TORCHINDUCTOR_CACHE_DIR"]).glob("*"))
+    results, curves, splits, traces = [], {}, {}, {}
     for nproc in nprocs:
         config = dataclasses.replace(base, batch_size=base.batch_size * nproc, out_dir=str(runs_dir / f"nproc{nproc}"))
-        start = time.perf_counter()
-        history = _launch(config, nproc)
-        rows = [r for r in history if "tokens_per_s" in r]
-        steady = sorted(r["tokens_per_s"] for r in rows[1:] or rows)  # the first interval holds the compile
-        rate = steady[len(steady) // 2]
         unit = ("GPU" if nproc == 1 else "GPUs") if base.device == "cuda" else ("process" if nproc == 1 else "processes")
+        warm = "cold" if cold and nproc == nprocs[0] else "warm"
+        print(f"scale_out: {nproc} {unit}, global batch {config.batch_size} x {base.seq_len}, {base.steps} steps "
+              f"({warm} compile caches: {env['TORCHINDUCTOR_CACHE_DIR']})", flush=True)  # fmt: skip
+        start = time.perf_counter()
+        history = _launch(config, nproc, env, f"{nproc} {unit}")
+        elapsed = time.perf_counter() - start
+        rows = [r for r in history if "tokens_per_s" in r]
+        steady = sorted(r["tokens_per_s"] for r in rows[1:] if not r.get("traced")) or [rows[-1]["tokens_per_s"]]
+        rate = steady[len(steady) // 2]
         results.append({"contender": f"{nproc} {unit}", "nproc": nproc,
                         "global_batch": config.batch_size, "tokens_per_s": rate, "tokens_per_s_per_rank": rate / nproc,
-                        "tokens_per_s_min": steady[0], "tokens_per_s_max": steady[-1],
+                        "tokens_per_s_min": steady[0], "tokens_per_s_max": steady[-1], "intervals": len(steady),
                         **({"peak_mib": max(r["peak_mib"] for r in rows)} if "peak_mib" in rows[0] else {}),
-                        "train_loss": rows[-1]["train_loss"], "elapsed_s": time.perf_counter() - start})  # fmt: skip
+                        "train_loss": rows[-1]["train_loss"], "elapsed_s": elapsed,
+                        **({"compile_caches": warm} if base.compile else {})})  # fmt: skip
+        print(f"scale_out: {nproc} {unit}: {rate / 1e3:.1f}k tokens/s (median of {len(steady)} intervals, "
+              f"{steady[0] / 1e3:.1f}k-{steady[-1] / 1e3:.1f}k) in {elapsed:.0f} s", flush=True)  # fmt: skip
         curves[str(nproc)] = history
+        trace, split = _trace_split(Path(config.out_dir), base.device)
+        if trace is not None and traces_to is not None:
+            traces_to.mkdir(parents=True, exist_ok=True)
+            dest = traces_to / f"scale_out_{nproc}{'gpu' if base.device == 'cuda' else 'proc'}.pt.trace.json.gz"
+            shutil.copyfile(trace, dest)
+            traces[str(nproc)] = dest.name
+        if split is not None:
+            splits[str(nproc)] = {**_step_split(split), "comm_kernels": split["comm_kernels"][:8],
+                                  "per_step": split.get("per_step", [])}  # fmt: skip
     one, many = results[0], results[-1]
     scaling = many["tokens_per_s"] / one["tokens_per_s"]
+    gap = _gap_notes(splits[str(one["nproc"])], splits[str(many["nproc"])], many["nproc"]) if len(splits) > 1 else ""
     return make_receipt(
         "scale_out", "scale_out",
         shape={"preset": base.preset, "B_per_rank": base.batch_size, "T": base.seq_len, "steps": base.steps},
         dtype="bfloat16" if base.device == "cuda" else "float32", results=results, device=base.device,
-        config=dataclasses.asdict(base), curves=curves,
+        config=dataclasses.asdict(base), curves=curves, trace_split=splits, traces=traces,
         summary={"scaling": scaling, "ideal": float(many["nproc"]), "efficiency": scaling / many["nproc"],
                  "bar": {f"{many['nproc']}-rank throughput >= {BAR}x one rank": scaling >= BAR}},  # fmt: skip
         notes=("`megacpp-lab train --nproc N` (torchrun; FSDP2 per block, embedding and [norm, LM head]; fp32 "
-               "masters sharded; the fp32-contract parameters replicated) from scratch at each N with the same rows "
-               "per rank, so the global batch is N x B_per_rank. tokens_per_s: the median over log intervals after "
-               "the first (which holds the compile), every rank's tokens. The loss curves differ because the global "
-               "batch does. "
+               "masters sharded; the fp32-contract parameters replicated, their gradients averaged in one "
+               "all-reduce per backward) from scratch at each N with the same rows per rank, so the global batch "
+               "is N x B_per_rank. tokens_per_s: the median over log intervals after the first (which holds the "
+               "compile), leaving out the traced interval (profiler overhead), every rank's tokens. The loss "
+               "curves differ because the global batch does. "
                + ("On the GPU: bf16 forward, fp32 gradient reduce, NCCL; peak_mib is torch.cuda.max_memory_allocated, "
-                  "the largest over the ranks." if base.device == "cuda" else
+                  "the largest over the ranks. trace_split: rank 0's profiler trace of the run's last steps, "
+                  "split by profiling.gpu_time_split. " + gap if base.device == "cuda" else
                   "On the CPU (a smoke run, not a receipt): fp32 throughout, gloo over loopback, one thread per "
-                  "process, no peak memory.")),
+                  "process, no peak memory, a CPU-only trace.")),
     )  # fmt: skip
 
 
 def _plot(receipt: dict[str, Any]) -> Any:
-    """Loss against tokens seen for each process count, and the throughput bars with the ideal line."""
+    """Loss against tokens seen for each process count, the throughput bars with the ideal line, and (GPU
+    receipts) each run's traced step split into compute, exposed communication and idle time."""
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
+    splits = receipt.get("trace_split") or {}
+    fig, axes = plt.subplots(1, 3 if splits else 2, figsize=(15 if splits else 10, 3.8))
+    ax, bx = axes[0], axes[1]
     for r in receipt["results"]:
         rows = [h for h in receipt["curves"][str(r["nproc"])] if "train_loss" in h]
         tokens = [h["step"] * r["global_batch"] * receipt["shape"]["T"] for h in rows]
@@ -103,13 +185,26 @@ def _plot(receipt: dict[str, Any]) -> Any:
     ax.legend()
     names = [r["contender"] for r in receipt["results"]]
     rates = [r["tokens_per_s"] / 1e3 for r in receipt["results"]]
-    bx.bar(names, rates, color="tab:blue")
+    spread = [[(r["tokens_per_s"] - r.get("tokens_per_s_min", r["tokens_per_s"])) / 1e3 for r in receipt["results"]],
+              [(r.get("tokens_per_s_max", r["tokens_per_s"]) - r["tokens_per_s"]) / 1e3 for r in receipt["results"]]]
+    bx.bar(names, rates, color="tab:blue", yerr=spread, capsize=4)
     bx.axhline(rates[0] * receipt["results"][-1]["nproc"], color="gray", ls="--", label="ideal")
     for i, r in enumerate(receipt["results"]):
-        peak = f"\n{r['peak_mib']:.0f} MiB/rank" if "peak_mib" in r else ""  # GPU runs only
+        peak = f"\n{r['peak_mib'] / 1024:.1f} GiB/rank" if "peak_mib" in r else ""  # GPU runs only
         bx.annotate(f"{rates[i]:.1f}k{peak}", (i, rates[i]), ha="center", va="bottom", fontsize=8)
-    bx.set(ylabel="k tokens / s", title=f"throughput: {receipt['summary']['scaling']:.2f}x")
+    bx.set(ylabel="k tokens / s (median, min-max)", title=f"throughput: {receipt['summary']['scaling']:.2f}x")
     bx.legend()
+    if splits:
+        cx = axes[2]
+        keys = sorted(splits, key=int)
+        bottom = [0.0] * len(keys)
+        for part, color in (("compute", "tab:blue"), ("exposed_comm", "tab:red"), ("idle", "tab:gray")):
+            values = [splits[k][f"{part}_ms"] for k in keys]
+            cx.bar([f"{k} GPU{'s' if k != '1' else ''}" for k in keys], values, bottom=bottom, color=color,
+                   label=part.replace("_", " "))  # fmt: skip
+            bottom = [b + v for b, v in zip(bottom, values)]
+        cx.set(ylabel="ms per traced step (rank 0)", title="where the step goes")
+        cx.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -120,6 +215,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
 
     matplotlib.use("Agg")
     from megacpp_lab.plots import save_figure
+    from megacpp_lab.receipts import device_name, device_slug
 
     device = "cpu" if small else bench_device("scale_out", small)  # the smoke run: gloo processes, any machine
     if device == "cuda" and torch.cuda.device_count() < 2:
@@ -128,9 +224,13 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     nprocs = (1, torch.cuda.device_count()) if device == "cuda" else (1, 2)
     root = output_root(out_root, small)
     base = dataclasses.replace(SMALL if small else FULL, device=device)
+    if not trace:
+        base = dataclasses.replace(base, trace_steps=0)
     start = time.perf_counter()
-    receipt = bench_scale_out(base, nprocs, runs_dir=root / "scale-out-runs" if small else RUNS_DIR)
+    here = root / device_slug(device_name(device)) / "scale_out"
+    receipt = bench_scale_out(base, nprocs, runs_dir=root / "scale-out-runs" if small else RUNS_DIR, traces_to=here)
     receipt["elapsed_s"] = time.perf_counter() - start
     written = [write_receipt(receipt, root)]
     written.append(save_figure(_plot(receipt), written[-1].with_suffix(".png")))
+    written += [here / name for name in receipt["traces"].values()]
     return written

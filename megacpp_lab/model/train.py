@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,9 +57,9 @@ from megacpp_lab.model.distributed import (
     save_sharded,
     token_share,
 )
-from megacpp_lab.model.parallelize import apply_compile, apply_fsdp
+from megacpp_lab.model.parallelize import apply_compile, apply_fsdp, block_structures
 from megacpp_lab.model.precision import apply_mixed_precision
-from megacpp_lab.varlen import build_context
+from megacpp_lab.varlen import PackedContext, build_context, copy_to_device
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -76,11 +77,13 @@ __all__ = [
 ]
 
 CHECKPOINT_FILE = "checkpoint.pt"
+# token ids of the corpus, cached between runs and ranks (data.tokenize_files): build/ beside the package
+TOKEN_CACHE = Path(__file__).resolve().parents[2] / "build" / "tokenized"
 CHECKPOINT_FORMAT = 2  # 2: the optimizer state keyed by parameter name (any process count)
 CHECKPOINT_FIELDS = ("format", "step", "train_config", "model_config", "model", "optimizer", "loader", "rng", "history",
                      "pending_loss")
 # fields that may change between a run and its resume: where and how often it reports, not what it computes
-RESUME_FREE = ("out_dir", "log_every", "val_every", "ckpt_every", "tensorboard")
+RESUME_FREE = ("out_dir", "log_every", "val_every", "ckpt_every", "tensorboard", "trace_steps")
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class TrainConfig:
     val_every: int = 100
     ckpt_every: int = 200
     tensorboard: bool = True
+    trace_steps: int = 0  # profile the run's last steps on rank 0 (torch.profiler) into out_dir/trace/
     out_dir: str = "runs/train"
 
     def __post_init__(self) -> None:
@@ -142,11 +146,13 @@ class TrainConfig:
                 raise fail(name, "an int >= 1")
         if self.seq_len < 16:
             raise fail("seq_len", "at least 16 tokens")
-        for name in ("warmup_steps", "seed"):
+        for name in ("warmup_steps", "seed", "trace_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise fail(name, "an int >= 0")
         if self.warmup_steps >= self.steps:
             raise fail("warmup_steps", f"fewer than steps={self.steps}")
+        if self.trace_steps and self.trace_steps + 1 >= self.steps:  # +1: the profiler's warm-up step
+            raise fail("trace_steps", f"fewer than steps - 1 = {self.steps - 1} (the first step compiles)")
         if not is_num(self.lr) or not 0 < self.lr < 1:
             raise fail("lr", "a number in (0, 1)")
         for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2"):
@@ -509,13 +515,16 @@ class TokenizedCorpus:
     val_fraction: float
 
 
-def tokenize_corpus(config: TrainConfig, *, progress: bool = False) -> TokenizedCorpus:
-    """Read the corpus, hold out validation files by path, and tokenize both sides with the BPE."""
+def tokenize_corpus(config: TrainConfig, *, progress: bool = False,
+                    cache_dir: str | Path | None = TOKEN_CACHE) -> TokenizedCorpus:  # fmt: skip
+    """Read the corpus, hold out validation files by path, and tokenize both sides with the BPE. The token
+    ids are cached under cache_dir (data.tokenize_files; None: no cache), so every rank of a run and every
+    later run over the same files reads them instead of tokenizing again."""
     files = load_corpus(config.corpus, max_files=config.max_files, progress=False)
     train_files, val_files = split_by_file(files, config.val_fraction)
     tok = load_bpe()
-    return TokenizedCorpus(tokenize_files(train_files, tok, progress=progress), tokenize_files(val_files, tok, progress=progress),
-                           config.corpus, config.max_files, config.val_fraction)  # fmt: skip
+    docs = [tokenize_files(part, tok, progress=progress, cache_dir=cache_dir) for part in (train_files, val_files)]
+    return TokenizedCorpus(*docs, config.corpus, config.max_files, config.val_fraction)
 
 
 def _data(config: TrainConfig, corpus: TokenizedCorpus, pad_id: int) -> tuple[PackedRowStream, list[Any]]:
@@ -654,19 +663,23 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
 
         writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start)
 
-    def rank_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        """This rank's rows on the device, their targets, and their share of the global batch's targets."""
+    def rank_batch(batch: Any) -> tuple[torch.Tensor, PackedContext, torch.Tensor, float]:
+        """This rank's rows on the device, their context, their targets, and their share of the global batch's
+        targets. Everything is derived and validated on the host and copied from pinned memory without
+        waiting: the step holds no host sync, so the CPU queues the next step while the GPU runs this one."""
         targets = _targets(batch.tokens, batch.doc_ids, hcfg.pad_id, ignore)  # the whole batch, on the host
         share = token_share(targets, rows, ignore) if ranks.world > 1 else 1.0
-        return (*(t[rows].to(device, non_blocking=True) for t in (batch.tokens, batch.doc_ids, targets)), share)
+        ctx = build_context(batch.doc_ids[rows]).to(device)
+        tokens, targets = (copy_to_device(t[rows], device) for t in (batch.tokens, targets))
+        return tokens, ctx, targets, share
 
     def validate() -> float:
         model.eval()
         total = torch.zeros((), device=device, dtype=torch.float64)
         with torch.no_grad():
             for b in val_batches:
-                tokens, doc_ids, targets, share = rank_batch(b)
-                total += model(tokens, build_context(doc_ids), targets).loss.double() * share
+                tokens, ctx, targets, share = rank_batch(b)
+                total += model(tokens, ctx, targets).loss.double() * share
         model.train()
         return float(all_reduce_sum(total, ranks)) / len(val_batches)
 
@@ -691,8 +704,25 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
     model.train()
     tokens_per_step = config.batch_size * config.seq_len  # the global batch: every rank's rows
     end = config.steps if stop_after is None else min(config.steps, stop_after)
+    # a bar on a terminal; piped to a log (torchrun, a benchmark, a rented box's nohup) a plain line per log row
+    lines = progress and ranks.main and not sys.stderr.isatty()
     bar = tqdm(range(start, end), initial=start, total=config.steps, desc="training", unit="step",
-               disable=not (progress and ranks.main))  # fmt: skip
+               disable=not (progress and ranks.main) or lines)  # fmt: skip
+
+    def say(text: str) -> None:
+        if progress and ranks.main:
+            bar.write(text, file=sys.stdout)
+
+    where = f"{ranks.world} x {device}" if ranks.world > 1 else device
+    if config.compile and start < end:
+        cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "inductor's default cache directory"
+        say(f"step {start + 1}: compiling {len(block_structures(model))} block structures on {where} "
+            f"(warm if {cache} holds them, else cold: a minute or two)")  # fmt: skip
+    # the profiler's warm-up step, then trace_steps traced steps: the run's last, on rank 0
+    trace_from = config.steps - config.trace_steps - 1 if config.trace_steps and ranks.main else None
+    if trace_from is not None and not start <= trace_from < end:
+        trace_from = None  # a resumed or sliced run that does not reach them
+    prof = None
     t_log, s_log, r_log, rates = time.perf_counter(), start, start, []  # r_log: the rate's own start
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # this rank's share of the global mean
     if saved is not None and ranks.main:  # the steps since the last log row (the global sum: on one rank only)
@@ -700,20 +730,27 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
     if saved is not None:
         s_log = int(saved["pending_loss"][1])
     for step in bar:
-        tokens, doc_ids, targets, share = rank_batch(next(stream))
+        if step == trace_from:
+            prof = _trace(out / "trace", config.trace_steps, device)
+            say(f"step {step + 1}: tracing steps {step + 2}-{config.steps} on rank 0 into {out / 'trace'}")
+        tokens, ctx, targets, share = rank_batch(next(stream))
         lr = lr_at(step, config)
-        loss = model(tokens, build_context(doc_ids), targets).loss
+        loss = model(tokens, ctx, targets).loss
         # FSDP2 averages gradients over ranks: weighted by share * world, the average is the global mean's
         (loss * (share * ranks.world) if ranks.world > 1 else loss).backward()
         grad_norm = opt.step(lr)
         opt.zero_grad()
         loss_sum += loss.detach().double() * share if ranks.world > 1 else loss.detach().double()
         done = step + 1
+        if prof is not None:
+            prof.step()
         if done % config.log_every == 0 or done == config.steps:
             mean_loss = float(all_reduce_sum(loss_sum, ranks)) / (done - s_log)  # one host sync per log interval
             now = time.perf_counter()
             rate = tokens_per_step * (done - r_log) / (now - t_log)
-            rates.append(rate)
+            traced = trace_from is not None and done > trace_from  # the profiler's overhead is not throughput
+            if not traced:
+                rates.append(rate)
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"training loss is {mean_loss} at step {done}: stopping (lr={lr:.3g})")
             row = dict(step=done, train_loss=mean_loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=rate)
@@ -724,8 +761,14 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
 
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
                 row["peak_mib"] = float(peak)
+            if traced:
+                row["traced"] = 1.0
             log(row)
             bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{rate / 1e3:.1f}k", lr=f"{lr:.2e}")
+            if lines or done == config.log_every:  # the first row also on a terminal: the compile is over
+                peak_text = f", peak {row['peak_mib'] / 1024:.1f} GiB per GPU" if "peak_mib" in row else ""
+                say(f"step {done}/{config.steps} on {where}: loss {mean_loss:.4f}, {rate / 1e3:.1f}k tokens/s"
+                    f"{' (traced)' if traced else ''}{peak_text}")  # fmt: skip
             loss_sum.zero_()
             t_log, s_log, r_log = time.perf_counter(), done, done
         if done % config.val_every == 0 or done == config.steps:
@@ -737,17 +780,30 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
             checkpoint(done)
             t_log += time.perf_counter() - t0
     bar.close()
+    if prof is not None:
+        prof.stop()
     if writer is not None:
         writer.close()
     if ranks.main:
         (out / "history.json").write_text(json.dumps(history, indent=1) + "\n")
-        where = f"{ranks.world} x {device}" if ranks.world > 1 else device
         plot_history(history, out / "loss.png", title=f"{config.preset} on {where}")
     # the first interval holds compilation and warm-up: the median of the rest is the steady rate
     steady = sorted(rates[1:] or rates)
     checkpoint_at = out / SHARDED_DIR if ranks.world > 1 else ckpt_path
     return TrainResult(history, checkpoint_at, out, model, hcfg, steady[len(steady) // 2] if steady else float("nan"),
                        step=max(start, end))  # fmt: skip
+
+
+def _trace(out: Path, steps: int, device: str) -> Any:
+    """A started torch.profiler over one warm-up step and then `steps` traced ones (call .step() after each),
+    writing a gzipped TensorBoard trace (`*.pt.trace.json.gz`, which Perfetto opens too) into `out`."""
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    prof = profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                   on_trace_ready=tensorboard_trace_handler(str(out), worker_name="rank0", use_gzip=True))  # fmt: skip
+    prof.start()
+    return prof
 
 
 def plot_history(history: list[dict[str, float]], path: str | Path, *, title: str = "") -> Path:
