@@ -172,6 +172,16 @@ TRAIN_FLAGS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
+# `train` on/off flags (--name / --no-name): (TrainConfig field, help)
+TRAIN_SWITCHES: tuple[tuple[str, str], ...] = (
+    ("compile", "regional torch.compile of every block (default: off)"),
+    ("tensorboard", "write TensorBoard scalars under <out-dir>/tensorboard (default: on)"),
+    ("reshard_after_forward", "with --nproc > 1: free each block's gathered weights after its forward and gather "
+                              "them again for its backward (less memory; one more all-gather per block, and its "
+                              "host time, in every backward) (default: off)"),
+)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from megacpp_lab.model.train import TrainConfig, train
 
@@ -184,7 +194,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if world is None and args.nproc > 1:
             return _launch_ranks(args.nproc, args.argv)
     flags = {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS}
-    flags.update(compile=args.compile, tensorboard=args.tensorboard)
+    flags.update((name, getattr(args, name)) for name, _ in TRAIN_SWITCHES)
     config = TrainConfig.build(args.config, **flags)
     result = train(config, progress=not args.quiet, resume=not args.no_resume, stop_after=args.stop_after)
     last = {key: next((r[key] for r in reversed(result.history) if key in r), float("nan"))
@@ -427,10 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="a .json or .toml file of training settings (default: none)")
     for name, kind, text in TRAIN_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=text)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="regional torch.compile of every block (default: off)")  # fmt: skip
-    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
-                   help="write TensorBoard scalars under <out-dir>/tensorboard (default: on)")  # fmt: skip
+    for name, text in TRAIN_SWITCHES:
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, action=argparse.BooleanOptionalAction, default=None,
+                       help=text)  # fmt: skip
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop after this step of the schedule, with a checkpoint; the next call resumes "
                    "(default: run to --steps)")  # fmt: skip

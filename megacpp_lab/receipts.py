@@ -3,9 +3,10 @@
 A receipt lives at profiles/<device-slug>/<subsystem>/<name>.json and is stamped with the
 device, torch, triton, git commit and date of the run that produced it.
 
-The `commit` field is MEGACPP_LAB_COMMIT when that is set; else, in the project's own git checkout, HEAD's sha
-('-dirty' if tracked files changed); else (a copy without .git, such as the GPU machine's, perhaps inside some
-other repository) 'tree:<sha>', the git tree hash of the megacpp_lab/ package as it ran, which equals
+The `commit` field is MEGACPP_LAB_COMMIT when that is set; else, in the project's own git checkout whose
+megacpp_lab/ package is HEAD's, HEAD's sha ('-dirty' if tracked files outside the package changed); else (a
+copy without .git, such as the GPU machine's, perhaps inside some other repository; a stale .git; uncommitted
+changes to the package) 'tree:<sha>', the git tree hash of the package as it ran, which equals
 `git rev-parse <commit>:megacpp_lab` for every commit with that package: `commit_for_tree` finds one.
 """
 
@@ -122,7 +123,8 @@ def tree_hash(directory: str | Path | None = None) -> str:
 
 def git_commit(root: str | Path | None = None) -> str:
     """Which code runs: MEGACPP_LAB_COMMIT if set; in the project's own checkout (default root:
-    repo_root()), HEAD's sha plus '-dirty' if tracked files changed; elsewhere 'tree:' + tree_hash of the package."""
+    repo_root()), HEAD's sha, plus '-dirty' if tracked files outside the package changed; elsewhere, or when
+    the package differs from HEAD's, 'tree:' + tree_hash of the package."""
     forced = os.environ.get(COMMIT_ENV)
     if forced:
         return forced
@@ -131,8 +133,13 @@ def git_commit(root: str | Path | None = None) -> str:
         # Only a checkout whose top level is root itself: a copy without .git inside another repository would
         # otherwise be stamped with that repository's HEAD.
         if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() == root:
-            dirty = _git(root, "status", "--porcelain", "-uno")
-            return _git(root, "rev-parse", "HEAD") + ("-dirty" if dirty else "")
+            head = _git(root, "rev-parse", "HEAD")
+            if not _git(root, "status", "--porcelain", "-uno"):
+                return head
+            # A checkout whose package differs from HEAD's ran code no commit names yet (or a copy's stale .git:
+            # the GPU machine's checkout can lag behind the files sent over it): the files say what ran
+            tree = tree_hash(root / PACKAGE)
+            return head + "-dirty" if tree == _git(root, "rev-parse", f"HEAD:{PACKAGE}") else "tree:" + tree
     except (OSError, subprocess.CalledProcessError):
         pass  # no git, not a repository, or one without a commit yet: the files say what ran
     return "tree:" + tree_hash(root / PACKAGE)

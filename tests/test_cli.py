@@ -270,9 +270,11 @@ def test_bench_small_runs_without_setup_and_writes_only_under_build(tmp_path, na
     # the help names what it writes: every receipt, and every trace by its prefix
     receipts = sorted(p.name for p in written if p.suffix == ".json" and not p.name.endswith(".pt.trace.json"))
     assert receipts and all(r in COMMANDS[name].description for r in receipts)
-    traces = [p.name.split(".")[0] for p in written if p.name.endswith(".pt.trace.json")]
-    if ".pt.trace.json" in COMMANDS[name].description:
-        assert len(traces) == 1 and f"{traces[0]}.*.pt.trace.json" in COMMANDS[name].description
+    traces = [p.name.split(".")[0] for p in written if p.name.endswith((".pt.trace.json", ".pt.trace.json.gz"))]
+    text = " ".join(COMMANDS[name].description.split())
+    if ".pt.trace.json" in text:  # one trace per profiled run: named as it is, or with its run's count as <N>
+        assert traces and all(f"{t}.*.pt.trace.json" in text or f"{re.sub(r'[0-9]+', '<N>', t)}.pt.trace.json" in text
+                              for t in traces), (traces, text)  # fmt: skip
     else:  # a command without a trace (the training receipt) says none
         assert not traces
     for r in receipts:
@@ -363,15 +365,18 @@ def test_data_default_build_reproduces_the_committed_sample(tmp_path):
 
 
 def test_train_flags_state_train_config_defaults():
-    from megacpp_lab.cli import TRAIN_FLAGS
+    from megacpp_lab.cli import TRAIN_FLAGS, TRAIN_SWITCHES
     from megacpp_lab.model.train import TrainConfig
 
     defaults = TrainConfig()
-    assert {name for name, _, _ in TRAIN_FLAGS} | {"compile", "tensorboard"} == set(defaults.__dataclass_fields__)
+    switches = dict(TRAIN_SWITCHES)
+    assert {name for name, _, _ in TRAIN_FLAGS} | set(switches) == set(defaults.__dataclass_fields__)
     for name, _, text in TRAIN_FLAGS:
         value = getattr(defaults, name)
         if value is not None:
             assert f"(default: {value}" in text, (name, value, text)
+    for name, text in switches.items():
+        assert f"(default: {'on' if getattr(defaults, name) else 'off'})" in text, (name, text)
 
 
 def test_train_then_sample_from_the_command_line(tmp_path, capsys):

@@ -38,10 +38,13 @@ def test_receipt_is_stamped_and_round_trips(tmp_path, monkeypatch):
 def test_git_commit_reads_the_repo(monkeypatch):
     monkeypatch.delenv(receipts.COMMIT_ENV, raising=False)
     sha = receipts.git_commit()
-    if (receipts.repo_root() / ".git").exists():  # the project's own checkout: HEAD
+    root = receipts.repo_root()
+    package_is_heads = (root / ".git").exists() and shutil.which("git") and receipts.tree_hash(root / "megacpp_lab") == \
+        _git(root, "rev-parse", "HEAD:megacpp_lab")
+    if package_is_heads:  # the project's own checkout running HEAD's package: HEAD
         assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", sha), sha
-    else:  # a copy without .git (the GPU machine's): the package's tree
-        assert re.fullmatch(r"tree:[0-9a-f]{40}", sha), sha
+    else:  # a copy without .git (the GPU machine's), a stale .git, or an uncommitted package: the package's tree
+        assert sha == "tree:" + receipts.tree_hash(root / "megacpp_lab"), sha
 
 
 # ----------------------------------------------------------------------------- the commit stamp of a copy
@@ -138,12 +141,16 @@ def test_commit_for_tree_finds_the_newest_commit_with_that_package(tmp_path):
     first = _commit_all(repo, "v1")
     assert receipts.git_commit(repo) == first  # a checkout of its own: HEAD's sha
     tree1 = receipts.tree_hash(repo / "megacpp_lab")
-    (repo / "megacpp_lab" / "a.py").write_text("v = 2\n")
-    assert receipts.git_commit(repo) == first + "-dirty"
+    (repo / "README").write_text("changed outside the package\n")
+    assert receipts.git_commit(repo) == first + "-dirty"  # the code that ran is HEAD's
+    (repo / "megacpp_lab" / "a.py").write_text("v = 2\n")  # the package is not HEAD's (or .git is stale):
+    tree2 = receipts.tree_hash(repo / "megacpp_lab")
+    assert receipts.git_commit(repo) == "tree:" + tree2  # the files name what ran, never HEAD
+    assert receipts.commit_for_tree(tree2, root=repo) is None  # not committed yet
     _commit_all(repo, "v2")
     (repo / "README").write_text("the package unchanged\n")
     third = _commit_all(repo, "docs only")
-    tree2 = receipts.tree_hash(repo / "megacpp_lab")
+    assert receipts.tree_hash(repo / "megacpp_lab") == tree2
     assert receipts.commit_for_tree("tree:" + tree1, root=repo) == first
     assert receipts.commit_for_tree(tree2, root=repo) == third  # the newer of the two commits with that package
     assert receipts.commit_for_tree(tree1, root=repo, max_commits=2) is None  # older than the window

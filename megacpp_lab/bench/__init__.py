@@ -286,7 +286,8 @@ curve, and a torch.profiler trace of the run's last 3 steps on rank 0, split int
 NCCL communication and idle time (profiling.gpu_time_split): the receipt's notes name where the N-GPU step
 loses time. The bar: the 2-GPU throughput at least 1.85x the 1-GPU throughput. Needs 2 or more GPUs
 (refused on one).
-Receipts under <out>/<device-slug>/scale_out/: scale_out.json/.png, scale_out_<N>gpu.pt.trace.json.gz.
+Receipts under <out>/<device-slug>/scale_out/: scale_out.json/.png, scale_out_<N>gpu.pt.trace.json.gz (a --small
+run: scale_out_<N>proc.pt.trace.json.gz).
 Run time on an H100 host of 2 GPUs: the receipt's elapsed_s (not measured yet).
 --small (CPU, the tiny preset, 8 steps, 2 gloo processes against 1): about 20 s.""",
             triton_on_cpu=False,

@@ -68,7 +68,7 @@ def _launch(config: TrainConfig, nproc: int, env: dict[str, str], label: str) ->
     assert proc.stdout is not None
     for line in proc.stdout:
         tail.append(line)
-        print(f"[{label}] {line}", end="", flush=True)
+        print(f"[{label}] {line}", end="", file=sys.stderr, flush=True)
     if proc.wait():
         raise RuntimeError(f"train --nproc {nproc} failed ({proc.returncode}):\n{''.join(tail)[-4000:]}")
     return json.loads((out / "history.json").read_text())
@@ -110,7 +110,8 @@ def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Pat
                     traces_to: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """One run per process count, each at base.batch_size rows per process (the global batch grows with it).
     traces_to: copy each run's rank-0 trace there (the receipt's directory)."""
-    print(f"scale_out: tokenizing the corpus once for every run (cached, {base.max_files} files at most)", flush=True)
+    print(f"scale_out: tokenizing the corpus once for every run (cached, {base.max_files} files at most)",
+          file=sys.stderr, flush=True)  # fmt: skip
     tokenize_corpus(base, progress=True)
     env = _caches(runs_dir)
     cold = not any(Path(env["TORCHINDUCTOR_CACHE_DIR"]).glob("*"))
@@ -120,7 +121,7 @@ def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Pat
         unit = ("GPU" if nproc == 1 else "GPUs") if base.device == "cuda" else ("process" if nproc == 1 else "processes")
         warm = "cold" if cold and nproc == nprocs[0] else "warm"
         print(f"scale_out: {nproc} {unit}, global batch {config.batch_size} x {base.seq_len}, {base.steps} steps "
-              f"({warm} compile caches: {env['TORCHINDUCTOR_CACHE_DIR']})", flush=True)  # fmt: skip
+              f"({warm} compile caches: {env['TORCHINDUCTOR_CACHE_DIR']})", file=sys.stderr, flush=True)  # fmt: skip
         start = time.perf_counter()
         history = _launch(config, nproc, env, f"{nproc} {unit}")
         elapsed = time.perf_counter() - start
@@ -134,7 +135,7 @@ def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Pat
                         "train_loss": rows[-1]["train_loss"], "elapsed_s": elapsed,
                         **({"compile_caches": warm} if base.compile else {})})  # fmt: skip
         print(f"scale_out: {nproc} {unit}: {rate / 1e3:.1f}k tokens/s (median of {len(steady)} intervals, "
-              f"{steady[0] / 1e3:.1f}k-{steady[-1] / 1e3:.1f}k) in {elapsed:.0f} s", flush=True)  # fmt: skip
+              f"{steady[0] / 1e3:.1f}k-{steady[-1] / 1e3:.1f}k) in {elapsed:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
         curves[str(nproc)] = history
         trace, split = _trace_split(Path(config.out_dir), base.device)
         if trace is not None and traces_to is not None:
