@@ -98,8 +98,9 @@ def _worker(mode: str, out: str, backend: str) -> None:
         model = _model(device)
         contract = set(fp32_contract(model))
         result: dict = {}
-        if mode == "losses":
-            apply_fsdp(model, mesh=mesh, param_dtype=None, reduce_dtype=None)  # fp32: equal to one process
+        if mode.startswith("losses"):  # fp32: equal to one process; "losses-grouped": two blocks per FSDP2 group
+            apply_fsdp(model, mesh=mesh, param_dtype=None, reduce_dtype=None,
+                       blocks_per_group=2 if mode == "losses-grouped" else 1)  # fmt: skip
             per = B // WORLD
             local, grads = _train(model, slice(rank * per, (rank + 1) * per), device)
             mean = torch.tensor(local, device=device)
@@ -143,13 +144,15 @@ def _spawn(mode: str, tmp_path: Path, backend: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("grouping", ["per-block", "grouped"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fsdp_losses_and_replicated_gradients_equal_single_process_at_the_same_global_batch(tmp_path, backend):
+def test_fsdp_losses_and_replicated_gradients_equal_single_process_at_the_same_global_batch(tmp_path, backend, grouping):
     """Losses over 5 steps, and the first backward's gradients of the replicated fp32-contract parameters
-    (averaged in one all-reduce at the end of the backward), equal one process on the whole batch."""
+    (averaged in one all-reduce at the end of the backward), equal one process on the whole batch; with each
+    block its own FSDP2 group and with two blocks per group."""
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     reference, ref_grads = _train(_model(device), slice(0, B), device)
-    got = _spawn("losses", tmp_path, backend)
+    got = _spawn("losses" if grouping == "per-block" else "losses-grouped", tmp_path, backend)
     assert got["losses"] == pytest.approx(reference, rel=RTOL[backend]), (got["losses"], reference)
     assert reference[-1] < reference[0]  # it trains
     assert got["grads"].keys() == ref_grads.keys() and len(ref_grads) > 1, (sorted(got["grads"]), sorted(ref_grads))

@@ -155,16 +155,22 @@ class _ReplicatedGradAverage:
             torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))
 
 
-def fsdp_groups(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """The FSDP2 groups apply_fsdp makes, innermost first: each block, the embedding, [final norm, LM head],
-    then the root (what is left: nothing, for a HybridLM)."""
+def fsdp_groups(model: nn.Module, blocks_per_group: int = 1) -> list[tuple[str, list[nn.Module]]]:
+    """The FSDP2 groups apply_fsdp makes, innermost first: the blocks (each on its own, or `blocks_per_group`
+    consecutive blocks together: one all-gather, one reduce-scatter and one set of hooks for them), the
+    embedding, [final norm, LM head], then the root (what is left: nothing, for a HybridLM)."""
+    if isinstance(blocks_per_group, bool) or not isinstance(blocks_per_group, int) or blocks_per_group < 1:
+        raise ValueError(f"blocks_per_group must be an int >= 1, got {blocks_per_group!r}")
     lm = _lm(model)
-    groups = [(f"blocks.{i}", [b]) for i, b in enumerate(lm.blocks)]
+    blocks, k = list(lm.blocks), blocks_per_group
+    groups = [(f"blocks.{i}" if len(blocks[i : i + k]) == 1 else f"blocks.{i}-{i + len(blocks[i : i + k]) - 1}",
+               blocks[i : i + k]) for i in range(0, len(blocks), k)]  # fmt: skip
     return groups + [("embed", [lm.embed]), ("norm+lm_head", [lm.norm, lm.lm_head]), ("root", [lm])]
 
 
 def apply_fsdp(model: nn.Module, *, mesh: Any = None, param_dtype: torch.dtype | None = torch.bfloat16,
-               reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+               reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
+               blocks_per_group: int = 1) -> nn.Module:  # fmt: skip
     """FSDP2 (`fully_shard`) over the groups of fsdp_groups, in torchtitan's order: after apply_ac and
     apply_compile, on an fp32 model (the shards are the fp32 masters; param_dtype is what the forward sees).
 
@@ -194,7 +200,7 @@ def apply_fsdp(model: nn.Module, *, mesh: Any = None, param_dtype: torch.dtype |
     contract = _fp32_contract_params(lm)  # by name: the same order on every rank (the flat buffer's layout)
     keep = set(contract.values())
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for name, modules in fsdp_groups(lm):
+    for name, modules in fsdp_groups(lm, blocks_per_group):
         target = modules[0] if len(modules) == 1 else modules
         # the LM head runs last in the forward and first in the backward: resharding it in between would
         # only buy an all-gather the backward waits on at once (torchtitan keeps its last layer likewise)

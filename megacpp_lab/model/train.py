@@ -83,7 +83,8 @@ CHECKPOINT_FORMAT = 2  # 2: the optimizer state keyed by parameter name (any pro
 CHECKPOINT_FIELDS = ("format", "step", "train_config", "model_config", "model", "optimizer", "loader", "rng", "history",
                      "pending_loss")
 # fields that may change between a run and its resume: where and how often it reports, not what it computes
-RESUME_FREE = ("out_dir", "log_every", "val_every", "ckpt_every", "tensorboard", "trace_steps", "reshard_after_forward")
+RESUME_FREE = ("out_dir", "log_every", "val_every", "ckpt_every", "tensorboard", "trace_steps", "reshard_after_forward",
+               "fsdp_blocks_per_group")
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class TrainConfig:
     # for its backward. Off: the gathered weights stay to the backward (ZeRO-2's memory for them: 0.2 GB a GPU
     # at base), which saves an all-gather per block and, more, its host time in a step the host must keep fed
     reshard_after_forward: bool = False
+    fsdp_blocks_per_group: int = 1  # FSDP2: consecutive blocks sharded as one group (fewer collectives and hooks)
     seed: int = 0
     log_every: int = 10
     val_every: int = 100
@@ -145,7 +147,8 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):
                 raise fail(name, "an int >= 1 or None")
-        for name in ("seq_len", "batch_size", "val_batches", "steps", "log_every", "val_every", "ckpt_every"):
+        for name in ("seq_len", "batch_size", "val_batches", "steps", "log_every", "val_every", "ckpt_every",
+                     "fsdp_blocks_per_group"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise fail(name, "an int >= 1")
         if self.seq_len < 16:
@@ -677,7 +680,7 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
             apply_compile(model)
         low = dtype if dtype != torch.float32 else None
         apply_fsdp(model, param_dtype=low, reduce_dtype=torch.float32 if low is not None else None,
-                   reshard_after_forward=config.reshard_after_forward)  # fmt: skip
+                   reshard_after_forward=config.reshard_after_forward, blocks_per_group=config.fsdp_blocks_per_group)
     elif dtype != torch.float32:
         model = apply_mixed_precision(model, dtype)
     opt = MasterWeightAdamW(model, config)
