@@ -36,9 +36,9 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or sys.platform != "linu
 # gloo on CPU processes (CI), NCCL with one GPU per rank (a multi-GPU host): the same workers and assertions
 BACKENDS = ["gloo", pytest.param("nccl", marks=[pytest.mark.cuda, pytest.mark.skipif(
     torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA devices for NCCL")])]  # fmt: skip
-# fp32 throughout, so only the reduction order differs: on a CPU 1e-4; on GPUs the Triton scans' tl.dot run
-# TF32 and cuBLAS picks its kernels by batch size, so a rank's half batch rounds differently from the whole
-RTOL = {"gloo": 1e-4, "nccl": 2e-3}
+# fp32 throughout, so only the reduction order differs: on a CPU 1e-4; on GPUs cuBLAS picks its kernels by
+# batch size and the scans' backward kernels accumulate with atomics, so a half batch rounds differently
+RTOL = {"gloo": 1e-4, "nccl": 1e-3}
 
 
 def _device(backend: str) -> torch.device:
@@ -116,8 +116,13 @@ def _worker(mode: str, out: str, backend: str) -> None:
                     fully_shard(block, mesh=mesh, mp_policy=policy)
                 fully_shard(model, mesh=mesh, mp_policy=policy)
             tokens, doc_ids, targets = _batch(device)
-            with forward_dtypes(model) as seen:  # each parameter's dtype while its module runs
-                model(tokens[:1], build_context(doc_ids[:1]).to(device), targets[:1]).loss.backward()
+            try:
+                with forward_dtypes(model) as seen:  # each parameter's dtype while its module runs
+                    model(tokens[:1], build_context(doc_ids[:1]).to(device), targets[:1]).loss.backward()
+            except Exception as err:  # noqa: BLE001 - a kernel may refuse the blanket cast's bf16 decays (fails
+                if mode == "contract":  # closed); the dtypes its module saw before that are the evidence
+                    raise
+                result["error"] = f"{type(err).__name__}: {err}"[:400]
             result.update(contract={n: sorted(map(str, seen[n])) for n in contract if n in seen},
                           weights=sorted(map(str, seen["blocks.0.mlp.w_down.weight"])))
         if rank == 0:
@@ -156,9 +161,14 @@ def test_fsdp_losses_and_replicated_gradients_equal_single_process_at_the_same_g
     assert got["losses"] == pytest.approx(reference, rel=RTOL[backend]), (got["losses"], reference)
     assert reference[-1] < reference[0]  # it trains
     assert got["grads"].keys() == ref_grads.keys() and len(ref_grads) > 1, (sorted(got["grads"]), sorted(ref_grads))
-    for name, want in ref_grads.items():  # a rank's own half-batch gradient is far off: the average is not
-        torch.testing.assert_close(torch.tensor(got["grads"][name]), torch.tensor(want), rtol=RTOL[backend] * 10,
-                                   atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+    # per parameter ||got - want|| / ||want||: a rank's own half-batch gradient (no average) is off by tens of
+    # percent, a sum without the division by 100%; reduction order alone stays near the dtype's rounding
+    errors = {}
+    for name, want in ref_grads.items():
+        w, g = torch.tensor(want, dtype=torch.float64), torch.tensor(got["grads"][name], dtype=torch.float64)
+        errors[name] = float((g - w).norm() / w.norm().clamp_min(1e-30))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < RTOL[backend], (worst, errors[worst], sorted(errors.items(), key=lambda kv: -kv[1])[:5])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
