@@ -66,7 +66,7 @@ def _train(model: torch.nn.Module, rows: slice, device: torch.device) -> tuple[l
     tokens, doc_ids, targets = _batch(device)
     tokens, doc_ids, targets = tokens[rows], doc_ids[rows], targets[rows]
     ctx = build_context(doc_ids).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)  # FSDP2 mixes DTensors and the replicated tensors
     contract = dict(model.named_parameters())
     contract = {n: contract[n] for n in fp32_contract(model) if n in contract}
     losses, grads = [], {}
