@@ -509,8 +509,11 @@ def gpu_time_split(trace_path: str | Path, *, steps: int | None = None) -> dict[
     range that contains the launch's host timestamp, on whichever thread launched it (the autograd thread
     launches the backward). A step's window runs from its own first GPU event to its own last, so the GPU gap
     between two steps belongs to neither step (the top-level idle_ms counts it). Steps that launched no GPU
-    event are left out; `steps` keeps at most that many last steps. Alongside: step_ms (each kept step's
-    window_ms) and events_outside_steps (GPU events whose launch lies in no step or is missing from the trace).
+    event are left out; `steps` keeps at most that many last steps. Each row also holds start_ms and end_ms, its
+    first GPU event's start and its last one's end from the trace's first GPU event: the start of the next
+    step minus a step's start is its period, gaps included. Alongside: step_ms (each kept step's window_ms)
+    and events_outside_steps (GPU events whose launch lies in no step or is missing from the trace: a
+    GPU-bound run's trace opens with kernels launched before the profiler became active).
 
     Fails closed: FileNotFoundError for a missing file, ValueError for a trace with no GPU events (a CPU-only
     trace).
@@ -564,7 +567,11 @@ def gpu_time_split(trace_path: str | Path, *, steps: int | None = None) -> dict[
         else:
             outside += 1
     kept = sorted(per_step)[-steps:] if steps is not None else sorted(per_step)
-    out["per_step"] = [{"step": n, **_split(per_step[n])} for n in kept]
+    t0 = min(float(e["ts"]) for e in gpu)
+    out["per_step"] = [{"step": n, **_split(per_step[n]),
+                        "start_ms": (min(float(e["ts"]) for e in per_step[n]) - t0) / 1e3,
+                        "end_ms": (max(float(e["ts"]) + float(e["dur"]) for e in per_step[n]) - t0) / 1e3}
+                       for n in kept]  # fmt: skip
     out["step_ms"] = [row["window_ms"] for row in out["per_step"]]
     out["events_outside_steps"] = outside
     return out

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -85,25 +86,40 @@ def _trace_split(run_dir: Path, device: str) -> tuple[Path | None, dict[str, Any
 
 
 def _step_split(split: dict[str, Any]) -> dict[str, float]:
-    """Milliseconds per traced step: the whole traced window's window, compute, communication, exposed
-    communication and idle over the number of steps (per_step windows leave out the gaps between steps,
-    where a step that waits on the host loses its time)."""
-    n = max(1, len(split.get("per_step") or []))
-    return {k: float(split[k]) / n for k in ("window_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "idle_ms")}
+    """Milliseconds per traced step (medians over the steps): period (one step's GPU start to the next's, the
+    gap between them included), window, compute, communication, exposed communication, and idle (period
+    minus compute and exposed communication: the GPU doing nothing, between the steps too). The steps'
+    own GPU events only: a GPU-bound run's trace also holds kernels launched before the profiler started,
+    which a division of the whole trace by its step count would add to the first step."""
+    steps = split.get("per_step") or []
+    if len(steps) < 2:
+        raise ValueError(f"the trace split holds {len(steps)} profiled steps; a period needs 2 or more")
+    rows = []
+    for step, after in zip(steps, steps[1:]):
+        period = after["start_ms"] - step["start_ms"]
+        rows.append({"period_ms": period, "window_ms": step["window_ms"], "compute_ms": step["compute_ms"],
+                     "comm_ms": step["comm_ms"], "exposed_comm_ms": step["exposed_comm_ms"],
+                     "idle_ms": period - step["compute_ms"] - step["exposed_comm_ms"]})  # fmt: skip
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
 def _gap_notes(one: dict[str, float], many: dict[str, float], nproc: int) -> str:
-    """Where the N-GPU step's extra time goes, in the trace's own numbers."""
-    extra = {"compute (the same kernels, slower: NCCL kernels share the SMs and memory bandwidth, FSDP2's "
-             "copy-in/copy-out and casts)": many["compute_ms"] - one["compute_ms"],
-             "exposed communication (NCCL running while no compute kernel does)": many["exposed_comm_ms"] - one["exposed_comm_ms"],
-             "GPU idle (waiting for the host, or for another rank)": many["idle_ms"] - one["idle_ms"]}  # fmt: skip
-    order = sorted(extra, key=lambda k: -extra[k])
-    parts = "; ".join(f"{extra[k]:+.1f} ms {k}" for k in order)
-    return (f"Traced steps (rank 0, per step): {nproc} GPUs {many['window_ms']:.1f} ms against 1 GPU "
-            f"{one['window_ms']:.1f} ms ({many['window_ms'] - one['window_ms']:+.1f} ms): {parts}. NCCL kernels run "
+    """Where the N-GPU step's time differs from the 1-GPU step's, in the trace's own numbers."""
+    delta = {"compute": many["compute_ms"] - one["compute_ms"],
+             "exposed communication": many["exposed_comm_ms"] - one["exposed_comm_ms"],
+             "GPU idle": many["idle_ms"] - one["idle_ms"]}  # fmt: skip
+    why = {"compute": ("more compute: NCCL kernels share the SMs and memory bandwidth, FSDP2 adds copy-in/copy-out"
+                       if delta["compute"] > 0 else "less compute: a rank steps AdamW over its shard alone, and the "
+                       "1-GPU step also rounds bf16 weights from its fp32 masters"),
+           "exposed communication": "NCCL running while no compute kernel does",
+           "GPU idle": "the GPU waiting for its host: launch overhead, FSDP2's hooks"}  # fmt: skip
+    order = sorted(delta, key=lambda k: -delta[k])
+    parts = "; ".join(f"{delta[k]:+.1f} ms {k} ({why[k]})" for k in order)
+    return (f"Traced steps (rank 0, median period from one step's GPU start to the next): {nproc} GPUs "
+            f"{many['period_ms']:.1f} ms against 1 GPU {one['period_ms']:.1f} ms "
+            f"({many['period_ms'] - one['period_ms']:+.1f} ms): {parts}. NCCL kernels run "
             f"{many['comm_ms']:.1f} ms a step, {many['comm_ms'] - many['exposed_comm_ms']:.1f} ms of it under compute. "
-            f"The largest term is {order[0].split(' (')[0]}.")  # fmt: skip
+            f"The largest added term is {order[0]}.")  # fmt: skip
 
 
 def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Path = RUNS_DIR,
@@ -138,6 +154,8 @@ def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Pat
               f"{steady[0] / 1e3:.1f}k-{steady[-1] / 1e3:.1f}k) in {elapsed:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
         curves[str(nproc)] = history
         trace, split = _trace_split(Path(config.out_dir), base.device)
+        if split is not None and len(split.get("per_step") or []) < 2:
+            split = None  # fewer than 2 profiled steps (trace_steps 1): no period to split
         if trace is not None and traces_to is not None:
             traces_to.mkdir(parents=True, exist_ok=True)
             dest = traces_to / f"scale_out_{nproc}{'gpu' if base.device == 'cuda' else 'proc'}.pt.trace.json.gz"
