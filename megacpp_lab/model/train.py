@@ -742,8 +742,9 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
     model.train()
     tokens_per_step = config.batch_size * config.seq_len  # the global batch: every rank's rows
     end = config.steps if stop_after is None else min(config.steps, stop_after)
-    # a bar on a terminal; piped to a log (torchrun, a benchmark, a rented box's nohup) a plain line per log row
-    lines = progress and ranks.main and not sys.stderr.isatty()
+    # a bar on a terminal or in a notebook; piped to a log (torchrun, a benchmark, a rented box's nohup) a plain
+    # line per log row instead of a bar redrawn into the file
+    lines = progress and ranks.main and not sys.stderr.isatty() and "ipykernel" not in sys.modules
     bar = tqdm(range(start, end), initial=start, total=config.steps, desc="training", unit="step",
                disable=not (progress and ranks.main) or lines)  # fmt: skip
 
