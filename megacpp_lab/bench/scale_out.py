@@ -39,14 +39,17 @@ RUNS_DIR = Path("build") / "bench-scale-out"
 BAR = 1.85  # N-GPU throughput over 1-GPU throughput, at 2 GPUs
 
 
-# read at import, before inductor's first compile in this process writes its default into the environment
-_USER_CACHES = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-
-
 def _caches(runs_dir: Path) -> dict[str, str]:
-    """One inductor and one Triton cache for every run of the benchmark (a user's own settings win)."""
+    """One inductor and one Triton cache for every run of the benchmark, under runs_dir; a user's own setting
+    wins. (Importing the kernels writes inductor's default directory into TORCHINDUCTOR_CACHE_DIR, so a value
+    equal to that default is not taken for the user's.)"""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     own = {"TORCHINDUCTOR_CACHE_DIR": runs_dir / "inductor-cache", "TRITON_CACHE_DIR": runs_dir / "triton-cache"}
-    return {k: _USER_CACHES[k] or str(v.resolve()) for k, v in own.items()}
+    user = {k: os.environ.get(k) for k in own}
+    if user["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir():
+        user["TORCHINDUCTOR_CACHE_DIR"] = None
+    return {k: user[k] or str(v.resolve()) for k, v in own.items()}
 
 
 def _launch(config: TrainConfig, nproc: int, env: dict[str, str], label: str) -> list[dict[str, Any]]:
