@@ -246,11 +246,17 @@ def write_receipt(receipt: dict[str, Any], root: str | Path | None = None) -> Pa
 def load_receipts(
     subsystem: str | None = None, name: str | None = None, root: str | Path | None = None
 ) -> list[dict[str, Any]]:
-    """Every receipt under root (default profiles/), optionally filtered; each is validated."""
+    """Every receipt under root (default profiles/), optionally filtered; each is validated. Profiler traces
+    (`*.pt.trace.json`) and other records kept beside the receipts (a JSON without a receipt's `results`,
+    such as the tripwires' recorded lowering runs) are not receipts and are skipped."""
     base = Path(root) if root is not None else profiles_dir()
     out = []
     for path in sorted(base.glob("*/*/*.json")):
+        if path.name.endswith(".pt.trace.json"):
+            continue
         receipt = json.loads(path.read_text())
+        if not isinstance(receipt, dict) or "results" not in receipt:
+            continue
         if subsystem is not None and receipt.get("subsystem") != subsystem:
             continue
         if name is not None and receipt.get("name") != name:

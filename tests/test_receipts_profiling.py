@@ -35,6 +35,16 @@ def test_receipt_is_stamped_and_round_trips(tmp_path, monkeypatch):
     assert receipts.load_receipts("other", root=tmp_path) == []
 
 
+def test_load_receipts_skips_traces_and_other_records_but_fails_closed_on_a_broken_receipt(tmp_path):
+    path = receipts.write_receipt(_receipt(), root=tmp_path)
+    (path.parent / "toy.123.pt.trace.json").write_text(json.dumps({"traceEvents": []}))  # a profiler trace beside it
+    (path.parent / "lowering.json").write_text(json.dumps({"versions": {}, "packs": []}))  # a record, not a receipt
+    assert [r["name"] for r in receipts.load_receipts(root=tmp_path)] == ["toy_fwd_bwd"]
+    (path.parent / "broken.json").write_text(json.dumps({"name": "broken", "results": []}))  # claims to be one
+    with pytest.raises(ValueError, match="broken"):
+        receipts.load_receipts(root=tmp_path)
+
+
 def test_git_commit_reads_the_repo(monkeypatch):
     monkeypatch.delenv(receipts.COMMIT_ENV, raising=False)
     sha = receipts.git_commit()
