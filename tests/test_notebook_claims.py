@@ -5,8 +5,8 @@
   from a receipt or its own measurement. Allowed: code spans and math (formulas, flags, shapes), block quotes
   (a source quoted as a source), and a sentence that states a bar or a limit ("at most 60 ms", "its bar:
   1.85x"), which is a definition, not a measurement.
-- No saved progress bar is stuck at its first state, no Kineto `USDT` line is left in an output, and no output
-  shows a receipt stamped with a `-dirty` commit.
+- No saved progress bar is stuck at its first state, no Kineto `USDT` line is left in an output, no output
+  shows a receipt stamped with a `-dirty` commit, and no table is cut with "...".
 
 Re-execute a notebook with `scripts/execute_notebooks.py`, which leaves its bars settled.
 """
@@ -74,15 +74,20 @@ def _output_texts(cell: dict) -> list[str]:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_saved_outputs_are_clean(path: Path):
     nb = json.loads(path.read_text())
-    stuck, noise, dirty = [], [], []
+    stuck, noise, dirty, cut = [], [], [], []
     for i, cell in enumerate(nb["cells"]):
         for out in cell.get("outputs", []):
             plain = "".join(out.get("data", {}).get("text/plain", ""))
             if "application/vnd.jupyter.widget-view+json" in out.get("data", {}) and re.search(r"\b0/\d+\b", plain):
                 stuck.append(f"cell {i}: {plain[:80]}")
+            html = "".join(out.get("data", {}).get("text/html", ""))
+            # a pandas table cut by its display options: "..." rows, columns or cells
+            if "<table" in html and ("<td>...</td>" in html or re.search(r"\.\.\.\s|\[\d+ rows x \d+ columns\]", plain)):
+                cut.append(f"cell {i}: {next((ln for ln in plain.splitlines() if '...' in ln), plain[:80])[:100]}")
         for text in _output_texts(cell):
             noise += [f"cell {i}: {line[:80]}" for line in text.splitlines() if line.startswith("USDT:")]
             dirty += [f"cell {i}: {m}" for m in re.findall(r"\b[0-9a-f]{7,40}-dirty\b", text)]
     assert not stuck, f"progress bars saved at their first state (re-execute with scripts/execute_notebooks.py): {stuck}"
     assert not noise, f"Kineto USDT lines in saved outputs: {noise[:5]}"
     assert not dirty, f"receipts stamped with a -dirty commit shown: {dirty[:5]}"
+    assert not cut, f"tables cut with '...' (print them whole): {cut[:5]}"
