@@ -155,7 +155,8 @@ TRAIN_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("steps", int, "optimizer steps; the cosine schedule ends here (default: 1000)"),
     ("lr", float, "peak learning rate (default: 0.001)"),
     ("min_lr_ratio", float, "final LR as a fraction of the peak (default: 0.1)"),
-    ("warmup_steps", int, "linear warmup steps (default: 100)"),
+    ("warmup_steps", int, "linear warmup steps, fewer than --steps (default: 100, or --steps // 10 when that is "
+                          "fewer)"),
     ("weight_decay", float, "AdamW weight decay on matrices (default: 0.1)"),
     ("beta1", float, "AdamW beta1 (default: 0.9)"),
     ("beta2", float, "AdamW beta2 (default: 0.95)"),
@@ -200,7 +201,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = train(config, progress=not args.quiet, resume=not args.no_resume, stop_after=args.stop_after)
     last = {key: next((r[key] for r in reversed(result.history) if key in r), float("nan"))
             for key in ("train_loss", "val_loss")}  # fmt: skip
-    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 alone reports
+    # under torchrun rank 0 alone reports. RANK counts only beside WORLD_SIZE > 1, as init_ranks reads them: a
+    # RANK left in a single process's environment (a cluster shell, a job script) must not silence its summary
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0":
         return 0
     logged = "" if last["train_loss"] != last["train_loss"] else (  # nan: no row logged before the stop
         f": train loss {last['train_loss']:.4f}, val loss {last['val_loss']:.4f}, {result.tokens_per_s:,.0f} tokens/s")
@@ -238,7 +241,19 @@ def _launch_ranks(nproc: int, argv: list[str]) -> int:
 def _cmd_sample(args: argparse.Namespace) -> int:
     from megacpp_lab.model.decode import sample_text
 
-    text = sample_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompt: str | bytes = args.prompt
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompt-file {path} is not a file")
+        prompt = path.read_bytes()  # as bytes: the tokenizer encodes invalid UTF-8 as byte tokens
+        if not prompt:
+            raise ValueError(f"--prompt-file {path} is empty: a sample starts from a prompt")
+    elif not prompt:
+        raise ValueError("--prompt must not be empty: a sample starts from a prompt")
+    text = sample_text(args.checkpoint, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, seed=args.seed, device=args.device, num_samples=args.num_samples)
     for i, piece in enumerate(text):
         if len(text) > 1:
@@ -462,9 +477,15 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         **common,
     )
-    p.add_argument("checkpoint", help="a checkpoint.pt written by `megacpp-lab train`")
-    p.add_argument("--prompt", default="#include <", help="the start of the C++ document")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("checkpoint",
+                   help="a run directory of `megacpp-lab train` (its --out-dir: the newest checkpoint in it), its "
+                   "checkpoint.pt, or its checkpoint.dcp")  # fmt: skip
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="#include <", help="the start of the C++ document")
+    prompt.add_argument("--prompt-file", default=None, metavar="PATH",
+                        help="read the prompt from this file instead of --prompt, as bytes: invalid UTF-8 too, "
+                        "which a shell cannot pass to --prompt (default: none)")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate, at least 1")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--num-samples", type=int, default=1, help="independent samples (one batch)")

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -400,3 +401,130 @@ def test_train_then_sample_from_the_command_line(tmp_path, capsys):
     (tmp_path / "cfg.toml").write_text("steps = -1\n")
     assert main(["train", "--config", str(tmp_path / "cfg.toml")]) == 2
     assert "TrainConfig.steps must be an int >= 1, got -1" in capsys.readouterr().err
+
+
+# a tiny run's flags without --steps, --warmup-steps and --out-dir (what the tests below vary)
+TINY_TRAIN = ("--preset", "tiny", "--max-files", "40", "--val-fraction", "0.2", "--seq-len", "64", "--batch-size", "2",
+              "--log-every", "2", "--val-every", "4", "--ckpt-every", "4", "--val-batches", "1", "--no-tensorboard",
+              "--quiet")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """A run directory of `train` holding checkpoint.pt (2 steps of the tiny preset)."""
+    out = tmp_path_factory.mktemp("cli-run") / "run"
+    assert main(["train", *TINY_TRAIN, "--steps", "2", "--warmup-steps", "1", "--out-dir", str(out)]) == 0
+    return out
+
+
+def greedy(capsys, checkpoint: Path | str, *argv: str) -> str:
+    assert main(["sample", str(checkpoint), "--max-new-tokens", "4", "--temperature", "0", *argv]) == 0
+    out = capsys.readouterr()
+    assert out.err == ""
+    return out.out
+
+
+def test_train_warmup_defaults_to_a_tenth_of_the_steps(tmp_path, capsys):
+    """`--steps 30` alone trains (the warmup was 100 >= 30); an explicit warmup is still checked, and a resume
+    compares the resolved warmup: the same number given explicitly resumes, another one is refused by name."""
+    out = tmp_path / "run"
+    assert main(["train", *TINY_TRAIN, "--steps", "30", "--stop-after", "1", "--out-dir", str(out)]) == 0
+    assert "trained to step 1" in capsys.readouterr().out
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["train_config"]["warmup_steps"] == 3
+    assert main(["train", *TINY_TRAIN, "--steps", "30", "--warmup-steps", "3", "--stop-after", "2",
+                 "--out-dir", str(out)]) == 0  # fmt: skip
+    assert "trained to step 2" in capsys.readouterr().out
+    assert main(["train", *TINY_TRAIN, "--steps", "30", "--warmup-steps", "4", "--out-dir", str(out)]) == 2
+    assert "field 'train_config.warmup_steps' is 3, this run has 4" in one_error_line(capsys)
+    assert main(["train", *TINY_TRAIN, "--steps", "30", "--warmup-steps", "30", "--out-dir", str(tmp_path / "b")]) == 2
+    assert "TrainConfig.warmup_steps must be fewer than steps=30, got 30" in one_error_line(capsys)
+    assert not (tmp_path / "b").exists()
+
+
+def test_default_train_out_dir_is_ignored_by_git():
+    """`train` writes under runs/ by default (from the checkout too): git must not list it as untracked."""
+    from megacpp_lab.model.train import CHECKPOINT_FILE, TrainConfig
+
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(repo_root()), "rev-parse"],
+                                                     capture_output=True).returncode != 0:  # fmt: skip
+        pytest.skip("git is not installed or this is not a git checkout")
+    written = f"{TrainConfig().out_dir}/{CHECKPOINT_FILE}"
+    check = subprocess.run(["git", "-C", str(repo_root()), "check-ignore", "-q", "--no-index", written])
+    assert check.returncode == 0, f"{written} is not ignored by git"
+
+
+def test_quiet_train_still_prints_its_summary(tmp_path, capsys, monkeypatch):
+    """--quiet drops the progress, not the result; a RANK left in a single process's environment (no WORLD_SIZE:
+    not a torchrun rank) does not silence it either."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", *TINY_TRAIN, "--steps", "2", "--warmup-steps", "1", "--out-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr()
+    assert re.fullmatch(r"trained to step 2: train loss \S+, val loss \S+, \S+ tokens/s; wrote \S+/\n", out.out), out.out
+    assert out.err == ""
+
+
+def test_sample_reads_a_run_directory_or_either_checkpoint_kind(tiny_run, tmp_path, capsys):
+    """The run directory, its checkpoint.pt, and the same checkpoint sharded (checkpoint.dcp in a run directory,
+    or the checkpoint.dcp directory itself) all sample the same greedy text."""
+    from megacpp_lab.model.distributed import SHARDED_DIR, Ranks, one_process_group, save_sharded
+    from megacpp_lab.model.train import CHECKPOINT_FILE, load_checkpoint
+
+    want = greedy(capsys, tiny_run / CHECKPOINT_FILE)
+    assert greedy(capsys, tiny_run) == want
+    state = load_checkpoint(tiny_run / CHECKPOINT_FILE)
+    sharded_run = tmp_path / "sharded"
+    with one_process_group():
+        save_sharded(sharded_run / SHARDED_DIR, int(state["step"]), {k: state[k] for k in ("model", "optimizer")},
+                     {k: v for k, v in state.items() if k not in ("model", "optimizer")}, Ranks())  # fmt: skip
+    assert greedy(capsys, sharded_run) == greedy(capsys, sharded_run / SHARDED_DIR) == want
+    assert main(["sample", str(tmp_path)]) == 2  # neither kind in it
+    assert f"no checkpoint in {tmp_path}: neither a run directory" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("content", ["garbage", "foreign pickle"])
+def test_corrupt_checkpoint_is_named_without_torch_advice(tmp_path, capsys, content):
+    path = tmp_path / "checkpoint.pt"
+    if content == "garbage":
+        path.write_bytes(b"not a checkpoint at all")
+    else:  # a torch.save of a class weights_only refuses: torch's message advises weights_only=False
+        torch.save({"x": argparse.Namespace(a=1)}, path)
+    assert main(["sample", str(path)]) == 2
+    assert one_error_line(capsys) == (f"megacpp-lab: error: checkpoint {path} is corrupt or not a checkpoint "
+                                      "(--debug shows the traceback)")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--prompt", ""], "--prompt must not be empty"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--prompt-file", "EMPTY"], "--prompt-file EMPTY is empty"),
+        (["--prompt-file", "MISSING"], "--prompt-file MISSING is not a file"),
+    ],
+)
+def test_sample_refuses_an_empty_prompt_or_no_tokens_naming_the_flag(tiny_run, tmp_path, capsys, argv, expected):
+    (tmp_path / "EMPTY").write_bytes(b"")
+    argv = [str(tmp_path / a) if a in ("EMPTY", "MISSING") else a for a in argv]
+    assert main(["sample", str(tiny_run / "checkpoint.pt"), *argv]) == 2
+    assert expected.replace("EMPTY", str(tmp_path / "EMPTY")).replace("MISSING", str(tmp_path / "MISSING")) in \
+        one_error_line(capsys)  # fmt: skip
+
+
+def test_sample_prompt_file_passes_bytes_the_shell_cannot(tiny_run, tmp_path, capsys):
+    """A prompt holding invalid UTF-8, read from --prompt-file as bytes: the byte is a byte token and prints as
+    U+FFFD; the valid part samples as it does from --prompt. --prompt and --prompt-file exclude each other."""
+    from megacpp_lab.model.decode import sample_text
+
+    checkpoint = tiny_run / "checkpoint.pt"
+    (tmp_path / "valid.cpp").write_bytes(b"int main(")
+    assert greedy(capsys, checkpoint, "--prompt-file", str(tmp_path / "valid.cpp")) == \
+        greedy(capsys, checkpoint, "--prompt", "int main(")  # fmt: skip
+    (tmp_path / "prompt.cpp").write_bytes(b"int f\xff(")
+    text = greedy(capsys, checkpoint, "--prompt-file", str(tmp_path / "prompt.cpp"))
+    assert text.startswith("int f\ufffd(")
+    assert text == sample_text(checkpoint, b"int f\xff(", max_new_tokens=4, temperature=0)[0] + "\n"
+    with pytest.raises(SystemExit) as exit_:
+        main(["sample", str(checkpoint), "--prompt", "x", "--prompt-file", str(tmp_path / "prompt.cpp")])
+    assert exit_.value.code == 2
+    assert "argument --prompt-file: not allowed with argument --prompt" in capsys.readouterr().err

@@ -131,9 +131,9 @@ def test_corrupt_checkpoint_names_the_file(runs, tmp_path):
     path = tmp_path / CHECKPOINT_FILE
     data = runs["straight"].checkpoint.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match=r"checkpoint .*checkpoint.pt cannot be read \(corrupt or truncated"):
+    with pytest.raises(ValueError, match=r"^checkpoint .*checkpoint.pt is corrupt or not a checkpoint$"):
         load_checkpoint(path)
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(ValueError, match="is corrupt or not a checkpoint"):
         train(TrainConfig(**TINY, out_dir=str(tmp_path)), progress=False)
 
 
@@ -209,6 +209,29 @@ def test_config_file_and_flags(tmp_path):
         TrainConfig.build(tmp_path / "missing.toml")
     with pytest.raises(ValueError, match="TrainConfig.steps must be an int"):
         TrainConfig.build(tmp_path / "run.toml", steps="many")
+
+
+def test_warmup_defaults_to_a_tenth_of_the_steps_at_most_100():
+    assert [TrainConfig(steps=n).warmup_steps for n in (1, 9, 30, 1000, 5000)] == [0, 0, 3, 100, 100]
+    assert TrainConfig.build(steps=30, warmup_steps=None).warmup_steps == 3  # a flag not given
+    assert TrainConfig(steps=30, warmup_steps=0).warmup_steps == 0  # an explicit value stands
+    assert lr_at(0, TrainConfig(steps=5)) == pytest.approx(1e-3)  # no warmup: the peak at once
+    with pytest.raises(ValueError, match=r"TrainConfig.warmup_steps must be fewer than steps=30, got 100"):
+        TrainConfig(steps=30, warmup_steps=100)
+    with pytest.raises(ValueError, match=r"TrainConfig.warmup_steps must be an int >= 0, got 'ten'"):
+        TrainConfig(warmup_steps="ten")
+
+
+def test_resume_compares_the_resolved_warmup():
+    """A checkpoint holds the warmup as a number (one written before the default became a share of the steps
+    holds 100): a run whose default resolves to it, or that gives it, resumes; another number is refused."""
+    where = Path("runs/old/checkpoint.pt")
+    at_1000 = {"train_config": dataclasses.asdict(TrainConfig(steps=1000, warmup_steps=100))}
+    train_mod._check_resume(at_1000, TrainConfig(steps=1000), where)
+    at_500 = {"train_config": dataclasses.asdict(TrainConfig(steps=500, warmup_steps=100))}
+    train_mod._check_resume(at_500, TrainConfig(steps=500, warmup_steps=100), where)
+    with pytest.raises(ValueError, match=r"field 'train_config.warmup_steps' is 100, this run has 50"):
+        train_mod._check_resume(at_500, TrainConfig(steps=500), where)
 
 
 def test_lr_schedule():

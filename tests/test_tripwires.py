@@ -167,3 +167,23 @@ def test_status_table_has_a_row_per_pack() -> None:
 def test_unknown_pack_fails_closed() -> None:
     with pytest.raises(ValueError, match=r"unknown pack\(s\) \['99'\]"):
         run_pack("99")
+
+
+@pytest.mark.parametrize("version", ["0.1.15", "0.1.8"])
+def test_an_expected_error_says_why_on_the_console(monkeypatch, capsys, version: str) -> None:
+    """Pack 13 prints FIXED over a case that ends in an error: that case's line says why the error is expected
+    (on the pinned release only: a run that differs is a deviation, and the reason would not hold)."""
+    from megacpp_lab.cli import main
+    from megacpp_lab.tripwires import tilelang_packs
+
+    data = json.loads((RECORDED / f"tilelang-{version}-lowering.json").read_text())
+    monkeypatch.setattr(tilelang_packs, "run_tilelang_packs", lambda: results_from(data))
+    assert main(["tripwires", "--pack", "13"]) == (0 if version == PINNED_TILELANG else 1)
+    lines = capsys.readouterr().out.splitlines()
+    why = [line for line in lines if "(expected on tilelang 0.1.15, and not the pack's bug" in line]
+    if version == PINNED_TILELANG:
+        assert lines[0].endswith(FIXED)
+        assert [line.split(":")[0].strip() for line in why] == ["R=3, K=48, N=64, TMA off"]
+        assert "error: Mapped indices are not independent" in why[0] and "TMA lowering off" in why[0]
+    else:
+        assert why == []

@@ -201,11 +201,12 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, tem
     return torch.cat(out, dim=1)
 
 
-def sample_text(checkpoint: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
+def sample_text(checkpoint: str | Path, prompt: str | bytes, *, max_new_tokens: int = 200, temperature: float = 0.8,
                 top_k: int | None = 50, seed: int = 0, device: str = "auto", num_samples: int = 1) -> list[str]:  # fmt: skip
-    """C++ text from a training checkpoint (`megacpp-lab sample`): the prompt encoded as the start of one
-    document (<bos> first), `num_samples` rows sampled in one batch, each decoded until its first <eos>.
-    top_k 0 or None samples from the whole vocab."""
+    """C++ text from a training checkpoint (`megacpp-lab sample`; load_checkpoint says which paths it reads):
+    the prompt encoded as the start of one document (<bos> first; bytes as they are, invalid UTF-8 as byte
+    tokens), `num_samples` rows sampled in one batch, each decoded until its first <eos>. top_k 0 or None
+    samples from the whole vocab."""
     from megacpp_lab.data import load_bpe
     from megacpp_lab.model.train import load_checkpoint_model
 

@@ -12,8 +12,9 @@ and the bf16 model weights rounded from them. Parameters a layer declares fp32 (
 RoPE tables) are fp32 in the model and are their own masters. On a CPU in fp32 every parameter is its
 own master and nothing is copied.
 
-LR: linear warmup from 0 to `lr` over `warmup_steps`, then cosine down to `lr * min_lr_ratio` at `steps`;
-a function of the step alone, so a resumed run needs no scheduler state.
+LR: linear warmup from 0 to `lr` over `warmup_steps` (by default a tenth of `steps`, at most 100), then
+cosine down to `lr * min_lr_ratio` at `steps`; a function of the step alone, so a resumed run needs no
+scheduler state.
 
 Checkpoints (out_dir/checkpoint.pt) are written to a temporary file, flushed to disk and renamed over the
 old one: an interrupted save leaves the previous checkpoint whole. A checkpoint holds the master weights,
@@ -67,6 +68,7 @@ __all__ = [
     "TrainConfig",
     "TokenizedCorpus",
     "TrainResult",
+    "default_warmup",
     "load_checkpoint",
     "load_checkpoint_model",
     "lr_at",
@@ -109,7 +111,9 @@ class TrainConfig:
     steps: int = 1000
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
+    # None: default_warmup(steps), resolved on construction, so the field (and the checkpoint's copy, which a
+    # resume compares) always holds the number of steps the schedule warms up over
+    warmup_steps: int | None = None
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -153,6 +157,8 @@ class TrainConfig:
                 raise fail(name, "an int >= 1")
         if self.seq_len < 16:
             raise fail("seq_len", "at least 16 tokens")
+        if self.warmup_steps is None:  # frozen: the one place the default is resolved
+            object.__setattr__(self, "warmup_steps", default_warmup(self.steps))
         for name in ("warmup_steps", "seed", "trace_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise fail(name, "an int >= 0")
@@ -212,6 +218,11 @@ class TrainConfig:
         if self.compile:
             overrides.update(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
         return model_config(self.preset, device, **overrides)
+
+
+def default_warmup(steps: int) -> int:
+    """TrainConfig.warmup_steps when not given: a tenth of the steps, at most 100 (0 below 10 steps)."""
+    return min(100, steps // 10)
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:
@@ -447,22 +458,30 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint: a checkpoint.pt, or a sharded checkpoint (a run's checkpoint.dcp directory or one of
-    its step directories) gathered into the same dict of full tensors. Fails closed, naming the file and the
-    field, when it is unreadable or incomplete."""
+    """Read a checkpoint: a checkpoint.pt; a run directory (train's out_dir), whose newest checkpoint is read
+    as a resume would pick it; or a sharded checkpoint (a run's checkpoint.dcp directory or one of its step
+    directories) gathered into the same dict of full tensors. Fails closed, naming the file and the field,
+    when it is unreadable or incomplete."""
     path = Path(path)
     if path.is_dir():
+        if (path / CHECKPOINT_FILE).exists() or (path / SHARDED_DIR).is_dir():  # a run directory
+            found = _latest_checkpoint(path, Ranks())
+            if found is None:
+                raise FileNotFoundError(f"no complete checkpoint in {path / SHARDED_DIR} (no LATEST)")
+            kind, where, state = found
+            return state if kind == "pt" else load_checkpoint(where)
         step_dir = latest_sharded(path) if (path / "LATEST").exists() else path
         if step_dir is None or not (step_dir / ".metadata").is_file():
-            raise FileNotFoundError(f"no sharded checkpoint in {path} (no LATEST, no .metadata)")
+            raise FileNotFoundError(f"no checkpoint in {path}: neither a run directory ({CHECKPOINT_FILE} or "
+                                    f"{SHARDED_DIR}) nor a sharded checkpoint (LATEST or .metadata)")  # fmt: skip
         return _checked(load_sharded_full(step_dir), step_dir)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - a truncated zip, a pickle error: all mean the same to the user
-        raise ValueError(f"checkpoint {path} cannot be read (corrupt or truncated: {type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''})") from None  # fmt: skip
+    except Exception:  # noqa: BLE001 - a truncated zip, a foreign pickle: all mean the same to the user
+        # torch's own text is for a file one trusts (load it with weights_only=False): not advice for a checkpoint
+        raise ValueError(f"checkpoint {path} is corrupt or not a checkpoint") from None
     return _checked(state, path)
 
 
