@@ -31,7 +31,7 @@ PACKAGE = "megacpp_lab"
 # The root .gitignore's patterns that can match inside the package (those not anchored by a leading "/"; a
 # test keeps the two in step). A trailing "/" matches only directories, as there. Left out of the tree hash, as
 # git leaves them out of a commit; hard-coded so the hash does not depend on a .gitignore beside the copy.
-GITIGNORED = ("__pycache__/", "*.pyc", "*.egg-info/", ".ipynb_checkpoints/", ".venv/", "build/", ".pytest_cache/")
+GITIGNORED = ("__pycache__/", "*.pyc", "*.egg-info/", ".ipynb_checkpoints/", ".venv/", "build/", ".pytest_cache/", "runs/")
 METRIC_KEYS = (
     "ms", "fwd_ms", "bwd_ms", "peak_mib", "gb_per_s", "tflops", "max_abs_err", "rel_err",
     "compile_s", "tokens_per_s", "speedup", "nonfinite_outputs", "pct_of_copy", "saved_mib", "bytes_per_token",
