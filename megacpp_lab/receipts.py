@@ -129,20 +129,20 @@ def git_commit(root: str | Path | None = None) -> str:
     if forced:
         return forced
     root = Path(root if root is not None else repo_root()).resolve()
+    tree = "tree:" + tree_hash(root / PACKAGE)  # what ran, read from the files
     try:
         # Only a checkout whose top level is root itself: a copy without .git inside another repository would
         # otherwise be stamped with that repository's HEAD.
-        if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() == root:
-            head = _git(root, "rev-parse", "HEAD")
-            if not _git(root, "status", "--porcelain", "-uno"):
-                return head
-            # A checkout whose package differs from HEAD's ran code no commit names yet (or a copy's stale .git:
-            # the GPU machine's checkout can lag behind the files sent over it): the files say what ran
-            tree = tree_hash(root / PACKAGE)
-            return head + "-dirty" if tree == _git(root, "rev-parse", f"HEAD:{PACKAGE}") else "tree:" + tree
-    except (OSError, subprocess.CalledProcessError):
-        pass  # no git, not a repository, or one without a commit yet: the files say what ran
-    return "tree:" + tree_hash(root / PACKAGE)
+        if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() != root:
+            return tree
+        head = _git(root, "rev-parse", "HEAD")
+        if not _git(root, "status", "--porcelain", "-uno"):
+            return head
+        # A package that differs from HEAD's ran code no commit names yet (or a copy's stale .git: the GPU
+        # machine's checkout can lag behind the files sent over it): the tree names it
+        return head + "-dirty" if tree == "tree:" + _git(root, "rev-parse", f"HEAD:{PACKAGE}") else tree
+    except (OSError, subprocess.CalledProcessError):  # no git, not a repository, or no commit yet
+        return tree
 
 
 def commit_for_tree(tree: str, *, max_commits: int = 2000, root: str | Path | None = None) -> str | None:
