@@ -138,8 +138,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-# `train` flags: (TrainConfig field, type, help). Every default is None (not given), so a config file's
-# value stands unless a flag overrides it; each help states TrainConfig's default (tests/test_cli.py checks).
+# `train` flags: (TrainConfig field, or a field of its ParallelConfig, type, help). Every default is None (not
+# given), so a config file's value stands unless a flag overrides it; each help states the config's default
+# (tests/test_cli.py checks).
 TRAIN_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("preset", str, "model preset: tiny, small or base (default: small)"),
     ("pattern", str, "block letters tiled over the layers, e.g. AMRM (default: the preset's)"),
@@ -163,6 +164,8 @@ TRAIN_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("grad_clip", float, "clip the global gradient norm to this; 0 = off (default: 1.0)"),
     ("device", str, "auto, cpu or cuda (default: auto: cuda when there is one)"),
     ("dtype", str, "auto, bf16 or fp32 (default: auto: bf16 on a GPU with fp32 master weights, fp32 on a CPU)"),
+    ("remat", str, "activation checkpointing: none, full, a save list (mm+addmm), or with --compile a budget "
+                   "(0.3) or one per block kind (A=1.0,M=0.3,R=1.0); the last block never (default: none)"),
     ("seed", int, "seed of the weights and of the data order (default: 0)"),
     ("log_every", int, "steps per logged training loss (default: 10)"),
     ("val_every", int, "steps per validation (default: 100)"),
@@ -174,7 +177,7 @@ TRAIN_FLAGS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
-# `train` on/off flags (--name / --no-name): (TrainConfig field, help)
+# `train` on/off flags (--name / --no-name): (TrainConfig or ParallelConfig field, help)
 TRAIN_SWITCHES: tuple[tuple[str, str], ...] = (
     ("compile", "regional torch.compile of every block (default: off)"),
     ("tensorboard", "write TensorBoard scalars under <out-dir>/tensorboard (default: on)"),

@@ -12,7 +12,7 @@ import torch
 from megacpp_lab.bench.model import leak_features, model_config
 from megacpp_lab.model.decode import DecodeState, decode_step, generate, init_decode_state, prefill, sample_next
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.model.precision import apply_mixed_precision
+from megacpp_lab.model.parallelize import ParallelConfig, parallelize
 from megacpp_lab.nn.concept_bank import ConceptBank, ConceptBankConfig
 from megacpp_lab.nn.engram import EngramBranch, EngramConfig
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig
@@ -170,8 +170,8 @@ def test_prefill_returns_the_last_position_and_advances_the_cache_once_per_step(
                                _full_logits(tiny, torch.cat([tokens, nxt[:, None]], 1))[:, -1], **TOL)  # fmt: skip
 
 
-def test_mixed_precision_wrapper_decodes_in_bf16() -> None:
-    model = apply_mixed_precision(_model(**leak_features(4)), torch.bfloat16)
+def test_bf16_model_decodes_in_bf16() -> None:
+    model = parallelize(_model(**leak_features(4)), ParallelConfig(dtype="bf16"))
     tokens = torch.randint(0, 512, (B, 8), generator=torch.Generator().manual_seed(4))
     state = init_decode_state(model, B, 8)
     assert state.kv_cache.low_rank_main[0].dtype == torch.bfloat16 and state.blocks[1].mixer.h.dtype == torch.float32

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megacpp_lab.model.config import model_config
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.precision import fp32_contract
+from megacpp_lab.model.train import read_history
 from megacpp_lab.profiling import forward_dtypes
 from megacpp_lab.varlen import build_context
 
@@ -181,12 +182,11 @@ def test_fp32_contract_parameters_stay_fp32_inside_the_forward(tmp_path, backend
     assert cast, blanket["contract"]
 
 
-def test_apply_fsdp_refuses_a_wrapper_a_bf16_model_and_a_missing_process_group():
+def test_apply_fsdp_refuses_a_non_model_a_bf16_model_and_a_missing_process_group():
     from megacpp_lab.model.parallelize import apply_fsdp
-    from megacpp_lab.model.precision import apply_mixed_precision
 
-    with pytest.raises(ValueError, match="wrapper"):
-        apply_fsdp(apply_mixed_precision(_model(), torch.bfloat16))
+    with pytest.raises(TypeError, match="expected a HybridLM"):
+        apply_fsdp(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="not fp32"):
         apply_fsdp(_model().to(torch.bfloat16))
     if not dist.is_initialized():
@@ -216,7 +216,7 @@ def _cli_train(out_dir: Path, corpus: Path, *extra: str, nproc: int = 2, wait: b
 
 
 def _history(out_dir: Path) -> list[dict]:
-    return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in json.loads((out_dir / "history.json").read_text())]
+    return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in read_history(out_dir)[1]]
 
 
 def _assert_same_run(got: list[dict], want: list[dict], rtol: float = RTOL["gloo"]) -> None:
@@ -269,7 +269,7 @@ def test_train_on_two_gpus_equals_one_gpu(tmp_path):
 
     corpus = write_sample_corpus(tmp_path / "corpus")
     gpu = dict(device="cuda", dtype="fp32")
-    train(TrainConfig(**{**TRAIN_ARGS, **gpu}, corpus=str(corpus), out_dir=str(tmp_path / "one")), progress=False)
+    train(TrainConfig.build(**{**TRAIN_ARGS, **gpu}, corpus=str(corpus), out_dir=str(tmp_path / "one")), progress=False)
     _cli_train(tmp_path / "two", corpus, **gpu)
     _assert_same_run(_history(tmp_path / "two"), _history(tmp_path / "one"), rtol=RTOL["nccl"])
     assert _history(tmp_path / "one")[-2]["train_loss"] < _history(tmp_path / "one")[0]["train_loss"]  # it trains

@@ -240,8 +240,8 @@ def test_a_planted_leak_fails_the_small_model_check_on_gpu():
 
     config = model_config("small", "cuda")
     model = build_model(config, "cuda").eval()
-    mixer = model.module.blocks[2].mixer
-    assert model.module.blocks[2].kind == "R"
+    mixer = model.blocks[2].mixer
+    assert model.blocks[2].kind == "R"
     forward = mixer.forward
     mixer.forward = lambda x, ctx=None, **kw: forward(x)  # the planted bug: ctx dropped
     tokens, doc_ids = leak_windows("cuda")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from megacpp_lab.model.precision import apply_mixed_precision
+from megacpp_lab.model.precision import apply_precision, check_precision
 from megacpp_lab.nn.hyper_connections import (
     HyperConnection,
     HyperConnectionConfig,
@@ -170,8 +170,9 @@ def test_coefficients_are_fp32_under_bf16_streams_and_mixed_precision() -> None:
             return self.hc(streams, self.block)
 
     exact = {n: p.detach().clone() for n, p in hc.named_parameters()}
-    wrapped = apply_mixed_precision(Step(), torch.bfloat16)
-    assert set(wrapped.plan.fp32) == {"hc.norm_weight", "hc.weight", "hc.bias"}
+    step = Step()
+    plan = apply_precision(step, torch.bfloat16)
+    assert set(plan.fp32) == {"hc.norm_weight", "hc.weight", "hc.bias"}
     for name, p in hc.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, exact[name]), name  # kept, not rounded through bf16
     assert block.weight.dtype == torch.bfloat16
@@ -180,9 +181,9 @@ def test_coefficients_are_fp32_under_bf16_streams_and_mixed_precision() -> None:
     assert all(t.dtype == torch.float32 for t in coeffs)
     for got, ref in zip(coeffs, hc.coefficients(streams.float())):
         assert torch.equal(got, ref)  # the bf16 input is upcast once, then everything is fp32
-    out = wrapped(streams.float())  # cast_inputs: the streams arrive bf16
+    out = step(streams)
     assert out.dtype == torch.bfloat16
-    wrapped.check_contract()
+    check_precision(step, plan)
     wrapped.to(torch.bfloat16)
     assert all(p.dtype == torch.float32 for p in hc.parameters())
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacpp_lab.bench.compile import _config
+from megacpp_lab.bench.model import triton_config as _config
 from megacpp_lab.bench.memory import MemoryPoint, _measure
 from megacpp_lab.bench.model import ModelShape
 from megacpp_lab.model.checkpointing import CheckpointingPolicy

@@ -146,3 +146,52 @@ def test_base_model_compiles_regionally_on_gpu_without_recompiles_across_documen
     print(f"after the first step: {after_first}; after 20 more: {stats}")
     assert after_first.graphs == len(block_structures(model)) == 4, after_first
     assert stats.graphs == after_first.graphs and stats.graph_breaks == 0, stats
+
+
+# ----------------------------------------------------------------------------- parallelize: the one pipeline
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(dtype="fp16"), r"ParallelConfig.dtype must be 'auto' or one of"),
+    (dict(compile="yes"), r"ParallelConfig.compile must be a bool"),
+    (dict(backend="tvm"), r"ParallelConfig.backend must be one of"),
+    (dict(fsdp_blocks_per_group=0), r"ParallelConfig.fsdp_blocks_per_group must be an int >= 1"),
+    (dict(remat="A=2"), r"ParallelConfig.remat: CheckpointingPolicy.A budget must be in \[0, 1\]"),
+    (dict(remat="0.3"), r"holds a budget, which only regional compile reads"),
+    (dict(remat="mm+addmm", compile=True), r"holds an eager-only lever"),
+    (dict(remat="full,offload", compile=True), r"holds an eager-only lever"),
+])  # fmt: skip
+def test_parallel_config_fails_closed_naming_the_field(fields, message):
+    from megacpp_lab.model.parallelize import ParallelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**fields)
+
+
+def test_parallel_config_spells_one_policy_one_way():
+    from megacpp_lab.model.parallelize import ParallelConfig
+
+    assert ParallelConfig(remat="0.30", compile=True).remat == "0.3"
+    assert ParallelConfig(remat="A=1.0,M=0.3,R=1.0", compile=True).remat == "A=1,M=0.3,R=1"
+    assert ParallelConfig(remat="M=0.3", compile=True).policy.M == 0.3
+
+
+def test_parallelize_applies_precision_then_remat_then_compile():
+    """Under a budget: every block but the last gets its kind's budget (the last: never recomputed, 1.0), the
+    blocks are compiled, the model is cast once (bf16 here, asked for on a CPU) and returned as itself."""
+    from megacpp_lab.model.checkpointing import block_budget
+    from megacpp_lab.model.parallelize import ParallelConfig, parallelize
+
+    model = _tiny()
+    ready = parallelize(model, ParallelConfig(dtype="bf16", remat="A=1.0,M=0.3,R=0.5", compile=True, backend="aot_eager"))
+    assert ready is model and model.precision_plan is not None
+    want = {"A": 1.0, "M": 0.3, "R": 0.5}
+    budgets = [block_budget(b) for b in model.blocks]
+    assert budgets == [want[b.kind] for b in model.blocks[:-1]] + [1.0], budgets
+    assert all(b._compiled_call_impl is not None for b in model.blocks)
+    eager = _tiny()
+    parallelize(eager, ParallelConfig(remat="full"))  # eager: checkpoint wrappers, no budget, no compile
+    assert all(block_budget(b) is None for b in eager.blocks)
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in eager.blocks)
+    with pytest.raises(TypeError, match="ParallelConfig"):
+        parallelize(_tiny(), {"compile": True})

@@ -1,4 +1,4 @@
-"""fp32-contract mixed precision: declared tensors stay fp32, the rest bf16, once at wrap time; tripwire."""
+"""fp32-contract mixed precision: declared tensors stay fp32, the rest bf16, one in-place cast; tripwire."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from megacpp_lab.model.precision import MixedPrecision, apply_mixed_precision, fp32_contract
+from megacpp_lab.model.precision import apply_precision, check_precision, fp32_contract
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, softplus_decay_gate
 
 
@@ -28,51 +28,74 @@ class _Block(nn.Module):
 def test_contract_is_collected_with_qualified_names_and_kept_fp32() -> None:
     block = _Block()
     assert fp32_contract(block) == ("mixer.A_log", "mixer.dt_bias", "mixer.D")
-    wrapped = apply_mixed_precision(block)
-    assert wrapped.plan.fp32 == ("mixer.A_log", "mixer.D", "mixer.dt_bias")
+    params = dict(block.named_parameters())
+    plan = apply_precision(block)
+    assert plan.fp32 == ("mixer.A_log", "mixer.D", "mixer.dt_bias")
     for name, p in block.named_parameters():
-        assert p.dtype == (torch.float32 if name in wrapped.plan.fp32 else torch.bfloat16), name
+        assert p is params[name]  # cast in place: the same Parameter objects, no wrapper
+        assert p.dtype == (torch.float32 if name in plan.fp32 else torch.bfloat16), name
     assert block.scale.dtype == torch.bfloat16
-    wrapped.check_contract()
+    check_precision(block, plan)
     assert fp32_contract(_m2rnn(residual=False)) == ("A_log", "dt_bias")  # D is None: nothing to keep
 
 
 def test_no_per_step_recasts_and_outputs_are_low_precision() -> None:
-    wrapped = apply_mixed_precision(_m2rnn())
-    ptrs = {n: p.data_ptr() for n, p in wrapped.named_parameters()}
-    x = torch.randn(1, 16, 32)
-    for _ in range(2):
-        y = wrapped(x)
-    assert y.dtype == torch.bfloat16
-    assert ptrs == {n: p.data_ptr() for n, p in wrapped.named_parameters()}
-
-
-def test_a_later_blanket_cast_of_the_wrapper_keeps_the_fp32_values() -> None:
     layer = _m2rnn()
-    exact = layer.A_log.detach().clone()
-    wrapped = apply_mixed_precision(copy.deepcopy(layer)).to(torch.bfloat16)
-    assert wrapped.module.A_log.dtype == torch.float32
-    assert torch.equal(wrapped.module.A_log, exact)  # restored from the saved fp32, not cast back up
-    wrapped.check_contract()
-    wrapped.module.dt_bias.data = wrapped.module.dt_bias.data.bfloat16()
-    with pytest.raises(ValueError, match="dt_bias"):
-        wrapped.check_contract()
+    apply_precision(layer)
+    ptrs = {n: p.data_ptr() for n, p in layer.named_parameters()}
+    x = torch.randn(1, 16, 32, dtype=torch.bfloat16)
+    for _ in range(2):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    assert ptrs == {n: p.data_ptr() for n, p in layer.named_parameters()}
 
 
-def test_tripwire_blanket_bf16_cast_breaks_the_decay_path_and_the_wrapper_keeps_it() -> None:
+def test_a_later_blanket_cast_is_caught_naming_the_tensor() -> None:
+    layer = _m2rnn()
+    plan = apply_precision(layer)
+    layer.dt_bias.data = layer.dt_bias.data.bfloat16()
+    with pytest.raises(ValueError, match="fp32-contract tensor 'dt_bias' is torch.bfloat16"):
+        check_precision(layer, plan)
+    other = _m2rnn()
+    plan = apply_precision(other)
+    other.float()  # the cast tensors back to fp32: the plan says bf16
+    with pytest.raises(ValueError, match="the precision plan says torch.bfloat16"):
+        check_precision(other, plan)
+
+
+def test_tripwire_blanket_bf16_cast_breaks_the_decay_path_and_apply_precision_keeps_it() -> None:
     # long memory: 1 - f ~ 1e-3, where bf16 rounding of A_log / dt_bias is a percent-level error of the rate
     layer = _m2rnn(dt_min=1e-4, dt_max=1e-3, dt_init_floor=1e-5)
     decay = torch.zeros(2)
     rate = lambda m: 1 - softplus_decay_gate(decay, m.A_log, m.dt_bias)  # noqa: E731
     exact = rate(layer).detach()
     blanket = copy.deepcopy(layer).to(torch.bfloat16)
-    wrapped = apply_mixed_precision(copy.deepcopy(layer))
+    kept = copy.deepcopy(layer)
+    apply_precision(kept)
     err = lambda m: float(((rate(m).detach() - exact).abs() / exact).max())  # noqa: E731
     assert err(blanket) > 1e-3
-    assert err(wrapped.module) == 0.0
+    assert err(kept) == 0.0
 
 
-def test_bad_contracts_fail_closed() -> None:
+def test_parallelize_casts_once_and_keeps_the_plan() -> None:
+    from megacpp_lab.model.config import model_config
+    from megacpp_lab.model.hybrid import HybridLM
+    from megacpp_lab.model.parallelize import ParallelConfig, parallelize
+
+    model = HybridLM(model_config("tiny", "cpu"))
+    ready = parallelize(model, ParallelConfig(dtype="bf16"))
+    assert ready is model and model.precision_plan.dtype == torch.bfloat16
+    check_precision(model, model.precision_plan)
+    assert model.embed.weight.dtype == torch.bfloat16
+    assert all(dict(model.named_parameters())[n].dtype == torch.float32 for n in model.precision_plan.fp32
+               if n in dict(model.named_parameters()))  # fmt: skip
+    with pytest.raises(ValueError, match="plain fp32 model"):  # a second cast, or a model cast by hand, is refused
+        parallelize(model, ParallelConfig(dtype="bf16"))
+    fp32 = HybridLM(model_config("tiny", "cpu"))
+    assert parallelize(fp32, ParallelConfig()).precision_plan is None  # auto on a CPU: fp32, nothing cast
+
+
+def test_bad_contracts_and_dtypes_fail_closed() -> None:
     class Bad(nn.Module):
         _fp32_params = ("nope",)
 
@@ -81,7 +104,7 @@ def test_bad_contracts_fail_closed() -> None:
             self.w = nn.Parameter(torch.ones(2))
 
     with pytest.raises(ValueError, match="declares _fp32_params 'nope'"):
-        apply_mixed_precision(Bad())
+        apply_precision(Bad())
 
     class Str(nn.Module):
         _fp32_params = "w"
@@ -89,4 +112,4 @@ def test_bad_contracts_fail_closed() -> None:
     with pytest.raises(ValueError, match="tuple of names"):
         fp32_contract(Str())
     with pytest.raises(ValueError, match="dtype must be"):
-        MixedPrecision(nn.Linear(2, 2), torch.float64)
+        apply_precision(nn.Linear(2, 2), torch.float64)

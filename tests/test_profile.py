@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from megacpp_lab import receipts
-from megacpp_lab.bench.profile import SMALL, _compile_records, _doc_counts, profile_training
+from megacpp_lab.bench.profile import SMALL, _doc_counts, profile_training
+from megacpp_lab.model.parallelize import compile_breakdown
 
 
 def _run(out: Path, **kw: Any) -> tuple[dict[str, Path], dict[str, Any]]:
@@ -116,7 +117,7 @@ def test_compile_records_keep_runtime_records_out_of_the_regions():
              R(compile_id="1/0", is_forward=True, entire_frame_compile_time_s=16.0, graph_op_count=195),
              R(compile_id="1/0", is_forward=True, is_runtime=True, duration_us=900_000)]  # fmt: skip
     later = [R(compile_id="1/0", is_forward=False, is_runtime=True, duration_us=5_000)]
-    rec = _compile_records(structures, len(first), first + later)
+    rec = compile_breakdown(structures, len(first), first + later)
     assert [(r["structure"], r["blocks"]) for r in rec["per_region"]] == [(["A"], 3), (["M", "engram"], 3)]
     a, m = rec["per_region"]
     assert (a["forward_s"], a["backward_s"], a["runtime_s"]) == (8.0, 0.5, 0.1)

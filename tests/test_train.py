@@ -21,6 +21,7 @@ from megacpp_lab.model.train import (
     load_checkpoint,
     load_checkpoint_model,
     lr_at,
+    read_history,
     save_checkpoint,
     train,
 )
@@ -75,7 +76,8 @@ def test_training_lowers_the_loss_and_writes_its_outputs(runs):
     assert val_rows[-1]["val_loss"] < val_rows[0]["val_loss"]
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in train_rows)
     assert (s.out_dir / "loss.png").stat().st_size > 1000
-    assert json.loads((s.out_dir / "history.json").read_text()) == s.history
+    run, rows = read_history(s.out_dir)
+    assert rows == s.history and run["remat"] == "none" and run["parallel"]["compile"] is False
 
 
 def test_tensorboard_scalars(tmp_path):
@@ -246,22 +248,23 @@ def test_lr_schedule():
 def test_master_weights_keep_bf16_updates_that_bf16_would_round_away():
     """A bf16 weight of 1.0 moved by lr 1e-4 a step: bf16 alone rounds every update away (its spacing near
     1 is 2^-7); the fp32 master accumulates them and the bf16 copy moves once they add up."""
-    from megacpp_lab.model.precision import apply_mixed_precision
+    from megacpp_lab.model.precision import apply_precision
 
     lin = torch.nn.Linear(4, 4, bias=False)
     torch.nn.init.ones_(lin.weight)
-    model = apply_mixed_precision(torch.nn.Sequential(lin), torch.bfloat16)
+    model = torch.nn.Sequential(lin)
+    apply_precision(model, torch.bfloat16)
     cfg = TrainConfig(lr=1e-4, weight_decay=0.0, warmup_steps=0, grad_clip=0.0)
     opt = MasterWeightAdamW(model, cfg, fused=False)
     assert opt.copied and opt.masters[0].dtype == torch.float32
     for _ in range(100):
-        model.module[0].weight.grad = torch.ones(4, 4, dtype=torch.bfloat16)
+        model[0].weight.grad = torch.ones(4, 4, dtype=torch.bfloat16)
         opt.step(1e-4)
         opt.zero_grad()
     assert opt.masters[0].detach().sub(1 - 100 * 1e-4).abs().max() < 1e-5
-    assert model.module[0].weight.dtype == torch.bfloat16
-    assert torch.equal(model.module[0].weight, opt.masters[0].detach().to(torch.bfloat16))
-    assert float(model.module[0].weight[0, 0]) < 1.0
+    assert model[0].weight.dtype == torch.bfloat16
+    assert torch.equal(model[0].weight, opt.masters[0].detach().to(torch.bfloat16))
+    assert float(model[0].weight[0, 0]) < 1.0
 
 
 def test_grad_clip_scales_to_the_limit():

@@ -203,25 +203,34 @@ about 20 s.""",
         BenchCommand(
             "compile",
             "megacpp_lab.bench.compile",
-            "HybridLM: regional against whole-model torch.compile (cold compile, step time, MFU, recompiles)",
+            "HybridLM compile time: cold / warm / Mega-Cache per region and phase, depth, recompiles, step vs eager",
             """\
-HybridLM under torch.compile: regional compile (apply_compile: every block compiled on its own with
-fullgraph, one graph per block structure) against whole-model torch.compile and eager, one run.
+HybridLM's compile time as a user meets it, and the compiled step against eager, one run. Each contender
+runs in a process of its own, with inductor and Triton cache directories of its own (cold: empty).
 
 Shape: the base preset (12 layers, d=1024, pattern AMRM, Engram at layers 1, 5, 9), B=4, T=4096, 8
-documents per row, bf16, Triton scans. Each contender on a fresh model and a fresh dynamo with
-inductor's caches disabled: the cold first step and its compile time (first step minus the steady
-step), graphs and graph breaks, recompiles over batches of 1, 3, 17, 64, 5 and 8 documents per row,
-the median training step (forward, backward; 10 CUDA-event-timed steps), tokens/s, TFLOP/s from
-HybridLM.flops_per_token and MFU against 989 TFLOP/s (dense bf16). The summary holds the ratios and
-the bar: regional compile at most 1/3 of whole-model compile, the regional step at most 0.8x eager,
-MFU at least 30%.
-One profiled step of the regionally compiled model is the trace.
-Receipts under <out>/<device-slug>/compile/: compile_step.json, compile_regional.*.pt.trace.json.
-Run time on an H200: about three minutes (the committed receipt: 153 s in the command, 165 s with
-start-up; two cold compiles of about a minute each).
---small (CPU, the tiny preset at B=1, T=32, the scans' Triton kernels under the interpreter, dynamo's
-aot_eager backend instead of inductor): about two minutes.""",
+documents per row, bf16, Triton scans, built by parallelize. Contenders:
+  eager                        10 CUDA-event-timed steps after 3 of warm-up (median, min, max)
+  regional cold                apply_compile (one graph per block structure), fresh caches: import, build
+                               and first step; the compile of each region split by phase (dynamo trace,
+                               AOTAutograd, inductor lowering and code generation, Triton compile, autotune)
+                               from dynamo's CompilationMetrics, the time outside dynamo (the lab's kernels),
+                               the Triton kernels compiled; then batches of 1, 2, 3, 17 and 64 documents per
+                               row with and without gradients (graphs added: recompiles); the timed steps,
+                               MFU against 989 TFLOP/s; one profiled step; its Mega-Cache artifacts saved
+  regional warm                a new process on the caches the cold run left: every cache hit or missed
+  regional from Mega-Cache     empty caches, the artifacts loaded first (torch.compiler.load_cache_artifacts)
+  regional cold 48 layers      the same model 48 layers deep (compile should be flat in depth)
+  whole-model cold 48 layers   torch.compile(model), stopped at 3.5x the regional first step at 48 layers
+  whole-model cold             at 12 layers, stopped at 3.5x the regional one
+The summary holds one bar per threshold: cold first step <= 40 s, warm first step <= 4 s, warm import +
+build + first step <= 10 s, 48 layers <= 1.15x 12 layers, regional <= 1/3 of whole-model at 48 layers,
+zero recompiles, the compiled step <= 0.8x eager.
+Receipts under <out>/<device-slug>/compile/: compile_step.json, compile_step.png (phases per region, first
+steps), compile_regional.*.pt.trace.json; compile_step.partial.json while it runs.
+Run time on an H100: about eight minutes (seven processes; three or four cold compiles).
+--small (CPU, the tiny preset at B=1, T=32, 4 and 8 layers, the scans' Triton kernels under the
+interpreter, dynamo's aot_eager backend instead of inductor): a few minutes.""",
             triton_on_cpu=True,
         ),
         BenchCommand(

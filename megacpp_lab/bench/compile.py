@@ -1,164 +1,392 @@
-"""Regional against whole-model compile of HybridLM: cold compile time, step time, MFU, recompiles; one run.
+"""Compile time of HybridLM, cold and warm, region by region, and the compiled step against eager: one run.
 
 What it measures and writes, and how long it takes: `megacpp-lab bench compile --help`
-(megacpp_lab.bench.COMMANDS["compile"]). The eager row is the same step as `bench model`'s baseline,
-re-measured in this run so that every ratio is taken between contenders of one process.
+(megacpp_lab.bench.COMMANDS["compile"]).
+
+Every contender runs in a process of its own (`python -m megacpp_lab.bench.compile RUN.json`), so that cold means
+cold: a fresh interpreter, a fresh dynamo, and inductor and Triton cache directories of its own
+(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), empty unless the run is a warm restart of an earlier one. A run
+writes its result file as it goes, so a run stopped at its time cap (the whole-model compile of a deep model)
+still reports how far it got. The parent times the process from its launch: the imports, the build and the
+first step are what a user waits for after a kernel restart.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch import nn
-
-from megacpp_lab.bench import bench_device, output_root
-from megacpp_lab.bench.model import FULL_SHAPE, ModelShape, TrainingStep, build_model, make_batch
-from megacpp_lab.model.config import model_config
-from megacpp_lab.model.parallelize import apply_compile, compile_stats
-from megacpp_lab.profiling import profile_trace, step_times_ms
-from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
-from megacpp_lab.varlen import build_context
 
 # the bar's reference: an H100 SXM's dense bf16 peak (the H200 has the same SMs and clocks, so the same peak)
 PEAK_BF16_TFLOPS = 989.0
 # documents per row of the batches after the first: a new count must reuse the graphs, never recompile
-DOC_COUNTS = (1, 3, 17, 64, 5, 8)
-# B=1 in the smoke run: each batch keeps >= 2 documents (a batch of exactly one document in all is the one
-# count that recompiles: a contiguity check in the M2RNN graph's backward trace specializes on it)
-SMALL_DOC_COUNTS = (3, 5)
-SMALL_COMPILE_SHAPE = ModelShape("tiny", B=1, T=32, docs=2)  # the interpreted Triton scans: seconds a step
+DOC_COUNTS = (1, 2, 3, 17, 64)
+SMALL_DOC_COUNTS = (1, 2, 3, 5)
+# a stopped whole-model compile has taken at least this many times the regional one at its depth: the 1/3
+# bar holds, and the receipt says the whole-model time is a lower bound
+WHOLE_CAP_FACTOR = 3.5
+BARS = {
+    "cold_s": 40.0,  # regional first step, fresh caches, 12 layers
+    "warm_first_step_s": 4.0,  # a new process, caches on disk
+    "warm_total_s": 10.0,  # import, build and first step of that process
+    "depth_ratio": 1.15,  # regional cold first step at 48 layers over 12
+    "whole_fraction": 1 / 3,  # regional cold first step over whole-model at 48 layers
+    "step_over_eager": 0.8,
+}
 
 
-def _config(preset: str, device: str) -> Any:
-    """The preset with the scans on Triton everywhere (under the interpreter on a CPU): a compiled graph may
-    hold the scans' custom ops, never the reference loops."""
-    return model_config(preset, device, m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
+@dataclass(frozen=True)
+class Run:
+    """One contender, run in a process of its own (see the module docstring)."""
+
+    name: str
+    mode: str  # eager | regional | whole
+    preset: str = "base"
+    n_layers: int | None = None  # None: the preset's
+    B: int = 4
+    T: int = 4096
+    docs: int = 8
+    backend: str = "inductor"
+    device: str = "cuda"
+    steps: int = 0  # timed steps after the first (0: the first step only)
+    warmup: int = 0
+    doc_counts: tuple[int, ...] = ()  # batches after the first, with gradients then without: none may add a graph
+    megacache_save: str | None = None  # write torch.compiler.save_cache_artifacts() here after the run
+    megacache_load: str | None = None  # load these artifacts (torch.compiler.load_cache_artifacts) before the build
+    trace_dir: str | None = None  # one profiled step of the compiled model
+    launched_at: float = 0.0  # time.time() when the parent launched the process
 
 
-def _reset() -> None:
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
+# ----------------------------------------------------------------------------- the run, in its own process
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def _triton_kernels(cache: str | None) -> int:
+    """Compiled Triton kernels in a Triton cache directory (one .cubin / .hsaco / interpreter-free binary each)."""
+    if not cache or not Path(cache).is_dir():
+        return 0
+    return sum(1 for p in Path(cache).rglob("*") if p.suffix in (".cubin", ".hsaco"))
 
 
-def _contender(name: str, wrap: Callable[[nn.Module], nn.Module], shape: ModelShape, device: str, *,
-               doc_counts: tuple[int, ...], steps: int, warmup: int, flops_per_token: int,
-               trace_dir: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """One contender on a fresh model and a fresh dynamo: the first (cold) step, then steps over batches with
-    other document counts (graphs added there are recompiles), then the median step on the first batch."""
-    _reset()
-    config = _config(shape.preset, device)
-    model = wrap(build_model(config, device))
+def _run(run: Run, out: Path) -> None:
+    """Measure one contender and write its result to `out` after every phase (see Run)."""
+    imported_at = time.time()
+    import torch
+    from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
+
+    from megacpp_lab.bench.model import ModelShape, TrainingStep, build_model, make_batch, triton_config
+    from megacpp_lab.model.parallelize import ParallelConfig, block_structures, compile_breakdown, compile_stats
+    from megacpp_lab.profiling import profile_trace, step_times_ms
+    from megacpp_lab.varlen import build_context
+
+    result: dict[str, Any] = {"contender": run.name, "mode": run.mode, "n_layers": run.n_layers, "preset": run.preset}
+
+    def save(**values: Any) -> None:
+        result.update(values)
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    def sync() -> None:
+        if run.device == "cuda":
+            torch.cuda.synchronize()
+
+    ready_at = time.time()
+    save(import_s=ready_at - run.launched_at, megacpp_import_s=ready_at - imported_at,
+         compile_threads=int(torch._inductor.config.compile_threads), triton_cache=os.environ.get("TRITON_CACHE_DIR"),
+         inductor_cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))  # fmt: skip
+    if run.megacache_load:
+        t0 = time.perf_counter()
+        info = torch.compiler.load_cache_artifacts(Path(run.megacache_load).read_bytes())
+        save(megacache_load_s=time.perf_counter() - t0, megacache_loaded=info is not None)
+    config = triton_config(run.preset, run.device, **({"n_layers": run.n_layers} if run.n_layers else {}))
+    parallel = ParallelConfig(compile=run.mode == "regional", backend=run.backend)
+    model = build_model(config, run.device, parallel=parallel)
+    if run.mode == "whole":
+        model = torch.compile(model, backend=run.backend)
+    shape = ModelShape(run.preset, run.B, run.T, run.docs)
     ignore = config.lm_head.ignore_index
-    tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=ignore)
+    tokens, doc_ids, targets = make_batch(shape, config.vocab_size, run.device, ignore_index=ignore)
     step = TrainingStep(model, tokens, build_context(doc_ids), targets)
-    _sync(device)
+    structures = list(block_structures(model if run.mode != "whole" else model._orig_mod).items())
+    counters.clear()
+    clear_compilation_metrics()
+    kernels_before = _triton_kernels(os.environ.get("TRITON_CACHE_DIR"))
+    sync()
+    built_at = time.time()
+    save(build_s=built_at - ready_at, layers=config.n_layers, structures=[[list(s), n] for s, n in structures])
     t0 = time.perf_counter()
     step()
-    _sync(device)
-    first_s = time.perf_counter() - t0
-    after_first = compile_stats()
-    for i, docs in enumerate(doc_counts):
-        t, d, y = make_batch(replace(shape, docs=docs), config.vocab_size, device, seed=1 + i, ignore_index=ignore)
-        TrainingStep(model, t, build_context(d), y)()
+    sync()
+    first = time.perf_counter() - t0
     stats = compile_stats()
-    samples = sorted(step_times_ms(step, warmup=warmup, steps=steps, device=device))
-    ms = statistics.median(samples)
-    trace = None
-    if trace_dir is not None:  # one step of the compiled regions, for TensorBoard / Perfetto
-        trace, _ = profile_trace(step, trace_dir, "compile_regional", steps=1, warmup=1, record_shapes=False)
-    n_tokens = shape.B * shape.T
-    tflops = flops_per_token * n_tokens / (ms / 1e3) / 1e12
-    row: dict[str, Any] = {
-        "contender": name, "ms": ms, "ms_min": samples[0], "ms_max": samples[-1], "steps": steps,
-        "tokens_per_s": n_tokens / (ms / 1e3), "tflops": tflops, "mfu": tflops / PEAK_BF16_TFLOPS,
-        "first_step_s": first_s, "compile_s": max(0.0, first_s - ms / 1e3),
-        "graphs": stats.graphs, "graph_breaks": stats.graph_breaks,
-        "recompiles": stats.graphs - after_first.graphs, "doc_counts_after_first": list(doc_counts),
-    }  # fmt: skip
-    if trace is not None:
-        row["trace"] = trace.name
-    del step, model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return row
+    n_first = len(get_compilation_metrics())
+    save(first_step_s=first, compile_s=first, total_s=time.time() - run.launched_at, graphs=stats.graphs,
+         graph_breaks=stats.graph_breaks, triton_kernels_compiled=_triton_kernels(os.environ.get("TRITON_CACHE_DIR"))
+         - kernels_before)  # fmt: skip
+    if run.mode != "eager":
+        breakdown = compile_breakdown(structures if run.mode == "regional" else [(("model",), 1)], n_first)
+        save(compile=breakdown, dynamo_and_inductor_s=breakdown["cold_compile_s"],
+             outside_dynamo_s=max(0.0, first - breakdown["cold_compile_s"]),
+             generated_kernels=int(counters["inductor"].get("async_compile_cache_miss", 0)))  # fmt: skip
+    if run.doc_counts:  # with gradients, then without: after the first call of each mode, no graph may be added
+        for i, docs in enumerate(run.doc_counts):
+            t, d, y = make_batch(replace(shape, docs=docs), config.vocab_size, run.device, seed=1 + i, ignore_index=ignore)
+            TrainingStep(model, t, build_context(d), y)()
+        grad_graphs = compile_stats().graphs
+        with torch.no_grad():
+            model(tokens, build_context(doc_ids), targets)
+            no_grad_first = compile_stats().graphs
+            for i, docs in enumerate(run.doc_counts):
+                t, d, y = make_batch(replace(shape, docs=docs), config.vocab_size, run.device, seed=1 + i, ignore_index=ignore)
+                model(t, build_context(d), y)
+        sync()
+        save(recompiles_with_grad=grad_graphs - stats.graphs, no_grad_graphs=no_grad_first - grad_graphs,
+             recompiles_without_grad=compile_stats().graphs - no_grad_first, doc_counts=list(run.doc_counts))  # fmt: skip
+    if run.steps:
+        samples = sorted(step_times_ms(step, warmup=run.warmup, steps=run.steps, device=run.device))
+        ms = statistics.median(samples)
+        n_tokens = run.B * run.T
+        flops = (model if run.mode != "whole" else model._orig_mod).flops_per_token(run.T)["total"]
+        tflops = flops * n_tokens / (ms / 1e3) / 1e12
+        save(ms=ms, ms_min=samples[0], ms_max=samples[-1], steps=run.steps, tokens_per_s=n_tokens / (ms / 1e3),
+             compile_s=max(0.0, first - ms / 1e3),
+             tflops=tflops, mfu=tflops / PEAK_BF16_TFLOPS, flops_per_token=flops)  # fmt: skip
+    if run.trace_dir:
+        trace, _ = profile_trace(step, Path(run.trace_dir), f"compile_{run.mode}", steps=1, warmup=1, record_shapes=False)
+        save(trace=trace.name)
+    if run.megacache_save:
+        artifacts = torch.compiler.save_cache_artifacts()
+        if artifacts is None:
+            save(megacache_bytes=0)
+        else:
+            Path(run.megacache_save).write_bytes(artifacts[0])
+            save(megacache_bytes=len(artifacts[0]))
+    save(done=True)
 
 
-def bench_compile(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", doc_counts: tuple[int, ...] = DOC_COUNTS,
-                  steps: int = 10, warmup: int = 3, backend: str = "inductor", trace_dir: Path | None = None,
-                  progress: bool = True) -> dict[str, Any]:  # fmt: skip
-    """Eager, regional (apply_compile) and whole-model torch.compile of one model at one shape, cold caches.
-    backend: inductor for a receipt; aot_eager for a CPU smoke run (dynamo's graphs, breaks and recompiles are
-    the same, without inductor's minutes of C++ compiles)."""
+# ----------------------------------------------------------------------------- the parent
+
+
+def _launch(run: Run, caches: Path, *, timeout: float | None, interpret: bool) -> dict[str, Any]:
+    """Run one contender in a new process with `caches`/inductor and `caches`/triton as its cache directories;
+    its result, `stopped_at_s` set when it ran past `timeout`."""
+    reused = caches.is_dir()
+    caches.mkdir(parents=True, exist_ok=True)
+    out = caches.parent / f"{caches.name}-{run.name.replace(' ', '_')}.json"
+    out.unlink(missing_ok=True)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    run = replace(run, launched_at=time.time())
+    spec = out.with_suffix(".run.json")
+    spec.write_text(json.dumps(asdict(run)))
+    print(f"[bench compile] {run.name}: {'the caches of an earlier run' if reused else 'empty caches'} in {caches}"
+          f"{f', stopped at {timeout:.0f} s' if timeout else ''}", file=sys.stderr, flush=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "megacpp_lab.bench.compile", str(spec), str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        log, _ = proc.communicate()
+        result = json.loads(out.read_text()) if out.is_file() else {"contender": run.name, "mode": run.mode}
+        result["stopped_at_s"] = time.time() - run.launched_at
+        result["compile_s"] = result["stopped_at_s"]  # a lower bound: launch to the stop, the compile unfinished
+        return result
+    if proc.returncode:
+        raise RuntimeError(f"bench compile: {run.name} failed ({proc.returncode}):\n{log[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def _first_step(row: dict[str, Any]) -> float:
+    """The first step's time, or for a run stopped at its cap, the time it had run (a lower bound)."""
+    return row["first_step_s"] if "first_step_s" in row else row["stopped_at_s"]
+
+
+def bench_compile(*, preset: str = "base", B: int = 4, T: int = 4096, docs: int = 8, deep_layers: int = 48,
+                  device: str = "cuda", doc_counts: tuple[int, ...] = DOC_COUNTS, steps: int = 10, warmup: int = 3,
+                  backend: str = "inductor", trace_dir: Path | None = None, caches: Path | None = None,
+                  progress: bool = True, partial: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Eager, regional cold / warm / from Mega-Cache artifacts, regional at `deep_layers`, whole-model at both
+    depths: see the module docstring and COMMANDS["compile"]. partial: write the receipt there after every run."""
     from tqdm.auto import tqdm
 
-    from megacpp_lab.model.hybrid import HybridLM
+    from megacpp_lab.model.config import hybrid_preset
+    from megacpp_lab.receipts import make_receipt
 
-    flops = HybridLM(_config(shape.preset, "cpu")).flops_per_token(shape.T)  # counted on a CPU-built twin
-    contenders: list[tuple[str, Callable[[nn.Module], nn.Module]]] = [
-        ("eager", lambda m: m),  # first: the Triton kernels' autotuning lands in its first step, not a compile's
-        ("regional compile (apply_compile, fullgraph per block)", lambda m: apply_compile(m, backend=backend)),
-        ("whole-model torch.compile", lambda m: torch.compile(m, backend=backend)),
+    interpret = device == "cpu"
+    if caches is not None:
+        caches.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="megacpp-compile-", dir=caches))
+    base = Run("", "", preset=preset, B=B, T=T, docs=docs, backend=backend, device=device)
+    shallow = hybrid_preset(preset).n_layers
+    mega = root / "regional.megacache"
+    plan = [
+        ("eager", root / "eager", Run("eager", "eager", steps=steps, warmup=warmup), None),
+        ("regional cold", root / "regional", Run("regional cold", "regional", steps=steps, warmup=warmup,
+                                                 doc_counts=doc_counts, megacache_save=str(mega),
+                                                 trace_dir=str(trace_dir) if trace_dir else None), None),  # fmt: skip
+        ("regional warm", root / "regional", Run("regional warm", "regional"), None),
+        ("regional from Mega-Cache", root / "megacache", Run("regional from Mega-Cache", "regional", megacache_load=str(mega)), None),
+        (f"regional cold {deep_layers} layers", root / "regional-deep", Run(f"regional cold {deep_layers} layers", "regional",
+                                                                            n_layers=deep_layers), None),  # fmt: skip
+        (f"whole-model cold {deep_layers} layers", root / "whole-deep", Run(f"whole-model cold {deep_layers} layers", "whole",
+                                                                            n_layers=deep_layers), f"regional cold {deep_layers} layers"),  # fmt: skip
+        ("whole-model cold", root / "whole", Run("whole-model cold", "whole"), "regional cold"),
     ]
-    results = []
-    # cold: no inductor or autotune cache from an earlier run may shorten a compile
-    with torch._inductor.config.patch(force_disable_caches=True):
-        for name, wrap in tqdm(contenders, desc=f"compile {shape.preset} B={shape.B} T={shape.T}", disable=not progress):
-            results.append(_contender(name, wrap, shape, device, doc_counts=doc_counts, steps=steps, warmup=warmup,
-                                      flops_per_token=flops["total"],
-                                      trace_dir=trace_dir if name.startswith("regional") else None))  # fmt: skip
-    _reset()
-    eager, regional, whole = results
-    for row in results[1:]:
-        row["step_vs_eager"] = row["ms"] / eager["ms"]
-    summary = {
-        "regional_over_whole_compile_s": regional["compile_s"] / max(whole["compile_s"], 1e-9),
-        "regional_step_over_eager": regional["ms"] / eager["ms"],
-        "whole_step_over_eager": whole["ms"] / eager["ms"],
-        "regional_mfu": regional["mfu"],
-        "bar": {"regional compile <= 1/3 of whole-model compile": regional["compile_s"] <= whole["compile_s"] / 3,
-                "regional step <= 0.8x eager": regional["ms"] <= 0.8 * eager["ms"],
-                "regional MFU >= 30% of 989 TFLOP/s": regional["mfu"] >= 0.30},  # fmt: skip
-    }
+    rows: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    receipt: dict[str, Any] = {}
+    for name, cache, run, capped_by in tqdm(plan, desc=f"compile {preset} B={B} T={T}", disable=not progress):
+        run = replace(run, preset=base.preset, B=B, T=T, docs=docs, backend=backend, device=device)
+        if run.megacache_load and not Path(run.megacache_load).is_file():
+            skipped[name] = f"torch.compiler.save_cache_artifacts() returned nothing to carry (backend {backend})"
+            continue
+        timeout = WHOLE_CAP_FACTOR * _first_step(rows[capped_by]) if capped_by and capped_by in rows else None
+        rows[name] = _launch(run, cache, timeout=timeout, interpret=interpret)
+        if timeout is not None:
+            rows[name]["cap_s"] = timeout
+        receipt = _receipt(rows, skipped, preset=preset, B=B, T=T, docs=docs, device=device, backend=backend,
+                           shallow=shallow, deep=deep_layers, make_receipt=make_receipt)  # fmt: skip
+        if partial is not None:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(receipt, indent=1) + "\n")
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)  # the runs' caches and result files: gigabytes at base size
+    return receipt
+
+
+def _receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *, preset: str, B: int, T: int, docs: int, device: str, backend: str,
+             shallow: int, deep: int, make_receipt: Any) -> dict[str, Any]:  # fmt: skip
+    eager, cold = rows.get("eager"), rows.get("regional cold")
+    warm, deep_r = rows.get("regional warm"), rows.get(f"regional cold {deep} layers")
+    deep_w = rows.get(f"whole-model cold {deep} layers")
+    summary: dict[str, Any] = {"complete": len(rows) + len(skipped) == 7, "skipped": skipped}
+    bar: dict[str, bool] = {}
+    if cold:
+        summary["regional_cold_first_step_s"] = cold["first_step_s"]
+        bar[f"cold: regional first step at {shallow} layers <= {BARS['cold_s']:g} s"] = cold["first_step_s"] <= BARS["cold_s"]
+        if "recompiles_with_grad" in cold:
+            bar[f"zero recompiles over {cold['doc_counts']} documents per row, with and without gradients"] = (
+                cold["recompiles_with_grad"] == 0 and cold["recompiles_without_grad"] == 0)  # fmt: skip
+    if warm:
+        summary.update(warm_first_step_s=warm["first_step_s"], warm_total_s=warm["total_s"])
+        bar[f"warm: first compiled step <= {BARS['warm_first_step_s']:g} s"] = warm["first_step_s"] <= BARS["warm_first_step_s"]
+        bar[f"warm: import, build and first step <= {BARS['warm_total_s']:g} s"] = warm["total_s"] <= BARS["warm_total_s"]
+    if cold and deep_r:
+        ratio = deep_r["first_step_s"] / cold["first_step_s"]
+        summary["deep_over_shallow_regional"] = ratio
+        bar[f"{deep} layers: regional cold first step <= {BARS['depth_ratio']:g}x that at {shallow}"] = ratio <= BARS["depth_ratio"]
+    if deep_r and deep_w:
+        whole = _first_step(deep_w)
+        summary["regional_over_whole_at_depth"] = deep_r["first_step_s"] / whole
+        summary["whole_at_depth_is_lower_bound"] = "first_step_s" not in deep_w
+        bar[f"{deep} layers: regional cold first step <= 1/3 of the whole-model's"] = deep_r["first_step_s"] <= whole * BARS["whole_fraction"]
+    if eager and cold and "ms" in cold:
+        summary.update(regional_step_over_eager=cold["ms"] / eager["ms"], regional_mfu=cold["mfu"])
+        bar[f"compiled step <= {BARS['step_over_eager']:g}x eager"] = cold["ms"] <= BARS["step_over_eager"] * eager["ms"]
+    summary["bar"] = bar
     return make_receipt(
-        "compile_step", "compile", shape=asdict(shape), dtype="bfloat16" if device == "cuda" else "float32",
-        results=results, device=device, summary=summary, backend=backend, flops_per_token=flops, peak_bf16_tflops=PEAK_BF16_TFLOPS,
+        "compile_step", "compile", shape={"preset": preset, "B": B, "T": T, "docs": docs, "layers": shallow,
+                                          "deep_layers": deep},  # fmt: skip
+        dtype="bfloat16" if device == "cuda" else "float32", results=list(rows.values()), device=device,
+        summary=summary, backend=backend, peak_bf16_tflops=PEAK_BF16_TFLOPS,
         notes=(
-            "Each contender: a fresh model (seed 0) and a fresh dynamo, inductor caches disabled. first_step_s: the "
-            "first training step (zero_grad, forward to the fused loss, backward), which compiles; compile_s = "
-            "first_step_s minus the steady step. The eager contender runs first, so the Triton kernels' autotuning "
-            "is done before either compile. Then one step on each of doc_counts_after_first (other numbers of "
-            "documents per row): graphs dynamo compiled there are recompiles. ms: median of `steps` CUDA-event-timed "
-            "steps on the first batch. tflops from HybridLM.flops_per_token (matmuls and attention, forward and "
-            "backward); mfu = tflops / 989 (the H100's dense bf16 peak; the H200's is the same)."
+            "Every contender in a process of its own with its own inductor and Triton cache directories: cold runs "
+            "start with empty ones; 'regional warm' is a new process on the caches 'regional cold' left on disk; "
+            "'regional from Mega-Cache' starts with empty caches and loads the artifacts 'regional cold' saved "
+            "(torch.compiler.save_cache_artifacts / load_cache_artifacts), as a fresh container would. import_s: "
+            "from the launch of the process to the library imported; build_s: the model built and made ready "
+            "(parallelize) and the batch made; first_step_s: the first training step (forward to the fused loss, "
+            "backward), which compiles; compile_s: the first step less the median step where steps were timed, else "
+            "the first step; total_s: launch to the end of the first step. compile: per region, from "
+            "dynamo's CompilationMetrics, split by phase (dynamo trace, AOTAutograd's joint trace and partitioner, "
+            "inductor's lowering, its code generation, the Triton compile of its kernels, autotuning), with the "
+            "FX-graph and AOTAutograd cache hits; outside_dynamo_s: the rest of the first step (the lab's own Triton "
+            "kernels compiling and autotuning at their first launch, and the step itself). triton_kernels_compiled: "
+            "kernel binaries the run added to its Triton cache. Recompiles: graphs added by batches of doc_counts "
+            "documents per row after the first step, with gradients, then without (no_grad_graphs: the graphs the "
+            "first call without gradients adds: one per block structure, grad mode being part of dynamo's guards). "
+            "A whole-model run is stopped at cap_s = 3.5x the regional first step at its depth; stopped_at_s is "
+            "then a lower bound of its first step. ms: median of `steps` CUDA-event-timed steps (min and max "
+            "beside it); mfu against 989 TFLOP/s (dense bf16)."
         ),
     )  # fmt: skip
 
 
 def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool = True) -> list[Path]:
+    from megacpp_lab.bench import bench_device, output_root
+    from megacpp_lab.receipts import device_name, device_slug, write_receipt
+
     device = bench_device("compile", small)
     root = output_root(out_root, small)
     start = time.perf_counter()
-    slug = device_slug(device_name(device))
-    trace_dir = root / slug / "compile" if trace else None
-    receipt = bench_compile(SMALL_COMPILE_SHAPE if small else FULL_SHAPE, device=device,
-                            doc_counts=SMALL_DOC_COUNTS if small else DOC_COUNTS, steps=1 if small else 10,
-                            warmup=0 if small else 3, backend="aot_eager" if small else "inductor",
-                            trace_dir=trace_dir)  # fmt: skip
+    folder = root / device_slug(device_name(device)) / "compile"
+    folder.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = dict(preset="tiny", B=1, T=32, docs=2, deep_layers=8, doc_counts=SMALL_DOC_COUNTS,
+                                  steps=1, warmup=0, backend="aot_eager") if small else {}  # fmt: skip
+    from megacpp_lab.bench import SMALL_OUT
+
+    receipt = bench_compile(device=device, trace_dir=folder if trace else None, caches=SMALL_OUT if small else Path("build"),
+                            partial=folder / "compile_step.partial.json", **kwargs)  # fmt: skip
     receipt["elapsed_s"] = time.perf_counter() - start
     written = [write_receipt(receipt, root)]
+    (folder / "compile_step.partial.json").unlink(missing_ok=True)
+    written.append(_plot(receipt, folder / "compile_step.png"))
     if trace:
-        written.append(trace_dir / next(r["trace"] for r in receipt["results"] if "trace" in r))
+        written += [folder / r["trace"] for r in receipt["results"] if "trace" in r]
     return written
+
+
+def _plot(receipt: dict[str, Any], path: Path) -> Path:
+    """Left: each regional region's cold compile split by phase, with the rest of the first step. Right: the
+    first step of every contender (cold, warm, Mega-Cache, both depths), stopped runs hatched."""
+    from matplotlib.figure import Figure
+
+    from megacpp_lab.model.parallelize import PHASES
+
+    rows = {r["contender"]: r for r in receipt["results"]}
+    fig = Figure(figsize=(12, 4.2))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.2, 1]})
+    cold = rows.get("regional cold")
+    if cold and "compile" in cold:
+        regions = cold["compile"]["per_region"]
+        labels = ["+".join(r["structure"] or ["?"]) for r in regions]
+        bottom = [0.0] * len(regions)
+        for phase in PHASES:
+            values = [r["phases_s"][phase] for r in regions]
+            left.barh(labels, values, left=bottom, label=phase.replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, values)]
+        left.barh(["outside dynamo\n(lab kernels, step)"], [cold["outside_dynamo_s"]], color="0.5")
+        left.set(xlabel="seconds of the cold first step", title=f"regional cold compile by region and phase "
+                 f"(first step {cold['first_step_s']:.1f} s)")  # fmt: skip
+        left.legend(fontsize=7, loc="lower right")
+        left.invert_yaxis()
+    names = [n for n in rows if n != "eager"]
+    values = [_first_step(rows[n]) for n in names]
+    bars = right.barh(names, values, color=["C3" if "whole" in n else "C0" for n in names])
+    for b, n in zip(bars, names):
+        if "stopped_at_s" in rows[n]:
+            b.set_hatch("//")
+        right.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {b.get_width():.1f} s"
+                   f"{' (stopped: at least)' if 'stopped_at_s' in rows[n] else ''}", va="center", fontsize=8)  # fmt: skip
+    right.axvline(BARS["cold_s"], color="k", ls="--", lw=0.8)
+    right.set(xlabel="first step, seconds (log)", xscale="log", title="first training step: cold, warm, depth")
+    right.invert_yaxis()
+    fig.suptitle(f"{receipt['device']}: {receipt['shape']['preset']} B={receipt['shape']['B']} T={receipt['shape']['T']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+if __name__ == "__main__":  # one contender, in its own process: python -m megacpp_lab.bench.compile RUN.json OUT.json
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    spec["doc_counts"] = tuple(spec["doc_counts"])
+    _run(Run(**spec), Path(sys.argv[2]))

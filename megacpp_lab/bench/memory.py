@@ -34,11 +34,20 @@ import torch
 from torch import nn
 
 from megacpp_lab.bench import bench_device, output_root
-from megacpp_lab.bench.compile import SMALL_COMPILE_SHAPE, _config, _reset, _sync
-from megacpp_lab.bench.model import FULL_SHAPE, ModelShape, TrainingStep, build_model, make_batch
-from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
+from megacpp_lab.bench.model import (
+    FULL_SHAPE,
+    SMALL_COMPILE_SHAPE,
+    ModelShape,
+    TrainingStep,
+    build_model,
+    fresh_dynamo,
+    make_batch,
+    sync,
+    triton_config,
+)
+from megacpp_lab.model.checkpointing import CheckpointingPolicy
 from megacpp_lab.model.memory import MemoryEstimate, estimate_memory
-from megacpp_lab.model.parallelize import apply_compile, compile_stats
+from megacpp_lab.model.parallelize import ParallelConfig, compile_stats
 from megacpp_lab.profiling import saved_storages, step_times_ms
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
@@ -129,18 +138,16 @@ def _block_accounting(blocks: list[nn.Module], device: str) -> Iterator[dict[str
 
 def _measure(point: MemoryPoint, shape: ModelShape, device: str, *, steps: int, warmup: int, backend: str,
              ) -> dict[str, Any]:  # fmt: skip
-    _reset()
-    config = _config(shape.preset, device)
-    model = build_model(config, device)
-    apply_ac(model, point.policy, compiled=point.compiled)
-    if point.compiled:
-        apply_compile(model, backend=backend)
+    fresh_dynamo()
+    config = triton_config(shape.preset, device)
+    model = build_model(config, device, parallel=ParallelConfig(remat=point.policy.spec, compile=point.compiled,
+                                                                backend=backend))  # fmt: skip
     tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=config.lm_head.ignore_index)
     ctx = build_context(doc_ids)
     step = TrainingStep(model, tokens, ctx, targets)
     t0 = time.perf_counter()
     step()  # compiles (compiled points) and autotunes
-    _sync(device)
+    sync(device)
     first_s = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     mib = 2**20
@@ -151,7 +158,7 @@ def _measure(point: MemoryPoint, shape: ModelShape, device: str, *, steps: int, 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if device == "cuda" else 0
-    with _block_accounting(list(getattr(model, "module", model).blocks), device) as acc:  # under MixedPrecision
+    with _block_accounting(list(model.blocks), device) as acc:
         loss = model(tokens, ctx, targets).loss
     if device == "cuda":
         row["activation_mib"] = (torch.cuda.memory_allocated() - before) / mib
@@ -322,7 +329,7 @@ def memory_sweep(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", small:
         if partial is not None:
             partial.parent.mkdir(parents=True, exist_ok=True)
             partial.write_text(json.dumps(rows, indent=1) + "\n")
-    config, cache, mib = _config(shape.preset, device), {}, 2**20
+    config, cache, mib = triton_config(shape.preset, device), {}, 2**20
     for point, row in zip(tqdm(points, desc="estimates", unit="point", disable=not progress), rows):
         est = estimate_memory(config, batch=shape.B, seq_len=shape.T, docs=shape.docs, policy=point.policy,
                               compiled=point.compiled, device=device, backend=backend, trace_cache=cache)  # fmt: skip

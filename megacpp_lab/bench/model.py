@@ -21,8 +21,7 @@ from megacpp_lab.bench import bench_device, output_root
 from megacpp_lab.data import boundary_windows, load_sample, next_token_targets
 from megacpp_lab.model.config import HybridConfig, hybrid_preset, model_config  # noqa: F401  (re-exported)
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.model.parallelize import apply_compile
-from megacpp_lab.model.precision import apply_mixed_precision
+from megacpp_lab.model.parallelize import ParallelConfig, parallelize
 from megacpp_lab.profiling import LABEL_SEP, label_modules, profile_trace, step_times_ms, time_by_label
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.testing import model_leak_report, wake_zero_initialised
@@ -39,6 +38,7 @@ class ModelShape:
 
 FULL_SHAPE = ModelShape("base", B=4, T=4096, docs=8)
 SMALL_SHAPE = ModelShape("tiny", B=2, T=64, docs=3)
+SMALL_COMPILE_SHAPE = ModelShape("tiny", B=1, T=32, docs=2)  # the interpreted Triton scans: seconds a step
 # generality: batch sizes at T=4096, T at B*T fixed, 1 and 64 documents per row
 FULL_SWEEP = tuple(replace(FULL_SHAPE, **kw) for kw in (
     dict(B=1), dict(B=2), {}, dict(B=8), dict(B=8, T=2048), dict(B=2, T=8192), dict(docs=1), dict(docs=64),
@@ -54,12 +54,30 @@ def leak_features(n_layers: int) -> dict[str, Any]:
     return dict(mhc=True, ngram_layers=(min(2, n_layers - 1),), cblock_layers=(n_layers // 2,))
 
 
-def build_model(config: HybridConfig, device: str, *, seed: int = 0) -> nn.Module:
-    """HybridLM on the device: bf16 under apply_mixed_precision on a GPU (fp32-contract parameters stay
-    fp32), fp32 on a CPU."""
+def triton_config(preset: str, device: str, **overrides: Any) -> HybridConfig:
+    """The preset with the scans on Triton everywhere (under the interpreter on a CPU): a compiled graph may
+    hold the scans' custom ops, never the reference loops."""
+    return model_config(preset, device, m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), **overrides)
+
+
+def fresh_dynamo() -> None:
+    """Forget every compiled graph and zero dynamo's counters (the next compile is cold in this process)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model(config: HybridConfig, device: str, *, seed: int = 0, parallel: ParallelConfig | None = None) -> HybridLM:
+    """HybridLM on the device, made ready by parallelize (model/parallelize.py) under `parallel` (default
+    ParallelConfig(): bf16 on a GPU with the fp32 contract kept, fp32 on a CPU, eager, no remat)."""
     torch.manual_seed(seed)
-    model = HybridLM(config).to(device)
-    return apply_mixed_precision(model, torch.bfloat16) if device == "cuda" else model
+    return parallelize(HybridLM(config).to(device), parallel or ParallelConfig(), device=device)
 
 
 def make_batch(shape: ModelShape, vocab_size: int, device: str, *, seed: int = 0, ignore_index: int = -100,
@@ -155,10 +173,9 @@ def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", wa
 
     config = model_config(shape.preset, device)
     model = build_model(config, device)
-    lm: HybridLM = model.module if hasattr(model, "module") else model
     tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=config.lm_head.ignore_index)
     n_tokens = shape.B * shape.T
-    flops = lm.flops_per_token(shape.T)
+    flops = model.flops_per_token(shape.T)
     bar = tqdm(total=5 if trace_dir is not None else 4, desc=f"model {shape.preset} B={shape.B} T={shape.T}",
                disable=not progress)  # fmt: skip
     ctx_ms = sorted(step_times_ms(lambda: build_context(doc_ids), warmup=1, steps=steps, device=device))
@@ -180,7 +197,7 @@ def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", wa
     main = results[0]
     extra: dict[str, Any] = {}
     if trace_dir is not None:
-        with label_modules(profile_labels(lm), forward_only=FORWARD_ONLY):
+        with label_modules(profile_labels(model), forward_only=FORWARD_ONLY):
             path, _ = profile_trace(step, trace_dir, "model_step", steps=1, warmup=1, record_shapes=False)
         split = time_by_label(path)
         # GPU: kernel durations are device-side and barely moved by the profiler, whose host-side recording
@@ -210,7 +227,7 @@ def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", wa
         }  # fmt: skip
         bar.update()
     bar.close()
-    params = lm.num_parameters()
+    params = model.num_parameters()
     return make_receipt(
         "model_step", "model", shape=asdict(shape), dtype="bfloat16" if device == "cuda" else "float32",
         results=results, device=device, **extra,
@@ -221,7 +238,7 @@ def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", wa
         parameters=params, flops_per_token=flops,
         notes=(
             "Eager (no torch.compile) training step of HybridLM on one fixed batch: zero_grad, forward to the fused "
-            "LM-head loss, backward (and a fused AdamW step in its row). Parameters bf16 under apply_mixed_precision, "
+            "LM-head loss, backward (and a fused AdamW step in its row). Parameters bf16 (parallelize's in-place cast), "
             "fp32-contract parameters fp32. ms: median of `steps` steps, each timed with CUDA events after warm-up; "
             "peak_mib: peak memory of one step beyond what was held before it (parameters, batch, optimizer state in "
             "its row; gradients freed first), "
@@ -249,10 +266,9 @@ def bench_model_sweep(shapes: tuple[ModelShape, ...] = FULL_SWEEP, *, device: st
                 config = model_config(shape.preset, device, mla=dict(max_positions=longest))
             by_preset[shape.preset] = config, build_model(config, device)
         config, model = by_preset[shape.preset]
-        lm: HybridLM = model.module if hasattr(model, "module") else model
         tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=config.lm_head.ignore_index)
         step = TrainingStep(model, tokens, build_context(doc_ids), targets)
-        flops, n = lm.flops_per_token(shape.T)["total"], shape.B * shape.T
+        flops, n = model.flops_per_token(shape.T)["total"], shape.B * shape.T
         results.append({"shape": asdict(shape), **_timed_row("eager fwd+bwd", step, step.release, n, flops, device=device,
                                                              warmup=warmup, steps=steps)})  # fmt: skip
         results.append({"shape": asdict(shape), **_timed_row("eager forward (no_grad)", step.forward_only, step.release, n, flops // 3,
@@ -278,13 +294,10 @@ def whole_model_leak_check(preset: str, device: str, *, compiled: bool = False, 
     if features:
         overrides = {**leak_features(hybrid_preset(preset).n_layers), **overrides}
     config = model_config(preset, device, **overrides)
-    model = build_model(config, device)
-    lm: HybridLM = model.module if hasattr(model, "module") else model
-    wake_zero_initialised(lm)
+    model = build_model(config, device, parallel=ParallelConfig(compile=compiled))  # compiles at its first call
+    wake_zero_initialised(model)
     model.eval()
     tokens, doc_ids = leak_windows(device, length)
-    if compiled:
-        apply_compile(model)
     return model_leak_report(model, tokens % config.vocab_size, doc_ids, vocab_size=config.vocab_size), config
 
 

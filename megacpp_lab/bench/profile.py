@@ -1,6 +1,6 @@
 """Profile HybridLM's training step, compiled regionally or eager: the logic of `megacpp-lab profile`.
 
-One run: a fresh dynamo, the model (bf16 under apply_mixed_precision on a GPU), apply_compile, one cold
+One run: a fresh dynamo, the model built by parallelize (bf16 on a GPU, regional compile when compiled), one cold
 (compiling) step timed on its own, then wait + warmup + active steps under torch.profiler's schedule, every
 step on a batch with another number of documents per row (so a recompile would show). Writes, under
 <out>/<device-slug>/profile/: the TensorBoard `*.pt.trace.json` (torch-tb-profiler and Perfetto open it), a
@@ -28,7 +28,7 @@ from megacpp_lab.bench import bench_device, output_root, require_triton_interpre
 from megacpp_lab.bench.model import FORWARD_ONLY, ModelShape, TrainingStep, build_model, make_batch, profile_labels
 from megacpp_lab.model.config import HYBRID_PRESETS, model_config
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.model.parallelize import apply_compile, block_structures, compile_stats
+from megacpp_lab.model.parallelize import ParallelConfig, block_structures, compile_breakdown, compile_stats
 from megacpp_lab.profiling import LABEL_SEP, label_modules, time_by_label
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
@@ -101,62 +101,6 @@ def _check(preset: str, batch: int, seq_len: int, docs: int, wait: int, warmup: 
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if docs > seq_len:
         raise ValueError(f"docs (documents per row) must be at most seq_len={seq_len}, got {docs}")
-
-
-def _compile_records(structures: list[tuple[tuple[str, ...], int]], n_first: int,
-                     metrics: list[Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Cold compile per region from dynamo's CompilationMetrics (torch._dynamo.utils.get_compilation_metrics,
-    on torch 2.11 and 2.13): one forward frame compile per block structure (the k-th is the k-th structure
-    in block order: they are compiled as the forward first reaches them), plus the lazily compiled backward
-    of the same compile id where it is logged on its own (when AOTAutograd compiled it with the forward, the
-    forward's time holds it), plus the runtime records of that id (kernels compiled or autotuned lazily at
-    the first call; torch 2.11 logs them on a GPU). n_first: how many records the first step left; later
-    ones are recompiles.
-    metrics: dynamo's records (default: get_compilation_metrics())."""
-    from torch._dynamo.utils import get_compilation_metrics
-
-    def seconds(m: Any, *keys: str) -> float | None:
-        for key in keys:
-            value = getattr(m, key, None)
-            if value is not None:
-                return float(value) / (1e6 if key.endswith("_us") else 1.0)
-        return None
-
-    metrics = get_compilation_metrics() if metrics is None else metrics
-
-    def forward(ms: list[Any]) -> list[Any]:
-        # frame compiles only: not the lazily compiled backward, nor a runtime record (torch 2.11 logs one per
-        # compile id when the first call autotunes or lowers at run time, with no graph of its own)
-        return [m for m in ms if getattr(m, "is_forward", True) is not False and getattr(m, "is_runtime", None) is not True]
-
-    cold, late = forward(metrics[:n_first]), forward(metrics[n_first:])
-    backward = {str(m.compile_id): m for m in metrics
-                if getattr(m, "is_forward", True) is False and getattr(m, "is_runtime", None) is not True}  # fmt: skip
-    runtime: dict[str, float] = {}  # lazy kernel compiles and autotuning at the first call, per compile id
-    for m in metrics[:n_first]:
-        if getattr(m, "is_runtime", None) is True:
-            runtime[str(m.compile_id)] = runtime.get(str(m.compile_id), 0.0) + (seconds(m, "duration_us") or 0.0)
-    if not cold:
-        raise RuntimeError("compiled=True, but torch._dynamo.utils.get_compilation_metrics() recorded no compile in "
-                           "the first step: cannot report cold compile times")  # fmt: skip
-    regions = []
-    for i, m in enumerate(cold):
-        fwd = seconds(m, "entire_frame_compile_time_s", "duration_us", "dynamo_cumulative_compile_time_us")
-        bwd_m = backward.get(str(m.compile_id))
-        bwd = seconds(bwd_m, "backward_cumulative_compile_time_us", "duration_us") if bwd_m is not None else None
-        if fwd is None:
-            raise RuntimeError(f"dynamo's record of compile {m.compile_id} holds no compile time")
-        structure, blocks = structures[i] if len(cold) == len(structures) else (None, None)
-        regions.append({"compile_id": str(m.compile_id), "structure": list(structure) if structure else None,
-                        "blocks": blocks, "forward_s": fwd, "backward_s": bwd, "runtime_s": runtime.get(str(m.compile_id)),
-                        "cold_compile_s": fwd + (bwd or 0.0) + runtime.get(str(m.compile_id), 0.0),
-                        "graph_ops": getattr(m, "graph_op_count", None)})  # fmt: skip
-    return {"per_region": regions, "cold_compile_s": sum(r["cold_compile_s"] for r in regions),
-            "compiled_later": [{"compile_id": str(m.compile_id), "reason": getattr(m, "recompile_reason", None)}
-                               for m in late],
-            "source": "torch._dynamo.utils.get_compilation_metrics(): entire_frame_compile_time_s per forward frame "
-                      "compile, backward_cumulative_compile_time_us per lazily compiled backward, duration_us of "
-                      "the runtime records (lazy kernel compiles at the first call)"}  # fmt: skip
 
 
 def _self_time(trace: Path, category: str) -> list[dict[str, Any]]:
@@ -240,8 +184,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     config = model_config(preset, device, **kernels)
     if T > config.mla.max_positions:  # the RoPE table's length costs no time
         config = model_config(preset, device, **kernels, mla=dict(max_positions=T))
-    model = build_model(config, device, seed=seed)
-    lm: HybridLM = model.module if hasattr(model, "module") else model
+    model = build_model(config, device, seed=seed, parallel=ParallelConfig(compile=compiled, backend=backend))
     counts = _doc_counts(docs, T, 1 + n_steps, seed)
     batches = []
     for i, d in enumerate(counts):
@@ -252,9 +195,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     torch._dynamo.reset()
     counters.clear()
     clear_compilation_metrics()
-    structures = list(block_structures(lm).items())  # in block order: the order dynamo compiles them
-    if compiled:
-        apply_compile(model, backend=backend)
+    structures = list(block_structures(model).items())  # in block order: the order dynamo compiles them
     name = f"profile_{preset}_{'compiled' if compiled else 'eager'}"
     slug = device_slug(device_name(device))
     trace_dir = root / slug / SUBSYSTEM
@@ -266,7 +207,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
                disable=not progress)  # fmt: skip
 
     # ---- the cold step, then the profiled steps
-    with caches, _labelled(lm, compiled) as label_names:
+    with caches, _labelled(model, compiled) as label_names:
         _sync(device)
         t0 = time.perf_counter()
         loss0 = TrainingStep(model, *batches[0], opt)()
@@ -339,7 +280,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     }  # fmt: skip
     compile_section = None
     if compiled:
-        records = _compile_records(structures, n_first)
+        records = compile_breakdown(structures, n_first)
         row["compile_s"] = records["cold_compile_s"]
         compile_section = {
             "regions": len(structures), "graphs": stats.graphs, "graph_breaks": stats.graph_breaks,

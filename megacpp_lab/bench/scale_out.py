@@ -12,7 +12,6 @@ inductor and one Triton cache: the N-GPU run finds every graph and kernel the 1-
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import statistics
@@ -24,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from megacpp_lab.bench import BenchSetupError, bench_device, output_root
-from megacpp_lab.model.train import TrainConfig, tokenize_corpus
+from megacpp_lab.model.train import TrainConfig, read_history, tokenize_corpus
 from megacpp_lab.receipts import make_receipt, write_receipt
 
 # per-GPU batch: the base preset at B=4 x T=4096 per GPU, bf16, regional compile (the memory sweep's shape)
-FULL = TrainConfig(preset="base", seq_len=4096, batch_size=4, steps=40, warmup_steps=5, max_files=3000,
-                   log_every=5, val_every=40, ckpt_every=40, val_batches=1, compile=True, tensorboard=False,
-                   trace_steps=3)  # fmt: skip
+FULL = TrainConfig.build(preset="base", seq_len=4096, batch_size=4, steps=40, warmup_steps=5, max_files=3000,
+                         log_every=5, val_every=40, ckpt_every=40, val_batches=1, compile=True, tensorboard=False,
+                         trace_steps=3)  # fmt: skip
 # a CPU smoke run of the same code: 2 gloo processes against 1
 SMALL = TrainConfig(preset="tiny", seq_len=64, batch_size=2, steps=8, warmup_steps=2, max_files=60, val_fraction=0.2,
                     log_every=2, val_every=8, ckpt_every=8, val_batches=1, device="cpu", tensorboard=False,
@@ -59,11 +58,13 @@ def _launch(config: TrainConfig, nproc: int, env: dict[str, str], label: str) ->
     if out.exists():  # a receipt is one fresh run, never a resume
         shutil.rmtree(out)
     flags = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "parallel"}
+    values.update((f.name, getattr(config.parallel, f.name)) for f in dataclasses.fields(config.parallel)
+                  if f.name != "backend")  # the flags of `train`: ParallelConfig's fields are flat there
+    for name, value in values.items():
         if value is None:
             continue
-        name = f.name.replace("_", "-")
+        name = name.replace("_", "-")
         flags.append(f"--{name}" if value is True else f"--no-{name}" if value is False else f"--{name}={value}")
     cmd = [sys.executable, "-m", "megacpp_lab.cli", "train", f"--nproc={nproc}", *flags]
     proc = subprocess.Popen(cmd, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
@@ -75,7 +76,7 @@ def _launch(config: TrainConfig, nproc: int, env: dict[str, str], label: str) ->
         print(f"[{label}] {line}", end="", file=sys.stderr, flush=True)
     if proc.wait():
         raise RuntimeError(f"train --nproc {nproc} failed ({proc.returncode}):\n{''.join(tail)[-4000:]}")
-    return json.loads((out / "history.json").read_text())
+    return read_history(out)[1]
 
 
 def _trace_split(run_dir: Path, device: str) -> tuple[Path | None, dict[str, Any] | None]:
@@ -152,7 +153,7 @@ def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Pat
                         "tokens_per_s_min": steady[0], "tokens_per_s_max": steady[-1], "intervals": len(steady),
                         **({"peak_mib": max(r["peak_mib"] for r in rows)} if "peak_mib" in rows[0] else {}),
                         "train_loss": rows[-1]["train_loss"], "elapsed_s": elapsed,
-                        **({"compile_caches": warm} if base.compile else {})})  # fmt: skip
+                        **({"compile_caches": warm} if base.parallel.compile else {})})  # fmt: skip
         print(f"scale_out: {nproc} {unit}: {rate / 1e3:.1f}k tokens/s (median of {len(steady)} intervals, "
               f"{steady[0] / 1e3:.1f}k-{steady[-1] / 1e3:.1f}k) in {elapsed:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
         curves[str(nproc)] = history

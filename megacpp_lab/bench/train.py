@@ -19,8 +19,8 @@ from megacpp_lab.model.train import TrainConfig, tokenize_corpus, train
 from megacpp_lab.receipts import make_receipt, write_receipt
 
 # a GPU run: the small preset (12 layers, d=384, AMRM, Engram at 1, 5, 9), 16 x 1024 tokens a step
-FULL = TrainConfig(preset="small", seq_len=1024, batch_size=16, steps=1500, warmup_steps=100, lr=2e-3,
-                   log_every=25, val_every=100, ckpt_every=500, val_batches=8, compile=True)  # fmt: skip
+FULL = TrainConfig.build(preset="small", seq_len=1024, batch_size=16, steps=1500, warmup_steps=100, lr=2e-3,
+                         log_every=25, val_every=100, ckpt_every=500, val_batches=8, compile=True)  # fmt: skip
 # a CPU smoke run of the same code: the tiny preset on 60 files
 SMALL = TrainConfig(preset="tiny", seq_len=64, batch_size=2, steps=24, warmup_steps=3, lr=2e-3, max_files=60,
                     val_fraction=0.2, log_every=4, val_every=8, ckpt_every=24, val_batches=2, device="cpu")  # fmt: skip
@@ -77,7 +77,7 @@ def bench_train(base: TrainConfig = FULL, *, runs_dir: Path = RUNS_DIR, progress
         notes=("Two runs from one tokenized corpus, the same seed, the same batches in the same order: the preset, "
                "and the preset with engram_layers=none. Each: TrainConfig as in `config` (fused AdamW over fp32 "
                "master weights, warmup + cosine, grad clip; bf16 with fp32-contract parameters on a GPU; regional "
-               "compile when config.compile). tokens_per_s: the median of the log intervals after the first (which "
+               "compile when config.parallel.compile). tokens_per_s: the median of the log intervals after the first (which "
                "holds the compile). val_loss: the mean over the fixed validation batches (held-out files). "
                "val_curve.fraction_of_steps_down: the share of validation points below the one before. The sample "
                "is from the Engram arm's final checkpoint, temperature 0.8, top-k 50, seed 0."),
@@ -86,7 +86,8 @@ def bench_train(base: TrainConfig = FULL, *, runs_dir: Path = RUNS_DIR, progress
 
 def bench_dtype(config: TrainConfig) -> str:
     """The run's dtype: the config's, or bf16 on a GPU and fp32 on a CPU (config.device is never auto here)."""
-    return config.dtype if config.dtype != "auto" else ("bf16" if config.device == "cuda" else "fp32")
+    dtype = config.parallel.dtype
+    return dtype if dtype != "auto" else ("bf16" if config.device == "cuda" else "fp32")
 
 
 def _plot(receipt: dict[str, Any]) -> Any:

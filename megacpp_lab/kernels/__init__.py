@@ -1,15 +1,22 @@
 """Triton kernels beside their torch references, one file per kernel family."""
 
+import inspect
 import os
 import sys
 import warnings
 
 import torch
+import triton
 
-__all__ = ["TRITON_INTERPRET", "warn_at_caller"]
+__all__ = ["AUTOTUNE_CACHE", "TRITON_INTERPRET", "warn_at_caller"]
 
 # read once at import, for every kernel module: kernels run under the Triton interpreter (CPU tests)
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# the lab's @triton.autotune'd kernels keep their autotuning results on disk, in Triton's cache directory
+# (TRITON_CACHE_DIR), keyed by the kernel's source, its configs and the autotune key: a new process, a kernel
+# restart in a notebook, benchmarks nothing it has benchmarked before. Triton >= 3.2 has the switch.
+AUTOTUNE_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 # frames in these trees are the library's own (and torch's module-call plumbing), never the user's line
 _LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import TRITON_INTERPRET
+from megacpp_lab.kernels import AUTOTUNE_CACHE, TRITON_INTERPRET
 
 __all__ = [
     "allowed_keys",
@@ -120,7 +120,7 @@ def _bwd_configs() -> list[triton.Config]:
             for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]  # fmt: skip
 
 
-@triton.autotune(configs=_bwd_configs(), key=["SQ", "SK", "H", "D", "PRECISION"])
+@triton.autotune(configs=_bwd_configs(), key=["SQ", "SK", "H", "D", "PRECISION"], **AUTOTUNE_CACHE)
 @triton.jit
 def _indexer_bwd_dq_dw_kernel(
     q_ptr, k_ptr, w_ptr, ds_ptr, dq_ptr, dw_ptr, SQ, SK, B,
@@ -150,7 +150,7 @@ def _indexer_bwd_dq_dw_kernel(
     tl.store(dw_ptr + (rm * B + b) * H + h, dw.to(dw_ptr.dtype.element_ty), mask=mm)
 
 
-@triton.autotune(configs=_bwd_configs(), key=["SQ", "SK", "H", "D", "PRECISION"])
+@triton.autotune(configs=_bwd_configs(), key=["SQ", "SK", "H", "D", "PRECISION"], **AUTOTUNE_CACHE)
 @triton.jit
 def _indexer_bwd_dk_kernel(
     q_ptr, k_ptr, w_ptr, ds_ptr, dk_ptr, SQ, SK, B,

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import TRITON_INTERPRET
+from megacpp_lab.kernels import AUTOTUNE_CACHE, TRITON_INTERPRET
 from megacpp_lab.varlen import PackedContext
 
 __all__ = [
@@ -181,11 +181,15 @@ def _rotate(x1, x2, c, s, BACKWARD: tl.constexpr):
 def _head_configs() -> list[triton.Config]:
     if TRITON_INTERPRET:  # the interpreter cannot benchmark: one small config (masking still exercised)
         return [triton.Config({"BLOCK_H": 2}, num_warps=1)]
-    return [triton.Config({"BLOCK_H": bh}, num_warps=w) for bh in (1, 2, 4, 8, 16, 32, 64, 128) for w in (1, 2, 4)
-            if not (bh <= 2 and w > 1)]  # fmt: skip
+    # the winners of the H100 and H200 sweeps over BLOCK_H 1..128 x warps 1, 2, 4 at the bench shapes
+    # (profiles/<device>/mla/mla_rope_kernels.json: BLOCK_H 64 with 1, 2 or 4 warps, or 32 with 1 for the packed
+    # layout). Each config is one Triton compile in every process that autotunes: 22 of them cost seconds of
+    # every cold start, eager and again inside each compiled graph that calls the kernel.
+    return [triton.Config({"BLOCK_H": bh}, num_warps=w) for bh, w in ((32, 1), (64, 1), (64, 2), (64, 4))]
 
 
-@triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_ROPE", "POS_MODE"], restore_value=["x_ptr"])
+@triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_ROPE", "POS_MODE"], restore_value=["x_ptr"],
+                 **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=DOC_COUNT_ARGS)
 def mla_rope_q_kernel(
     x_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, n_seqs, seq_len, stride_n, stride_h, H,
@@ -215,10 +219,11 @@ def _kv_fwd_configs() -> list[triton.Config]:
     # H100 sweep (bench shape, CUDA-graph timing): one token per program and wide head blocks win; 2 or 4
     # tokens per program, or 8-head blocks, were 2-15% slower. BLOCK_N stays a parameter (and its masks,
     # which this sweep measured as part of the fastest variant); the interpreter runs BLOCK_N=2.
-    return [triton.Config({"BLOCK_H": bh, "BLOCK_N": 1}, num_warps=w) for bh in (16, 32, 64) for w in (4, 8)]
+    # The mla bench's winner on the H100 and the H200 was BLOCK_H 64 with 8 warps; 32 with 4 for fewer heads.
+    return [triton.Config({"BLOCK_H": bh, "BLOCK_N": 1}, num_warps=w) for bh, w in ((32, 4), (64, 8))]
 
 
-@triton.autotune(configs=_kv_fwd_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
+@triton.autotune(configs=_kv_fwd_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=DOC_COUNT_ARGS)
 def mla_rope_kv_fwd_kernel(
     kv_ptr, kpe_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, k_ptr, N, n_seqs, seq_len, stride_kpe, H,
@@ -253,7 +258,7 @@ def mla_rope_kv_fwd_kernel(
         tl.store(dst + D_NOPE + rr[None, :], tl.broadcast_to(row, (BLOCK_H, D_ROPE)), mask=mask_r)
 
 
-@triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"])
+@triton.autotune(configs=_head_configs(), key=["H", "D_NOPE", "D_V", "D_ROPE", "POS_MODE"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=DOC_COUNT_ARGS)
 def mla_rope_kv_bwd_kernel(
     dk_ptr, dv_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, dkv_ptr, dkpe_ptr, n_seqs, seq_len, H,
@@ -291,6 +296,7 @@ def mla_rope_kv_bwd_kernel(
     configs=[triton.Config({}, num_warps=w) for w in ((1,) if TRITON_INTERPRET else (1, 2, 4, 8))],
     key=["N_HEADS_Q", "N_HEADS_K", "D", "ROPE_GROUP_SIZE", "POS_MODE"],
     restore_value=["q_ptr", "k_ptr"],
+    **AUTOTUNE_CACHE,
 )
 @triton.jit(do_not_specialize=DOC_COUNT_ARGS)
 def rope_qk_kernel(

@@ -98,6 +98,81 @@ class CheckpointingPolicy:
     def entries(self) -> dict[str, Entry]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in KINDS}
 
+    @classmethod
+    def parse(cls, spec: str) -> CheckpointingPolicy:
+        """The policy from its text (`megacpp-lab train --remat SPEC`), comma-separated parts:
+            ENTRY          "none" | "full" | a budget "0.3" | a save list "mm+addmm": every kind not named
+            KIND=ENTRY     one kind's entry (A, M, R, engram, cblock), e.g. "A=1.0,M=0.3,R=1.0"
+            offload        keep the saved tensors of non-checkpointed blocks in pinned CPU memory (eager)
+            compact=R      the MLPs save a rank-R random projection of their inputs (eager)
+        Kinds not named take the bare ENTRY, else "none". Fails closed naming the part."""
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"a remat policy must be a non-empty string such as 'none', 'full', '0.3', 'mm+addmm' "
+                             f"or 'A=1.0,M=0.3,R=1.0'; got {spec!r}")  # fmt: skip
+
+        def entry(text: str, where: str) -> Entry:
+            text = text.strip()
+            if text in ("none", "full"):
+                return text
+            try:
+                return float(text)
+            except ValueError:
+                pass
+            ops = tuple(op.strip() for op in text.split("+"))
+            if not all(op and op.replace("_", "").replace(".", "").isalnum() for op in ops):
+                raise ValueError(f"remat policy {spec!r}: {where} {text!r} is not 'none', 'full', a budget in [0, 1] "
+                                 "or aten op names joined by '+'")  # fmt: skip
+            return ops
+
+        default: Entry = "none"
+        given: dict[str, Any] = {}
+        bare = 0
+        for part in (p.strip() for p in spec.split(",")):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if part == "offload":
+                given["offload"] = True
+            elif sep and key == "compact":
+                if not value.strip().isdigit():
+                    raise ValueError(f"remat policy {spec!r}: compact={value.strip()!r} is not a rank (an int >= 1)")
+                given["compact_rank"] = int(value)
+            elif sep:
+                if key not in KINDS:
+                    raise ValueError(f"remat policy {spec!r}: {part!r} names no kind: KIND is one of {KINDS}")
+                if key in given:
+                    raise ValueError(f"remat policy {spec!r}: kind {key} is given twice")
+                given[key] = entry(value, f"kind {key}'s entry")
+            else:
+                bare += 1
+                if bare > 1:
+                    raise ValueError(f"remat policy {spec!r}: more than one entry for every kind; name kinds (A=...)")
+                default = entry(part, "entry")
+        return cls(**{**{k: default for k in KINDS}, **given})
+
+    @property
+    def spec(self) -> str:
+        """The text parse() reads back into this very policy."""
+        text = {k: "+".join(e) if isinstance(e, tuple) else (f"{e:g}" if isinstance(e, float) else e)
+                for k, e in self.entries().items()}  # fmt: skip
+        if len(set(text.values())) == 1:
+            parts = [text["A"]]
+        else:  # the block kinds always, the branches where they have an entry of their own
+            parts = [f"{k}={v}" for k, v in text.items() if k in ("A", "M", "R") or v != "none"]
+        parts += ["offload"] if self.offload else []
+        parts += [f"compact={self.compact_rank}"] if self.compact_rank is not None else []
+        return ",".join(parts)
+
+    @property
+    def is_budget(self) -> bool:
+        """Whether any entry is a budget (read by inductor under regional compile)."""
+        return any(isinstance(e, float) for e in self.entries().values())
+
+    @property
+    def is_eager(self) -> bool:
+        """Whether the policy holds an eager-only lever: an op list (selective checkpoint wrappers), offload or
+        compact_rank."""
+        return any(isinstance(e, tuple) for e in self.entries().values()) or self.offload or self.compact_rank is not None
+
 
 def saves_output(op: Any, save: frozenset[str] | tuple[str, ...]) -> bool:
     """Whether a save list keeps this op's output: the `megacpp::` scans always, else the aten ops named."""
@@ -144,18 +219,13 @@ def _offload(module: nn.Module) -> None:
     setattr(module, AC_ATTR, "offload")
 
 
-def _lm(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", model)
-    if not hasattr(inner, "blocks"):
-        raise TypeError(f"expected a HybridLM (or a wrapper holding one as .module), got {type(model).__name__}")
-    return inner
-
-
 def apply_ac(model: nn.Module, policy: CheckpointingPolicy, *, compiled: bool = False) -> nn.Module:
     """Apply the policy in place and return the model; call it once, before apply_compile."""
     if not isinstance(policy, CheckpointingPolicy):
         raise TypeError(f"apply_ac needs a CheckpointingPolicy, got {type(policy).__name__}")
-    lm = _lm(model)
+    if not hasattr(model, "blocks"):
+        raise TypeError(f"apply_ac needs a HybridLM, got {type(model).__name__}")
+    lm = model
     if any(hasattr(m, AC_ATTR) or hasattr(m, BUDGET_ATTR) for m in lm.modules()):
         raise ValueError("apply_ac was already applied to this model: apply it once, to a fresh model")
     entries = policy.entries()

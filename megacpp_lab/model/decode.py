@@ -11,8 +11,8 @@ for all A layers, advanced once per step after the whole stack, never per layer)
 memory short windows; the MLPs and the concept bank (per token) nothing. A step costs the same at any
 position except MLA's attention over its cache.
 
-The model may be a HybridLM or a wrapper holding one as .module (apply_mixed_precision): the step runs on
-the HybridLM, in its parameters' dtype. Everything runs under torch.inference_mode.
+The model is a HybridLM (made ready by parallelize, or loaded from a checkpoint): the step runs in its
+parameters' dtype. Everything runs under torch.inference_mode.
 """
 
 from __future__ import annotations
@@ -45,11 +45,10 @@ class DecodeState:
     model_ref: weakref.ReferenceType[HybridLM] | None = field(default=None, repr=False)
 
 
-def _unwrap(model: nn.Module) -> HybridLM:
-    inner = getattr(model, "module", model)  # apply_mixed_precision keeps the HybridLM as .module
-    if not isinstance(inner, HybridLM):
-        raise TypeError(f"model must be a HybridLM (or a wrapper holding one as .module), got {type(model).__name__}")
-    return inner
+def _hybrid(model: nn.Module) -> HybridLM:
+    if not isinstance(model, HybridLM):
+        raise TypeError(f"model must be a HybridLM, got {type(model).__name__}")
+    return model
 
 
 def _is_int(value: object) -> bool:
@@ -94,7 +93,7 @@ def init_decode_state(model: nn.Module, batch: int, max_len: int, device: torch.
                       dtype: torch.dtype | None = None) -> DecodeState:  # fmt: skip
     """Every layer's state at a document start, for `batch` rows of up to `max_len` tokens. device and dtype
     (of the windows and the KV cache; the recurrent states are fp32) default to the embedding's."""
-    lm = _unwrap(model)
+    lm = _hybrid(model)
     c = lm.config
     if not _is_int(batch) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
@@ -136,7 +135,7 @@ def _step(lm: HybridLM, state: DecodeState, tokens: torch.Tensor) -> torch.Tenso
 @torch.inference_mode()
 def decode_step(model: nn.Module, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     """Feed one token per row, tokens [B] int; advances `state`; returns the fp32 next-token logits [B,V]."""
-    lm = _unwrap(model)
+    lm = _hybrid(model)
     _check_ids("tokens", tokens, 1, lm.config.vocab_size)
     _check_state(lm, state, tokens.shape[0])
     _check_room(state, 1)
@@ -146,7 +145,7 @@ def decode_step(model: nn.Module, state: DecodeState, tokens: torch.Tensor) -> t
 @torch.inference_mode()
 def prefill(model: nn.Module, state: DecodeState, prompt: torch.Tensor) -> torch.Tensor:
     """Feed prompt [B,P] int, step by step; returns the fp32 logits [B,V] at its last position."""
-    lm = _unwrap(model)
+    lm = _hybrid(model)
     _check_ids("prompt", prompt, 2, lm.config.vocab_size)
     _check_state(lm, state, prompt.shape[0])
     _check_room(state, prompt.shape[1])
@@ -174,7 +173,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, tem
              top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
     """prompt [B,P] int (one document per row) -> [B, P+max_new_tokens] int64 on the model's device: the prompt
     then the sampled tokens (sample_next; generator on that device). The model runs in eval mode meanwhile."""
-    lm = _unwrap(model)
+    lm = _hybrid(model)
     c = lm.config
     _check_ids("prompt", prompt, 2, c.vocab_size)
     _check_sampling(temperature, top_k, c.vocab_size)

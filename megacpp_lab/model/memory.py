@@ -8,7 +8,7 @@
 
 Where each number comes from:
 - parameters, gradients, optimizer state: counted from the model built on the meta device (nothing allocated),
-  in the dtypes the lab trains with (bf16 under apply_mixed_precision on a GPU, fp32-contract tensors fp32;
+  in the dtypes the lab trains with (bf16 under apply_precision on a GPU, fp32-contract tensors fp32;
   fp32 on a CPU). The optimizer is MasterWeightAdamW: an fp32 master per non-fp32 parameter, and AdamW's two
   fp32 moments per parameter.
 - activations: one block of each distinct structure (kind + branches) is traced on a batch of the shape
@@ -42,7 +42,7 @@ from megacpp_lab.kernels.linear_cross_entropy import default_chunk_size
 from megacpp_lab.model.checkpointing import CheckpointingPolicy, Entry, checkpoint_module, saves_output
 from megacpp_lab.model.config import HybridConfig
 from megacpp_lab.model.hybrid import Block, HybridLM
-from megacpp_lab.model.precision import apply_mixed_precision
+from megacpp_lab.model.precision import apply_precision
 from megacpp_lab.model.remat import remat_plan
 from megacpp_lab.profiling import saved_storages
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
@@ -96,7 +96,7 @@ def _model_state_bytes(config: HybridConfig, device: str) -> tuple[int, int, int
     with torch.device("meta"):
         model = HybridLM(config)
     if device == "cuda":
-        apply_mixed_precision(model, torch.bfloat16)
+        apply_precision(model, torch.bfloat16)
     params = [p for p in model.parameters() if p.requires_grad]
     weights = sum(p.numel() * p.element_size() for p in params)
     masters = sum(p.numel() * 4 for p in params if p.dtype != torch.float32)
@@ -256,7 +256,7 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
             torch.manual_seed(layer)
             block = Block(config, layer).to(device)
             if device == "cuda":
-                apply_mixed_precision(block, torch.bfloat16)
+                apply_precision(block, torch.bfloat16)
             if drop is not None:
                 _without(block, drop)
             cache[key] = _block_bytes(block, entry, x, tokens, ctx, shared, compiled=compiled, offload=offload,

@@ -1,5 +1,15 @@
-"""Training concerns applied to a plain HybridLM, in torchtitan's order: activation checkpointing, then
-compile, then sharding. This file holds the compile and the sharding steps.
+"""The one way a HybridLM is made ready to run: `parallelize(model, config)`, torchtitan's
+`parallelize_llama` for this model. It applies, in this order and in this place only,
+
+    precision  one in-place cast (bf16 on a GPU, the fp32 contract kept; model/precision.py), or, under FSDP2,
+               its MixedPrecisionPolicy (apply_fsdp, below)
+    apply_ac   the activation-checkpointing policy (model/checkpointing.py): eager wrappers, or under regional
+               compile one activation_memory_budget per block structure
+    apply_compile  regional compile: every block compiled on its own
+    apply_fsdp FSDP2 over the blocks, when the run has several processes
+
+each still a small public function. `ParallelConfig` is the one frozen config that drives it: TrainConfig holds
+it (TrainConfig.parallel) and every bench reads it.
 
 Regional compile: every block is compiled on its own (`block.compile(fullgraph=True)`), not the whole
 model. Blocks of one structure (the same letter and the same branches) run the same code on the same
@@ -18,21 +28,119 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CompileStats", "apply_compile", "apply_fsdp", "block_structures", "compile_stats", "fsdp_groups"]
+from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
+from megacpp_lab.model.precision import PrecisionPlan, apply_precision
+
+__all__ = ["PHASES", "CompileStats", "ParallelConfig", "apply_compile", "apply_fsdp", "block_structures",
+           "compile_breakdown", "compile_stats", "fsdp_groups", "parallelize"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+BACKENDS = ("inductor", "aot_eager", "eager")
 
 
-def _lm(model: nn.Module) -> nn.Module:
-    """The HybridLM inside a wrapper (apply_mixed_precision's MixedPrecision keeps it as .module)."""
-    inner = getattr(model, "module", model)
-    if not hasattr(inner, "blocks"):
-        raise TypeError(f"expected a HybridLM (or a wrapper holding one as .module), got {type(model).__name__}")
-    return inner
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How parallelize makes a model ready: precision, the activation-checkpointing policy, compile, FSDP2.
+    Frozen, checked on construction (the error names the field)."""
+
+    dtype: str = "auto"  # auto: bf16 on a GPU, fp32 on a CPU
+    # the activation-checkpointing policy, as text (CheckpointingPolicy.parse): "none"; "full"; a save list
+    # "mm+addmm" (eager); a budget "0.3" or per kind "A=1.0,M=0.3,R=1.0" (inductor's activation_memory_budget,
+    # under compile). The last block is never checkpointed.
+    remat: str = "none"
+    compile: bool = False  # regional compile (apply_compile)
+    backend: str = "inductor"  # the compile backend; aot_eager / eager: dynamo's graphs without inductor
+    # FSDP2 (several processes): free each block's gathered bf16 weights after its forward and gather them again
+    # for its backward. Off: the gathered weights stay to the backward (ZeRO-2's memory for them: 0.2 GB a GPU
+    # at base), which saves an all-gather per block and, more, its host time in a step the host must keep fed
+    reshard_after_forward: bool = False
+    fsdp_blocks_per_group: int = 1  # FSDP2: consecutive blocks sharded as one group (fewer collectives and hooks)
+
+    def __post_init__(self) -> None:
+        def fail(name: str, expected: str) -> ValueError:
+            return ValueError(f"ParallelConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+
+        if self.dtype not in ("auto", *DTYPES):
+            raise fail("dtype", f"'auto' or one of {tuple(DTYPES)}")
+        for name in ("compile", "reshard_after_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise fail(name, "a bool")
+        if self.backend not in BACKENDS:
+            raise fail("backend", f"one of {BACKENDS}")
+        n = self.fsdp_blocks_per_group
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise fail("fsdp_blocks_per_group", "an int >= 1")
+        try:
+            policy = CheckpointingPolicy.parse(self.remat)
+        except ValueError as err:
+            raise ValueError(f"ParallelConfig.remat: {err}") from None
+        if policy.is_budget and not self.compile:
+            raise ValueError(f"ParallelConfig.remat {self.remat!r} holds a budget, which only regional compile reads "
+                             "(inductor's activation_memory_budget): set compile, or give 'none', 'full' or an op list")
+        if policy.is_eager and self.compile:
+            raise ValueError(f"ParallelConfig.remat {self.remat!r} holds an eager-only lever (an op list, offload or "
+                             "compact), which regional compile does not apply: under compile the budget is the single "
+                             "authority; give a budget in [0, 1] (or 'none' / 'full')")  # fmt: skip
+        object.__setattr__(self, "remat", policy.spec)  # one spelling: '0.30' and '0.3' are one policy
+
+    @property
+    def policy(self) -> CheckpointingPolicy:
+        return CheckpointingPolicy.parse(self.remat)
+
+    def resolve_dtype(self, device: str) -> torch.dtype:
+        """The forward's dtype on this device ('auto': bf16 on a GPU, fp32 on a CPU)."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if device == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+def _hybrid(model: nn.Module) -> nn.Module:
+    if not hasattr(model, "blocks") or not hasattr(model, "config"):
+        raise TypeError(f"expected a HybridLM, got {type(model).__name__}")
+    return model
+
+
+def parallelize(model: nn.Module, config: ParallelConfig, *, device: str | None = None, fsdp: bool | None = None,
+                mesh: Any = None) -> nn.Module:  # fmt: skip
+    """Make a plain fp32 HybridLM ready to run, in place, and return it: precision, then activation
+    checkpointing, then regional compile, then FSDP2 (see the module docstring).
+
+    device: where the model lives (default: its parameters' device). fsdp: shard with FSDP2 (default: when a
+    process group of more than one rank is initialised). The precision plan is kept as `model.precision_plan`
+    (None when the model stays fp32 or FSDP2 casts)."""
+    import torch.distributed as dist
+
+    lm = _hybrid(model)
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"parallelize needs a ParallelConfig, got {type(config).__name__}")
+    low = sorted(n for n, p in lm.named_parameters() if p.dtype != torch.float32)
+    if low:
+        raise ValueError(f"parallelize takes a plain fp32 model, but {low[:3]} ({len(low)} in all) are not fp32: it "
+                         "applies the precision itself, once")  # fmt: skip
+    device = device or next(lm.parameters()).device.type
+    if fsdp is None:
+        fsdp = dist.is_initialized() and dist.get_world_size() > 1
+    dtype = config.resolve_dtype(device)
+    plan: PrecisionPlan | None = None
+    if dtype != torch.float32 and not fsdp:
+        plan = apply_precision(lm, dtype)
+    lm.precision_plan = plan
+    policy = config.policy
+    if policy != CheckpointingPolicy():
+        apply_ac(lm, policy, compiled=config.compile)
+    if config.compile:
+        apply_compile(lm, backend=config.backend)
+    if fsdp:
+        low_dtype = dtype if dtype != torch.float32 else None
+        apply_fsdp(lm, mesh=mesh, param_dtype=low_dtype, reduce_dtype=torch.float32 if low_dtype is not None else None,
+                   reshard_after_forward=config.reshard_after_forward, blocks_per_group=config.fsdp_blocks_per_group)
+    return model
 
 
 def block_structures(model: nn.Module) -> Counter[tuple[str, ...]]:
     """How many blocks share each structure: (letter, its optional branches..., 'mhc' when the block has
     hyper-connections, 'streams' when the residual is mHC's [B,T,n,d]). One compiled graph per structure."""
-    lm = _lm(model)
+    lm = _hybrid(model)
     streams = ("streams",) if lm.config.mhc else ()
     out: Counter[tuple[str, ...]] = Counter()
     for block in lm.blocks:
@@ -46,7 +154,7 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, **compile_kwargs:
     the model. fullgraph=True: a graph break is an error, not a silent split. Each block structure is one
     entry of Block.forward's cache, so a model with more structures than dynamo's recompile_limit is
     refused here, before any compile, rather than failing (or falling back to eager) mid-step."""
-    lm = _lm(model)
+    lm = _hybrid(model)
     structures = block_structures(lm)
     limit = torch._dynamo.config.recompile_limit
     if len(structures) > limit:
@@ -60,6 +168,7 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, **compile_kwargs:
         raise ValueError(f"blocks {wrapped} hold manual checkpoint wrappers (apply_ac without compiled=True); under "
                          "regional compile the activation_memory_budget is the single authority: build the model "
                          "again and call apply_ac(model, policy, compiled=True) before apply_compile")  # fmt: skip
+    _cache_compiles(compile_kwargs.get("backend", "inductor"))
     for block in lm.blocks:
         budget = block_budget(block)
         if budget is None:
@@ -68,6 +177,22 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, **compile_kwargs:
             block._compiled_call_impl = _with_budget(torch.compile(block._call_impl, fullgraph=fullgraph, **compile_kwargs),
                                                      budget)  # fmt: skip
     return model
+
+
+def _cache_compiles(backend: Any) -> None:
+    """What a warm restart needs to hit every cache, and a cold start to use inductor's compile workers:
+    AOTAutogradCache refuses a graph that holds a custom autograd.Function (FusedDownNormUp, in every A block)
+    unless it is allowed to cache them, and then re-traces the joint graph in every new process; and the
+    workers that compile inductor's Triton kernels start now, while dynamo traces the first block, not when
+    the first kernel waits for them."""
+    functorch = torch._functorch.config
+    if hasattr(functorch, "autograd_cache_allow_custom_autograd_functions"):  # the lab's Functions are pure
+        functorch.autograd_cache_allow_custom_autograd_functions = True
+    if backend == "inductor":
+        from torch._inductor.async_compile import AsyncCompile
+
+        if hasattr(AsyncCompile, "warm_pool"):
+            AsyncCompile.warm_pool()
 
 
 def _with_budget(fn: Any, budget: float) -> Any:
@@ -105,6 +230,102 @@ def compile_stats() -> CompileStats:
         graph_breaks=int(sum(counters["graph_break"].values())),
         aot_graphs=int(counters["aot_autograd"]["total"]),
     )
+
+
+# the phases of a cold compile, from the fields of dynamo's CompilationMetrics (each field holds the ones after it:
+# the frame's whole compile > AOTAutograd > inductor > inductor's code generation > the Triton compile it waits on)
+PHASES = ("dynamo_trace", "aot_autograd", "inductor_lowering", "inductor_codegen", "triton_compile", "autotune")
+CACHE_FIELDS = ("inductor_fx_local_cache_hit_count", "inductor_fx_local_cache_miss_count",
+                "aotautograd_local_cache_hit_count", "aotautograd_local_cache_miss_count")  # fmt: skip
+
+
+def _seconds(m: Any, *keys: str) -> float | None:
+    """The first of these CompilationMetrics fields that is set, in seconds (fields ending _us are microseconds)."""
+    for key in keys:
+        value = getattr(m, key, None)
+        if value is not None:
+            return float(value) / (1e6 if key.endswith("_us") else 1.0)
+    return None
+
+
+def _phases(fwd: Any, bwd: Any | None, runtime_s: float) -> dict[str, float]:
+    """One region's compile split by phase, from its forward frame record and its lazily compiled backward's."""
+    out = dict.fromkeys(PHASES, 0.0)
+    entire = _seconds(fwd, "dynamo_cumulative_compile_time_us", "entire_frame_compile_time_s") or 0.0
+    aot = _seconds(fwd, "aot_autograd_cumulative_compile_time_us", "backend_compile_time_s") or 0.0
+    out["dynamo_trace"] = max(0.0, entire - aot)
+    for m, whole in ((fwd, aot), (bwd, None)):
+        if m is None:
+            continue
+        inductor = _seconds(m, "inductor_cumulative_compile_time_us", "inductor_compile_time_s") or 0.0
+        codegen = _seconds(m, "inductor_code_gen_cumulative_compile_time_us", "code_gen_time_s") or 0.0
+        triton = _seconds(m, "triton_compile_time_us") or 0.0
+        if whole is not None:  # the forward record's AOTAutograd holds the joint trace and the partitioner
+            out["aot_autograd"] += max(0.0, whole - inductor)
+        out["inductor_lowering"] += max(0.0, inductor - codegen)
+        out["inductor_codegen"] += max(0.0, codegen - triton)
+        out["triton_compile"] += triton
+        out["autotune"] += _seconds(m, "compile_time_autotune_time_us") or 0.0
+    out["autotune"] += runtime_s
+    return out
+
+
+def compile_breakdown(structures: list[tuple[tuple[str, ...], int]], n_first: int,
+                      metrics: list[Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Cold compile per region from dynamo's CompilationMetrics (torch._dynamo.utils.get_compilation_metrics,
+    on torch 2.11 and 2.13): one forward frame compile per block structure (the k-th is the k-th structure
+    in block order: they are compiled as the forward first reaches them), plus the lazily compiled backward
+    of the same compile id where it is logged on its own (when AOTAutograd compiled it with the forward, the
+    forward's time holds it), plus the runtime records of that id (kernels compiled or autotuned lazily at
+    the first call; torch 2.11 logs them on a GPU). Each region's compile is split by phase (PHASES) and
+    carries its FX-graph and AOTAutograd cache hits and misses. n_first: how many records the first step
+    left; later ones are recompiles. metrics: dynamo's records (default: get_compilation_metrics())."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    metrics = get_compilation_metrics() if metrics is None else metrics
+
+    def forward(ms: list[Any]) -> list[Any]:
+        # frame compiles only: not the lazily compiled backward, nor a runtime record (torch 2.11 logs one per
+        # compile id when the first call autotunes or lowers at run time, with no graph of its own)
+        return [m for m in ms if getattr(m, "is_forward", True) is not False and getattr(m, "is_runtime", None) is not True]
+
+    cold, late = forward(metrics[:n_first]), forward(metrics[n_first:])
+    backward = {str(m.compile_id): m for m in metrics
+                if getattr(m, "is_forward", True) is False and getattr(m, "is_runtime", None) is not True}  # fmt: skip
+    runtime: dict[str, float] = {}  # lazy kernel compiles and autotuning at the first call, per compile id
+    for m in metrics[:n_first]:
+        if getattr(m, "is_runtime", None) is True:
+            runtime[str(m.compile_id)] = runtime.get(str(m.compile_id), 0.0) + (_seconds(m, "duration_us") or 0.0)
+    if not cold:
+        raise RuntimeError("compiled=True, but torch._dynamo.utils.get_compilation_metrics() recorded no compile in "
+                           "the first step: cannot report cold compile times")  # fmt: skip
+    regions = []
+    for i, m in enumerate(cold):
+        cid = str(m.compile_id)
+        fwd = _seconds(m, "entire_frame_compile_time_s", "duration_us", "dynamo_cumulative_compile_time_us")
+        bwd_m = backward.get(cid)
+        bwd = _seconds(bwd_m, "backward_cumulative_compile_time_us", "duration_us") if bwd_m is not None else None
+        if fwd is None:
+            raise RuntimeError(f"dynamo's record of compile {cid} holds no compile time")
+        structure, blocks = structures[i] if len(cold) == len(structures) else (None, None)
+        caches = {k.removesuffix("_count"): sum(int(getattr(r, k, None) or 0) for r in (m, bwd_m) if r is not None)
+                  for k in CACHE_FIELDS}  # fmt: skip
+        regions.append({"compile_id": cid, "structure": list(structure) if structure else None,
+                        "blocks": blocks, "forward_s": fwd, "backward_s": bwd, "runtime_s": runtime.get(cid),
+                        "cold_compile_s": fwd + (bwd or 0.0) + runtime.get(cid, 0.0),
+                        "phases_s": _phases(m, bwd_m, runtime.get(cid, 0.0)), "caches": caches,
+                        "graph_ops": getattr(m, "graph_op_count", None)})  # fmt: skip
+    phases = {p: sum(r["phases_s"][p] for r in regions) for p in PHASES}
+    caches = {k: sum(r["caches"][k] for r in regions) for k in regions[0]["caches"]}
+    return {"per_region": regions, "cold_compile_s": sum(r["cold_compile_s"] for r in regions), "phases_s": phases,
+            "caches": caches,
+            "compiled_later": [{"compile_id": str(m.compile_id), "reason": getattr(m, "recompile_reason", None)}
+                               for m in late],
+            "source": "torch._dynamo.utils.get_compilation_metrics(): entire_frame_compile_time_s per forward frame "
+                      "compile, backward_cumulative_compile_time_us per lazily compiled backward, duration_us of "
+                      "the runtime records (lazy kernel compiles at the first call); phases from the cumulative "
+                      "dynamo / AOTAutograd / inductor / code-generation / Triton-compile times, each holding the "
+                      "next"}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- FSDP2
@@ -161,7 +382,7 @@ def fsdp_groups(model: nn.Module, blocks_per_group: int = 1) -> list[tuple[str, 
     embedding, [final norm, LM head], then the root (what is left: nothing, for a HybridLM)."""
     if isinstance(blocks_per_group, bool) or not isinstance(blocks_per_group, int) or blocks_per_group < 1:
         raise ValueError(f"blocks_per_group must be an int >= 1, got {blocks_per_group!r}")
-    lm = _lm(model)
+    lm = _hybrid(model)
     blocks, k = list(lm.blocks), blocks_per_group
     groups = [(f"blocks.{i}" if len(blocks[i : i + k]) == 1 else f"blocks.{i}-{i + len(blocks[i : i + k]) - 1}",
                blocks[i : i + k]) for i in range(0, len(blocks), k)]  # fmt: skip
@@ -182,10 +403,7 @@ def apply_fsdp(model: nn.Module, *, mesh: Any = None, param_dtype: torch.dtype |
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    lm = _lm(model)
-    if lm is not model:
-        raise ValueError(f"apply_fsdp shards a plain HybridLM; got a {type(model).__name__} wrapper (FSDP2's "
-                         "MixedPrecisionPolicy replaces apply_mixed_precision: build the model in fp32)")  # fmt: skip
+    lm = _hybrid(model)
     low = sorted(n for n, p in lm.named_parameters() if p.dtype != torch.float32)
     if low:
         raise ValueError(f"apply_fsdp shards fp32 masters, but {low[:3]} ({len(low)} in all) are not fp32: build "

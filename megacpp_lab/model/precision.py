@@ -1,32 +1,37 @@
-"""bf16 mixed precision that honours fp32 contracts.
+"""bf16 mixed precision that honours fp32 contracts: one in-place cast, no wrapper module.
 
 A submodule declares the parameters (or buffers) its numerics need in fp32 by name:
 
     class M2RNN(nn.Module):
         _fp32_params = ("A_log", "dt_bias", "D")   # the decay path
 
-`apply_mixed_precision(model)` casts every other floating parameter and buffer to bf16 once, at wrap
-time, and keeps the declared ones fp32. Nothing is recast per step. A later `model.to(torch.bfloat16)`
-(or `.half()`) on the wrapper keeps the contract too: the fp32 values are restored from a copy taken
-before the cast, not cast back up from rounded values.
+`apply_precision(model, torch.bfloat16)` casts every other floating parameter and buffer to bf16 once, in
+place, and keeps the declared ones fp32 (they are made fp32 if they were not). Nothing is recast per step,
+and the model stays the model: no caller unwraps anything. The training loop keeps fp32 master weights in the
+optimizer (model/train.py's MasterWeightAdamW). Under FSDP2 the model stays fp32 and FSDP2's
+MixedPrecisionPolicy does the cast of the forward's copies (model/parallelize.py's apply_fsdp), with the
+contract's parameters kept out of it.
+
+A later blanket `model.to(torch.bfloat16)` casts the contract away like any other tensor: `check_precision`
+fails closed on it, naming the tensor, and the fp32-contract tripwire (pack 16) is built to see it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["FP32_ATTR", "MixedPrecision", "PrecisionPlan", "apply_mixed_precision", "fp32_contract"]
+__all__ = ["FP32_ATTR", "PrecisionPlan", "apply_precision", "check_precision", "fp32_contract"]
 
 FP32_ATTR = "_fp32_params"
+LOW_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """What the wrapper did: the low-precision dtype, and the qualified names kept fp32 and cast."""
+    """What apply_precision did: the low-precision dtype, and the qualified names kept fp32 and cast."""
 
     dtype: torch.dtype
     fp32: tuple[str, ...]
@@ -53,7 +58,7 @@ def fp32_contract(model: nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
+def _floating(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
     """qualified name -> (owning module, local name, is_parameter) for every floating tensor."""
     out: dict[str, tuple[nn.Module, str, bool]] = {}
     for path, module in model.named_modules():
@@ -64,65 +69,37 @@ def _tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
     return out
 
 
-def _set(module: nn.Module, name: str, is_param: bool, value: torch.Tensor) -> None:
-    if is_param:
-        module._parameters[name].data = value
-    else:
-        module._buffers[name] = value
+def _tensor(owner: nn.Module, name: str, is_param: bool) -> torch.Tensor:
+    return owner._parameters[name] if is_param else owner._buffers[name]
 
 
-class MixedPrecision(nn.Module):
-    """Wraps a module: its tensors in `dtype` except the fp32 contract; floating inputs cast to `dtype`."""
-
-    def __init__(self, module: nn.Module, dtype: torch.dtype = torch.bfloat16, *, cast_inputs: bool = True) -> None:
-        super().__init__()
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-        self.module = module
-        self.dtype = dtype
-        self.cast_inputs = cast_inputs
-        keep = set(fp32_contract(module))
-        tensors = _tensors(module)
-        for qual, (owner, name, is_param) in tensors.items():  # once, here: never per step
-            t = owner._parameters[name] if is_param else owner._buffers[name]
-            _set(owner, name, is_param, t.detach().float() if qual in keep else t.detach().to(dtype))
-        self.plan = PrecisionPlan(dtype, tuple(sorted(keep)), tuple(sorted(set(tensors) - keep)))
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.cast_inputs:
-            cast = lambda a: a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
-            args = tuple(cast(a) for a in args)
-            kwargs = {k: cast(v) for k, v in kwargs.items()}
-        return self.module(*args, **kwargs)
-
-    def _apply(self, fn, recurse=True):
-        # keep the contract under .to(dtype) / .half(): restore the fp32 values saved before the cast
-        tensors = _tensors(self.module)
-        saved = {q: (tensors[q][0]._parameters if tensors[q][2] else tensors[q][0]._buffers)[tensors[q][1]].detach().clone()
-                 for q in self.plan.fp32 if q in tensors}  # fmt: skip
-        super()._apply(fn, recurse)
-        for qual, value in saved.items():
-            owner, name, is_param = _tensors(self.module)[qual]
-            now = owner._parameters[name] if is_param else owner._buffers[name]
-            if now.dtype != torch.float32:
-                _set(owner, name, is_param, value.to(device=now.device))
-        return self
-
-    def check_contract(self) -> None:
-        """Fail closed, naming the tensor, if anything drifted from the plan (e.g. a later in-place cast)."""
-        tensors = _tensors(self.module)
-        for qual in self.plan.fp32:
-            owner, name, is_param = tensors[qual]
-            t = owner._parameters[name] if is_param else owner._buffers[name]
-            if t.dtype != torch.float32:
-                raise ValueError(f"fp32-contract tensor '{qual}' is {t.dtype}")
-        for qual in self.plan.cast:
-            owner, name, is_param = tensors[qual]
-            t = owner._parameters[name] if is_param else owner._buffers[name]
-            if t.dtype != self.dtype:
-                raise ValueError(f"tensor '{qual}' is {t.dtype}, the plan says {self.dtype}")
+def apply_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> PrecisionPlan:
+    """Cast `model` in place, once: every floating parameter and buffer to `dtype` except the fp32 contract,
+    which is kept (or made) fp32. Parameters stay the same nn.Parameter objects (their .data is replaced), so
+    an optimizer or a hook built before still holds them. Returns the plan check_precision checks against."""
+    if dtype not in LOW_DTYPES:
+        raise ValueError(f"apply_precision dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    keep = set(fp32_contract(model))
+    tensors = _floating(model)
+    with torch.no_grad():
+        for qual, (owner, name, is_param) in tensors.items():
+            t = _tensor(owner, name, is_param)
+            value = t.detach().float() if qual in keep else t.detach().to(dtype)
+            if is_param:
+                t.data = value
+            else:
+                owner._buffers[name] = value
+    return PrecisionPlan(dtype, tuple(sorted(keep)), tuple(sorted(set(tensors) - keep)))
 
 
-def apply_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16, *, cast_inputs: bool = True) -> MixedPrecision:
-    """torchtitan-style entry point: wrap `model` in MixedPrecision (see the module docstring)."""
-    return MixedPrecision(model, dtype, cast_inputs=cast_inputs)
+def check_precision(model: nn.Module, plan: PrecisionPlan) -> None:
+    """Fail closed, naming the tensor, if the model drifted from the plan (a later blanket or in-place cast)."""
+    tensors = _floating(model)
+    for quals, want in ((plan.fp32, torch.float32), (plan.cast, plan.dtype)):
+        for qual in quals:
+            if qual not in tensors:
+                raise ValueError(f"tensor '{qual}' of the precision plan is gone from the model")
+            t = _tensor(*tensors[qual])
+            if t.dtype != want:
+                what = "fp32-contract tensor" if want == torch.float32 else "tensor"
+                raise ValueError(f"{what} '{qual}' is {t.dtype}, the precision plan says {want}")

@@ -58,8 +58,7 @@ from megacpp_lab.model.distributed import (
     save_sharded,
     token_share,
 )
-from megacpp_lab.model.parallelize import apply_compile, apply_fsdp, block_structures
-from megacpp_lab.model.precision import apply_mixed_precision
+from megacpp_lab.model.parallelize import ParallelConfig, block_structures, parallelize
 from megacpp_lab.varlen import PackedContext, build_context, copy_to_device
 
 __all__ = [
@@ -71,6 +70,7 @@ __all__ = [
     "default_warmup",
     "load_checkpoint",
     "load_checkpoint_model",
+    "read_history",
     "lr_at",
     "resolve_device",
     "save_checkpoint",
@@ -85,8 +85,9 @@ CHECKPOINT_FORMAT = 2  # 2: the optimizer state keyed by parameter name (any pro
 CHECKPOINT_FIELDS = ("format", "step", "train_config", "model_config", "model", "optimizer", "loader", "rng", "history",
                      "pending_loss")
 # fields that may change between a run and its resume: where and how often it reports, not what it computes
-RESUME_FREE = ("out_dir", "log_every", "val_every", "ckpt_every", "tensorboard", "trace_steps", "reshard_after_forward",
-               "fsdp_blocks_per_group")
+RESUME_FREE = ("out_dir", "log_every", "val_every", "ckpt_every", "tensorboard", "trace_steps",
+               "parallel.reshard_after_forward", "parallel.fsdp_blocks_per_group")
+HISTORY_FILE = "history.json"
 
 
 @dataclass(frozen=True)
@@ -120,13 +121,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     # run
     device: str = "auto"  # auto: cuda when there is one
-    dtype: str = "auto"  # auto: bf16 on a GPU, fp32 on a CPU
-    compile: bool = False
-    # FSDP2 (several processes): free each block's gathered bf16 weights after its forward and gather them again
-    # for its backward. Off: the gathered weights stay to the backward (ZeRO-2's memory for them: 0.2 GB a GPU
-    # at base), which saves an all-gather per block and, more, its host time in a step the host must keep fed
-    reshard_after_forward: bool = False
-    fsdp_blocks_per_group: int = 1  # FSDP2: consecutive blocks sharded as one group (fewer collectives and hooks)
+    # how the model is made ready (model/parallelize.py): dtype, the remat policy, compile, FSDP2's options.
+    # Flags and flat keys of a config file with these names (compile, remat, ...) land here (TrainConfig.build)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     seed: int = 0
     log_every: int = 10
     val_every: int = 100
@@ -151,8 +148,7 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):
                 raise fail(name, "an int >= 1 or None")
-        for name in ("seq_len", "batch_size", "val_batches", "steps", "log_every", "val_every", "ckpt_every",
-                     "fsdp_blocks_per_group"):
+        for name in ("seq_len", "batch_size", "val_batches", "steps", "log_every", "val_every", "ckpt_every"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise fail(name, "an int >= 1")
         if self.seq_len < 16:
@@ -178,9 +174,11 @@ class TrainConfig:
             raise fail("val_fraction", "a number in (0, 1)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise fail("device", "'auto', 'cpu' or 'cuda'")
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise fail("dtype", "'auto', 'bf16' or 'fp32'")
-        for name in ("compile", "tensorboard", "reshard_after_forward"):
+        if isinstance(self.parallel, Mapping):  # a config file's [parallel] table, a checkpoint's asdict
+            object.__setattr__(self, "parallel", ParallelConfig(**self.parallel))
+        if not isinstance(self.parallel, ParallelConfig):
+            raise fail("parallel", "a ParallelConfig (or a mapping of its fields)")
+        for name in ("tensorboard",):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "a bool")
         for name in ("pattern", "engram_layers", "corpus"):
@@ -197,13 +195,26 @@ class TrainConfig:
         if isinstance(source, (str, Path)):
             path = Path(source)
             values = _read_config_file(path)
-            unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+            unknown = sorted(set(values) - set(cls.__dataclass_fields__) - set(ParallelConfig.__dataclass_fields__))
             if unknown:
                 raise ValueError(f"config file {path}: TrainConfig has no field(s) {unknown}")
             source = SimpleNamespace(**values)
         elif isinstance(source, Mapping):
             source = SimpleNamespace(**source)
         given = {k: v for k, v in overrides.items() if v is not None}
+        # ParallelConfig's fields, given flat (command-line flags, a flat config file): into `parallel`
+        flat = {k for k in ParallelConfig.__dataclass_fields__ if k in given or hasattr(source, k)}
+        if flat:
+            if source is not None and hasattr(source, "parallel") and any(hasattr(source, k) for k in flat):
+                raise ValueError(f"TrainConfig.build: {sorted(k for k in flat if hasattr(source, k))} given both flat "
+                                 "and under 'parallel': give each once")  # fmt: skip
+            base = getattr(source, "parallel", None) if source is not None else None
+            base = dataclasses.asdict(base) if isinstance(base, ParallelConfig) else dict(base or {})
+            base.update({k: getattr(source, k) for k in flat if source is not None and hasattr(source, k)})
+            base.update({k: given.pop(k) for k in flat if k in given})
+            given["parallel"] = ParallelConfig(**base)
+            if source is not None:
+                source = SimpleNamespace(**{k: v for k, v in vars(source).items() if k not in flat and k != "parallel"})
         return build_config(cls, source, given, prefix="train", aliases={}, required=())
 
     def hybrid_config(self, device: str, vocab_size: int) -> HybridConfig:
@@ -215,7 +226,7 @@ class TrainConfig:
                 overrides[name] = getattr(self, name)
         if self.engram_layers is not None:
             overrides["engram_layers"] = "" if self.engram_layers.strip().lower() == "none" else self.engram_layers
-        if self.compile:
+        if self.parallel.compile:
             overrides.update(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
         return model_config(self.preset, device, **overrides)
 
@@ -250,11 +261,9 @@ def resolve_device(config: TrainConfig) -> tuple[str, torch.dtype]:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("TrainConfig.device is 'cuda' but this machine has no CUDA device")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(config.dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if config.compile and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("TrainConfig.compile on a CPU needs TRITON_INTERPRET=1: the compiled blocks run the scans' "
+    dtype = config.parallel.resolve_dtype(device)
+    if config.parallel.compile and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("TrainConfig.parallel.compile on a CPU needs TRITON_INTERPRET=1: the compiled blocks run the scans' "
                          "Triton kernels (under the interpreter on a CPU); the reference loops cannot enter a graph")
     return device, dtype
 
@@ -271,20 +280,15 @@ def lr_at(step: int, config: TrainConfig) -> float:
 # ----------------------------------------------------------------------------- the optimizer
 
 
-def _inner(model: nn.Module) -> HybridLM:
-    """The HybridLM inside apply_mixed_precision's wrapper."""
-    return getattr(model, "module", model)
-
-
 class MasterWeightAdamW:
     """AdamW over fp32 master weights of a (possibly bf16) model; see the module docstring.
 
     Weight decay applies to matrices (2-D and up), never to norms, biases, decays or the embedding."""
 
     def __init__(self, model: nn.Module, config: TrainConfig, *, fused: bool = True) -> None:
-        self.named = [(n, p) for n, p in _inner(model).named_parameters() if p.requires_grad]
-        persistent = _inner(model).state_dict().keys()  # not the RoPE tables, which are rebuilt, never saved
-        self.buffers = [(n, b) for n, b in _inner(model).named_buffers() if n in persistent]
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        persistent = model.state_dict().keys()  # not the RoPE tables, which are rebuilt, never saved
+        self.buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for _, p in self.named]
         self.copied = [i for i, (_, p) in enumerate(self.named) if self.masters[i] is not p]
         from torch.distributed.tensor import DTensor
@@ -393,8 +397,7 @@ class MasterWeightAdamW:
 
     def load_master_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
         """Load masters (and the model's weights rounded from them) and buffers; fails naming the tensor."""
-        lm = _inner(model)
-        expected = dict(lm.state_dict(keep_vars=True))
+        expected = dict(model.state_dict(keep_vars=True))
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or unexpected:
             raise ValueError(f"{where}: field 'model' does not fit this model: missing {missing[:5]}, "
@@ -500,12 +503,14 @@ def _check_resume(state: dict[str, Any], config: TrainConfig, where: Path) -> No
     saved = state["train_config"]
     if not isinstance(saved, dict):
         raise ValueError(f"checkpoint {where} field 'train_config' is not a table")
-    for f in dataclasses.fields(config):
-        if f.name in RESUME_FREE:
-            continue
-        if saved.get(f.name) != getattr(config, f.name):
-            raise ValueError(f"checkpoint {where} field 'train_config.{f.name}' is {saved.get(f.name)!r}, this run has "
-                             f"{getattr(config, f.name)!r}: resume with the same config, or use another out_dir")  # fmt: skip
+    now = dataclasses.asdict(config)
+    for name in sorted(now):  # the parallel table field by field: some of its fields are free
+        pairs = [(f"{name}.{k}", (saved.get(name) or {}).get(k) if isinstance(saved.get(name), dict) else None, v)
+                 for k, v in now[name].items()] if isinstance(now[name], dict) else [(name, saved.get(name), now[name])]  # fmt: skip
+        for dotted, was, value in pairs:
+            if dotted not in RESUME_FREE and was != value:
+                raise ValueError(f"checkpoint {where} field 'train_config.{dotted}' is {was!r}, this run has {value!r}: "
+                                 "resume with the same config, or use another out_dir")  # fmt: skip
 
 
 def _config_diff(now: Any, saved: Any, *, skip: tuple[str, ...], where: str = "") -> tuple[str, Any, Any] | None:
@@ -525,7 +530,7 @@ def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Hybrid
     """A fp32 HybridLM from a checkpoint's master weights (for sampling and evaluation)."""
     state = load_checkpoint(path)
     try:  # rebuilt from the run's own config, with the kernels named for this device
-        run = TrainConfig(**{**state["train_config"], "compile": False})
+        run = TrainConfig.build(state["train_config"], compile=False)  # older checkpoints: the parallel fields flat
         config = run.hybrid_config(device, int(state["model_config"]["vocab_size"]))
     except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"checkpoint {path} field 'train_config' does not build the model: {err}") from None
@@ -621,7 +626,7 @@ def _sharded_state(model: nn.Module, opt: MasterWeightAdamW) -> dict[str, Any]:
     """{"model", "optimizer"} of an FSDP2 model as DCP saves and loads them (sharded, keyed by name)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(_inner(model), opt.optimizer)
+    model_state, optim_state = get_state_dict(model, opt.optimizer)
     return {"model": model_state, "optimizer": optim_state}
 
 
@@ -642,7 +647,7 @@ def _load_state(model: nn.Module, opt: MasterWeightAdamW, found: tuple[str, Path
     else:  # one process's full tensors: every rank reads the file and keeps its shards
         state, options = saved, StateDictOptions(full_state_dict=True)
     try:
-        set_state_dict(_inner(model), opt.optimizer, model_state_dict=state["model"],
+        set_state_dict(model, opt.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=options)  # fmt: skip
     except (KeyError, RuntimeError, ValueError) as err:
         raise ValueError(f"checkpoint {where} does not fit this model: {type(err).__name__}: {err}") from None
@@ -693,15 +698,7 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
         corpus = tokenize_corpus(config, progress=progress and ranks.main)
     stream, val_batches = _data(config, corpus, tok.pad_id)
     torch.manual_seed(config.seed)
-    model: nn.Module = HybridLM(hcfg).to(device)
-    if ranks.world > 1:  # torchtitan's order: compile, then shard the fp32 masters; param_dtype is the forward's
-        if config.compile:
-            apply_compile(model)
-        low = dtype if dtype != torch.float32 else None
-        apply_fsdp(model, param_dtype=low, reduce_dtype=torch.float32 if low is not None else None,
-                   reshard_after_forward=config.reshard_after_forward, blocks_per_group=config.fsdp_blocks_per_group)
-    elif dtype != torch.float32:
-        model = apply_mixed_precision(model, dtype)
+    model = parallelize(HybridLM(hcfg).to(device), config.parallel, device=device, fsdp=ranks.world > 1)
     opt = MasterWeightAdamW(model, config)
     history: list[dict[str, float]] = []
     start = 0
@@ -712,8 +709,6 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
         if device == "cuda" and saved["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(saved["rng"]["cuda"])
         start, history = int(saved["step"]), list(saved["history"])
-    if config.compile and ranks.world == 1:
-        apply_compile(model)
     writer = None
     if config.tensorboard and ranks.main:
         from torch.utils.tensorboard import SummaryWriter
@@ -772,7 +767,10 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
             bar.write(text, file=sys.stderr)  # beside the bar; stdout stays for results (paths, the summary)
 
     where = f"{ranks.world} x {device}" if ranks.world > 1 else device
-    if config.compile and start < end:
+    if config.parallel.remat != "none":
+        say(f"activation checkpointing: remat policy {config.parallel.remat!r}"
+            f"{' (activation_memory_budget per block structure)' if config.parallel.policy.is_budget else ''}")
+    if config.parallel.compile and start < end:
         cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "inductor's default cache directory"
         say(f"step {start + 1}: compiling {len(block_structures(model))} block structures on {where} "
             f"(warm if {cache} holds them, else cold: a minute or two)")  # fmt: skip
@@ -843,13 +841,33 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
     if writer is not None:
         writer.close()
     if ranks.main:
-        (out / "history.json").write_text(json.dumps(history, indent=1) + "\n")
+        peaks = [r["peak_mib"] for r in history if "peak_mib" in r]
+        run = {"preset": config.preset, "device": where, "dtype": str(dtype).removeprefix("torch."),
+               "parallel": dataclasses.asdict(config.parallel), "remat": config.parallel.remat,
+               "peak_mib": max(peaks) if peaks else None}  # fmt: skip
+        write_history(out / HISTORY_FILE, run, history)
         plot_history(history, out / "loss.png", title=f"{config.preset} on {where}")
     # the first interval holds compilation and warm-up: the median of the rest is the steady rate
     steady = sorted(rates[1:] or rates)
     checkpoint_at = out / SHARDED_DIR if ranks.world > 1 else ckpt_path
     return TrainResult(history, checkpoint_at, out, model, hcfg, steady[len(steady) // 2] if steady else float("nan"),
                        step=max(start, end))  # fmt: skip
+
+
+def write_history(path: Path, run: dict[str, Any], rows: list[dict[str, float]]) -> None:
+    """history.json: what ran (`run`: the preset, the device, the parallel config and its remat policy, the peak
+    memory per GPU over the run, None on a CPU) and one row per log or validation point (`rows`)."""
+    path.write_text(json.dumps({"run": run, "rows": rows}, indent=1) + "\n")
+
+
+def read_history(path: str | Path) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """(run, rows) of a history.json (a run directory or the file); fails naming the field."""
+    path = Path(path)
+    path = path / HISTORY_FILE if path.is_dir() else path
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("run"), dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{path} is not a history: expected a table with fields 'run' and 'rows'")
+    return data["run"], data["rows"]
 
 
 def _trace(out: Path, steps: int, device: str) -> Any:

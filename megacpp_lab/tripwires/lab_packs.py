@@ -123,6 +123,7 @@ def pack11_fused_loss_wired(*, batch: int = 2, seq: int = 64, vocab: int = 8192,
     [chunk, V] buffer is told apart from full logits (by default a chunk holds every row that fits 256 MiB)."""
     from megacpp_lab.model.config import model_config
     from megacpp_lab.model.hybrid import HybridLM
+    from megacpp_lab.model.parallelize import ParallelConfig, parallelize
     from megacpp_lab.profiling import saved_tensor_bytes, working_memory
 
     tokens, targets, doc_ids = _packed_batch(batch, seq, vocab)
@@ -131,7 +132,8 @@ def pack11_fused_loss_wired(*, batch: int = 2, seq: int = 64, vocab: int = 8192,
     cases, measured = [], {}
     for fused in (True, False):
         torch.manual_seed(0)
-        model = HybridLM(model_config("tiny", "cpu", vocab_size=vocab, lm_head=dict(fused_loss=fused, loss_chunk_size=chunk, loss_impl="eager")))
+        model = parallelize(HybridLM(model_config("tiny", "cpu", vocab_size=vocab, lm_head=dict(
+            fused_loss=fused, loss_chunk_size=chunk, loss_impl="eager"))), ParallelConfig(dtype="fp32"))  # fmt: skip
         params = [*model.parameters(), *model.buffers()]
         saved = saved_tensor_bytes(lambda: model(tokens, ctx, targets).loss, exclude=params)
 
@@ -168,6 +170,7 @@ def _pack11_cuda_peak(tokens: torch.Tensor, targets: torch.Tensor, doc_ids: torc
     """Pack 11 on the GPU: the peak memory of one forward + backward above what the model holds, flag on and off."""
     from megacpp_lab.model.config import model_config
     from megacpp_lab.model.hybrid import HybridLM
+    from megacpp_lab.model.parallelize import ParallelConfig, parallelize
     from megacpp_lab.profiling import peak_extra_mib
 
     dev = torch.device("cuda")
@@ -177,7 +180,7 @@ def _pack11_cuda_peak(tokens: torch.Tensor, targets: torch.Tensor, doc_ids: torc
     for fused in (True, False):
         torch.manual_seed(0)
         cfg = model_config("tiny", "cuda", vocab_size=vocab, lm_head=dict(fused_loss=fused, loss_chunk_size=chunk, loss_impl="triton"))
-        model = HybridLM(cfg).to(dev)
+        model = parallelize(HybridLM(cfg).to(dev), ParallelConfig(dtype="fp32"))
 
         def step() -> None:
             model.zero_grad(set_to_none=True)
@@ -261,15 +264,15 @@ def _contract_outcome(seen: dict[str, set[torch.dtype]], params: set[str], contr
 
 
 def pack16_fp32_contract() -> PackResult:
-    """The blanket bf16 cast of fp32-contract parameters (Megatron's Float16Module). On the tiny HybridLM: through
-    the lab's wrapper (apply_mixed_precision) and through FSDP2's bf16 policy (apply_fsdp, one gloo rank), every
+    """The blanket bf16 cast of fp32-contract parameters (Megatron's Float16Module). On the tiny HybridLM, built by
+    parallelize: its one-device in-place cast (apply_precision) and FSDP2's bf16 policy (apply_fsdp, one gloo rank): every
     parameter a module declares fp32 must reach its forward in fp32 while the rest are bf16; a blanket cast
     (`.to(bfloat16)` on the bare model) must be seen as one. One optimiser-free backward checks the gradients."""
     from megacpp_lab.model.config import model_config
     from megacpp_lab.model.hybrid import HybridLM
     from megacpp_lab.model.distributed import one_process_group
-    from megacpp_lab.model.parallelize import apply_fsdp
-    from megacpp_lab.model.precision import apply_mixed_precision, fp32_contract
+    from megacpp_lab.model.parallelize import ParallelConfig, parallelize
+    from megacpp_lab.model.precision import fp32_contract
     from megacpp_lab.profiling import forward_dtypes
 
     tokens, targets, doc_ids = _packed_batch(2, 32, model_config("tiny", "cpu").vocab_size)
@@ -279,23 +282,28 @@ def pack16_fp32_contract() -> PackResult:
         torch.manual_seed(0)
         return HybridLM(model_config("tiny", "cpu"))
 
-    def wrapper(m: nn.Module) -> nn.Module:
-        return apply_mixed_precision(m)
+    bf16 = ParallelConfig(dtype="bf16")
+
+    def one_device(m: nn.Module) -> nn.Module:
+        return parallelize(m, bf16, device="cpu", fsdp=False)
+
+    def sharded(m: nn.Module) -> nn.Module:
+        return parallelize(m, bf16, device="cpu", fsdp=True)
 
     def blanket(m: nn.Module) -> nn.Module:
         return m.to(torch.bfloat16)
 
     cases, measured = [], {}
-    for name, wrap, expect in (("apply_mixed_precision (bf16)", wrapper, KEPT),
-                               ("apply_fsdp, FSDP2 policy param_dtype=bf16, 1 gloo rank", apply_fsdp, KEPT),
-                               ("blanket .to(bfloat16) (the watcher must fire)", blanket, CAST)):  # fmt: skip
+    for name, ready, expect in (("parallelize, one device: apply_precision (bf16)", one_device, KEPT),
+                                ("parallelize, FSDP2 policy param_dtype=bf16, 1 gloo rank", sharded, KEPT),
+                                ("blanket .to(bfloat16) (the watcher must fire)", blanket, CAST)):  # fmt: skip
         model = build()
         contract = set(fp32_contract(model))
         params = {n for n, _ in model.named_parameters()}
-        with one_process_group() if wrap is apply_fsdp else contextlib.nullcontext():
-            wrapped = wrap(model)
+        with one_process_group() if ready is sharded else contextlib.nullcontext():
+            model = ready(model)
             with forward_dtypes(model, buffers=True) as seen:
-                loss = wrapped(tokens, ctx, targets).loss
+                loss = model(tokens, ctx, targets).loss
                 loss.backward()
             loss = float(loss.detach())
             grads_finite = all(bool(torch.isfinite(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).all())
