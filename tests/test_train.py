@@ -98,7 +98,7 @@ def test_checkpoint_loads_into_a_model_that_reproduces_the_val_loss(runs):
     s = runs["straight"]
     model, config = load_checkpoint_model(s.checkpoint)
     assert config.vocab_size == 32768 and config.ssd.kernel == "chunked"  # the CPU's kernels, named
-    trained = {k: v.float() for k, v in train_mod._inner(s.model).state_dict().items()}
+    trained = {k: v.float() for k, v in s.model.state_dict().items()}
     assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
 
 
@@ -175,13 +175,72 @@ def test_mismatched_checkpoints_name_the_field(runs, tmp_path):
     ("seq_len", 8, "seq_len must be at least 16"),
     ("grad_clip", -1.0, "grad_clip must be a number >= 0"),
     ("device", "tpu", "device must be 'auto', 'cpu' or 'cuda'"),
-    ("dtype", "fp16", "dtype must be 'auto', 'bf16' or 'fp32'"),
-    ("compile", "yes", "compile must be a bool"),
     ("val_fraction", 1.0, "val_fraction must be a number in"),
+    ("parallel", "fast", "parallel must be a ParallelConfig"),
 ])  # fmt: skip
 def test_bad_config_values_fail_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=f"TrainConfig.{message}"):
         TrainConfig(**{**TINY, field: value})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dtype", "fp16", r"ParallelConfig.dtype must be 'auto' or one of"),
+    ("compile", "yes", "ParallelConfig.compile must be a bool"),
+    ("remat", "A=full,X=1", "ParallelConfig.remat: remat policy 'A=full,X=1': 'X=1' names no kind"),
+    ("remat", "0.3", "holds a budget, which only regional compile reads"),
+])  # fmt: skip
+def test_bad_parallel_values_fail_naming_the_field(field, value, message):
+    """The flags of `train` that land in TrainConfig.parallel fail closed naming ParallelConfig's field."""
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.build(TINY, **{field: value})
+
+
+def test_parallel_fields_given_flat_or_nested_build_one_config(tmp_path):
+    flat = TrainConfig.build(TINY, compile=True, remat="A=1.0,M=0.3,R=1.0")
+    assert flat.parallel.compile and flat.parallel.remat == "A=1,M=0.3,R=1"
+    (tmp_path / "run.toml").write_text('preset = "tiny"\n[parallel]\nremat = "full"\n')
+    assert TrainConfig.build(tmp_path / "run.toml").parallel.remat == "full"
+    assert TrainConfig.build(tmp_path / "run.toml", remat="none").parallel.remat == "none"  # a flag overrides
+    (tmp_path / "both.toml").write_text('preset = "tiny"\nremat = "full"\n[parallel]\nremat = "none"\n')
+    with pytest.raises(ValueError, match=r"\['remat'\] given both flat and under 'parallel'"):
+        TrainConfig.build(tmp_path / "both.toml")
+
+
+@pytest.mark.parametrize("remat, compiled", [
+    ("full", False),
+    pytest.param("A=1.0,M=0.3,R=0.5", True, marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="compiled on a CPU needs the Triton interpreter, which a GPU session does "
+        "not switch on; test_base_trains_under_a_budget_that_budget_one_does_not_fit is the GPU's")),
+])  # fmt: skip
+def test_training_under_a_remat_policy_resumes_bit_exactly_and_reports_it(tmp_path, remat, compiled, capsys):
+    """Eager ("full": checkpoint wrappers) and regionally compiled (a budget per block kind, read by inductor's
+    partitioner; the Triton scans under the interpreter): the run trains, a run stopped and resumed equals the
+    straight one bit for bit, and the console and history.json name the policy."""
+    cfg = dict(TINY, steps=4, warmup_steps=1, log_every=1, val_every=4, ckpt_every=2)
+    config = TrainConfig.build(cfg, remat=remat, compile=compiled, out_dir=str(tmp_path / "straight"))
+    torch._dynamo.reset()
+    straight = train(config, progress=True)
+    assert f"remat policy {config.parallel.remat!r}" in capsys.readouterr().err
+    sliced = dataclasses.replace(config, out_dir=str(tmp_path / "sliced"))
+    torch._dynamo.reset()
+    train(sliced, progress=False, stop_after=2)
+    torch._dynamo.reset()
+    resumed = train(sliced, progress=False)
+    assert _no_rates(resumed.history) == _no_rates(straight.history)
+    a, b = _state(straight), _state(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    rows = [r["train_loss"] for r in straight.history if "train_loss" in r]
+    assert rows[-1] < rows[0]
+    run, _ = read_history(tmp_path / "straight")
+    assert run["remat"] == config.parallel.remat and run["parallel"]["compile"] is compiled
+    if compiled:  # the budget reached the blocks: every block but the last (never recomputed) has its kind's
+        from megacpp_lab.model.checkpointing import block_budget
+
+        want = {"A": 1.0, "M": 0.3, "R": 0.5}
+        blocks = list(straight.model.blocks)
+        assert [block_budget(b) for b in blocks] == [want[b.kind] for b in blocks[:-1]] + [1.0]
+    with pytest.raises(ValueError, match=r"train_config\.parallel\.remat' is"):  # a resume under another policy
+        train(dataclasses.replace(sliced, parallel=dataclasses.replace(config.parallel, remat="none")), progress=False)
 
 
 def test_bad_model_shape_fails_before_the_corpus_is_read(tmp_path, monkeypatch):
@@ -281,3 +340,37 @@ def test_the_config_records_every_field_in_the_checkpoint(runs):
     saved = load_checkpoint(runs["straight"].checkpoint)["train_config"]
     assert set(saved) == {f.name for f in dataclasses.fields(TrainConfig)}
     assert Path(saved["out_dir"]).name == "straight"
+
+
+@pytest.mark.cuda
+def test_base_trains_under_a_budget_that_budget_one_does_not_fit(tmp_path):
+    """`base` at B=8, T=4096, regionally compiled, bf16: under the remat budget 0.3 it trains inside a memory cap
+    (torch.cuda.set_per_process_memory_fraction) where budget 1.0 (save everything) runs out of memory. The cap:
+    the 0.3 run's own peak plus a tenth of the gap to the 1.0 run's estimate, set between the runs."""
+    corpus = dict(max_files=400, seq_len=4096, batch_size=8, steps=2, warmup_steps=1, log_every=1, val_every=2,
+                  ckpt_every=2, val_batches=1, device="cuda", tensorboard=False, preset="base")  # fmt: skip
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    def run(budget: str, name: str):
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return train(TrainConfig.build(corpus, compile=True, remat=budget, out_dir=str(tmp_path / name)), progress=False)
+
+    low = run("0.3", "low")
+    run_info, _ = read_history(tmp_path / "low")
+    assert run_info["remat"] == "0.3" and run_info["peak_mib"] > 0
+    del low
+    cap = (run_info["peak_mib"] * 2**20 + 2 * 2**30) / total  # the budget-0.3 peak and 2 GiB for the allocator
+    torch.cuda.set_per_process_memory_fraction(cap)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            run("1.0", "high")
+        capped = run("0.3", "low_capped")
+        assert capped.step == 2 and math.isfinite(capped.history[-1].get("val_loss", float("nan")))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    print(f"budget 0.3 peak {run_info['peak_mib'] / 1024:.1f} GiB; cap {cap * total / 2**30:.1f} GiB of "
+          f"{total / 2**30:.1f}: budget 1.0 ran out of memory, budget 0.3 trained")

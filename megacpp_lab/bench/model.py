@@ -77,7 +77,9 @@ def build_model(config: HybridConfig, device: str, *, seed: int = 0, parallel: P
     """HybridLM on the device, made ready by parallelize (model/parallelize.py) under `parallel` (default
     ParallelConfig(): bf16 on a GPU with the fp32 contract kept, fp32 on a CPU, eager, no remat)."""
     torch.manual_seed(seed)
-    return parallelize(HybridLM(config).to(device), parallel or ParallelConfig(), device=device)
+    with torch.device(device):  # initialised where it runs: seconds of host-side init and a copy saved at base
+        model = HybridLM(config).to(device)  # .to: what a layer draws on the CPU on purpose (seeded tables)
+    return parallelize(model, parallel or ParallelConfig(), device=device)
 
 
 def make_batch(shape: ModelShape, vocab_size: int, device: str, *, seed: int = 0, ignore_index: int = -100,

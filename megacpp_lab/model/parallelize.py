@@ -35,7 +35,8 @@ __all__ = ["PHASES", "CompileStats", "ParallelConfig", "apply_compile", "apply_f
            "compile_breakdown", "compile_stats", "fsdp_groups", "parallelize"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-BACKENDS = ("inductor", "aot_eager", "eager")
+# aot_eager_decomp_partition: AOTAutograd's min-cut partitioner (which reads the remat budget) without inductor
+BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition", "eager")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def projection(features: int, rank: int, seed: int, device: torch.device, dtype:
     """R [features, rank] with N(0, 1/rank) entries, the same for the same seed (drawn on the CPU: the same on
     every device)."""
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(features, rank, generator=gen) / rank**0.5).to(device=device, dtype=dtype)
+    return (torch.randn(features, rank, generator=gen, device="cpu") / rank**0.5).to(device=device, dtype=dtype)
 
 
 class _CompactLinearFn(torch.autograd.Function):

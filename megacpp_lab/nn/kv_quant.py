@@ -63,7 +63,7 @@ class QuantizedRows:
 def haar_rotation(dim: int, seed: int) -> torch.Tensor:
     """[dim, dim] fp32 orthogonal matrix, a Haar sample that is a function of (dim, seed) alone."""
     gen = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64, device="cpu"))
     # Plain QR is not Haar-distributed. Forcing diag(r) > 0 makes the factorisation unique and Q uniform.
     sign = torch.sign(torch.diagonal(r))
     sign[sign == 0] = 1.0

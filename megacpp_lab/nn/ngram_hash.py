@@ -144,7 +144,8 @@ class NgramHashConfig:
 def layer_multipliers(config: NgramHashConfig, layer_id: int) -> torch.Tensor:
     """[max_ngram] odd int64 multipliers, different for every layer, fixed by (seed, layer)."""
     gen = torch.Generator().manual_seed(config.seed * 1_000_003 + layer_id)
-    m = torch.randint(1, 1 << MULTIPLIER_BITS, (config.max_ngram,), generator=gen, dtype=torch.int64)
+    # drawn on the CPU (the generator's device) whatever the default device a model is built under
+    m = torch.randint(1, 1 << MULTIPLIER_BITS, (config.max_ngram,), generator=gen, dtype=torch.int64, device="cpu")
     return m | 1
 
 
