@@ -111,12 +111,26 @@ def test_inductor_compiled_step_equals_eager_loss_and_gradients():
     assert stats.graph_breaks == 0 and stats.aot_graphs >= stats.graphs == 4, stats
 
 
-def test_apply_compile_refuses_more_structures_than_the_recompile_limit_and_a_non_model():
-    model = _tiny()
+def test_apply_compile_counts_its_graphs_against_the_recompile_limit_and_refuses_a_non_model():
+    """tiny with every branch: 4 structures, each with and without gradients. Under a budget the last block
+    (never recomputed) compiles apart: one more per grad mode. Past the limit dynamo would run a block eager
+    with a warning, so apply_compile raises the limit to the count (never lowers it)."""
+    from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
+    from megacpp_lab.model.parallelize import graphs_needed
+
+    assert graphs_needed(_tiny(**leak_features(4))) == 8
+    budgeted = _tiny()  # AMRM, Engram at 1: the last block is the only plain M, so its budget adds no graph
+    apply_ac(budgeted, CheckpointingPolicy.uniform(0.3), compiled=True)
+    assert graphs_needed(budgeted) == 8
+    deep = _tiny(n_layers=8)  # AMRMAMRM: blocks 3 and 7 share a structure, the last one's budget is its own
+    apply_ac(deep, CheckpointingPolicy.uniform(0.3), compiled=True)
+    assert graphs_needed(deep) == 2 * (len(block_structures(deep)) + 1)
     with torch._dynamo.config.patch(recompile_limit=3):
-        with pytest.raises(ValueError, match=r"4 block structures .* over torch._dynamo.config.recompile_limit=3"):
-            apply_compile(model)
-    assert not any(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl for b in model.blocks)
+        apply_compile(deep, backend="eager")
+        assert torch._dynamo.config.recompile_limit == graphs_needed(deep)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        apply_compile(_tiny(), backend="eager")
+        assert torch._dynamo.config.recompile_limit == 64
     with pytest.raises(TypeError, match="expected a HybridLM"):
         apply_compile(torch.nn.Linear(2, 2))
 
