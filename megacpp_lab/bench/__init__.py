@@ -210,14 +210,15 @@ runs in a process of its own, with inductor and Triton cache directories of its 
 
 Shape: the base preset (12 layers, d=1024, pattern AMRM, Engram at layers 1, 5, 9), B=4, T=4096, 8
 documents per row, bf16, Triton scans, built by parallelize. Contenders:
-  eager                        10 CUDA-event-timed steps after 3 of warm-up (median, min, max)
   regional cold                apply_compile (one graph per block structure), fresh caches: import, build
                                and first step; the compile of each region split by phase (dynamo trace,
                                AOTAutograd, inductor lowering and code generation, Triton compile, autotune)
                                from dynamo's CompilationMetrics, the time outside dynamo (the lab's kernels),
                                the Triton kernels compiled; then batches of 1, 2, 3, 17 and 64 documents per
                                row with and without gradients (graphs added: recompiles); the timed steps,
-                               MFU against 989 TFLOP/s; one profiled step; its Mega-Cache artifacts saved
+                               MFU against 989 TFLOP/s; one profiled step; its Mega-Cache artifacts saved;
+                               then the eager step of the same weights and batch (the
+                               baseline: 10 CUDA-event-timed steps after 3 of warm-up)
   regional warm                a new process on the caches the cold run left: every cache hit or missed
   regional from Mega-Cache     empty caches, the artifacts loaded first (torch.compiler.load_cache_artifacts)
   regional cold 48 layers      the same model 48 layers deep (compile should be flat in depth)
@@ -228,7 +229,7 @@ build + first step <= 10 s, 48 layers <= 1.15x 12 layers, regional <= 1/3 of who
 zero recompiles, the compiled step <= 0.8x eager.
 Receipts under <out>/<device-slug>/compile/: compile_step.json, compile_step.png (phases per region, first
 steps), compile_regional.*.pt.trace.json; compile_step.partial.json while it runs.
-Run time on an H100: about ten minutes (six processes; three cold compiles and a stopped one).
+Run time on an H100: about ten minutes (five processes; three cold compiles and a stopped one).
 --small (CPU, the tiny preset at B=1, T=32, 4 and 8 layers, the scans' Triton kernels under the
 interpreter, dynamo's aot_eager backend instead of inductor, whole-model also at 4 layers): about two
 minutes.""",

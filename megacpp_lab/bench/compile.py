@@ -32,6 +32,7 @@ SMALL_DOC_COUNTS = (1, 2, 3, 5)
 # a whole-model compile stopped here has taken at least this many times the regional one at its depth: the
 # 1/3 bar holds, and the receipt says the whole-model time is a lower bound
 WHOLE_CAP_FACTOR = 3.05
+EAGER = "eager (timed after regional cold, in its process)"
 BARS = {
     "cold_s": 40.0,  # regional first step, fresh caches, 12 layers
     "warm_first_step_s": 4.0,  # a new process, caches on disk
@@ -61,6 +62,7 @@ class Run:
     megacache_save: str | None = None  # write torch.compiler.save_cache_artifacts() here after the run
     megacache_load: str | None = None  # load these artifacts (torch.compiler.load_cache_artifacts) before the build
     trace_dir: str | None = None  # one profiled step of the compiled model
+    eager_after: bool = False  # then time the eager step of the same model in this process (the baseline)
     launched_at: float = 0.0  # time.time() when the parent launched the process
 
 
@@ -168,6 +170,16 @@ def _run(run: Run, out: Path) -> None:
         else:
             Path(run.megacache_save).write_bytes(artifacts[0])
             save(megacache_bytes=len(artifacts[0]))
+    if run.eager_after:  # same weights (seed 0), same batch; the lab's kernels compiled and autotuned by now
+        del step
+        eager = build_model(config, run.device)
+        eager_step = TrainingStep(eager, tokens, build_context(doc_ids), targets)
+        eager_step()
+        samples = sorted(step_times_ms(eager_step, warmup=run.warmup, steps=run.steps, device=run.device))
+        ms = statistics.median(samples)
+        tflops = eager.flops_per_token(run.T)["total"] * run.B * run.T / (ms / 1e3) / 1e12
+        save(eager={"ms": ms, "ms_min": samples[0], "ms_max": samples[-1], "steps": run.steps,
+                    "tokens_per_s": run.B * run.T / (ms / 1e3), "tflops": tflops, "mfu": tflops / PEAK_BF16_TFLOPS})
     save(done=True)
 
 
@@ -234,9 +246,8 @@ def bench_compile(*, preset: str = "base", B: int = 4, T: int = 4096, docs: int 
     shallow = hybrid_preset(preset).n_layers
     mega = root / "regional.megacache"
     plan = [
-        ("eager", root / "eager", Run("eager", "eager", steps=steps, warmup=warmup), None),
         ("regional cold", root / "regional", Run("regional cold", "regional", steps=steps, warmup=warmup,
-                                                 doc_counts=doc_counts, megacache_save=str(mega),
+                                                 doc_counts=doc_counts, megacache_save=str(mega), eager_after=True,
                                                  trace_dir=str(trace_dir) if trace_dir else None), None),  # fmt: skip
         ("regional warm", root / "regional", Run("regional warm", "regional"), None),
         ("regional from Mega-Cache", root / "megacache", Run("regional from Mega-Cache", "regional", megacache_load=str(mega)), None),
@@ -257,6 +268,8 @@ def bench_compile(*, preset: str = "base", B: int = 4, T: int = 4096, docs: int 
         left = deadline_s - (time.time() - start) - 15 if deadline_s is not None and capped_by else None
         timeout = min(t for t in (cap, left) if t is not None) if cap is not None or left is not None else None
         rows[name] = _launch(run, cache, timeout=timeout, interpret=interpret)
+        if "eager" in rows[name]:
+            rows[EAGER] = {"contender": EAGER, "mode": "eager", "preset": preset, **rows[name].pop("eager")}
         if timeout is not None:
             rows[name]["cap_s"] = timeout
             if "stopped_at_s" in rows[name]:
@@ -274,7 +287,7 @@ def bench_compile(*, preset: str = "base", B: int = 4, T: int = 4096, docs: int 
 
 def _receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *, preset: str, B: int, T: int, docs: int, device: str, backend: str,
              shallow: int, deep: int, make_receipt: Any) -> dict[str, Any]:  # fmt: skip
-    eager, cold = rows.get("eager"), rows.get("regional cold")
+    eager, cold = rows.get(EAGER), rows.get("regional cold")
     warm, deep_r = rows.get("regional warm"), rows.get(f"regional cold {deep} layers")
     deep_w = rows.get(f"whole-model cold {deep} layers")
     summary: dict[str, Any] = {"contenders": len(rows), "skipped": skipped}
@@ -308,7 +321,8 @@ def _receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *, preset
         dtype="bfloat16" if device == "cuda" else "float32", results=list(rows.values()), device=device,
         summary=summary, backend=backend, peak_bf16_tflops=PEAK_BF16_TFLOPS,
         notes=(
-            "Every contender in a process of its own with its own inductor and Triton cache directories: cold runs "
+            "Every contender in a process of its own with its own inductor and Triton cache directories (but the eager "
+            "baseline, timed in the regional cold run's process after it, on the same weights and batch): cold runs "
             "start with empty ones; 'regional warm' is a new process on the caches 'regional cold' left on disk; "
             "'regional from Mega-Cache' starts with empty caches and loads the artifacts 'regional cold' saved "
             "(torch.compiler.save_cache_artifacts / load_cache_artifacts), as a fresh container would. import_s: "
@@ -380,9 +394,9 @@ def _plot(receipt: dict[str, Any], path: Path) -> Path:
         left.barh(["outside dynamo\n(lab kernels, step)"], [cold["outside_dynamo_s"]], color="0.5")
         left.set(xlabel="seconds of the cold first step", title=f"regional cold compile by region and phase "
                  f"(first step {cold['first_step_s']:.1f} s)")  # fmt: skip
-        left.legend(fontsize=7, loc="lower right")
+        left.legend(fontsize=7, loc="best")
         left.invert_yaxis()
-    names = [n for n in rows if n != "eager"]
+    names = [n for n in rows if rows[n]["mode"] != "eager"]
     values = [_first_step(rows[n]) for n in names]
     bars = right.barh(names, values, color=["C3" if "whole" in n else "C0" for n in names])
     for b, n in zip(bars, names):
