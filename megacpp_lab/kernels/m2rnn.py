@@ -115,13 +115,16 @@ def _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, hd, H, k0, K: tl.co
     """Pull step t's inputs into L2 without waiting for them.
 
     The scan is one dependent chain: a step's loads issued one step ahead can still be waiting on
-    DRAM when the step needs them; prefetched into L2 several steps ahead, they are served from L2."""
-    row = t * H + hd
-    _prefetch_l2(q_ptr + row * K + k0)
-    _prefetch_l2(k_ptr + row * K + k0)
-    _prefetch_l2(v_ptr + row * V)
-    _prefetch_l2(f_ptr + row)
-    _prefetch_l2(reset_ptr + t)
+    DRAM when the step needs them; prefetched into L2 several steps ahead, they are served from L2.
+    Under the interpreter nothing is prefetched, and the address arithmetic is skipped too (about a third
+    of an interpreted scan's time on a CPU)."""
+    if not _INTERPRETED:
+        row = t * H + hd
+        _prefetch_l2(q_ptr + row * K + k0)
+        _prefetch_l2(k_ptr + row * K + k0)
+        _prefetch_l2(v_ptr + row * V)
+        _prefetch_l2(f_ptr + row)
+        _prefetch_l2(reset_ptr + t)
 
 
 @triton.jit
@@ -141,7 +144,7 @@ def _m2rnn_fwd_kernel(
     y_ptr, ckpt_ptr,
     H, n_rows,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_H0: tl.constexpr,
 ):  # fmt: skip
     # rows of the state evolve independently (W acts on V), so a program may own BK of the K rows;
     # with BK < K its y is a partial sum over its rows, written as fp32 [K/BK, n_rows, V]
@@ -154,7 +157,10 @@ def _m2rnn_fwd_kernel(
     rv = tl.arange(0, V)
     kv = rk[:, None] * V + rv[None, :]
     W = tl.load(w_ptr + hd * V * V + rv[:, None] * V + rv[None, :]).to(tl.float32)
-    h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
+    if HAS_H0:
+        h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
+    else:  # h0=None: every document starts from zeros (h0_ptr is a placeholder, never read)
+        h0 = tl.zeros((BK, V), dtype=tl.float32)
     h = h0
     slot = tl.load(ckpt_off_ptr + p)
     # software pipelining: step t+1's inputs are loaded before step t's math, off the state's critical path
@@ -185,7 +191,7 @@ def _m2rnn_bwd_kernel(
     dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
     H, n_rows, clip,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_H0: tl.constexpr,
 ):  # fmt: skip
     # one program per (range, head, block of BK state rows): dq, dk, dh0 are row-local; dv, df and
     # dW sum over rows, so each block writes fp32 partials [K/BK, ...] that the launcher adds up
@@ -200,7 +206,10 @@ def _m2rnn_bwd_kernel(
     kv = rk[:, None] * V + rv[None, :]
     local = tl.arange(0, BK)[:, None] * V + rv[None, :]
     W = tl.load(w_ptr + hd * V * V + rv[:, None] * V + rv[None, :]).to(tl.float32)
-    h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
+    if HAS_H0:
+        h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
+    else:  # zeros, and no dh0 (h0_ptr and dh0_ptr are placeholders, never read or written)
+        h0 = tl.zeros((BK, V), dtype=tl.float32)
     slot = tl.load(ckpt_off_ptr + p)
     prog = (p * H + hd) * NKB + kb
     scratch = prog * CHUNK * BK * V
@@ -259,10 +268,12 @@ def _m2rnn_bwd_kernel(
                 tl.store(dv_ptr + (kb * n_rows + row) * V + rv, dvt)
             dW += tl.dot(tl.trans(hp), da, input_precision=PRECISION)
             dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision=PRECISION)
-            dh0 += tl.where(rt != 0, dprev, 0.0)
+            if HAS_H0:
+                dh0 += tl.where(rt != 0, dprev, 0.0)
             dh = tl.where(rt != 0, 0.0, dprev)
     tl.store(dw_ptr + prog * V * V + rv[:, None] * V + rv[None, :], dW)
-    tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
+    if HAS_H0:
+        tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -289,11 +300,14 @@ def _ckpt_layout(ranges: torch.Tensor, chunk: int, total: int) -> tuple[torch.Te
 
 @torch.library.custom_op("megacpp::m2rnn_scan_fwd", mutates_args=())
 def m2rnn_scan_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
     ranges: torch.Tensor, reset: torch.Tensor, chunk: int, save: bool, clip: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,S,H,V] and the every-`chunk`-steps state checkpoints (empty unless save).
 
+    h0 [P,H,K,V] fp32, or None: every range starts from zeros, made inside the kernel. (A zeros h0 made by
+    the caller would be a [P,...] tensor in the compiled graph, P the number of documents: its contiguity
+    check guards P != 1, and a batch of one document recompiled the graph.)
     clip is only carried to the backward (gradient clipping of the state)."""
     B, S, H, K = q.shape
     V = v.shape[-1]
@@ -304,9 +318,10 @@ def m2rnn_scan_fwd(
     y = torch.empty_like(v) if bk == K else torch.empty((K // bk, B * S * H, V), device=q.device, dtype=torch.float32)
     offsets, slots = _ckpt_layout(ranges, chunk, B * S)
     ckpt = torch.empty((slots if save else 0, H, K, V), device=q.device, dtype=torch.float32)
+    h0_arg = W if h0 is None else h0  # a placeholder pointer when HAS_H0 is off
     _m2rnn_fwd_kernel[(P, H, K // bk)](
-        q, k, v, f, W, h0, ranges, reset, offsets, y, ckpt if save else h0, H, B * S * H,
-        K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, num_warps=warps,
+        q, k, v, f, W, h0_arg, ranges, reset, offsets, y, ckpt if save else h0_arg, H, B * S * H,
+        K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, HAS_H0=h0 is not None, num_warps=warps,
     )  # fmt: skip
     if bk != K:
         y = y.sum(0).view(v.shape).to(v.dtype)
@@ -323,9 +338,10 @@ def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip):
 @torch.library.custom_op("megacpp::m2rnn_scan_bwd", mutates_args=())
 def m2rnn_scan_bwd(
     dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor,
-    h0: torch.Tensor, ranges: torch.Tensor, reset: torch.Tensor, ckpt: torch.Tensor, chunk: int, clip: float,
+    h0: torch.Tensor | None, ranges: torch.Tensor, reset: torch.Tensor, ckpt: torch.Tensor, chunk: int, clip: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Gradients for q, k, v, f, W and h0."""
+    """Gradients for q, k, v, f, W and h0. With h0=None (zeros, the forward's) the last is an empty
+    [0,H,K,V] tensor: no [P,...] tensor enters the backward graph either."""
     B, S, H, K = q.shape
     V = v.shape[-1]
     P = ranges.numel() - 1
@@ -337,13 +353,13 @@ def m2rnn_scan_bwd(
     dv = torch.empty_like(v) if nkb == 1 else torch.empty((nkb, n_rows, V), device=q.device, dtype=torch.float32)
     df = torch.empty((nkb, n_rows), device=f.device, dtype=torch.float32)
     dW = torch.empty((P, H, nkb, V, V), device=q.device, dtype=torch.float32)
-    dh0 = torch.empty((P, H, K, V), device=q.device, dtype=torch.float32)
+    dh0 = torch.empty((0 if h0 is None else P, H, K, V), device=q.device, dtype=torch.float32)
     prev = torch.empty((P * H * nkb * chunk, bk, V), device=q.device, dtype=torch.float32)
     zbuf = torch.empty_like(prev)
     _m2rnn_bwd_kernel[(P, H, nkb)](
-        q, k, v, f, W, h0, ranges, reset, offsets, ckpt, dy.contiguous(),
+        q, k, v, f, W, W if h0 is None else h0, ranges, reset, offsets, ckpt, dy.contiguous(),
         dq, dk, dv, df, dW, dh0, prev, zbuf, H, n_rows, float(clip),
-        K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision, num_warps=warps,
+        K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision, HAS_H0=h0 is not None, num_warps=warps,
     )  # fmt: skip
     if nkb > 1:
         dv = dv.sum(0).view(v.shape).to(v.dtype)
@@ -352,8 +368,9 @@ def m2rnn_scan_bwd(
 
 @m2rnn_scan_bwd.register_fake
 def _(dy, q, k, v, f, W, h0, ranges, reset, ckpt, chunk, clip):
+    dh0 = q.new_empty((0, *q.shape[2:], v.shape[-1]), dtype=torch.float32) if h0 is None else torch.empty_like(h0)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
-            torch.empty_like(W), torch.empty_like(h0))  # fmt: skip
+            torch.empty_like(W), dh0)  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output):
@@ -368,7 +385,7 @@ def _backward(ctx, dy, _dckpt):
     if ckpt.numel() == 0:
         raise RuntimeError("m2rnn_scan_fwd ran with save=False; its output cannot be differentiated")
     dq, dk, dv, df, dW, dh0 = m2rnn_scan_bwd(dy, q, k, v, f, W, h0, ranges, reset, ckpt, ctx.chunk, ctx.clip)
-    return dq, dk, dv, df, dW, dh0, None, None, None, None, None
+    return dq, dk, dv, df, dW, None if h0 is None else dh0, None, None, None, None, None
 
 
 m2rnn_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -505,22 +522,27 @@ def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W:
     V = v.shape[-1]
     dev = q.device
     reset = reset2d.reshape(-1).to(torch.int8)
+    # P is the number of documents: under compile a symbol (cu_seqlens is dynamic). No tensor with a
+    # dimension of size P is made here: h0=None goes to the op as None (zeros inside the kernel). A [P,...]
+    # tensor in the graph is contiguity-checked when AOTAutograd traces it, which guards P != 1 (sizes 0
+    # and 1 are specialised), so a batch of exactly one document compiled a second graph.
     P = ranges.numel() - 1
-    if h0 is None:
-        h0 = torch.zeros((P, H, K, V), device=dev, dtype=torch.float32)
-    else:
+    if h0 is not None:
         _check("h0", h0, (P, H, K, V))
     which = resolve_kernel(kernel, dev)
     if which == "reference":
+        if h0 is None:
+            h0 = torch.zeros((P, H, K, V), device=dev, dtype=torch.float32)
         return m2rnn_scan_reference(q, k, v, f, W, h0, reset2d, h0_index, grad_clip)
     if q.dtype == torch.float64:
         raise ValueError("the Triton kernel takes float32, bfloat16 or float16 inputs; float64 is for kernel='reference'")
     # no generator expression: dynamo on torch 2.11 cannot trace one under fullgraph
     needs_grad = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad or f.requires_grad or W.requires_grad or h0.requires_grad
+        q.requires_grad or k.requires_grad or v.requires_grad or f.requires_grad or W.requires_grad
+        or (h0 is not None and h0.requires_grad)
     )
     y, _ = m2rnn_scan_fwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), f.contiguous(), W.contiguous(), h0.float().contiguous(),
-        ranges, reset, chunk, needs_grad, float(grad_clip),
+        q.contiguous(), k.contiguous(), v.contiguous(), f.contiguous(), W.contiguous(),
+        None if h0 is None else h0.float().contiguous(), ranges, reset, chunk, needs_grad, float(grad_clip),
     )  # fmt: skip
     return y

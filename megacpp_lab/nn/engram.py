@@ -137,7 +137,9 @@ class EngramBranch(nn.Module):
         self.order_mix = nn.Parameter(torch.full((len(config.orders), d), 1.0 / len(config.orders)))
         self.key_proj = nn.Linear(d, C, bias=False) if config.gated else None
         self.conv = DocCausalDepthwiseConv(d, config.conv_kernel, config.conv_impl) if config.conv_kernel else None
-        self.dropout = nn.Dropout(config.dropout)
+        # no Dropout module at p=0: its forward reads self.training, which a compiled block guards on, so
+        # model.eval() compiled the block again for a dropout that does nothing
+        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
         self.out_proj = nn.Linear(d, C, bias=False)
         nn.init.zeros_(self.out_proj.weight)  # identity on the residual at step 0
 
