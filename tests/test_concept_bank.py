@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megacpp_lab.data import boundary_windows, load_sample
-from megacpp_lab.model.precision import apply_mixed_precision
+from megacpp_lab.model.precision import apply_precision, check_precision
 from megacpp_lab.nn.concept_bank import ConceptBank, ConceptBankConfig, concept_attention
 from megacpp_lab.testing import check_leaks
 from megacpp_lab.testing.leaks import VacuousCheckError
@@ -155,16 +155,16 @@ def test_attention_core_is_fp32_under_bf16_inputs() -> None:
 def test_mixed_precision_keeps_the_bank_fp32_and_the_softmax_fp32() -> None:
     block = _block()
     exact = block.bank.weight.detach().clone()
-    wrapped = apply_mixed_precision(block, torch.bfloat16)
-    assert wrapped.plan.fp32 == ("bank.weight",)
-    inner = wrapped.module
+    plan = apply_precision(block, torch.bfloat16)
+    assert plan.fp32 == ("bank.weight",)
+    inner = block
     assert inner.bank.weight.dtype == torch.float32 and torch.equal(inner.bank.weight, exact)  # kept, not rounded
     for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
         assert getattr(inner, name).weight.dtype == torch.bfloat16, name
     x = torch.randn(2, 6, 32)
-    y = wrapped(x)
+    y = block(x.bfloat16())
     assert y.dtype == torch.bfloat16
-    wrapped.check_contract()
+    check_precision(block, plan)
     xb = x.bfloat16()
     p = inner.attention_weights(xb)
     assert p.dtype == torch.float32 and p.shape == (2, 6, 2, 16)

@@ -237,6 +237,7 @@ CONFIGS = (
     "megacpp_lab.model.config.ModelConfig",
     "megacpp_lab.model.config.HybridConfig",
     "megacpp_lab.model.train.TrainConfig",
+    "megacpp_lab.model.parallelize.ParallelConfig",
 )
 
 

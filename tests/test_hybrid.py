@@ -12,7 +12,8 @@ import torch
 from megacpp_lab.data import boundary_windows, load_sample
 from megacpp_lab.model.config import HybridConfig, hybrid_preset
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.model.precision import apply_mixed_precision, fp32_contract
+from megacpp_lab.model.parallelize import ParallelConfig, parallelize
+from megacpp_lab.model.precision import check_precision, fp32_contract
 from megacpp_lab.testing import model_leak_report, wake_zero_initialised
 from megacpp_lab.varlen import build_context
 
@@ -199,9 +200,9 @@ def test_mixed_precision_keeps_every_declared_fp32_param_fp32(window):
     assert any("A_log" in n for n in declared) and any(".hc." in n for n in declared)
     assert any("bank.weight" in n for n in declared)
     assert "blocks.0.mixer.rope_cos" in declared and "blocks.0.mixer.rope_sin" in declared  # MLA's RoPE tables
-    wrapped = apply_mixed_precision(model, torch.bfloat16)
-    wrapped.check_contract()
-    params = dict(wrapped.module.named_parameters())
+    parallelize(model, ParallelConfig(dtype="bf16"))
+    check_precision(model, model.precision_plan)
+    params = dict(model.named_parameters())
     assert all(params[n].dtype == torch.float32 for n in declared if n in params)
     assert params["blocks.0.mlp.w_down.weight"].dtype == torch.bfloat16
 

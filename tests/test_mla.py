@@ -299,11 +299,11 @@ def test_rope_tables_stay_fp32_when_the_layer_is_cast() -> None:
     torch.testing.assert_close(layer.rope_cos, _layer().rope_cos)
 
 
-def test_rope_tables_stay_fp32_under_apply_mixed_precision() -> None:
-    """Tripwire: apply_mixed_precision sets tensors directly (no .to), so only the fp32 contract keeps the
+def test_rope_tables_stay_fp32_under_apply_precision() -> None:
+    """Tripwire: apply_precision sets tensors directly (no .to), so only the fp32 contract keeps the
     tables fp32. Without it the Triton RoPE refused the bf16 tables on the GPU ("cos must be contiguous
     float32") and the torch path rotated by rounded angles."""
-    from megacpp_lab.model.precision import apply_mixed_precision, fp32_contract
+    from megacpp_lab.model.precision import apply_precision, check_precision, fp32_contract
 
     layer = _layer()
     assert {"rope_cos", "rope_sin"} <= set(fp32_contract(layer))
@@ -311,10 +311,10 @@ def test_rope_tables_stay_fp32_under_apply_mixed_precision() -> None:
     doc_ids[:, 9:] = 1
     with torch.no_grad():
         y_fp32 = layer(x, doc_ids=doc_ids)
-        wrapped = apply_mixed_precision(layer, torch.bfloat16)
-        wrapped.check_contract()
+        plan = apply_precision(layer, torch.bfloat16)
+        check_precision(layer, plan)
         assert layer.rope_cos.dtype == torch.float32 and layer.w_o.weight.dtype == torch.bfloat16
         torch.testing.assert_close(layer.rope_cos, _layer().rope_cos, atol=0, rtol=0)
-        y = wrapped(x, doc_ids=doc_ids)
+        y = layer(x.bfloat16(), doc_ids=doc_ids)
     assert y.dtype == torch.bfloat16
     assert (y.float() - y_fp32).norm() <= 3e-2 * y_fp32.norm()

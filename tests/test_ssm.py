@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacpp_lab.model.precision import apply_mixed_precision
+from megacpp_lab.model.precision import apply_precision
 from megacpp_lab.nn.ssm import SSD, SSDConfig
 from megacpp_lab.varlen import build_context
 
@@ -67,8 +67,8 @@ def test_layer_passes_the_leak_harness_on_real_packed_rows_and_fails_without_doc
 def test_mixed_precision_keeps_the_decay_path_fp32() -> None:
     layer = _layer()
     exact = layer.A_log.detach().clone()
-    wrapped = apply_mixed_precision(layer, torch.bfloat16)
+    apply_precision(layer, torch.bfloat16)
     for name in SSD._fp32_params:
-        assert getattr(wrapped.module, name).dtype == torch.float32, name
-    assert wrapped.module.in_proj.weight.dtype == torch.bfloat16
-    assert torch.equal(wrapped.module.A_log, exact)  # kept, not rounded through bf16
+        assert getattr(layer, name).dtype == torch.float32, name
+    assert layer.in_proj.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.A_log, exact)  # kept, not rounded through bf16

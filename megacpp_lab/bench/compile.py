@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ SMALL_DOC_COUNTS = (1, 2, 3, 5)
 # 1/3 bar holds, and the receipt says the whole-model time is a lower bound
 WHOLE_CAP_FACTOR = 3.05
 EAGER = "eager (timed after regional cold, in its process)"
+STOPPED = 75  # the exit status of a run stopped at its first-step cap
 BARS = {
     "cold_s": 40.0,  # regional first step, fresh caches, 12 layers
     "warm_first_step_s": 4.0,  # a new process, caches on disk
@@ -63,6 +65,7 @@ class Run:
     megacache_load: str | None = None  # load these artifacts (torch.compiler.load_cache_artifacts) before the build
     trace_dir: str | None = None  # one profiled step of the compiled model
     eager_after: bool = False  # then time the eager step of the same model in this process (the baseline)
+    first_step_cap_s: float | None = None  # stop the process this long into its first step (a lower bound then)
     launched_at: float = 0.0  # time.time() when the parent launched the process
 
 
@@ -123,6 +126,15 @@ def _run(run: Run, out: Path) -> None:
     sync()
     built_at = time.time()
     save(build_s=built_at - ready_at, layers=config.n_layers, structures=[[list(s), n] for s, n in structures])
+    if run.first_step_cap_s is not None:  # the cap counts from the first step, not from the launch
+
+        def stop() -> None:
+            save(stopped_at_s=run.first_step_cap_s, compile_s=run.first_step_cap_s, stopped_by="cap")
+            os._exit(STOPPED)
+
+        timer = threading.Timer(run.first_step_cap_s, stop)
+        timer.daemon = True
+        timer.start()
     t0 = time.perf_counter()
     step()
     sync()
@@ -206,20 +218,23 @@ def _launch(run: Run, caches: Path, *, timeout: float | None, interpret: bool) -
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # the deadline: the first step's lower bound is what ran of it
         proc.kill()
         log, _ = proc.communicate()
         result = json.loads(out.read_text()) if out.is_file() else {"contender": run.name, "mode": run.mode}
-        result["stopped_at_s"] = time.time() - run.launched_at
-        result["compile_s"] = result["stopped_at_s"]  # a lower bound: launch to the stop, the compile unfinished
+        since = time.time() - run.launched_at
+        result["stopped_at_s"] = max(0.0, since - result.get("import_s", since) - result.get("build_s", 0.0))
+        result.update(compile_s=result["stopped_at_s"], stopped_by="deadline")
         return result
+    if proc.returncode == STOPPED:
+        return json.loads(out.read_text())
     if proc.returncode:
         raise RuntimeError(f"bench compile: {run.name} failed ({proc.returncode}):\n{log[-4000:]}")
     return json.loads(out.read_text())
 
 
 def _first_step(row: dict[str, Any]) -> float:
-    """The first step's time, or for a run stopped at its cap, the time it had run (a lower bound)."""
+    """The first step's time, or for a run stopped in it, how long it had run (a lower bound)."""
     return row["first_step_s"] if "first_step_s" in row else row["stopped_at_s"]
 
 
@@ -265,15 +280,12 @@ def bench_compile(*, preset: str = "base", B: int = 4, T: int = 4096, docs: int 
             skipped[name] = f"torch.compiler.save_cache_artifacts() returned nothing to carry (backend {backend})"
             continue
         cap = WHOLE_CAP_FACTOR * _first_step(rows[capped_by]) if capped_by and capped_by in rows else None
-        left = deadline_s - (time.time() - start) - 15 if deadline_s is not None and capped_by else None
-        timeout = min(t for t in (cap, left) if t is not None) if cap is not None or left is not None else None
-        rows[name] = _launch(run, cache, timeout=timeout, interpret=interpret)
+        timeout = deadline_s - (time.time() - start) - 15 if deadline_s is not None and capped_by else None
+        rows[name] = _launch(replace(run, first_step_cap_s=cap), cache, timeout=timeout, interpret=interpret)
         if "eager" in rows[name]:
             rows[EAGER] = {"contender": EAGER, "mode": "eager", "preset": preset, **rows[name].pop("eager")}
-        if timeout is not None:
-            rows[name]["cap_s"] = timeout
-            if "stopped_at_s" in rows[name]:
-                rows[name]["stopped_by"] = "cap" if timeout == cap else "deadline"
+        if cap is not None:
+            rows[name]["cap_s"] = cap
         receipt = _receipt(rows, skipped, preset=preset, B=B, T=T, docs=docs, device=device, backend=backend,
                            shallow=shallow, deep=deep_layers, make_receipt=make_receipt)  # fmt: skip
         if partial is not None:
@@ -337,8 +349,9 @@ def _receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *, preset
             "kernel binaries the run added to its Triton cache. Recompiles: graphs added by batches of doc_counts "
             "documents per row after the first step, with gradients, then without (no_grad_graphs: the graphs the "
             "first call without gradients adds: one per block structure, grad mode being part of dynamo's guards). "
-            "A whole-model run is stopped at cap_s = 3.05x the regional first step at its depth (or earlier, at the "
-            "run's deadline: stopped_by); stopped_at_s is then a lower bound of its first step. ms: median of `steps` CUDA-event-timed steps (min and max "
+            "A whole-model run is stopped cap_s = 3.05x the regional first step at its depth into its own first "
+            "step (or earlier, at the run's deadline: stopped_by); stopped_at_s, the seconds of its first step it "
+            "ran, is then a lower bound of its first step. ms: median of `steps` CUDA-event-timed steps (min and max "
             "beside it); mfu against 989 TFLOP/s (dense bf16)."
         ),
     )  # fmt: skip

@@ -84,6 +84,19 @@ class ParallelConfig:
                              "authority; give a budget in [0, 1] (or 'none' / 'full')")  # fmt: skip
         object.__setattr__(self, "remat", policy.spec)  # one spelling: '0.30' and '0.3' are one policy
 
+    @classmethod
+    def build(cls, source: Any = None, **overrides: Any) -> ParallelConfig:
+        """Fields from a source (a mapping, or an object with these attributes), then keyword overrides, else
+        the defaults; an override of None means "not given". Unknown fields are refused, named."""
+        from types import SimpleNamespace
+
+        from megacpp_lab.nn.config_builder import build_config
+
+        if isinstance(source, dict):
+            source = SimpleNamespace(**source)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return build_config(cls, source, given, prefix="parallel", aliases={}, required=())
+
     @property
     def policy(self) -> CheckpointingPolicy:
         return CheckpointingPolicy.parse(self.remat)
