@@ -407,7 +407,7 @@ def _plot(receipt: dict[str, Any], path: Path) -> Path:
         left.barh(["outside dynamo\n(lab kernels, step)"], [cold["outside_dynamo_s"]], color="0.5")
         left.set(xlabel="seconds of the cold first step", title=f"regional cold compile by region and phase "
                  f"(first step {cold['first_step_s']:.1f} s)")  # fmt: skip
-        left.legend(fontsize=7, loc="best")
+        left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
         left.invert_yaxis()
     names = [n for n in rows if rows[n]["mode"] != "eager"]
     values = [_first_step(rows[n]) for n in names]
@@ -418,6 +418,7 @@ def _plot(receipt: dict[str, Any], path: Path) -> Path:
         right.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {b.get_width():.1f} s"
                    f"{' (stopped: at least)' if 'stopped_at_s' in rows[n] else ''}", va="center", fontsize=8)  # fmt: skip
     right.axvline(BARS["cold_s"], color="k", ls="--", lw=0.8)
+    right.text(BARS["cold_s"], len(names) - 0.5, f" cold bar {BARS['cold_s']:g} s", fontsize=7, va="bottom")
     right.set(xlabel="first step, seconds (log)", xscale="log", title="first training step: cold, warm, depth")
     right.invert_yaxis()
     fig.suptitle(f"{receipt['device']}: {receipt['shape']['preset']} B={receipt['shape']['B']} T={receipt['shape']['T']}")
