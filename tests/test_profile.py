@@ -149,3 +149,27 @@ def test_base_profile_on_gpu(tmp_path):
     assert all(r["cold_compile_s"] > 0 and r["blocks"] for r in comp["per_region"]) and len(comp["per_region"]) == 4
     assert [r["blocks"] for r in comp["per_region"]] == [s["blocks"] for s in comp["block_structures"]]
     print(json.dumps({k: comp[k] for k in ("cold_compile_s", "first_step_s", "per_region")}, indent=1))
+
+
+def test_compile_breakdown_splits_a_region_by_phase_and_counts_cache_hits():
+    """Each cumulative CompilationMetrics field holds the next (frame > AOTAutograd > inductor > code generation
+    > Triton compile): the phases are their differences, the backward's inductor phases added, the runtime
+    records' time counted as autotuning."""
+    from types import SimpleNamespace as R
+
+    fwd = R(compile_id="0/0", is_forward=True, entire_frame_compile_time_s=10.0,
+            dynamo_cumulative_compile_time_us=10_000_000, aot_autograd_cumulative_compile_time_us=8_000_000,
+            inductor_cumulative_compile_time_us=5_000_000, inductor_code_gen_cumulative_compile_time_us=4_000_000,
+            triton_compile_time_us=3_000_000, compile_time_autotune_time_us=500_000,
+            inductor_fx_local_cache_miss_count=1, aotautograd_local_cache_hit_count=1)  # fmt: skip
+    bwd = R(compile_id="0/0", is_forward=False, backward_cumulative_compile_time_us=2_000_000,
+            inductor_cumulative_compile_time_us=2_000_000, inductor_code_gen_cumulative_compile_time_us=1_500_000,
+            triton_compile_time_us=1_000_000, inductor_fx_local_cache_miss_count=1)  # fmt: skip
+    run = R(compile_id="0/0", is_forward=True, is_runtime=True, duration_us=250_000)
+    rec = compile_breakdown([(("A",), 2)], 3, [fwd, bwd, run])
+    phases = rec["per_region"][0]["phases_s"]
+    assert phases == pytest.approx({"dynamo_trace": 2.0, "aot_autograd": 3.0, "inductor_lowering": 1.5,
+                                    "inductor_codegen": 1.5, "triton_compile": 4.0, "autotune": 0.75})  # fmt: skip
+    assert rec["phases_s"] == phases and rec["cold_compile_s"] == pytest.approx(12.25)
+    assert rec["caches"] == {"inductor_fx_local_cache_hit": 0, "inductor_fx_local_cache_miss": 2,
+                             "aotautograd_local_cache_hit": 1, "aotautograd_local_cache_miss": 0}  # fmt: skip
