@@ -209,3 +209,17 @@ def test_parallelize_applies_precision_then_remat_then_compile():
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in eager.blocks)
     with pytest.raises(TypeError, match="ParallelConfig"):
         parallelize(_tiny(), {"compile": True})
+
+
+def test_describe_compile_says_cold_warm_or_partly_warm_from_the_cache_hits():
+    from types import SimpleNamespace as R
+
+    from megacpp_lab.model.parallelize import describe_compile
+
+    cold = [R(is_forward=True, inductor_fx_local_cache_miss_count=1), R(is_forward=False, inductor_fx_local_cache_miss_count=1)]
+    warm = [R(is_forward=True, inductor_fx_local_cache_hit_count=1, aotautograd_local_cache_hit_count=1),
+            R(is_forward=False, inductor_fx_local_cache_hit_count=1)]  # fmt: skip
+    assert describe_compile(80.04, 0, cold) == "1 region compiled in 80.0 s, cold: 0 of 2 inductor graphs and 0 AOTAutograd graphs from the caches"
+    assert ", warm: 2 of 2 inductor graphs and 1 AOTAutograd" in describe_compile(6.9, 0, warm)
+    assert ", partly warm: 2 of 4" in describe_compile(9.0, 0, cold + warm)
+    assert describe_compile(1.0, 2, cold).endswith("no inductor graph (another backend, or nothing compiled)")

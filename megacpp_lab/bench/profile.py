@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -28,7 +29,13 @@ from megacpp_lab.bench import bench_device, output_root, require_triton_interpre
 from megacpp_lab.bench.model import FORWARD_ONLY, ModelShape, TrainingStep, build_model, make_batch, profile_labels
 from megacpp_lab.model.config import HYBRID_PRESETS, model_config
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.model.parallelize import ParallelConfig, block_structures, compile_breakdown, compile_stats
+from megacpp_lab.model.parallelize import (
+    ParallelConfig,
+    block_structures,
+    compile_breakdown,
+    compile_stats,
+    describe_compile,
+)
 from megacpp_lab.profiling import LABEL_SEP, label_modules, time_by_label
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
@@ -213,6 +220,8 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
         loss0 = TrainingStep(model, *batches[0], opt)()
         _sync(device)
         first_s = time.perf_counter() - t0
+        if compiled and progress:
+            tqdm.write(f"first step: {describe_compile(first_s, 0)}", file=sys.stderr)
         n_first = len(get_compilation_metrics())
         after_first = compile_stats()
         bar.update()

@@ -32,7 +32,7 @@ from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
 from megacpp_lab.model.precision import PrecisionPlan, apply_precision
 
 __all__ = ["PHASES", "CompileStats", "ParallelConfig", "apply_compile", "apply_fsdp", "block_structures",
-           "compile_breakdown", "compile_stats", "fsdp_groups", "graphs_needed", "parallelize"]
+           "compile_breakdown", "compile_stats", "describe_compile", "fsdp_groups", "graphs_needed", "parallelize"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # aot_eager_decomp_partition: AOTAutograd's min-cut partitioner (which reads the remat budget) without inductor
@@ -353,6 +353,25 @@ def compile_breakdown(structures: list[tuple[tuple[str, ...], int]], n_first: in
                       "the runtime records (lazy kernel compiles at the first call); phases from the cumulative "
                       "dynamo / AOTAutograd / inductor / code-generation / Triton-compile times, each holding the "
                       "next"}  # fmt: skip
+
+
+def describe_compile(seconds: float, since: int = 0, metrics: list[Any] | None = None) -> str:
+    """One console line for a first compiled step: how long it took and whether its compile was cold or warm,
+    from the FX-graph and AOTAutograd cache hits of dynamo's records after the first `since`
+    (torch._dynamo.utils.get_compilation_metrics())."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    records = (get_compilation_metrics() if metrics is None else metrics)[since:]
+    count = {k: sum(int(getattr(m, k, None) or 0) for m in records) for k in CACHE_FIELDS}
+    hits, misses = count["inductor_fx_local_cache_hit_count"], count["inductor_fx_local_cache_miss_count"]
+    graphs = sum(1 for m in records if getattr(m, "is_forward", True) is not False and getattr(m, "is_runtime", None) is not True)
+    if hits + misses == 0:
+        state = "no inductor graph (another backend, or nothing compiled)"
+    else:
+        state = "warm" if misses == 0 else "cold" if hits == 0 else "partly warm"
+        state += (f": {hits} of {hits + misses} inductor graphs and {count['aotautograd_local_cache_hit_count']} "
+                  f"AOTAutograd graphs from the caches")  # fmt: skip
+    return f"{graphs} region{'' if graphs == 1 else 's'} compiled in {seconds:.1f} s, {state}"
 
 
 # ----------------------------------------------------------------------------- FSDP2

@@ -58,7 +58,7 @@ from megacpp_lab.model.distributed import (
     save_sharded,
     token_share,
 )
-from megacpp_lab.model.parallelize import ParallelConfig, block_structures, parallelize
+from megacpp_lab.model.parallelize import ParallelConfig, block_structures, describe_compile, parallelize
 from megacpp_lab.varlen import PackedContext, build_context, copy_to_device
 
 __all__ = [
@@ -791,11 +791,20 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
             say(f"step {step + 1}: tracing steps {step + 2}-{config.steps} on rank 0 into {out / 'trace'}")
         tokens, ctx, targets, share = rank_batch(next(stream))
         lr = lr_at(step, config)
+        compiling = config.parallel.compile and step == start
+        if compiling:
+            from torch._dynamo.utils import get_compilation_metrics
+
+            since, t_compile = len(get_compilation_metrics()), time.perf_counter()
         loss = model(tokens, ctx, targets).loss
         # FSDP2 averages gradients over ranks: weighted by share * world, the average is the global mean's
         (loss * (share * ranks.world) if ranks.world > 1 else loss).backward()
         grad_norm = opt.step(lr)
         opt.zero_grad()
+        if compiling:  # one host sync, once: the first step's time is what the compile cost
+            if device == "cuda":
+                torch.cuda.synchronize()
+            say(f"step {step + 1}: {describe_compile(time.perf_counter() - t_compile, since)}")
         loss_sum += loss.detach().double() * share if ranks.world > 1 else loss.detach().double()
         done = step + 1
         if prof is not None:
