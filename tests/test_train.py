@@ -213,11 +213,13 @@ def test_parallel_fields_given_flat_or_nested_build_one_config(tmp_path):
         "not switch on; test_base_trains_under_a_budget_that_budget_one_does_not_fit is the GPU's")),
 ])  # fmt: skip
 def test_training_under_a_remat_policy_resumes_bit_exactly_and_reports_it(tmp_path, remat, compiled, capsys):
-    """Eager ("full": checkpoint wrappers) and regionally compiled (a budget per block kind, read by inductor's
-    partitioner; the Triton scans under the interpreter): the run trains, a run stopped and resumed equals the
+    """Eager ("full": checkpoint wrappers) and regionally compiled (a budget per block kind, read by AOTAutograd's
+    min-cut partitioner: the aot_eager_decomp_partition backend, which is inductor's partitioner without its C++
+    compiles; the Triton scans under the interpreter): the run trains, a run stopped and resumed equals the
     straight one bit for bit, and the console and history.json name the policy."""
     cfg = dict(TINY, steps=4, warmup_steps=1, log_every=1, val_every=4, ckpt_every=2)
-    config = TrainConfig.build(cfg, remat=remat, compile=compiled, out_dir=str(tmp_path / "straight"))
+    backend = "aot_eager_decomp_partition" if compiled else "inductor"
+    config = TrainConfig.build(cfg, remat=remat, compile=compiled, backend=backend, out_dir=str(tmp_path / "straight"))
     torch._dynamo.reset()
     straight = train(config, progress=True)
     assert f"remat policy {config.parallel.remat!r}" in capsys.readouterr().err

@@ -231,8 +231,7 @@ Receipts under <out>/<device-slug>/compile/: compile_step.json, compile_step.png
 steps), compile_regional.*.pt.trace.json; compile_step.partial.json while it runs.
 Run time on an H100: about ten minutes (five processes; three cold compiles and a stopped one).
 --small (CPU, the tiny preset at B=1, T=32, 4 and 8 layers, the scans' Triton kernels under the
-interpreter, dynamo's aot_eager backend instead of inductor, whole-model also at 4 layers): about two
-minutes.""",
+interpreter, dynamo's aot_eager backend instead of inductor): about two minutes.""",
             triton_on_cpu=True,
         ),
         BenchCommand(

@@ -367,7 +367,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     folder = root / device_slug(device_name(device)) / "compile"
     folder.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = dict(preset="tiny", B=1, T=32, docs=2, deep_layers=8, doc_counts=SMALL_DOC_COUNTS,
-                                  steps=1, warmup=0, backend="aot_eager", whole_shallow=True) if small else {}  # fmt: skip
+                                  steps=1, warmup=0, backend="aot_eager") if small else {}  # fmt: skip
     # a run that must end by a deadline (the device tool's ten-minute calls): the whole-model run at depth is
     # stopped in time to write the receipt
     if "MEGACPP_BENCH_DEADLINE_S" in os.environ:
