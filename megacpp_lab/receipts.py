@@ -164,6 +164,23 @@ def commit_for_tree(tree: str, *, max_commits: int = 2000, root: str | Path | No
     return next((c for c, t in zip(commits, trees, strict=True) if t == want), None)
 
 
+def resolve_tree_stamp(path: str | Path) -> str | None:
+    """A receipt measured where git cannot name the commit (the copy of the checkout on a GPU machine) is stamped
+    'tree:<hash>' of the package it ran. Back in the checkout, the commit whose megacpp_lab/ is that tree ran the
+    same code: the receipt's 'commit' becomes that commit, the tree kept as 'package_tree'. Returns the commit
+    (None, the receipt untouched, when no commit holds the tree: commit the code that ran first)."""
+    path = Path(path)
+    receipt = json.loads(path.read_text())
+    tree = receipt.get("commit", "")
+    if not tree.startswith("tree:"):
+        return tree or None
+    commit = commit_for_tree(tree)
+    if commit is not None:
+        receipt.update(commit=commit, package_tree=tree.removeprefix("tree:"))
+        path.write_text(json.dumps(receipt, indent=1) + "\n")
+    return commit
+
+
 def stamp(device: torch.device | str | None = None) -> dict[str, str]:
     """Where and with what a measurement ran."""
     import triton

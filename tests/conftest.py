@@ -20,6 +20,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """A dynamo with no compiled graph and zeroed counters, before and after the test (graph counts start at 0)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def sample_leak_reports():
     """The leak harness on 2 real packed rows of the byte sample (24 tokens, a document boundary at 9),
     a fixed 32-wide embedding in front of `layer(x, doc_ids)`: (the report with doc_ids, the control with

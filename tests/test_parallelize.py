@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from megacpp_lab.bench.model import ModelShape, TrainingStep, build_model, leak_features, make_batch, model_config
 from megacpp_lab.model.hybrid import HybridLM
@@ -41,12 +40,7 @@ class _Capture:
         return gm.forward
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def _ops(gm: torch.fx.GraphModule) -> set[str]:

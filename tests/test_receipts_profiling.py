@@ -422,3 +422,27 @@ def test_forward_dtypes_records_what_each_module_runs_with_and_removes_its_hooks
     with forward_dtypes(model) as params_only:
         model[0](torch.randn(2, 4, dtype=torch.bfloat16))
     assert params_only == {"0.weight": {torch.bfloat16}, "0.bias": {torch.bfloat16}}  # buffers left out; 1 not run
+
+
+def test_a_tree_stamp_resolves_to_the_commit_that_holds_the_package(tmp_path):
+    """A GPU copy of the checkout stamps 'tree:<hash>'; back here the receipt names the commit with that package."""
+    import json
+    import subprocess
+
+    from megacpp_lab.receipts import repo_root, resolve_tree_stamp
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD", "HEAD:megacpp_lab"], cwd=repo_root(), capture_output=True,
+                              text=True, check=True).stdout.split()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no git checkout")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"name": "x", "commit": f"tree:{head[1]}"}))
+    commit = resolve_tree_stamp(path)
+    got = json.loads(path.read_text())
+    assert commit is not None and got["commit"] == commit and got["package_tree"] == head[1]
+    tree_of = subprocess.run(["git", "rev-parse", f"{commit}:megacpp_lab"], cwd=repo_root(), capture_output=True,
+                             text=True, check=True).stdout.strip()  # fmt: skip
+    assert tree_of == head[1]
+    path.write_text(json.dumps({"name": "x", "commit": "tree:" + "0" * 40}))
+    assert resolve_tree_stamp(path) is None and json.loads(path.read_text())["commit"] == "tree:" + "0" * 40

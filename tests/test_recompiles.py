@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from megacpp_lab.data import next_token_targets
 from megacpp_lab.kernels.m2rnn import m2rnn_scan
@@ -38,12 +37,7 @@ COUNTS = (1, 2, 3, 17, 64)  # documents in all (B=1)
 FIRST = 5  # the first batch of each grad mode, a count not in COUNTS
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def _in_thread(fn: Callable[[], None]) -> None:

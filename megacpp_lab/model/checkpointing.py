@@ -114,12 +114,10 @@ class CheckpointingPolicy:
             text = text.strip()
             if text in ("none", "full"):
                 return text
-            try:
+            if text.replace(".", "", 1).isdigit():  # a budget: digits with at most one point
                 return float(text)
-            except ValueError:
-                pass
             ops = tuple(op.strip() for op in text.split("+"))
-            if not all(op and op.replace("_", "").replace(".", "").isalnum() for op in ops):
+            if not all(op and op[0].isalpha() and op.replace("_", "").replace(".", "").isalnum() for op in ops):
                 raise ValueError(f"remat policy {spec!r}: {where} {text!r} is not 'none', 'full', a budget in [0, 1] "
                                  "or aten op names joined by '+'")  # fmt: skip
             return ops
