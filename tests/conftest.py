@@ -22,12 +22,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def fresh_dynamo():
     """A dynamo with no compiled graph and zeroed counters, before and after the test (graph counts start at 0)."""
-    from torch._dynamo.utils import counters
+    from megacpp_lab.bench.model import fresh_dynamo as reset
 
-    torch._dynamo.reset()
-    counters.clear()
+    reset()
     yield
-    torch._dynamo.reset()
+    reset()
 
 
 @pytest.fixture
