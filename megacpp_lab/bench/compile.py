@@ -66,6 +66,7 @@ class Run:
     trace_dir: str | None = None  # one profiled step of the compiled model
     eager_after: bool = False  # then time the eager step of the same model in this process (the baseline)
     first_step_cap_s: float | None = None  # stop the process this long into its first step (a lower bound then)
+    compile_workers: int = 8  # ParallelConfig.compile_workers: 0 compiles every block structure in this process
     launched_at: float = 0.0  # time.time() when the parent launched the process
 
 
@@ -111,7 +112,7 @@ def _run(run: Run, out: Path) -> None:
         info = torch.compiler.load_cache_artifacts(Path(run.megacache_load).read_bytes())
         save(megacache_load_s=time.perf_counter() - t0, megacache_loaded=info is not None)
     config = triton_config(run.preset, run.device, **({"n_layers": run.n_layers} if run.n_layers else {}))
-    parallel = ParallelConfig(compile=run.mode == "regional", backend=run.backend)
+    parallel = ParallelConfig(compile=run.mode == "regional", backend=run.backend, compile_workers=run.compile_workers)
     model = build_model(config, run.device, parallel=parallel)
     if run.mode == "whole":
         model = torch.compile(model, backend=run.backend)
@@ -144,6 +145,9 @@ def _run(run: Run, out: Path) -> None:
     save(first_step_s=first, compile_s=first, total_s=time.time() - run.launched_at, graphs=stats.graphs,
          graph_breaks=stats.graph_breaks, triton_kernels_compiled=_triton_kernels(os.environ.get("TRITON_CACHE_DIR"))
          - kernels_before)  # fmt: skip
+    if step.precompile is not None:  # the block structures compiled at once by worker processes (model/precompile.py)
+        save(compile_workers={"blocks": step.precompile.plan, "done_at_s": step.precompile.seconds,
+                              "threads_each": step.precompile.threads})  # fmt: skip
     if run.mode != "eager":
         breakdown = compile_breakdown(structures if run.mode == "regional" else [(("model",), 1)], n_first)
         save(compile=breakdown, dynamo_and_inductor_s=breakdown["cold_compile_s"],
@@ -266,6 +270,8 @@ def bench_compile(*, preset: str = "base", B: int = 4, T: int = 4096, docs: int 
                                                  trace_dir=str(trace_dir) if trace_dir else None), None),  # fmt: skip
         ("regional warm", root / "regional", Run("regional warm", "regional"), None),
         ("regional from Mega-Cache", root / "megacache", Run("regional from Mega-Cache", "regional", megacache_load=str(mega)), None),
+        ("regional cold, one process", root / "regional-serial", Run("regional cold, one process", "regional",
+                                                                       compile_workers=0), None),  # fmt: skip
         (f"regional cold {deep_layers} layers", root / "regional-deep", Run(f"regional cold {deep_layers} layers", "regional",
                                                                             n_layers=deep_layers), None),  # fmt: skip
         (f"whole-model cold {deep_layers} layers", root / "whole-deep", Run(f"whole-model cold {deep_layers} layers", "whole",
@@ -301,6 +307,7 @@ def _receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *, preset
              shallow: int, deep: int, make_receipt: Any) -> dict[str, Any]:  # fmt: skip
     eager, cold = rows.get(EAGER), rows.get("regional cold")
     warm, deep_r = rows.get("regional warm"), rows.get(f"regional cold {deep} layers")
+    serial = rows.get("regional cold, one process")
     deep_w = rows.get(f"whole-model cold {deep} layers")
     summary: dict[str, Any] = {"contenders": len(rows), "skipped": skipped}
     bar: dict[str, bool] = {}
@@ -310,6 +317,9 @@ def _receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *, preset
         if "recompiles_with_grad" in cold:
             bar[f"zero recompiles over {cold['doc_counts']} documents per row, with and without gradients"] = (
                 cold["recompiles_with_grad"] == 0 and cold["recompiles_without_grad"] == 0)  # fmt: skip
+    if cold and serial:
+        summary.update(regional_cold_one_process_first_step_s=serial["first_step_s"],
+                       workers_over_one_process=cold["first_step_s"] / serial["first_step_s"])
     if warm:
         summary.update(warm_first_step_s=warm["first_step_s"], warm_total_s=warm["total_s"])
         bar[f"warm: first compiled step <= {BARS['warm_first_step_s']:g} s"] = warm["first_step_s"] <= BARS["warm_first_step_s"]
@@ -340,7 +350,10 @@ def _receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *, preset
             "(torch.compiler.save_cache_artifacts / load_cache_artifacts), as a fresh container would. import_s: "
             "from the launch of the process to the library imported; build_s: the model built and made ready "
             "(parallelize) and the batch made; first_step_s: the first training step (forward to the fused loss, "
-            "backward), which compiles; compile_s: the first step less the median step where steps were timed, else "
+            "backward), which compiles, with the block structures but block 0's compiled at once by worker processes "
+            "(ParallelConfig.compile_workers, model/precompile.py; compile_workers in a row: each worker's blocks, "
+            "when the first step had it done, its compile threads), all in one process in 'regional cold, one "
+            "process' (compile_workers=0), the per-region breakdown's source; compile_s: the first step less the median step where steps were timed, else "
             "the first step; total_s: launch to the end of the first step. compile: per region, from "
             "dynamo's CompilationMetrics, split by phase (dynamo trace, AOTAutograd's joint trace and partitioner, "
             "inductor's lowering, its code generation, the Triton compile of its kernels, autotuning), with the "
@@ -386,8 +399,9 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
 
 
 def _plot(receipt: dict[str, Any], path: Path) -> Path:
-    """Left: each regional region's cold compile split by phase, with the rest of the first step. Right: the
-    first step of every contender (cold, warm, Mega-Cache, both depths), stopped runs hatched."""
+    """Left: each region's cold compile split by phase, with the rest of the first step, compiled in one
+    process (the serial contender). Right: the first step of every contender (cold with workers and in one
+    process, warm, Mega-Cache, both depths), stopped runs hatched."""
     from matplotlib.figure import Figure
 
     from megacpp_lab.model.parallelize import PHASES
@@ -395,7 +409,7 @@ def _plot(receipt: dict[str, Any], path: Path) -> Path:
     rows = {r["contender"]: r for r in receipt["results"]}
     fig = Figure(figsize=(12, 4.2))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.2, 1]})
-    cold = rows.get("regional cold")
+    cold = rows.get("regional cold, one process") or rows.get("regional cold")
     if cold and "compile" in cold:
         regions = cold["compile"]["per_region"]
         labels = ["+".join(r["structure"] or ["?"]) for r in regions]
@@ -405,7 +419,7 @@ def _plot(receipt: dict[str, Any], path: Path) -> Path:
             left.barh(labels, values, left=bottom, label=phase.replace("_", " "))
             bottom = [b + v for b, v in zip(bottom, values)]
         left.barh(["outside dynamo\n(lab kernels, step)"], [cold["outside_dynamo_s"]], color="0.5")
-        left.set(xlabel="seconds of the cold first step", title=f"regional cold compile by region and phase "
+        left.set(xlabel="seconds of the cold first step", title=f"{cold['contender']}: by region and phase "
                  f"(first step {cold['first_step_s']:.1f} s)")  # fmt: skip
         left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
         left.invert_yaxis()

@@ -22,6 +22,7 @@ from megacpp_lab.data import boundary_windows, load_sample, next_token_targets
 from megacpp_lab.model.config import HybridConfig, hybrid_preset, model_config  # noqa: F401  (re-exported)
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import ParallelConfig, parallelize
+from megacpp_lab.model.precompile import Precompile, precompile
 from megacpp_lab.profiling import LABEL_SEP, label_modules, profile_trace, step_times_ms, time_by_label
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.testing import model_leak_report, wake_zero_initialised
@@ -124,8 +125,13 @@ class TrainingStep:
     def __init__(self, model: nn.Module, tokens: torch.Tensor, ctx: PackedContext, targets: torch.Tensor,
                  optimizer: torch.optim.Optimizer | None = None) -> None:  # fmt: skip
         self.model, self.tokens, self.ctx, self.targets, self.optimizer = model, tokens, ctx, targets, optimizer
+        self.precompile: Precompile | None = None  # the first step's compile workers, if it started any
+        self.steps = 0
 
     def __call__(self) -> torch.Tensor:
+        if self.steps == 0:  # a regionally compiled model compiles its block structures at once (precompile)
+            self.precompile = precompile(self.model, self.tokens, self.ctx, self.targets)
+        self.steps += 1
         self.model.zero_grad(set_to_none=True)
         loss = self.model(self.tokens, self.ctx, self.targets).loss
         loss.backward()

@@ -56,6 +56,9 @@ class ParallelConfig:
     # at base), which saves an all-gather per block and, more, its host time in a step the host must keep fed
     reshard_after_forward: bool = False
     fsdp_blocks_per_group: int = 1  # FSDP2: consecutive blocks sharded as one group (fewer collectives and hooks)
+    # the cold compile's worker processes: the block structures compiled at once (model/precompile.py), at most
+    # one per two cores; 0: every structure compiled in this process, one after another
+    compile_workers: int = 8
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> ValueError:
@@ -71,6 +74,9 @@ class ParallelConfig:
         n = self.fsdp_blocks_per_group
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise fail("fsdp_blocks_per_group", "an int >= 1")
+        n = self.compile_workers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise fail("compile_workers", "an int >= 0")
         try:
             policy = CheckpointingPolicy.parse(self.remat)
         except ValueError as err:
@@ -139,6 +145,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, device: str | None 
     if dtype != torch.float32 and not fsdp:
         plan = apply_precision(lm, dtype)
     lm.precision_plan = plan
+    lm.parallel_config = config  # what precompile's workers build again
     policy = config.policy
     if policy != CheckpointingPolicy():
         apply_ac(lm, policy, compiled=config.compile)

@@ -59,6 +59,7 @@ from megacpp_lab.model.distributed import (
     token_share,
 )
 from megacpp_lab.model.parallelize import ParallelConfig, block_structures, describe_compile, parallelize
+from megacpp_lab.model.precompile import precompile
 from megacpp_lab.varlen import PackedContext, build_context, copy_to_device
 
 __all__ = [
@@ -796,6 +797,10 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
             from torch._dynamo.utils import get_compilation_metrics
 
             since, t_compile = len(get_compilation_metrics()), time.perf_counter()
+            workers = precompile(model, tokens, ctx, targets)  # the other block structures compile at once
+            if workers is not None:
+                say(f"step {step + 1}: {sum(map(len, workers.plan))} block structures compiling in "
+                    f"{len(workers.plan)} worker processes beside this one")  # fmt: skip
         loss = model(tokens, ctx, targets).loss
         # FSDP2 averages gradients over ranks: weighted by share * world, the average is the global mean's
         (loss * (share * ranks.world) if ranks.world > 1 else loss).backward()

@@ -1,0 +1,240 @@
+"""Cold compile in parallel: the block structures compiled at once, in processes of their own.
+
+Regional compile makes one graph per block structure (model/parallelize.py), and the first step compiles
+them one after another: dynamo, AOTAutograd and inductor run on one thread of one process, and only the Triton
+compile of inductor's kernels uses its workers. `precompile(model, tokens, ctx, targets)`, called once before
+the first compiled step, hands every structure but the first block's to a worker process that builds the same
+model, keeps only the blocks it was given, and runs one forward and backward on the same batch: its graphs,
+their Triton kernels, the lab's own kernels and their autotuning land in the caches on disk (inductor's
+FX-graph and AOTAutograd caches, Triton's). Meanwhile this process compiles the first block's structure itself
+in its first step; when the step reaches a block of a worker's structure it waits for that worker, then
+traces the block with dynamo and finds every later stage in the caches. The step's graphs, guards and kernels
+are the ones a serial compile makes (the caches are keyed by the graph and its inputs): only the wall time
+differs.
+
+A manifest in inductor's cache directory remembers a batch shape and model whose structures a run has
+compiled: a later process (a warm start) starts no worker. One process only: under FSDP2 every rank compiles
+for itself, and workers per rank would share the host's cores with each other.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Precompile", "precompile", "precompile_plan", "worker_count"]
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # megacpp_lab/
+_CONTEXT_TENSORS = ("doc_ids", "positions", "starts", "cu_seqlens", "seq_index")
+# dynamo's marks on an input tensor (mark_dynamic, maybe_mark_dynamic, mark_unbacked): part of what it traces
+_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices")
+
+
+def worker_count(limit: int, others: int, cpus: int | None = None) -> int:
+    """Worker processes for `others` structures: at most `limit` (ParallelConfig.compile_workers), and one per
+    two cores beyond this process's own two (each compiles on one thread and starts Triton compiles)."""
+    cpus = os.cpu_count() or 1 if cpus is None else cpus
+    return max(0, min(limit, others, cpus // 2 - 1))
+
+
+def precompile_plan(model: nn.Module, workers: int) -> list[list[int]]:
+    """The blocks each worker compiles: the first block of every (structure, remat budget) but block 0's
+    (this process compiles that one in its first step), dealt out in block order to `workers` lists."""
+    from megacpp_lab.model.checkpointing import block_budget
+    from megacpp_lab.model.parallelize import _structure_keys
+
+    first: dict[Any, int] = {}
+    for i, (key, block) in enumerate(zip(_structure_keys(model), model.blocks)):
+        first.setdefault((key, block_budget(block)), i)
+    own = (_structure_keys(model)[0], block_budget(model.blocks[0]))
+    blocks = [i for k, i in first.items() if k != own]
+    if workers < 1 or not blocks:
+        return []
+    return [blocks[w::workers] for w in range(min(workers, len(blocks)))]
+
+
+@dataclass
+class Precompile:
+    """The workers of one precompile: which blocks each compiles, and each worker's wall time when it is done."""
+
+    plan: list[list[int]]
+    manifest: Path
+    started: float = field(default_factory=time.perf_counter)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    seconds: list[float | None] = field(default_factory=list)
+    threads: int = 0  # each worker's inductor compile threads
+    workdir: tempfile.TemporaryDirectory | None = None
+
+    def wait(self, worker: int) -> None:
+        """Block until this worker is done; a worker that failed is an error naming its blocks and its log."""
+        if self.seconds[worker] is not None:
+            return
+        code = self.procs[worker].wait()
+        self.seconds[worker] = time.perf_counter() - self.started
+        if code != 0:
+            tail = self.logs[worker].read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"compile worker {worker} (blocks {self.plan[worker]}) exited with status {code}; set "
+                               f"ParallelConfig.compile_workers=0 to compile in this process only. Its log:\n{tail}")
+        if all(s is not None for s in self.seconds):
+            self.manifest.parent.mkdir(parents=True, exist_ok=True)
+            self.manifest.write_text(json.dumps({"blocks": self.plan, "seconds": self.seconds}) + "\n")
+            if self.workdir is not None:
+                self.workdir.cleanup()
+
+    def wait_all(self) -> None:
+        for w in range(len(self.procs)):
+            self.wait(w)
+
+    def close(self) -> None:
+        """Stop the workers still running (a step that failed before it reached their blocks) and drop the files."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if self.workdir is not None:
+            self.workdir.cleanup()
+
+
+def _source_digest() -> str:
+    """The lab's source: a changed kernel or block changes the graphs, so a manifest of older code is not warm."""
+    h = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        h.update(str(path.relative_to(_PACKAGE)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _dynamic_marks(ctx: Any) -> dict[str, dict[str, list[int]]]:
+    """dynamo's dimension marks on the context's tensors, by tensor and mark."""
+    return {name: {m: sorted(getattr(getattr(ctx, name), m)) for m in _MARKS if hasattr(getattr(ctx, name), m)}
+            for name in _CONTEXT_TENSORS}  # fmt: skip
+
+
+def _set_marks(ctx: Any, marks: dict[str, dict[str, list[int]]]) -> None:
+    """The parent's marks on this context's tensors, no more and no fewer."""
+    for name, tensor_marks in marks.items():
+        tensor = getattr(ctx, name)
+        for m in _MARKS:
+            if hasattr(tensor, m):
+                delattr(tensor, m)
+        for m, dims in tensor_marks.items():
+            setattr(tensor, m, set(dims))
+        if tensor_marks:
+            tensor._has_dynamo_dim_marking = True  # type: ignore[attr-defined]
+
+
+def _manifest(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.Tensor | None) -> Path:
+    """Where the manifest of this model, parallel config, batch shape, code and versions lives."""
+    import triton
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    key = repr((model.config, model.parallel_config, tuple(tokens.shape), str(tokens.dtype), str(tokens.device),
+                None if targets is None else tuple(targets.shape), _dynamic_marks(ctx), ctx.block_mask is not None,
+                torch.cuda.get_device_name() if tokens.is_cuda else "cpu", torch.__version__, triton.__version__,
+                os.environ.get("TRITON_INTERPRET", "0"), _source_digest()))  # fmt: skip
+    return Path(cache_dir()) / "megacpp_precompiled" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def precompile(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.Tensor | None = None) -> Precompile | None:
+    """Start the compile workers for this model's first compiled step on this batch (see the module
+    docstring), and make every block of a worker's structures wait for that worker at its first call. Returns
+    the workers' handle, or None when there is nothing to hand out: the model is not compiled with inductor,
+    compile_workers is 0 or the host too small, the model has one structure, FSDP2 shards it, or the manifest
+    says an earlier run compiled this model on this batch shape (its graphs are in the caches)."""
+    import torch.distributed as dist
+
+    config = getattr(model, "parallel_config", None)
+    if config is None or not config.compile or config.backend != "inductor":
+        return None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return None
+    others = sum(map(len, precompile_plan(model, 1)))
+    plan = precompile_plan(model, worker_count(config.compile_workers, others))
+    if not plan:
+        return None
+    manifest = _manifest(model, tokens, ctx, targets)
+    if manifest.exists():
+        return None
+    work = tempfile.TemporaryDirectory(prefix="megacpp-precompile-")
+    spec = Path(work.name) / "spec.pt"
+    torch.save({"config": model.config, "parallel": config, "device": tokens.device.type,
+                "tokens": tokens.cpu(), "targets": None if targets is None else targets.cpu(),
+                "doc_ids": ctx.doc_ids.cpu(),
+                "marks": _dynamic_marks(ctx), "block_mask": ctx.block_mask is not None}, spec)  # fmt: skip
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE.parent), *filter(None, [env.get("PYTHONPATH")])])
+    # the host's cores shared between this process's compile workers and theirs
+    threads = max(1, (os.cpu_count() or 1) // (len(plan) + 1))
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
+    job = Precompile(plan, manifest, threads=threads, workdir=work)
+    for w, blocks in enumerate(plan):
+        log = Path(work.name) / f"worker{w}.log"
+        with log.open("w") as fh:
+            job.procs.append(subprocess.Popen([sys.executable, "-m", "megacpp_lab.model.precompile", str(spec),
+                                               ",".join(map(str, blocks))], env=env, stdout=fh, stderr=subprocess.STDOUT))  # fmt: skip
+        job.logs.append(log)
+        job.seconds.append(None)
+    atexit.register(job.close)
+    _wait_at_first_call(model, job)
+    return job
+
+
+def _wait_at_first_call(model: nn.Module, job: Precompile) -> None:
+    """Every block of a worker's structures, at its first call, waits for that worker and then runs compiled."""
+    from megacpp_lab.model.checkpointing import block_budget
+    from megacpp_lab.model.parallelize import _structure_keys
+
+    keys = [(k, block_budget(b)) for k, b in zip(_structure_keys(model), model.blocks)]
+    owner = {keys[i]: w for w, blocks in enumerate(job.plan) for i in blocks}
+    for key, block in zip(keys, model.blocks):
+        if key not in owner:
+            continue
+        compiled = block._compiled_call_impl
+
+        def first_call(*args: Any, _w: int = owner[key], _block: nn.Module = block, _fn: Any = compiled,
+                       **kwargs: Any) -> Any:  # fmt: skip
+            job.wait(_w)
+            _block._compiled_call_impl = _fn
+            return _fn(*args, **kwargs)
+
+        block._compiled_call_impl = first_call
+
+
+def _worker(spec_path: str, blocks: list[int]) -> None:
+    """Build the model as the parent did, keep the given blocks, and run one forward and backward on its batch."""
+    from megacpp_lab.model.hybrid import HybridLM
+    from megacpp_lab.model.parallelize import parallelize
+    from megacpp_lab.varlen import build_context
+
+    spec = torch.load(spec_path, weights_only=False)
+    device = spec["device"]
+    parallel = spec["parallel"]
+    with torch.device(device):
+        model = HybridLM(spec["config"]).to(device)
+    parallelize(model, parallel, device=device, fsdp=False)
+    model.blocks = nn.ModuleList(model.blocks[i] for i in blocks)  # after parallelize: the budgets are the model's
+    ctx = build_context(spec["doc_ids"].to(device), block_mask=spec["block_mask"])
+    _set_marks(ctx, spec["marks"])
+    targets = None if spec["targets"] is None else spec["targets"].to(device)
+    model.train()
+    out = model(spec["tokens"].to(device), ctx, targets)
+    out.loss.backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], [int(i) for i in sys.argv[2].split(",")])
