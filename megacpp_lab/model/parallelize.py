@@ -32,7 +32,8 @@ from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
 from megacpp_lab.model.precision import PrecisionPlan, apply_precision
 
 __all__ = ["PHASES", "CompileStats", "ParallelConfig", "apply_compile", "apply_fsdp", "block_structures",
-           "compile_breakdown", "compile_stats", "describe_compile", "fsdp_groups", "graphs_needed", "parallelize"]
+           "compile_breakdown", "compile_stats", "describe_compile", "fsdp_groups", "graphs_needed", "parallelize",
+           "structure_keys"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # aot_eager_decomp_partition: AOTAutograd's min-cut partitioner (which reads the remat budget) without inductor
@@ -158,7 +159,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, device: str | None 
     return model
 
 
-def _structure_keys(lm: nn.Module) -> list[tuple[str, ...]]:
+def structure_keys(lm: nn.Module) -> list[tuple[str, ...]]:
+    """Each block's structure, in block order (see block_structures)."""
     streams = ("streams",) if lm.config.mhc else ()
     return [(block.kind, *(n for n in ("engram", "ngram", "cblock") if getattr(block, n) is not None),
              *(("mhc",) if block.hc is not None else ()), *streams) for block in lm.blocks]  # fmt: skip
@@ -167,7 +169,7 @@ def _structure_keys(lm: nn.Module) -> list[tuple[str, ...]]:
 def block_structures(model: nn.Module) -> Counter[tuple[str, ...]]:
     """How many blocks share each structure: (letter, its optional branches..., 'mhc' when the block has
     hyper-connections, 'streams' when the residual is mHC's [B,T,n,d]). One compiled graph per structure."""
-    return Counter(_structure_keys(_hybrid(model)))
+    return Counter(structure_keys(_hybrid(model)))
 
 
 def graphs_needed(model: nn.Module) -> int:
@@ -179,7 +181,7 @@ def graphs_needed(model: nn.Module) -> int:
     from megacpp_lab.model.checkpointing import block_budget
 
     lm = _hybrid(model)
-    keys = [(s, block_budget(b)) for s, b in zip(_structure_keys(lm), lm.blocks)]
+    keys = [(s, block_budget(b)) for s, b in zip(structure_keys(lm), lm.blocks)]
     return 2 * len(set(keys))
 
 
@@ -223,6 +225,11 @@ def _cache_compiles(backend: Any) -> None:
     if hasattr(functorch, "autograd_cache_allow_custom_autograd_functions"):  # the lab's Functions are pure
         functorch.autograd_cache_allow_custom_autograd_functions = True
     if backend == "inductor":
+        # every generated Triton kernel is named `triton_`, not triton_<kind>_<ops>_<n> with n its place in its
+        # graph: a kernel two block structures share (the MLP's, the norms', M's in M and M+Engram) is then
+        # one source, which Triton's cache compiles once, not once per structure. Profiler traces show the
+        # kernels as `triton_` (inductor keeps the descriptive name in each kernel's metadata)
+        torch._inductor.config.triton.unique_kernel_names = False
         from torch._inductor.async_compile import AsyncCompile
 
         if hasattr(AsyncCompile, "warm_pool"):

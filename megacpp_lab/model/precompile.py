@@ -3,14 +3,21 @@
 Regional compile makes one graph per block structure (model/parallelize.py), and the first step compiles
 them one after another: dynamo, AOTAutograd and inductor run on one thread of one process, and only the Triton
 compile of inductor's kernels uses its workers. `precompile(model, tokens, ctx, targets)`, called once before
-the first compiled step, hands every structure but the first block's to a worker process that builds the same
-model, keeps only the blocks it was given, and runs one forward and backward on the same batch: its graphs,
-their Triton kernels, the lab's own kernels and their autotuning land in the caches on disk (inductor's
-FX-graph and AOTAutograd caches, Triton's). Meanwhile this process compiles the first block's structure itself
-in its first step; when the step reaches a block of a worker's structure it waits for that worker, then
-traces the block with dynamo and finds every later stage in the caches. The step's graphs, guards and kernels
-are the ones a serial compile makes (the caches are keyed by the graph and its inputs): only the wall time
-differs.
+the first compiled step, hands every structure but the heaviest to worker processes, each of which builds the
+same model, keeps only the blocks it was given, and runs one forward and backward on the same batch: their
+graphs, their Triton kernels, the lab's own kernels and their autotuning land in the caches on disk
+(inductor's FX-graph and AOTAutograd caches, Triton's). Meanwhile this process compiles the heaviest
+structure itself (one block's forward and a backward to its input, no gradient kept, the random state
+restored): a worker first spends seconds importing torch and building the model, so the longest compile is
+done where none of that is paid. When the step then reaches a block of a worker's structure it waits for that
+worker, traces the block with dynamo and finds every later stage in the caches. The step's graphs, guards and
+kernels are the ones a serial compile makes (the caches are keyed by the graph and its inputs): only the wall
+time differs.
+
+Triton's compile of the generated kernels keeps every core of the host busy on its own (inductor's compile
+workers), so what runs at once is the single-threaded part: dynamo, AOTAutograd and inductor's lowering and
+code generation. parallelize also names every generated kernel `triton_`, so that a kernel two structures
+share is one source and one compile.
 
 A manifest in inductor's cache directory remembers a batch shape and model whose structures a run has
 compiled: a later process (a warm start) starts no worker. One process only: under FSDP2 every rank compiles
@@ -49,17 +56,28 @@ def worker_count(limit: int, others: int, cpus: int | None = None) -> int:
     return max(0, min(limit, others, cpus // 2 - 1))
 
 
-def precompile_plan(model: nn.Module, workers: int) -> list[list[int]]:
-    """The blocks each worker compiles: the first block of every (structure, remat budget) but block 0's
-    (this process compiles that one in its first step), dealt out in block order to `workers` lists."""
+def _first_blocks(model: nn.Module) -> list[int]:
+    """The first block of every (structure, remat budget): one compiled graph each."""
     from megacpp_lab.model.checkpointing import block_budget
-    from megacpp_lab.model.parallelize import _structure_keys
+    from megacpp_lab.model.parallelize import structure_keys
 
     first: dict[Any, int] = {}
-    for i, (key, block) in enumerate(zip(_structure_keys(model), model.blocks)):
+    for i, (key, block) in enumerate(zip(structure_keys(model), model.blocks)):
         first.setdefault((key, block_budget(block)), i)
-    own = (_structure_keys(model)[0], block_budget(model.blocks[0]))
-    blocks = [i for k, i in first.items() if k != own]
+    return list(first.values())
+
+
+def heaviest_block(model: nn.Module) -> int:
+    """The first block of the structure with the most modules (the largest graph: Engram on M, say): this
+    process compiles it itself while the workers start. The earliest on a tie."""
+    return max(_first_blocks(model), key=lambda i: (len(list(model.blocks[i].modules())), -i))
+
+
+def precompile_plan(model: nn.Module, workers: int) -> list[list[int]]:
+    """The blocks each worker compiles: the first block of every (structure, remat budget) but the heaviest
+    (this process compiles that one), dealt out in block order to `workers` lists."""
+    own = heaviest_block(model)
+    blocks = [i for i in _first_blocks(model) if i != own]
     if workers < 1 or not blocks:
         return []
     return [blocks[w::workers] for w in range(min(workers, len(blocks)))]
@@ -71,19 +89,34 @@ class Precompile:
 
     plan: list[list[int]]
     manifest: Path
+    own: int = 0  # the block this process compiled itself, before the step
+    own_s: float | None = None  # how long that took
     started: float = field(default_factory=time.perf_counter)
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     seconds: list[float | None] = field(default_factory=list)
     threads: int = 0  # each worker's inductor compile threads
+    reports: list[dict[str, Any] | None] = field(default_factory=list)  # each worker's timeline (_worker)
     workdir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def compile_order(self) -> list[int]:
+        """The first blocks of the structures in the order this process's dynamo compiles them: its own, then
+        the others as the step reaches them."""
+        return [self.own, *sorted(i for blocks in self.plan for i in blocks)]
 
     def wait(self, worker: int) -> None:
         """Block until this worker is done; a worker that failed is an error naming its blocks and its log."""
         if self.seconds[worker] is not None:
             return
-        code = self.procs[worker].wait()
+        # done when its report is written: the process then still takes seconds to exit (its compile pool's
+        # shutdown), which the step need not wait for
+        report, proc = self.logs[worker].with_suffix(".json"), self.procs[worker]
+        while not report.is_file() and proc.poll() is None:
+            time.sleep(0.02)
+        code = 0 if report.is_file() else proc.wait()
         self.seconds[worker] = time.perf_counter() - self.started
+        self.reports[worker] = json.loads(report.read_text()) if report.is_file() else None
         if code != 0:
             tail = self.logs[worker].read_text(errors="replace")[-3000:]
             raise RuntimeError(f"compile worker {worker} (blocks {self.plan[worker]}) exited with status {code}; set "
@@ -165,6 +198,8 @@ def precompile(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.
     plan = precompile_plan(model, worker_count(config.compile_workers, others))
     if not plan:
         return None
+    if getattr(model, "compile_job", None) is not None:  # started for this model already
+        return model.compile_job
     manifest = _manifest(model, tokens, ctx, targets)
     if manifest.exists():
         return None
@@ -176,28 +211,52 @@ def precompile(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.
                 "marks": _dynamic_marks(ctx), "block_mask": ctx.block_mask is not None}, spec)  # fmt: skip
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE.parent), *filter(None, [env.get("PYTHONPATH")])])
-    # the host's cores shared between this process's compile workers and theirs
-    threads = max(1, (os.cpu_count() or 1) // (len(plan) + 1))
+    # every worker's inductor compiles its Triton kernels on as many threads as this process: the processes'
+    # Triton compiles come in bursts at different times, and a worker held to its share of the cores (four of
+    # sixteen, for three workers) took two to three times as long for its structure as this process on an H100 host
+    threads = max(1, int(torch._inductor.config.compile_threads or os.cpu_count() or 1))
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
     job = Precompile(plan, manifest, threads=threads, workdir=work)
     for w, blocks in enumerate(plan):
         log = Path(work.name) / f"worker{w}.log"
         with log.open("w") as fh:
             job.procs.append(subprocess.Popen([sys.executable, "-m", "megacpp_lab.model.precompile", str(spec),
-                                               ",".join(map(str, blocks))], env=env, stdout=fh, stderr=subprocess.STDOUT))  # fmt: skip
+                                               ",".join(map(str, blocks)), str(log.with_suffix(".json")), str(time.time())],
+                                              env=env, stdout=fh, stderr=subprocess.STDOUT))  # fmt: skip
         job.logs.append(log)
         job.seconds.append(None)
+        job.reports.append(None)
     atexit.register(job.close)
+    model.compile_job = job
     _wait_at_first_call(model, job)
+    job.own = heaviest_block(model)
+    t0 = time.perf_counter()
+    _compile_here(model, job.own, tokens, ctx)
+    job.own_s = time.perf_counter() - t0
     return job
+
+
+def _compile_here(model: nn.Module, index: int, tokens: torch.Tensor, ctx: Any) -> None:
+    """Compile block `index`'s structure in this process: its forward on the embedding of the batch (a block's
+    input: the same shape, dtype, strides and grad mode), then a backward to that input alone, which runs the
+    compiled backward graph and leaves no gradient on any parameter. The random state is restored."""
+    from megacpp_lab.nn.hyper_connections import expand_streams
+
+    devices = [tokens.device] if tokens.is_cuda else []
+    with torch.random.fork_rng(devices=devices):
+        x = model.embed(tokens)
+        if model.config.mhc:
+            x = expand_streams(x, model.config.hyper.n_streams)
+        out = model.blocks[index](x, tokens, ctx)
+        torch.autograd.grad(out, x, torch.ones_like(out))
 
 
 def _wait_at_first_call(model: nn.Module, job: Precompile) -> None:
     """Every block of a worker's structures, at its first call, waits for that worker and then runs compiled."""
     from megacpp_lab.model.checkpointing import block_budget
-    from megacpp_lab.model.parallelize import _structure_keys
+    from megacpp_lab.model.parallelize import structure_keys
 
-    keys = [(k, block_budget(b)) for k, b in zip(_structure_keys(model), model.blocks)]
+    keys = [(k, block_budget(b)) for k, b in zip(structure_keys(model), model.blocks)]
     owner = {keys[i]: w for w, blocks in enumerate(job.plan) for i in blocks}
     for key, block in zip(keys, model.blocks):
         if key not in owner:
@@ -213,8 +272,10 @@ def _wait_at_first_call(model: nn.Module, job: Precompile) -> None:
         block._compiled_call_impl = first_call
 
 
-def _worker(spec_path: str, blocks: list[int]) -> None:
-    """Build the model as the parent did, keep the given blocks, and run one forward and backward on its batch."""
+def _worker(spec_path: str, blocks: list[int], report: Path, launched_at: float) -> None:
+    """Build the model as the parent did, keep the given blocks, and run one forward and backward on its batch;
+    write when each stage ended, in seconds since the launch, to `report`."""
+    imported = time.time()
     from megacpp_lab.model.hybrid import HybridLM
     from megacpp_lab.model.parallelize import parallelize
     from megacpp_lab.varlen import build_context
@@ -225,6 +286,7 @@ def _worker(spec_path: str, blocks: list[int]) -> None:
     with torch.device(device):
         model = HybridLM(spec["config"]).to(device)
     parallelize(model, parallel, device=device, fsdp=False)
+    built = time.time()
     model.blocks = nn.ModuleList(model.blocks[i] for i in blocks)  # after parallelize: the budgets are the model's
     ctx = build_context(spec["doc_ids"].to(device), block_mask=spec["block_mask"])
     _set_marks(ctx, spec["marks"])
@@ -234,7 +296,12 @@ def _worker(spec_path: str, blocks: list[int]) -> None:
     out.loss.backward()
     if device == "cuda":
         torch.cuda.synchronize()
+    done = time.time()
+    partial = report.with_suffix(".tmp")  # renamed into place: the parent never reads half a report
+    partial.write_text(json.dumps({"blocks": blocks, "torch_imported_s": imported - launched_at,
+                                   "built_s": built - launched_at, "compiled_s": done - launched_at}) + "\n")
+    partial.replace(report)
 
 
-if __name__ == "__main__":
-    _worker(sys.argv[1], [int(i) for i in sys.argv[2].split(",")])
+if __name__ == "__main__":  # python -m megacpp_lab.model.precompile SPEC BLOCKS REPORT LAUNCHED_AT
+    _worker(sys.argv[1], [int(i) for i in sys.argv[2].split(",")], Path(sys.argv[3]), float(sys.argv[4]))
