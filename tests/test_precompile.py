@@ -58,22 +58,22 @@ def _cold_caches(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(DEV != "cpu", reason="the CPU path (inductor's C++ backend, the Triton scans interpreted)")
 def test_a_workers_structure_reaches_the_step_through_the_caches_with_the_eager_loss(tmp_path, monkeypatch):
     from torch._dynamo.utils import get_compilation_metrics
 
     _cold_caches(tmp_path, monkeypatch)
-    config = model_config("tiny", "cpu", **TRITON, n_layers=2)  # A, then M with Engram: one worker
-    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 3), config.vocab_size, "cpu")
-    reference = build_model(config, "cpu")
+    config = model_config("tiny", DEV, **TRITON, n_layers=2)  # A, then M with Engram: one worker
+    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 3), config.vocab_size, DEV)
+    reference = build_model(config, DEV)
     eager = TrainingStep(reference, tokens, build_context(doc_ids), targets)()
-    model = build_model(config, "cpu", parallel=ParallelConfig(compile=True))
+    model = build_model(config, DEV, parallel=ParallelConfig(compile=True))
     step = TrainingStep(model, tokens, build_context(doc_ids), targets)
-    rng = torch.get_rng_state()
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state() if DEV == "cuda" else None
     job = precompile(model, tokens, build_context(doc_ids), targets)  # what the step's first call does
     assert job is not None and job.plan == [[0]] and job.own == 1 and job.own_s > 0  # M+Engram here, A in a worker
     assert all(p.grad is None for p in model.parameters())  # the own compile's backward kept no gradient
-    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(torch.get_rng_state(), rng[0])
+    assert DEV != "cuda" or torch.equal(torch.cuda.get_rng_state(), rng[1])
     loss = step()
     assert step.precompile is job  # once per model
     report = job.reports[0]
@@ -90,15 +90,15 @@ def test_a_workers_structure_reaches_the_step_through_the_caches_with_the_eager_
             torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
     assert step.precompile.manifest.is_file()
     # a new model on the same batch shape: the manifest says its structures are in the caches, no worker starts
-    assert precompile(build_model(config, "cpu", parallel=ParallelConfig(compile=True)), tokens,
+    assert precompile(build_model(config, DEV, parallel=ParallelConfig(compile=True)), tokens,
                       build_context(doc_ids), targets) is None  # fmt: skip
 
 
 def test_a_failed_worker_is_an_error_naming_its_blocks_and_the_switch(tmp_path, monkeypatch):
     _cold_caches(tmp_path, monkeypatch)
-    config = model_config("tiny", "cpu", **TRITON, n_layers=2)
-    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 3), config.vocab_size, "cpu")
-    model = build_model(config, "cpu", parallel=ParallelConfig(compile=True))
+    config = model_config("tiny", DEV, **TRITON, n_layers=2)
+    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 3), config.vocab_size, DEV)
+    model = build_model(config, DEV, parallel=ParallelConfig(compile=True))
     job = precompile(model, tokens, build_context(doc_ids), targets)
     assert job is not None
     job.procs[0].kill()  # a worker that dies (out of memory, a crash) before its structure is in the caches
