@@ -1,7 +1,9 @@
-"""The cold compile's worker processes (model/precompile.py): which blocks each worker compiles, how many
-workers a host gets, and, end to end on the CPU, that a worker's structure reaches this process through the
-caches (every FX-graph and AOTAutograd lookup of it hits) with the loss of the eager model; a warm restart,
-told by the manifest, starts no worker; a worker that fails is an error naming its blocks."""
+"""The cold compile's worker processes (model/precompile.py): which blocks each worker compiles and which this
+process compiles itself, how many workers a host gets, and, end to end (the CPU, or the GPU when there is
+one), that a worker's structure reaches this process through the caches (every FX-graph and AOTAutograd lookup
+of it hits), that this process's own structure is compiled before the step without keeping a gradient or
+moving the random state, with the loss and gradients of the eager model; a warm restart, told by the manifest,
+starts no worker; a worker that fails is an error naming its blocks."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import torch
 
 import megacpp_lab.model.precompile as precompile_module
 from megacpp_lab.bench.model import ModelShape, TrainingStep, build_model, make_batch, model_config
-from megacpp_lab.model.parallelize import ParallelConfig, apply_ac
 from megacpp_lab.model.checkpointing import CheckpointingPolicy
 from megacpp_lab.model.hybrid import HybridLM
+from megacpp_lab.model.parallelize import ParallelConfig, apply_ac
 from megacpp_lab.model.precompile import heaviest_block, precompile, precompile_plan, worker_count
 from megacpp_lab.varlen import build_context
 
@@ -64,9 +66,10 @@ def test_a_workers_structure_reaches_the_step_through_the_caches_with_the_eager_
     _cold_caches(tmp_path, monkeypatch)
     config = model_config("tiny", DEV, **TRITON, n_layers=2)  # A, then M with Engram: one worker
     tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 3), config.vocab_size, DEV)
-    reference = build_model(config, DEV)
+    # fp32 on a GPU too: the comparison is of the compiled graphs, not of bf16 rounding
+    reference = build_model(config, DEV, parallel=ParallelConfig(dtype="fp32"))
     eager = TrainingStep(reference, tokens, build_context(doc_ids), targets)()
-    model = build_model(config, DEV, parallel=ParallelConfig(compile=True))
+    model = build_model(config, DEV, parallel=ParallelConfig(dtype="fp32", compile=True))
     step = TrainingStep(model, tokens, build_context(doc_ids), targets)
     rng = torch.get_rng_state(), torch.cuda.get_rng_state() if DEV == "cuda" else None
     job = precompile(model, tokens, build_context(doc_ids), targets)  # what the step's first call does
@@ -90,8 +93,11 @@ def test_a_workers_structure_reaches_the_step_through_the_caches_with_the_eager_
             torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
     assert step.precompile.manifest.is_file()
     # a new model on the same batch shape: the manifest says its structures are in the caches, no worker starts
-    assert precompile(build_model(config, DEV, parallel=ParallelConfig(compile=True)), tokens,
-                      build_context(doc_ids), targets) is None  # fmt: skip
+    again = build_model(config, DEV, parallel=ParallelConfig(dtype="fp32", compile=True))
+    assert precompile(again, tokens, build_context(doc_ids), targets) is None
+    # another parallel config is another model to the caches: its manifest is its own
+    other = build_model(config, DEV, parallel=ParallelConfig(dtype="fp32", compile=True, compile_workers=1))
+    assert precompile_module._manifest(other, tokens, build_context(doc_ids), targets) != step.precompile.manifest
 
 
 def test_a_failed_worker_is_an_error_naming_its_blocks_and_the_switch(tmp_path, monkeypatch):

@@ -89,8 +89,7 @@ def _run(run: Run, out: Path) -> None:
     from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
     from megacpp_lab.bench.model import ModelShape, TrainingStep, build_model, make_batch, triton_config
-    from megacpp_lab.model.parallelize import (ParallelConfig, structure_keys, block_structures, compile_breakdown,
-                                               compile_stats)  # fmt: skip
+    from megacpp_lab.model.parallelize import ParallelConfig, block_structures, compile_breakdown, compile_stats
     from megacpp_lab.profiling import profile_trace, step_times_ms
     from megacpp_lab.varlen import build_context
 
@@ -150,9 +149,7 @@ def _run(run: Run, out: Path) -> None:
     if job is not None:  # the block structures compiled at once, by worker processes and this one (model/precompile.py)
         save(compile_workers={"blocks": job.plan, "done_at_s": job.seconds, "threads_each": job.threads,
                               "timelines": job.reports, "own_block": job.own, "own_s": job.own_s})  # fmt: skip
-        keys = structure_keys(model)  # dynamo compiled the structures in the job's order, not in block order
-        count = dict(structures)
-        structures = [(keys[i], count[keys[i]]) for i in job.compile_order]
+        structures = job.structures_in_compile_order(model)  # dynamo compiled them in the job's order
     if run.mode != "eager":
         breakdown = compile_breakdown(structures if run.mode == "regional" else [(("model",), 1)], n_first)
         save(compile=breakdown, dynamo_and_inductor_s=breakdown["cold_compile_s"],

@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from megacpp_lab.model.parallelize import (
     compile_stats,
     describe_compile,
 )
+from megacpp_lab.model.precompile import precompile
 from megacpp_lab.profiling import LABEL_SEP, label_modules, time_by_label
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
@@ -214,9 +215,14 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
                disable=not progress)  # fmt: skip
 
     # ---- the cold step, then the profiled steps
-    with caches, _labelled(model, compiled) as label_names:
+    with ExitStack() as scope:
+        scope.enter_context(caches)
         _sync(device)
         t0 = time.perf_counter()
+        job = precompile(model, *batches[0]) if compiled else None  # before _labelled wraps the blocks
+        if job is not None:  # dynamo compiles the structures in the job's order (None with the caches off)
+            structures = job.structures_in_compile_order(model)
+        label_names = scope.enter_context(_labelled(model, compiled))
         loss0 = TrainingStep(model, *batches[0], opt)()
         _sync(device)
         first_s = time.perf_counter() - t0

@@ -105,6 +105,14 @@ class Precompile:
         the others as the step reaches them."""
         return [self.own, *sorted(i for blocks in self.plan for i in blocks)]
 
+    def structures_in_compile_order(self, model: nn.Module) -> list[tuple[tuple[str, ...], int]]:
+        """block_structures(model)'s (structure, blocks) pairs in compile_order: how compile_breakdown reads
+        this process's compile records."""
+        from megacpp_lab.model.parallelize import block_structures, structure_keys
+
+        keys, count = structure_keys(model), block_structures(model)
+        return list(dict.fromkeys((keys[i], count[keys[i]]) for i in self.compile_order))
+
     def wait(self, worker: int) -> None:
         """Block until this worker is done; a worker that failed is an error naming its blocks and its log."""
         if self.seconds[worker] is not None:
@@ -185,21 +193,25 @@ def precompile(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.
     """Start the compile workers for this model's first compiled step on this batch (see the module
     docstring), and make every block of a worker's structures wait for that worker at its first call. Returns
     the workers' handle, or None when there is nothing to hand out: the model is not compiled with inductor,
-    compile_workers is 0 or the host too small, the model has one structure, FSDP2 shards it, or the manifest
-    says an earlier run compiled this model on this batch shape (its graphs are in the caches)."""
+    compile_workers is 0 or the host too small, the model has one structure, FSDP2 shards it, inductor's caches
+    are off (force_disable_caches), or the manifest says an earlier run compiled this model on this batch shape
+    (its graphs are in the caches). Once per model: a later call returns what the first returned."""
     import torch.distributed as dist
 
     config = getattr(model, "parallel_config", None)
     if config is None or not config.compile or config.backend != "inductor":
         return None
+    if hasattr(model, "compile_job"):  # once per model: a later call (a later step) returns the first's answer
+        return model.compile_job
+    model.compile_job = None
     if dist.is_initialized() and dist.get_world_size() > 1:
+        return None
+    if getattr(torch._inductor.config, "force_disable_caches", False):  # what the workers compile would not be read
         return None
     others = sum(map(len, precompile_plan(model, 1)))
     plan = precompile_plan(model, worker_count(config.compile_workers, others))
     if not plan:
         return None
-    if getattr(model, "compile_job", None) is not None:  # started for this model already
-        return model.compile_job
     manifest = _manifest(model, tokens, ctx, targets)
     if manifest.exists():
         return None
