@@ -170,6 +170,8 @@ TRAIN_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("log_every", int, "steps per logged training loss (default: 10)"),
     ("val_every", int, "steps per validation (default: 100)"),
     ("ckpt_every", int, "steps per checkpoint (default: 200)"),
+    ("compile_workers", int, "with --compile: processes that compile the block structures at once on a cold start, "
+                             "at most one per two cores; 0 = all in this process (default: 8)"),
     ("fsdp_blocks_per_group", int, "with --nproc > 1: consecutive blocks sharded as one FSDP2 group (default: 1)"),
     ("trace_steps", int, "profile the last N steps on rank 0 into <out-dir>/trace/ (torch.profiler; their log "
                          "interval is marked traced); 0 = off (default: 0)"),

@@ -287,6 +287,9 @@ def bench_compile(*, preset: str = "base", B: int = 4, T: int = 4096, docs: int 
         if run.megacache_load and not Path(run.megacache_load).is_file():
             skipped[name] = f"torch.compiler.save_cache_artifacts() returned nothing to carry (backend {backend})"
             continue
+        if run.compile_workers == 0 and backend != "inductor":
+            skipped[name] = f"compile workers fill inductor's caches: with backend {backend} 'regional cold' runs in one process"
+            continue
         cap = WHOLE_CAP_FACTOR * _first_step(rows[capped_by]) if capped_by and capped_by in rows else None
         timeout = deadline_s - (time.time() - start) - 15 if deadline_s is not None and capped_by else None
         rows[name] = _launch(replace(run, first_step_cap_s=cap), cache, timeout=timeout, interpret=interpret)

@@ -87,7 +87,7 @@ CHECKPOINT_FIELDS = ("format", "step", "train_config", "model_config", "model", 
                      "pending_loss")
 # fields that may change between a run and its resume: where and how often it reports, not what it computes
 RESUME_FREE = ("out_dir", "log_every", "val_every", "ckpt_every", "tensorboard", "trace_steps",
-               "parallel.reshard_after_forward", "parallel.fsdp_blocks_per_group")
+               "parallel.reshard_after_forward", "parallel.fsdp_blocks_per_group", "parallel.compile_workers")
 HISTORY_FILE = "history.json"
 
 
