@@ -51,10 +51,10 @@ def plot_sweep(
     return ax
 
 
-_LABEL_X = 1.03  # axes fraction of the label column's left edge (right of the axes)
+LABEL_X = 1.03  # axes fraction of the label column's left edge (right of the axes)
 
 
-def _segments_cross(p1: tuple[float, float], p2: tuple[float, float], q1: tuple[float, float], q2: tuple[float, float]) -> bool:
+def segments_cross(p1: tuple[float, float], p2: tuple[float, float], q1: tuple[float, float], q2: tuple[float, float]) -> bool:
     """Whether segments p1-p2 and q1-q2 cross at a point inside both (touching ends do not count)."""
 
     def side(a: tuple[float, float], b: tuple[float, float], c: tuple[float, float]) -> float:
@@ -97,12 +97,12 @@ def label_points(
         swapped = False
         for a in range(len(order)):
             for b in range(a + 1, len(order)):
-                if _segments_cross(pts[order[a]], (_LABEL_X, placed[a]), pts[order[b]], (_LABEL_X, placed[b])):
+                if segments_cross(pts[order[a]], (LABEL_X, placed[a]), pts[order[b]], (LABEL_X, placed[b])):
                     order[a], order[b], swapped = order[b], order[a], True
     texts = []
     for i, y_text in zip(order, placed):
         texts.append(ax.annotate(
-            labels[i], xy=(xs[i], ys[i]), xycoords="data", xytext=(_LABEL_X, y_text), textcoords="axes fraction",
+            labels[i], xy=(xs[i], ys[i]), xycoords="data", xytext=(LABEL_X, y_text), textcoords="axes fraction",
             fontsize=fontsize, va="center", ha="left", annotation_clip=False,
             arrowprops=dict(arrowstyle="-", color="0.55", lw=0.6, shrinkA=0, shrinkB=3),
         ))  # fmt: skip

@@ -138,14 +138,27 @@ def trace_summary(trace_path: str | Path, *, category: str | None = None, top: i
     return rows[:top]
 
 
-def peak_extra_mib(fn: Callable[[], object]) -> float:
-    """Peak CUDA memory that one call of fn allocates beyond what is already held, in MiB."""
+def sync(device: str | torch.device) -> None:
+    """Wait for the work queued on the device (nothing to wait for on a CPU): around what a host clock times."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_mib(fn: Callable[[], object]) -> dict[str, float]:
+    """Peak CUDA memory of one call of fn, in MiB: beyond what was held before it (peak_mib) and in all
+    (peak_total_mib)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fn()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    peak = torch.cuda.max_memory_allocated()
+    return {"peak_mib": (peak - base) / 2**20, "peak_total_mib": peak / 2**20}
+
+
+def peak_extra_mib(fn: Callable[[], object]) -> float:
+    """Peak CUDA memory that one call of fn allocates beyond what is already held, in MiB."""
+    return peak_mib(fn)["peak_mib"]
 
 
 @dataclass(frozen=True)
@@ -417,7 +430,7 @@ _LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 _STEP_PREFIX = "ProfilerStep#"
 
 
-def _union_us(spans: Iterable[tuple[float, float]]) -> float:
+def union_us(spans: Iterable[tuple[float, float]]) -> float:
     """Length of the union of (start, end) intervals: sorted by start, then merged in one pass (O(n log n))."""
     total = 0.0
     run: tuple[float, float] | None = None  # the merged interval being extended
@@ -446,7 +459,7 @@ def _split(gpu: list[dict[str, Any]]) -> dict[str, float]:
         span = (start, start + float(e["dur"]))
         (comm if e.get("cat") == "kernel" and _is_comm_kernel(e["name"]) else compute).append(span)
     window = max(end for _, end in comm + compute) - min(start for start, _ in comm + compute)
-    comm_us, compute_us, busy_us = _union_us(comm), _union_us(compute), _union_us(comm + compute)
+    comm_us, compute_us, busy_us = union_us(comm), union_us(compute), union_us(comm + compute)
     exposed = busy_us - compute_us  # |comm or compute| - |compute| = |comm and not compute|
 
     def share(us: float) -> float:

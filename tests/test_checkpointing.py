@@ -152,7 +152,7 @@ def test_the_last_block_keeps_its_budget_under_regional_compile():
     is now part of a block's graph identity: the last block compiles apart and saves what budget 1.0 saves.
     Measured on the second step: a range check on a budget dynamo had made symbolic (the recompile for the last
     block) let that last graph serve every block from the second step on, and the first step hid it."""
-    from megacpp_lab.bench.memory import _block_accounting
+    from megacpp_lab.bench.memory import block_accounting
 
     batch = _batch()
     saved = {}
@@ -165,7 +165,7 @@ def test_the_last_block_keeps_its_budget_under_regional_compile():
         for b, block in enumerate(model.blocks):
             block.kind = f"M{b}"  # one accounting bucket per block
         model(*batch).loss.backward()  # the first step compiles both graphs
-        with _block_accounting(list(model.blocks), DEV) as acc:
+        with block_accounting(list(model.blocks), DEV) as acc:
             model(*batch).loss
         saved[budget] = acc["saved"]
         if budget == 0.0:

@@ -49,11 +49,11 @@ def test_gradients_match_the_reference() -> None:
 
 
 def test_triton_backward_matches_the_torch_backward_reference() -> None:
-    from megacpp_lab.kernels.dsa_indexer import _launch_bwd, indexer_scores_backward_reference
+    from megacpp_lab.kernels.dsa_indexer import launch_indexer_backward, indexer_scores_backward_reference
 
     q, k, w = _inputs(37, 45, 2, 3, 16)  # neither a multiple of the tile: the edge masks are exercised
     dS = torch.randn(2, 37, 45, generator=torch.Generator().manual_seed(4)).to(DEV)
-    for got, ref in zip(_launch_bwd(q, k, w, dS), indexer_scores_backward_reference(q, k, w, dS)):
+    for got, ref in zip(launch_indexer_backward(q, k, w, dS), indexer_scores_backward_reference(q, k, w, dS)):
         assert _rel(got, ref) <= 1e-5
 
 

@@ -28,7 +28,7 @@ from megacpp_lab.testing import (  # noqa: E402
 )
 from megacpp_lab.varlen import doc_causal_shift  # noqa: E402
 from megacpp_lab.nn.engram import EngramBranch, EngramConfig  # noqa: E402
-from megacpp_lab.testing.leaks import _perturb  # noqa: E402
+from megacpp_lab.testing.leaks import perturb  # noqa: E402
 
 B, T, C, V = 2, 48, 8, 37
 WINDOW = 4
@@ -165,10 +165,10 @@ def test_batch_mixing_fails_cross_row(x, doc_ids):
 def test_perturbation_changes_every_element():
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, 2, (500,))
-    new = _perturb(tok, scale=0.0, vocab_size=2, gen=g)
+    new = perturb(tok, scale=0.0, vocab_size=2, gen=g)
     assert bool((new != tok).all()) and int(new.min()) >= 0 and int(new.max()) < 2
     big = torch.full((200,), 1e4, dtype=torch.bfloat16)
-    new = _perturb(big, scale=1.0, vocab_size=None, gen=g)
+    new = perturb(big, scale=1.0, vocab_size=None, gen=g)
     assert bool((new != big).all()) and bool(torch.isfinite(new).all())
 
 

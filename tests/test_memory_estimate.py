@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megacpp_lab.bench.model import triton_config as _config
-from megacpp_lab.bench.memory import MemoryPoint, _measure
+from megacpp_lab.bench.memory import MemoryPoint, measure_point
 from megacpp_lab.bench.model import ModelShape
 from megacpp_lab.model.checkpointing import CheckpointingPolicy
 from megacpp_lab.model.config import hybrid_preset
@@ -45,7 +45,7 @@ def test_parameters_gradients_and_optimizer_are_counted_exactly():
     ("budget 0.3", CheckpointingPolicy.uniform(0.3), True),
 ])  # fmt: skip
 def test_activations_per_kind_within_15_percent_of_measured(name, policy, compiled):
-    row = _measure(MemoryPoint(name, compiled, policy, "x"), SHAPE, "cpu", steps=1, warmup=0, backend=BACKEND)
+    row = measure_point(MemoryPoint(name, compiled, policy, "x"), SHAPE, "cpu", steps=1, warmup=0, backend=BACKEND)
     est = _estimate(policy, compiled)
     for kind, measured_mib in row["saved_tensor_mib_by_kind"].items():
         got = est.activations_by_kind[kind] / 2**20
@@ -99,7 +99,7 @@ def test_bad_input_fails_naming_the_field(kwargs, message):
 ])  # fmt: skip
 def test_estimate_against_the_gpu_allocator(name, policy, compiled):
     shape = ModelShape("small", B=2, T=1024, docs=4)
-    row = _measure(MemoryPoint(name, compiled, policy, "x"), shape, "cuda", steps=2, warmup=1, backend="inductor")
+    row = measure_point(MemoryPoint(name, compiled, policy, "x"), shape, "cuda", steps=2, warmup=1, backend="inductor")
     est = estimate_memory(_config("small", "cuda"), batch=shape.B, seq_len=shape.T, docs=shape.docs, policy=policy,
                           compiled=compiled, device="cuda")  # fmt: skip
     for kind, measured_mib in row["retained_mib_by_kind"].items():  # the allocator sees a save list's cache too

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from megacpp_lab.bench.memory import run, summarize, sweep_points
+from megacpp_lab.bench.memory import summarize, sweep_points
 from megacpp_lab.cli import main
 
 
@@ -64,12 +64,12 @@ def test_small_sweep_on_cpu(tmp_path, capsys):
 
 @pytest.mark.cuda
 def test_memory_point_on_gpu_measures_activation_and_peak():
-    from megacpp_lab.bench.memory import MemoryPoint, _measure
+    from megacpp_lab.bench.memory import MemoryPoint, measure_point
     from megacpp_lab.bench.model import ModelShape
     from megacpp_lab.model.checkpointing import CheckpointingPolicy
 
     shape = ModelShape("small", B=1, T=1024, docs=4)
-    rows = [_measure(MemoryPoint(f"budget {b}", True, CheckpointingPolicy.uniform(b), "global"), shape, "cuda",
+    rows = [measure_point(MemoryPoint(f"budget {b}", True, CheckpointingPolicy.uniform(b), "global"), shape, "cuda",
                      steps=2, warmup=1, backend="inductor") for b in (1.0, 0.0)]  # fmt: skip
     top, bottom = rows
     assert 0 < bottom["activation_mib"] < top["activation_mib"] < top["peak_step_mib"]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from megacpp_lab import receipts
-from megacpp_lab.bench.profile import SMALL, _doc_counts, profile_training
+from megacpp_lab.bench.profile import SMALL, varied_doc_counts, profile_training
 from megacpp_lab.model.parallelize import compile_breakdown
 
 
@@ -127,10 +127,10 @@ def test_compile_records_keep_runtime_records_out_of_the_regions():
 
 def test_doc_counts_vary_around_docs_within_the_row():
     for docs, seq_len in ((8, 4096), (2, 64), (1, 2), (5, 5)):
-        counts = _doc_counts(docs, seq_len, 20, seed=3)
+        counts = varied_doc_counts(docs, seq_len, 20, seed=3)
         assert counts[0] == docs and all(a != b for a, b in zip(counts, counts[1:]))
         assert all(max(1, docs // 2) <= c <= min(seq_len, 2 * docs) for c in counts)
-    assert _doc_counts(8, 4096, 6, seed=0) == _doc_counts(8, 4096, 6, seed=0)
+    assert varied_doc_counts(8, 4096, 6, seed=0) == varied_doc_counts(8, 4096, 6, seed=0)
 
 
 @pytest.mark.cuda

@@ -264,7 +264,7 @@ def test_label_points_keeps_labels_apart_inside_the_axes_and_leader_lines_uncros
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megacpp_lab.plots import _LABEL_X, _segments_cross, label_points
+    from megacpp_lab.plots import LABEL_X, segments_cross, label_points
 
     _, ax = plt.subplots()
     xs, ys = [1.0, 1.01, 1.02, 1.0, 1.01, 9.0], [5.0, 5.01, 5.0, 4.99, 5.02, 1.0]  # five near-coincident points
@@ -274,8 +274,8 @@ def test_label_points_keeps_labels_apart_inside_the_axes_and_leader_lines_uncros
     assert all(0.0 <= y <= 1.0 for y in placed)
     assert min(b - a for a, b in zip(placed, placed[1:])) >= 0.08 - 1e-9
     to_axes = ax.transAxes.inverted()
-    segments = [(tuple(to_axes.transform(ax.transData.transform(t.xy))), (_LABEL_X, t.xyann[1])) for t in texts]
-    assert not any(_segments_cross(*a, *b) for i, a in enumerate(segments) for b in segments[i + 1 :])
+    segments = [(tuple(to_axes.transform(ax.transData.transform(t.xy))), (LABEL_X, t.xyann[1])) for t in texts]
+    assert not any(segments_cross(*a, *b) for i, a in enumerate(segments) for b in segments[i + 1 :])
     with pytest.raises(ValueError, match="min_gap=0.5 cannot fit 6 labels"):
         label_points(ax, xs, ys, [f"p{i}" for i in range(6)], min_gap=0.5)
     with pytest.raises(ValueError, match="one entry per point"):

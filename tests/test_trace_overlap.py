@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from megacpp_lab.profiling import _union_us, gpu_time_split
+from megacpp_lab.profiling import union_us, gpu_time_split
 
 HOST_PID = 4242  # the host process; GPU events sit on pid = device index, as Kineto writes them
 ALL_GATHER = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
@@ -49,8 +49,8 @@ def write(path: Path, events: list[dict[str, Any]]) -> Path:
 
 def test_union_merges_overlapping_nested_and_touching_intervals() -> None:
     # [0,10] swallows [2,3]; [5,12] extends it to 12; [12,13] touches; [20,21] stands alone: 13 + 1
-    assert _union_us([(20, 21), (5, 12), (0, 10), (2, 3), (12, 13)]) == 14
-    assert _union_us([]) == 0
+    assert union_us([(20, 21), (5, 12), (0, 10), (2, 3), (12, 13)]) == 14
+    assert union_us([]) == 0
 
 
 def test_comm_overlapping_compute(tmp_path: Path) -> None:

@@ -90,7 +90,7 @@ def _run(run: Run, out: Path) -> None:
 
     from megacpp_lab.bench.model import ModelShape, TrainingStep, build_model, make_batch, triton_config
     from megacpp_lab.model.parallelize import ParallelConfig, block_structures, compile_breakdown, compile_stats
-    from megacpp_lab.profiling import profile_trace, step_times_ms
+    from megacpp_lab.profiling import profile_trace, step_times_ms, sync
     from megacpp_lab.varlen import build_context
 
     result: dict[str, Any] = {"contender": run.name, "mode": run.mode, "n_layers": run.n_layers, "preset": run.preset}
@@ -98,10 +98,6 @@ def _run(run: Run, out: Path) -> None:
     def save(**values: Any) -> None:
         result.update(values)
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-
-    def sync() -> None:
-        if run.device == "cuda":
-            torch.cuda.synchronize()
 
     ready_at = time.time()
     save(import_s=ready_at - run.launched_at, torch_import_s=torch_at - imported_at, megacpp_import_s=ready_at - torch_at,
@@ -124,7 +120,7 @@ def _run(run: Run, out: Path) -> None:
     counters.clear()
     clear_compilation_metrics()
     kernels_before = _triton_kernels(os.environ.get("TRITON_CACHE_DIR"))
-    sync()
+    sync(run.device)
     built_at = time.time()
     save(build_s=built_at - ready_at, layers=config.n_layers, structures=[[list(s), n] for s, n in structures])
     if run.first_step_cap_s is not None:  # the cap counts from the first step, not from the launch
@@ -138,7 +134,7 @@ def _run(run: Run, out: Path) -> None:
         timer.start()
     t0 = time.perf_counter()
     step()
-    sync()
+    sync(run.device)
     first = time.perf_counter() - t0
     stats = compile_stats()
     n_first = len(get_compilation_metrics())
@@ -166,7 +162,7 @@ def _run(run: Run, out: Path) -> None:
             for i, docs in enumerate(run.doc_counts):
                 t, d, y = make_batch(replace(shape, docs=docs), config.vocab_size, run.device, seed=1 + i, ignore_index=ignore)
                 model(t, build_context(d), y)
-        sync()
+        sync(run.device)
         save(recompiles_with_grad=grad_graphs - stats.graphs, no_grad_graphs=no_grad_first - grad_graphs,
              recompiles_without_grad=compile_stats().graphs - no_grad_first, doc_counts=list(run.doc_counts))  # fmt: skip
     if run.steps:

@@ -26,7 +26,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +42,16 @@ from megacpp_lab.bench.model import (
     build_model,
     fresh_dynamo,
     make_batch,
-    sync,
     triton_config,
 )
 from megacpp_lab.model.checkpointing import CheckpointingPolicy
 from megacpp_lab.model.memory import MemoryEstimate, estimate_memory
 from megacpp_lab.model.parallelize import ParallelConfig, compile_stats
-from megacpp_lab.profiling import saved_storages, step_times_ms
-from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
+from megacpp_lab.profiling import saved_storages, step_times_ms, sync
+from megacpp_lab.receipts import device_name, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
 
-__all__ = ["MemoryPoint", "estimate_checks", "memory_sweep", "run", "sweep_points"]
+__all__ = ["MemoryPoint", "block_accounting", "estimate_checks", "measure_point", "memory_sweep", "run", "sweep_points"]
 
 GLOBAL_BUDGETS = (1.0, 0.9, 0.8, 0.7, 0.5, 0.3, 0.1, 0.0)  # each point compiles the base model's 4 structures
 SMALL_BUDGETS = (1.0, 0.0)
@@ -90,7 +89,7 @@ def sweep_points(small: bool = False) -> list[MemoryPoint]:
 
 
 @contextmanager
-def _block_accounting(blocks: list[nn.Module], device: str) -> Iterator[dict[str, dict[str, int]]]:
+def block_accounting(blocks: list[nn.Module], device: str) -> Iterator[dict[str, dict[str, int]]]:
     """Per block kind: saved-tensor bytes (profiling.saved_storages: each storage once, parameters and buffers
     left out) and, on a GPU, the allocator's delta over each block's forward. Filled while the context is open."""
     acc: dict[str, dict[str, int]] = {"retained": {}}
@@ -136,7 +135,7 @@ def _block_accounting(blocks: list[nn.Module], device: str) -> Iterator[dict[str
                 delattr(block, name)
 
 
-def _measure(point: MemoryPoint, shape: ModelShape, device: str, *, steps: int, warmup: int, backend: str,
+def measure_point(point: MemoryPoint, shape: ModelShape, device: str, *, steps: int, warmup: int, backend: str,
              ) -> dict[str, Any]:  # fmt: skip
     fresh_dynamo()
     config = triton_config(shape.preset, device)
@@ -158,7 +157,7 @@ def _measure(point: MemoryPoint, shape: ModelShape, device: str, *, steps: int, 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if device == "cuda" else 0
-    with _block_accounting(list(model.blocks), device) as acc:
+    with block_accounting(list(model.blocks), device) as acc:
         loss = model(tokens, ctx, targets).loss
     if device == "cuda":
         row["activation_mib"] = (torch.cuda.memory_allocated() - before) / mib
@@ -325,7 +324,7 @@ def memory_sweep(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", small:
     rows = []
     points = sweep_points(small)
     for point in tqdm(points, desc="memory sweep", unit="point", disable=not progress):
-        rows.append(_measure(point, shape, device, steps=steps, warmup=warmup, backend=backend))
+        rows.append(measure_point(point, shape, device, steps=steps, warmup=warmup, backend=backend))
         if partial is not None:
             partial.parent.mkdir(parents=True, exist_ok=True)
             partial.write_text(json.dumps(rows, indent=1) + "\n")

@@ -23,7 +23,7 @@ from megacpp_lab.model.config import HybridConfig, hybrid_preset, model_config  
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import ParallelConfig, parallelize
 from megacpp_lab.model.precompile import Precompile, precompile
-from megacpp_lab.profiling import LABEL_SEP, label_modules, profile_trace, step_times_ms, time_by_label
+from megacpp_lab.profiling import LABEL_SEP, label_modules, peak_mib, profile_trace, step_times_ms, time_by_label
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.testing import model_leak_report, wake_zero_initialised
 from megacpp_lab.varlen import PackedContext, build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
@@ -67,11 +67,6 @@ def fresh_dynamo() -> None:
 
     torch._dynamo.reset()
     counters.clear()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def build_model(config: HybridConfig, device: str, *, seed: int = 0, parallel: ParallelConfig | None = None) -> HybridLM:
@@ -148,24 +143,11 @@ class TrainingStep:
             return self.model(self.tokens, self.ctx, self.targets).loss
 
 
-def _peak(fn: Callable[[], object], device: str) -> dict[str, float]:
-    """Peak memory of one call: beyond what was held before it (peak_mib) and in all (peak_total_mib)."""
-    if device != "cuda":
-        return {}
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    return {"peak_mib": (peak - base) / 2**20, "peak_total_mib": peak / 2**20}
-
-
 def _timed_row(contender: str, fn: Callable[[], object], release: Callable[[], None], tokens: int,
                flops_per_token: int, *, device: str, warmup: int, steps: int, key: str = "ms") -> dict[str, Any]:  # fmt: skip
     fn()  # first call outside the peak: kernel autotuning and allocator growth
     release()  # the peak's baseline holds parameters and batch, no gradients
-    row: dict[str, Any] = {"contender": contender, **_peak(fn, device)}
+    row: dict[str, Any] = {"contender": contender, **(peak_mib(fn) if device == "cuda" else {})}
     samples = sorted(step_times_ms(fn, warmup=warmup, steps=steps, device=device))
     ms = statistics.median(samples)
     row.update({key: ms, "ms_min": samples[0], "ms_max": samples[-1], "steps": steps,

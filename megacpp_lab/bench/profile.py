@@ -37,11 +37,11 @@ from megacpp_lab.model.parallelize import (
     describe_compile,
 )
 from megacpp_lab.model.precompile import precompile
-from megacpp_lab.profiling import LABEL_SEP, label_modules, time_by_label
+from megacpp_lab.profiling import LABEL_SEP, label_modules, sync, time_by_label
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
 
-__all__ = ["FULL", "SMALL", "profile_training"]
+__all__ = ["FULL", "SMALL", "profile_training", "varied_doc_counts"]
 
 SUBSYSTEM = "profile"
 # (preset, batch, seq_len, docs, wait, warmup, active): a full run and a --small CPU smoke run. Small: three
@@ -88,7 +88,7 @@ def _labelled(lm: HybridLM, compiled: bool) -> Iterator[list[str]]:
             lm.blocks[i] = b
 
 
-def _doc_counts(docs: int, seq_len: int, n: int, seed: int) -> list[int]:
+def varied_doc_counts(docs: int, seq_len: int, n: int, seed: int) -> list[int]:
     """n documents-per-row counts around `docs` (docs//2 .. 2*docs, within 1 .. seq_len), a seeded order of
     them repeated: consecutive steps always differ."""
     values = list(range(max(1, docs // 2), min(seq_len, max(2 * docs, 2)) + 1))
@@ -141,11 +141,6 @@ def _self_time(trace: Path, category: str) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def profile_training(*, preset: str | None = None, batch: int | None = None, seq_len: int | None = None,
                      docs: int | None = None, wait: int | None = None, warmup: int | None = None,
                      active: int | None = None, compiled: bool = True, optimizer: bool = True,
@@ -193,7 +188,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     if T > config.mla.max_positions:  # the RoPE table's length costs no time
         config = model_config(preset, device, **kernels, mla=dict(max_positions=T))
     model = build_model(config, device, seed=seed, parallel=ParallelConfig(compile=compiled, backend=backend))
-    counts = _doc_counts(docs, T, 1 + n_steps, seed)
+    counts = varied_doc_counts(docs, T, 1 + n_steps, seed)
     batches = []
     for i, d in enumerate(counts):
         tokens, doc_ids, targets = make_batch(ModelShape(preset, B, T, d), config.vocab_size, device, seed=seed + i,
@@ -217,14 +212,14 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     # ---- the cold step, then the profiled steps
     with ExitStack() as scope:
         scope.enter_context(caches)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         job = precompile(model, *batches[0]) if compiled else None  # before _labelled wraps the blocks
         if job is not None:  # dynamo compiles the structures in the job's order (None with the caches off)
             structures = job.structures_in_compile_order(model)
         label_names = scope.enter_context(_labelled(model, compiled))
         loss0 = TrainingStep(model, *batches[0], opt)()
-        _sync(device)
+        sync(device)
         first_s = time.perf_counter() - t0
         if compiled and progress:
             tqdm.write(f"first step: {describe_compile(first_s, 0)}", file=sys.stderr)
@@ -242,7 +237,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
             for tokens, ctx, targets in batches[1:]:
                 t0 = time.perf_counter()
                 loss = TrainingStep(model, tokens, ctx, targets, opt)()
-                _sync(device)
+                sync(device)
                 step_ms.append((time.perf_counter() - t0) * 1e3)
                 losses.append(float(loss))
                 prof.step()

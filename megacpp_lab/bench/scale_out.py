@@ -89,7 +89,7 @@ def _trace_split(run_dir: Path, device: str) -> tuple[Path | None, dict[str, Any
     return traces[-1], (gpu_time_split(traces[-1]) if device == "cuda" else None)
 
 
-def _step_split(split: dict[str, Any]) -> dict[str, float]:
+def step_split(split: dict[str, Any]) -> dict[str, float]:
     """Milliseconds per traced step (medians over the steps): period (one step's GPU start to the next's, the
     gap between them included), window, compute, communication, exposed communication, and idle (period
     minus compute and exposed communication: the GPU doing nothing, between the steps too). The steps'
@@ -107,7 +107,7 @@ def _step_split(split: dict[str, Any]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
-def _gap_notes(one: dict[str, float], many: dict[str, float], nproc: int) -> str:
+def gap_notes(one: dict[str, float], many: dict[str, float], nproc: int) -> str:
     """Where the N-GPU step's time differs from the 1-GPU step's, in the trace's own numbers."""
     delta = {"compute": many["compute_ms"] - one["compute_ms"],
              "exposed communication": many["exposed_comm_ms"] - one["exposed_comm_ms"],
@@ -166,11 +166,11 @@ def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Pat
             shutil.copyfile(trace, dest)
             traces[str(nproc)] = dest.name
         if split is not None:
-            splits[str(nproc)] = {**_step_split(split), "comm_kernels": split["comm_kernels"][:8],
+            splits[str(nproc)] = {**step_split(split), "comm_kernels": split["comm_kernels"][:8],
                                   "per_step": split.get("per_step", [])}  # fmt: skip
     one, many = results[0], results[-1]
     scaling = many["tokens_per_s"] / one["tokens_per_s"]
-    gap = _gap_notes(splits[str(one["nproc"])], splits[str(many["nproc"])], many["nproc"]) if len(splits) > 1 else ""
+    gap = gap_notes(splits[str(one["nproc"])], splits[str(many["nproc"])], many["nproc"]) if len(splits) > 1 else ""
     return make_receipt(
         "scale_out", "scale_out",
         shape={"preset": base.preset, "B_per_rank": base.batch_size, "T": base.seq_len, "steps": base.steps},
@@ -192,7 +192,7 @@ def bench_scale_out(base: TrainConfig, nprocs: tuple[int, ...], *, runs_dir: Pat
     )  # fmt: skip
 
 
-def _plot(receipt: dict[str, Any]) -> Any:
+def plot_scale_out(receipt: dict[str, Any]) -> Any:
     """Loss against tokens seen for each process count, the throughput bars with the ideal line, and (GPU
     receipts) each run's traced step split into compute, exposed communication and idle time."""
     import matplotlib.pyplot as plt
@@ -254,6 +254,6 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     receipt = bench_scale_out(base, nprocs, runs_dir=root / "scale-out-runs" if small else RUNS_DIR, traces_to=here)
     receipt["elapsed_s"] = time.perf_counter() - start
     written = [write_receipt(receipt, root)]
-    written.append(save_figure(_plot(receipt), written[-1].with_suffix(".png")))
+    written.append(save_figure(plot_scale_out(receipt), written[-1].with_suffix(".png")))
     written += [here / name for name in receipt["traces"].values()]
     return written

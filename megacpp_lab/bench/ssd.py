@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megacpp_lab.bench import bench_device, output_root, require_triton_interpreter
 from megacpp_lab.kernels.ssd import ssd_chunked_torch, ssd_scan, ssd_scan_reference
-from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
+from megacpp_lab.profiling import peak_extra_mib, profile_trace, sync, time_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import packed_cu_seqlens
 
@@ -76,11 +76,6 @@ def make_inputs(s: SSDShape, dtype: torch.dtype, device: str, seed: int = 0) -> 
     return [t.to(device).requires_grad_() for t in (x, dt, A, Bm, Cm)], cu.to(device)
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _oracle(inputs: list[torch.Tensor], cu: torch.Tensor, dy: torch.Tensor | None, chunk: int):
     """y (and the five gradients when dy is given) of ssd_chunked_torch in fp32 on the same values."""
     leaves = [t.detach().float().requires_grad_(dy is not None) for t in inputs]
@@ -121,10 +116,10 @@ def _measure(fwd: Callable[[], object], fwd_bwd: Callable[[], object] | None, *,
 
 def _timed(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
     """fn's result and the seconds of this one call (for first calls: JIT, autotuning, torch.compile)."""
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     out = fn()
-    _sync(device)
+    sync(device)
     return out, time.perf_counter() - t0
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "indexer_scores_backward_reference",
     "indexer_scores_reference",
     "indexer_scores_streaming",
+    "launch_indexer_backward",
     "topk_keys",
 ]
 
@@ -177,7 +178,7 @@ def _indexer_bwd_dk_kernel(
     tl.store(dk_ptr + (rn[:, None] * B + b) * D + rd[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mn[:, None])
 
 
-def _launch_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_indexer_backward(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     SQ, B, H, D = q.shape
     SK = k.shape[0]
     dS = dS.float().contiguous()
@@ -194,7 +195,7 @@ def _launch_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dS: torch.Ten
 
 @torch.library.custom_op("megacpp::dsa_indexer_scores_bwd", mutates_args=())
 def _indexer_bwd_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _launch_bwd(q, k, w, dS)
+    return launch_indexer_backward(q, k, w, dS)
 
 
 @_indexer_bwd_op.register_fake

@@ -32,7 +32,7 @@ from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
 from megacpp_lab.model.precision import PrecisionPlan, apply_precision
 
 __all__ = ["PHASES", "CompileStats", "ParallelConfig", "apply_compile", "apply_fsdp", "block_structures",
-           "compile_breakdown", "compile_stats", "describe_compile", "fsdp_groups", "graphs_needed", "parallelize",
+           "compile_breakdown", "compile_stats", "describe_compile", "fp32_contract_params", "fsdp_groups", "graphs_needed", "parallelize",
            "structure_keys"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -391,7 +391,7 @@ def describe_compile(seconds: float, since: int = 0, metrics: list[Any] | None =
 # ----------------------------------------------------------------------------- FSDP2
 
 
-def _fp32_contract_params(lm: nn.Module) -> dict[str, nn.Parameter]:
+def fp32_contract_params(lm: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters submodules declare fp32 (`_fp32_params`; declared buffers, the RoPE tables, are not sharded)."""
     from megacpp_lab.model.precision import fp32_contract
 
@@ -475,7 +475,7 @@ def apply_fsdp(model: nn.Module, *, mesh: Any = None, param_dtype: torch.dtype |
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(next(lm.parameters()).device.type, (dist.get_world_size(),))
-    contract = _fp32_contract_params(lm)  # by name: the same order on every rank (the flat buffer's layout)
+    contract = fp32_contract_params(lm)  # by name: the same order on every rank (the flat buffer's layout)
     keep = set(contract.values())
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for name, modules in fsdp_groups(lm, blocks_per_group):

@@ -40,6 +40,7 @@ __all__ = [
     "assert_no_leaks",
     "influence_matrix",
     "influence_violation",
+    "perturb",
     "plot_influence",
 ]
 
@@ -334,7 +335,7 @@ def _change(y: torch.Tensor, y0: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------- perturbation
 
 
-def _perturb(
+def perturb(
     values: torch.Tensor, *, scale: float, vocab_size: int | None, gen: torch.Generator
 ) -> torch.Tensor:
     """A copy of ``values`` in which every element is different (and the change is large)."""
@@ -498,7 +499,7 @@ def check_leaks(
             for i in chosen:
                 row, start, end, doc = segs[i]
                 xp = x.clone()
-                xp[row, start:end] = _perturb(x[row, start:end], scale=scale, vocab_size=vocab_size, gen=gen)
+                xp[row, start:end] = perturb(x[row, start:end], scale=scale, vocab_size=vocab_size, gen=gen)
                 what = f"after perturbing doc {doc} (row {row}, offsets {start}:{end})"
                 d = _change(_check_output(fn(xp, doc_ids), B, T, what), y0).cpu()
                 n_docs += 1
@@ -519,7 +520,7 @@ def check_leaks(
             offsets = torch.arange(T)
             for t_src in positions:
                 xp = x.clone()
-                xp[:, t_src] = _perturb(x[:, t_src], scale=scale, vocab_size=vocab_size, gen=gen)
+                xp[:, t_src] = perturb(x[:, t_src], scale=scale, vocab_size=vocab_size, gen=gen)
                 what = f"after perturbing offset {t_src} in every row"
                 d = _change(_check_output(fn(xp, doc_ids), B, T, what), y0).cpu()
                 n_pos += 1
@@ -682,7 +683,7 @@ def _perturbation_influence(
         y0 = _check_output(fn(x, doc_ids), B, T, "unperturbed run").detach().clone()
         for s in range(T):
             xp = x.clone()
-            xp[row, s] = _perturb(x[row, s], scale=scale, vocab_size=vocab_size, gen=gen)
+            xp[row, s] = perturb(x[row, s], scale=scale, vocab_size=vocab_size, gen=gen)
             y = _check_output(fn(xp, doc_ids), B, T, f"after perturbing row {row}, offset {s}")
             out[:, s] = _change(y, y0)[row].cpu()
     return out
