@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def fresh_dynamo():
     """A dynamo with no compiled graph and zeroed counters, before and after the test (graph counts start at 0)."""
-    from megacpp_lab.bench.model import fresh_dynamo as reset
+    from megacpp_lab.bench.harness import fresh_dynamo as reset
 
     reset()
     yield

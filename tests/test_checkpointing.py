@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megacpp_lab.bench.model import ModelShape, make_batch
+from megacpp_lab.bench.harness import ModelShape, make_batch
 from megacpp_lab.model.checkpointing import AC_ATTR, CheckpointingPolicy, apply_ac, block_budget
 from megacpp_lab.model.config import model_config
 from megacpp_lab.model.hybrid import HybridLM

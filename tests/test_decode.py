@@ -9,7 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from megacpp_lab.bench.model import leak_features, model_config
+from megacpp_lab.bench.harness import leak_features
+from megacpp_lab.model.config import model_config
 from megacpp_lab.model.decode import DecodeState, decode_step, generate, init_decode_state, prefill, sample_next
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import ParallelConfig, parallelize

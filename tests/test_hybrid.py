@@ -237,7 +237,9 @@ def test_small_model_on_gpu_keeps_documents_apart_with_triton_scans(compiled, fe
 @pytest.mark.cuda
 def test_a_planted_leak_fails_the_small_model_check_on_gpu():
     """On the GPU too the check can fail: an M2RNN mixer that drops ctx leaks across documents."""
-    from megacpp_lab.bench.model import build_model, leak_windows, model_config
+    from megacpp_lab.bench.harness import build_model
+    from megacpp_lab.model.config import model_config
+    from megacpp_lab.bench.model import leak_windows
 
     config = model_config("small", "cuda")
     model = build_model(config, "cuda").eval()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacpp_lab.bench.model import triton_config as _config
+from megacpp_lab.bench.harness import triton_config as _config
 from megacpp_lab.bench.memory import MemoryPoint, measure_point
-from megacpp_lab.bench.model import ModelShape
+from megacpp_lab.bench.harness import ModelShape
 from megacpp_lab.model.checkpointing import CheckpointingPolicy
 from megacpp_lab.model.config import hybrid_preset
 from megacpp_lab.model.hybrid import HybridLM

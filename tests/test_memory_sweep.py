@@ -65,7 +65,7 @@ def test_small_sweep_on_cpu(tmp_path, capsys):
 @pytest.mark.cuda
 def test_memory_point_on_gpu_measures_activation_and_peak():
     from megacpp_lab.bench.memory import MemoryPoint, measure_point
-    from megacpp_lab.bench.model import ModelShape
+    from megacpp_lab.bench.harness import ModelShape
     from megacpp_lab.model.checkpointing import CheckpointingPolicy
 
     shape = ModelShape("small", B=1, T=1024, docs=4)

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from megacpp_lab.bench.model import ModelShape, TrainingStep, build_model, leak_features, make_batch, model_config
+from megacpp_lab.bench.harness import ModelShape, TrainingStep, build_model, leak_features, make_batch
+from megacpp_lab.model.config import model_config
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import apply_compile, block_structures, compile_stats
 from megacpp_lab.varlen import build_context

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import megacpp_lab.model.precompile as precompile_module
-from megacpp_lab.bench.model import ModelShape, TrainingStep, build_model, make_batch, model_config
+from megacpp_lab.bench.harness import ModelShape, TrainingStep, build_model, make_batch
+from megacpp_lab.model.config import model_config
 from megacpp_lab.model.checkpointing import CheckpointingPolicy
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import ParallelConfig, apply_ac

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacpp_lab.bench.model import ModelShape, make_batch
+from megacpp_lab.bench.harness import ModelShape, make_batch
 from megacpp_lab.model.config import model_config
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.remat import remat_plan

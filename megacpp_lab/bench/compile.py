@@ -88,7 +88,7 @@ def _run(run: Run, out: Path) -> None:
     torch_at = time.time()
     from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
-    from megacpp_lab.bench.model import ModelShape, TrainingStep, build_model, make_batch, triton_config
+    from megacpp_lab.bench.harness import ModelShape, TrainingStep, build_model, make_batch, triton_config
     from megacpp_lab.model.parallelize import ParallelConfig, block_structures, compile_breakdown, compile_stats
     from megacpp_lab.profiling import profile_trace, step_times_ms, sync
     from megacpp_lab.varlen import build_context

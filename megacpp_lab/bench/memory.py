@@ -34,16 +34,8 @@ import torch
 from torch import nn
 
 from megacpp_lab.bench import bench_device, output_root
-from megacpp_lab.bench.model import (
-    FULL_SHAPE,
-    SMALL_COMPILE_SHAPE,
-    ModelShape,
-    TrainingStep,
-    build_model,
-    fresh_dynamo,
-    make_batch,
-    triton_config,
-)
+from megacpp_lab.bench.harness import (FULL_SHAPE, SMALL_COMPILE_SHAPE, ModelShape, TrainingStep, build_model, fresh_dynamo,
+                                       make_batch, triton_config)
 from megacpp_lab.model.checkpointing import CheckpointingPolicy
 from megacpp_lab.model.memory import MemoryEstimate, estimate_memory
 from megacpp_lab.model.parallelize import ParallelConfig, compile_stats

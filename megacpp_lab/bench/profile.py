@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megacpp_lab.bench import bench_device, output_root, require_triton_interpreter
-from megacpp_lab.bench.model import FORWARD_ONLY, ModelShape, TrainingStep, build_model, make_batch, profile_labels
+from megacpp_lab.bench.harness import FORWARD_ONLY, ModelShape, TrainingStep, build_model, make_batch, profile_labels
 from megacpp_lab.model.config import HYBRID_PRESETS, model_config
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import (
