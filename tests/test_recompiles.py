@@ -62,7 +62,7 @@ def _in_thread(fn: Callable[[], None]) -> None:
 
 
 def _batch(docs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens, doc_ids, targets [1,T]: `docs` documents of seeded-random lengths (bench.model.make_batch's)."""
+    """tokens, doc_ids, targets [1,T]: `docs` documents of seeded-random lengths (bench.harness.make_batch's)."""
     g = torch.Generator().manual_seed(seed)
     doc_ids = doc_ids_from_cu_seqlens(packed_cu_seqlens(1, T, docs, g), 1, T)
     tokens = torch.randint(3, 512, (1, T), generator=g)
