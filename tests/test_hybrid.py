@@ -274,3 +274,18 @@ def test_wake_moves_every_zero_initialised_parameter_and_a_leak_inside_a_branch_
         results[woken] = model_leak_report(leaky, tokens, doc_ids, vocab_size=V, causal=False, allow_vacuous=True)
     assert not results[False].leaked, str(results[False])
     assert results[True].leaked and results[True].cross_doc.magnitude > results[True].tol, str(results[True])
+
+
+def test_device_kernels_is_the_one_rule_for_the_scans_kernels():
+    """Triton on a GPU; on a CPU the chunked SSD and the M2RNN reference loop, but the Triton scans when the
+    model is compiled (a graph holds the scans' custom ops, never the loops); the fused Triton loss only on a
+    GPU. train, profile and the bench harness all read it through model_config(..., compiled=)."""
+    from megacpp_lab.model.config import device_kernels, model_config
+
+    gpu, cpu, compiled = device_kernels("cuda"), device_kernels("cpu"), device_kernels("cpu", compiled=True)
+    assert (gpu["ssd"]["kernel"], gpu["m2rnn"]["kernel"], gpu["lm_head"]["loss_impl"]) == ("triton", "triton", "triton")
+    assert (cpu["ssd"]["kernel"], cpu["m2rnn"]["kernel"], cpu["lm_head"]["loss_impl"]) == ("chunked", "reference", "eager")
+    assert (compiled["ssd"]["kernel"], compiled["m2rnn"]["kernel"], compiled["lm_head"]["loss_impl"]) == ("triton", "triton", "eager")
+    config = model_config("tiny", "cpu", compiled=True)
+    assert (config.ssd.kernel, config.m2rnn.kernel) == ("triton", "triton")
+    assert model_config("tiny", "cpu", compiled=True, ssd=dict(kernel="chunked")).ssd.kernel == "chunked"  # an override wins

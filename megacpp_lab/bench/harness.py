@@ -51,7 +51,7 @@ def leak_features(n_layers: int) -> dict[str, Any]:
 def triton_config(preset: str, device: str, **overrides: Any) -> HybridConfig:
     """The preset with the scans on Triton everywhere (under the interpreter on a CPU): a compiled graph may
     hold the scans' custom ops, never the reference loops."""
-    return model_config(preset, device, m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), **overrides)
+    return model_config(preset, device, compiled=True, **overrides)
 
 
 def fresh_dynamo() -> None:

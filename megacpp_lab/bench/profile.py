@@ -183,10 +183,9 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     # ---- model, batches (contexts built here, outside every compiled region), fresh dynamo
     start = time.perf_counter()
     n_steps = wait + warmup + active
-    kernels = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton")) if compiled or device == "cuda" else {}
-    config = model_config(preset, device, **kernels)
+    config = model_config(preset, device, compiled=compiled)
     if T > config.mla.max_positions:  # the RoPE table's length costs no time
-        config = model_config(preset, device, **kernels, mla=dict(max_positions=T))
+        config = model_config(preset, device, compiled=compiled, mla=dict(max_positions=T))
     model = build_model(config, device, seed=seed, parallel=ParallelConfig(compile=compiled, backend=backend))
     counts = varied_doc_counts(docs, T, 1 + n_steps, seed)
     batches = []

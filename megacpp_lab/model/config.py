@@ -294,14 +294,19 @@ def hybrid_preset(name: str, **overrides: Any) -> HybridConfig:
     return HybridConfig.build(**values)
 
 
-def model_config(preset: str, device: str, **overrides: Any) -> HybridConfig:
-    """The preset with its kernels named explicitly: Triton on a GPU; on a CPU the chunked SSD, the M2RNN
-    reference loop and the eager chunked loss, asked for by name (so none falls back, loudly or silently)."""
-    return hybrid_preset(preset, **{**device_kernels(device), **overrides})
+def model_config(preset: str, device: str, *, compiled: bool = False, **overrides: Any) -> HybridConfig:
+    """The preset with its kernels named explicitly for the device and whether the model is compiled
+    (device_kernels), asked for by name so that none falls back, loudly or silently."""
+    return hybrid_preset(preset, **{**device_kernels(device, compiled), **overrides})
 
 
-def device_kernels(device: str) -> dict[str, dict[str, str]]:
-    """HybridConfig overrides that name the scans' and the loss's kernels for a device."""
+def device_kernels(device: str, compiled: bool = False) -> dict[str, dict[str, str]]:
+    """HybridConfig overrides that name the scans' and the loss's kernels for a device: Triton on a GPU; on a
+    CPU the chunked SSD, the M2RNN reference loop and the eager chunked loss, but the scans' Triton kernels
+    (under the interpreter) when the model is compiled, since a compiled graph holds the scans' custom ops and
+    never the reference loops. The one place that rule is written."""
     if device == "cuda":
         return dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), lm_head=dict(loss_impl="triton"))
+    if compiled:
+        return dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), lm_head=dict(loss_impl="eager"))
     return dict(m2rnn=dict(kernel="reference"), ssd=dict(kernel="chunked"), lm_head=dict(loss_impl="eager"))

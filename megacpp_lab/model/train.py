@@ -227,9 +227,7 @@ class TrainConfig:
                 overrides[name] = getattr(self, name)
         if self.engram_layers is not None:
             overrides["engram_layers"] = "" if self.engram_layers.strip().lower() == "none" else self.engram_layers
-        if self.parallel.compile:
-            overrides.update(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
-        return model_config(self.preset, device, **overrides)
+        return model_config(self.preset, device, compiled=self.parallel.compile, **overrides)
 
 
 def default_warmup(steps: int) -> int:
