@@ -62,7 +62,7 @@ def _cold_caches(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.slow
 def test_a_workers_structure_reaches_the_step_through_the_caches_with_the_eager_loss(tmp_path, monkeypatch):
-    from torch._dynamo.utils import get_compilation_metrics
+    from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
 
     _cold_caches(tmp_path, monkeypatch)
     config = model_config("tiny", DEV, **TRITON, n_layers=2)  # A, then M with Engram: one worker
@@ -72,6 +72,7 @@ def test_a_workers_structure_reaches_the_step_through_the_caches_with_the_eager_
     eager = TrainingStep(reference, tokens, build_context(doc_ids), targets)()
     model = build_model(config, DEV, parallel=ParallelConfig(dtype="fp32", compile=True))
     step = TrainingStep(model, tokens, build_context(doc_ids), targets)
+    clear_compilation_metrics()  # this process's records of earlier tests' compiles
     rng = torch.get_rng_state(), torch.cuda.get_rng_state() if DEV == "cuda" else None
     job = precompile(model, tokens, build_context(doc_ids), targets)  # what the step's first call does
     assert job is not None and job.plan == [[0]] and job.own == 1 and job.own_s > 0  # M+Engram here, A in a worker

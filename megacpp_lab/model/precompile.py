@@ -178,14 +178,15 @@ def _set_marks(ctx: Any, marks: dict[str, dict[str, list[int]]]) -> None:
 
 
 def _manifest(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.Tensor | None) -> Path:
-    """Where the manifest of this model, parallel config, batch shape, code and versions lives."""
+    """Where the manifest of this model, parallel config, batch shape, code, versions and Triton cache lives (in
+    inductor's cache directory: clearing it clears the manifest; another TRITON_CACHE_DIR is another key)."""
     import triton
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     key = repr((model.config, model.parallel_config, tuple(tokens.shape), str(tokens.dtype), str(tokens.device),
                 None if targets is None else tuple(targets.shape), _dynamic_marks(ctx), ctx.block_mask is not None,
                 torch.cuda.get_device_name() if tokens.is_cuda else "cpu", torch.__version__, triton.__version__,
-                os.environ.get("TRITON_INTERPRET", "0"), _source_digest()))  # fmt: skip
+                os.environ.get("TRITON_INTERPRET", "0"), os.environ.get("TRITON_CACHE_DIR"), _source_digest()))  # fmt: skip
     return Path(cache_dir()) / "megacpp_precompiled" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
