@@ -11,10 +11,10 @@ from megacpp_lab.bench import compile as bc
 def test_a_run_stopped_at_its_first_step_cap_reports_a_lower_bound(tmp_path: Path) -> None:
     run = bc.Run("whole-model cold", "whole", preset="tiny", B=1, T=32, docs=2, backend="aot_eager", device="cpu",
                  first_step_cap_s=0.5)  # fmt: skip
-    row = bc._launch(run, tmp_path / "whole", timeout=None, interpret=True)
+    row = bc.launch_contender(run, tmp_path / "whole", timeout=None, interpret=True)
     assert row["stopped_by"] == "cap" and row["stopped_at_s"] == 0.5 and "first_step_s" not in row
     assert row["import_s"] > 0 and row["build_s"] >= 0  # written before the first step began
-    assert bc._first_step(row) == 0.5
+    assert bc.first_step_seconds(row) == 0.5
 
 
 def test_the_depth_bar_compares_first_steps_and_marks_a_lower_bound() -> None:
@@ -24,12 +24,12 @@ def test_the_depth_bar_compares_first_steps_and_marks_a_lower_bound() -> None:
         "whole-model cold 48 layers": {"contender": "whole-model cold 48 layers", "mode": "whole",
                                        "stopped_at_s": 30.0, "stopped_by": "cap"},
     }  # fmt: skip
-    summary = bc._receipt(rows, {}, preset="base", B=4, T=4096, docs=8, device="cuda", backend="inductor", shallow=12,
+    summary = bc.compile_receipt(rows, {}, preset="base", B=4, T=4096, docs=8, device="cuda", backend="inductor", shallow=12,
                           deep=48, make_receipt=lambda *a, **k: k)["summary"]  # fmt: skip
     assert summary["whole_at_depth_is_lower_bound"] is True
     assert summary["bar"]["48 layers: regional cold first step <= 1/3 of the whole-model's"] is False  # 11 > 30 / 3
     assert summary["bar"]["48 layers: regional cold first step <= 1.15x that at 12"] is True
     rows["whole-model cold 48 layers"]["stopped_at_s"] = 34.0
-    summary = bc._receipt(rows, {}, preset="base", B=4, T=4096, docs=8, device="cuda", backend="inductor", shallow=12,
+    summary = bc.compile_receipt(rows, {}, preset="base", B=4, T=4096, docs=8, device="cuda", backend="inductor", shallow=12,
                           deep=48, make_receipt=lambda *a, **k: k)["summary"]  # fmt: skip
     assert summary["bar"]["48 layers: regional cold first step <= 1/3 of the whole-model's"] is True

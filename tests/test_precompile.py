@@ -99,7 +99,7 @@ def test_a_workers_structure_reaches_the_step_through_the_caches_with_the_eager_
     assert precompile(again, tokens, build_context(doc_ids), targets) is None
     # another parallel config is another model to the caches: its manifest is its own
     other = build_model(config, DEV, parallel=ParallelConfig(dtype="fp32", compile=True, compile_workers=1))
-    assert precompile_module._manifest(other, tokens, build_context(doc_ids), targets) != step.precompile.manifest
+    assert precompile_module.manifest_path(other, tokens, build_context(doc_ids), targets) != step.precompile.manifest
 
 
 def test_a_failed_worker_is_an_error_naming_its_blocks_and_the_switch(tmp_path, monkeypatch):

@@ -290,11 +290,11 @@ def test_resume_compares_the_resolved_warmup():
     holds 100): a run whose default resolves to it, or that gives it, resumes; another number is refused."""
     where = Path("runs/old/checkpoint.pt")
     at_1000 = {"train_config": dataclasses.asdict(TrainConfig(steps=1000, warmup_steps=100))}
-    train_mod._check_resume(at_1000, TrainConfig(steps=1000), where)
+    train_mod.check_resume(at_1000, TrainConfig(steps=1000), where)
     at_500 = {"train_config": dataclasses.asdict(TrainConfig(steps=500, warmup_steps=100))}
-    train_mod._check_resume(at_500, TrainConfig(steps=500, warmup_steps=100), where)
+    train_mod.check_resume(at_500, TrainConfig(steps=500, warmup_steps=100), where)
     with pytest.raises(ValueError, match=r"field 'train_config.warmup_steps' is 100, this run has 50"):
-        train_mod._check_resume(at_500, TrainConfig(steps=500), where)
+        train_mod.check_resume(at_500, TrainConfig(steps=500), where)
 
 
 def test_lr_schedule():

@@ -200,7 +200,7 @@ def _run(run: Run, out: Path) -> None:
 # ----------------------------------------------------------------------------- the parent
 
 
-def _launch(run: Run, caches: Path, *, timeout: float | None, interpret: bool) -> dict[str, Any]:
+def launch_contender(run: Run, caches: Path, *, timeout: float | None, interpret: bool) -> dict[str, Any]:
     """Run one contender in a new process with `caches`/inductor and `caches`/triton as its cache directories;
     its result, `stopped_at_s` set when it ran past `timeout`."""
     reused = caches.is_dir()
@@ -235,7 +235,7 @@ def _launch(run: Run, caches: Path, *, timeout: float | None, interpret: bool) -
     return json.loads(out.read_text())
 
 
-def _first_step(row: dict[str, Any]) -> float:
+def first_step_seconds(row: dict[str, Any]) -> float:
     """The first step's time, or for a run stopped in it, how long it had run (a lower bound)."""
     return row["first_step_s"] if "first_step_s" in row else row["stopped_at_s"]
 
@@ -286,14 +286,14 @@ def bench_compile(*, preset: str = "base", B: int = 4, T: int = 4096, docs: int 
         if run.compile_workers == 0 and backend != "inductor":
             skipped[name] = f"compile workers fill inductor's caches: with backend {backend} 'regional cold' runs in one process"
             continue
-        cap = WHOLE_CAP_FACTOR * _first_step(rows[capped_by]) if capped_by and capped_by in rows else None
+        cap = WHOLE_CAP_FACTOR * first_step_seconds(rows[capped_by]) if capped_by and capped_by in rows else None
         timeout = deadline_s - (time.time() - start) - 15 if deadline_s is not None and capped_by else None
-        rows[name] = _launch(replace(run, first_step_cap_s=cap), cache, timeout=timeout, interpret=interpret)
+        rows[name] = launch_contender(replace(run, first_step_cap_s=cap), cache, timeout=timeout, interpret=interpret)
         if "eager" in rows[name]:
             rows[EAGER] = {"contender": EAGER, "mode": "eager", "preset": preset, **rows[name].pop("eager")}
         if cap is not None:
             rows[name]["cap_s"] = cap
-        receipt = _receipt(rows, skipped, preset=preset, B=B, T=T, docs=docs, device=device, backend=backend,
+        receipt = compile_receipt(rows, skipped, preset=preset, B=B, T=T, docs=docs, device=device, backend=backend,
                            shallow=shallow, deep=deep_layers, make_receipt=make_receipt)  # fmt: skip
         if partial is not None:
             partial.parent.mkdir(parents=True, exist_ok=True)
@@ -304,7 +304,7 @@ def bench_compile(*, preset: str = "base", B: int = 4, T: int = 4096, docs: int 
     return receipt
 
 
-def _receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *, preset: str, B: int, T: int, docs: int, device: str, backend: str,
+def compile_receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *, preset: str, B: int, T: int, docs: int, device: str, backend: str,
              shallow: int, deep: int, make_receipt: Any) -> dict[str, Any]:  # fmt: skip
     eager, cold = rows.get(EAGER), rows.get("regional cold")
     warm, deep_r = rows.get("regional warm"), rows.get(f"regional cold {deep} layers")
@@ -330,7 +330,7 @@ def _receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *, preset
         summary["deep_over_shallow_regional"] = ratio
         bar[f"{deep} layers: regional cold first step <= {BARS['depth_ratio']:g}x that at {shallow}"] = ratio <= BARS["depth_ratio"]
     if deep_r and deep_w:
-        whole = _first_step(deep_w)
+        whole = first_step_seconds(deep_w)
         summary["regional_over_whole_at_depth"] = deep_r["first_step_s"] / whole
         summary["whole_at_depth_is_lower_bound"] = "first_step_s" not in deep_w
         bar[f"{deep} layers: regional cold first step <= 1/3 of the whole-model's"] = deep_r["first_step_s"] <= whole * BARS["whole_fraction"]
@@ -425,7 +425,7 @@ def _plot(receipt: dict[str, Any], path: Path) -> Path:
         left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
         left.invert_yaxis()
     names = [n for n in rows if rows[n]["mode"] != "eager"]
-    values = [_first_step(rows[n]) for n in names]
+    values = [first_step_seconds(rows[n]) for n in names]
     bars = right.barh(names, values, color=["C3" if "whole" in n else "C0" for n in names])
     for b, n in zip(bars, names):
         if "stopped_at_s" in rows[n]:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Precompile", "precompile", "precompile_plan", "worker_count"]
+__all__ = ["Precompile", "heaviest_block", "manifest_path", "precompile", "precompile_plan", "worker_count"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # megacpp_lab/
 _CONTEXT_TENSORS = ("doc_ids", "positions", "starts", "cu_seqlens", "seq_index")
@@ -177,7 +177,7 @@ def _set_marks(ctx: Any, marks: dict[str, dict[str, list[int]]]) -> None:
             tensor._has_dynamo_dim_marking = True  # type: ignore[attr-defined]
 
 
-def _manifest(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.Tensor | None) -> Path:
+def manifest_path(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.Tensor | None) -> Path:
     """Where the manifest of this model, parallel config, batch shape, code, versions and Triton cache lives (in
     inductor's cache directory: clearing it clears the manifest; another TRITON_CACHE_DIR is another key)."""
     import triton
@@ -213,7 +213,7 @@ def precompile(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.
     plan = precompile_plan(model, worker_count(config.compile_workers, others))
     if not plan:
         return None
-    manifest = _manifest(model, tokens, ctx, targets)
+    manifest = manifest_path(model, tokens, ctx, targets)
     if manifest.exists():
         return None
     work = tempfile.TemporaryDirectory(prefix="megacpp-precompile-")

@@ -68,6 +68,7 @@ __all__ = [
     "TrainConfig",
     "TokenizedCorpus",
     "TrainResult",
+    "check_resume",
     "default_warmup",
     "load_checkpoint",
     "load_checkpoint_model",
@@ -498,7 +499,7 @@ def _checked(state: Any, path: Path, *, skip: tuple[str, ...] = ()) -> dict[str,
     return state
 
 
-def _check_resume(state: dict[str, Any], config: TrainConfig, where: Path) -> None:
+def check_resume(state: dict[str, Any], config: TrainConfig, where: Path) -> None:
     saved = state["train_config"]
     if not isinstance(saved, dict):
         raise ValueError(f"checkpoint {where} field 'train_config' is not a table")
@@ -690,7 +691,7 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
         raise ValueError(f"{found[1]} exists and resume is off: remove it or choose another out_dir")
     saved = found[2] if found is not None else None
     if saved is not None:
-        _check_resume(saved, config, found[1])
+        check_resume(saved, config, found[1])
     ignore = hcfg.lm_head.ignore_index
 
     if corpus is None:
