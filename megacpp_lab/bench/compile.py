@@ -66,7 +66,7 @@ class Run:
     trace_dir: str | None = None  # one profiled step of the compiled model
     eager_after: bool = False  # then time the eager step of the same model in this process (the baseline)
     first_step_cap_s: float | None = None  # stop the process this long into its first step (a lower bound then)
-    compile_workers: int = 8  # ParallelConfig.compile_workers: 0 compiles every block structure in this process
+    compile_workers: int | None = None  # ParallelConfig.compile_workers (None: its default); 0: one process
     launched_at: float = 0.0  # time.time() when the parent launched the process
 
 
@@ -108,7 +108,7 @@ def _run(run: Run, out: Path) -> None:
         info = torch.compiler.load_cache_artifacts(Path(run.megacache_load).read_bytes())
         save(megacache_load_s=time.perf_counter() - t0, megacache_loaded=info is not None)
     config = triton_config(run.preset, run.device, **({"n_layers": run.n_layers} if run.n_layers else {}))
-    parallel = ParallelConfig(compile=run.mode == "regional", backend=run.backend, compile_workers=run.compile_workers)
+    parallel = ParallelConfig.build(compile=run.mode == "regional", backend=run.backend, compile_workers=run.compile_workers)
     model = build_model(config, run.device, parallel=parallel)
     if run.mode == "whole":
         model = torch.compile(model, backend=run.backend)

@@ -209,7 +209,7 @@ def precompile(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.
         return None
     if getattr(torch._inductor.config, "force_disable_caches", False):  # what the workers compile would not be read
         return None
-    others = sum(map(len, precompile_plan(model, 1)))
+    others = len(_first_blocks(model)) - 1  # every structure but the one this process compiles
     plan = precompile_plan(model, worker_count(config.compile_workers, others))
     if not plan:
         return None
