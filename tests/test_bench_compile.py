@@ -33,3 +33,31 @@ def test_the_depth_bar_compares_first_steps_and_marks_a_lower_bound() -> None:
     summary = bc.compile_receipt(rows, {}, preset="base", B=4, T=4096, docs=8, device="cuda", backend="inductor", shallow=12,
                           deep=48, make_receipt=lambda *a, **k: k)["summary"]  # fmt: skip
     assert summary["bar"]["48 layers: regional cold first step <= 1/3 of the whole-model's"] is True
+
+
+def test_a_host_that_writes_no_bytecode_gets_a_primed_bytecode_cache(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(bc, "BYTECODE_PRIME", ("megacpp_lab.varlen", "tqdm"))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    info = bc.bytecode_cache(tmp_path)
+    assert info["host_writes_bytecode"] is False and info["primed_s"] > 0
+    compiled = [p.relative_to(info["cache"]).as_posix() for p in Path(info["cache"]).rglob("*.pyc")]
+    assert any("megacpp_lab/__pycache__/varlen." in c or "megacpp_lab/varlen." in c for c in compiled)  # the lab's
+    assert any("/tqdm/" in c for c in compiled)  # and site-packages' modules
+    env = bc.python_env(Path(info["cache"]))
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["PYTHONPYCACHEPREFIX"] == info["cache"]
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
+    monkeypatch.setattr(bc.sys, "dont_write_bytecode", False)
+    assert bc.bytecode_cache(tmp_path / "other") == {"host_writes_bytecode": True, "cache": None}
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_one_process_run_stopped_at_the_deadline_is_a_lower_bound() -> None:
+    rows = {
+        "regional cold": {"contender": "regional cold", "mode": "regional", "first_step_s": 10.0},
+        "regional cold, one process": {"contender": "regional cold, one process", "mode": "regional",
+                                       "stopped_at_s": 25.0, "stopped_by": "deadline"},
+    }  # fmt: skip
+    summary = bc.compile_receipt(rows, {}, preset="base", B=4, T=4096, docs=8, device="cuda", backend="inductor", shallow=12,
+                          deep=48, make_receipt=lambda *a, **k: k)["summary"]  # fmt: skip
+    assert summary["one_process_is_lower_bound"] is True and summary["regional_cold_one_process_first_step_s"] == 25.0
+    assert summary["workers_over_one_process"] == 10.0 / 25.0
