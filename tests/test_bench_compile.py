@@ -17,6 +17,13 @@ def test_a_run_stopped_at_its_first_step_cap_reports_a_lower_bound(tmp_path: Pat
     assert bc.first_step_seconds(row) == 0.5
 
 
+def _summary(rows: dict) -> dict:
+    """compile_receipt's summary for `rows` at base B=4 T=4096, 12 and 48 layers."""
+    receipt = bc.compile_receipt(rows, {}, preset="base", B=4, T=4096, docs=8, device="cuda", backend="inductor",
+                                 shallow=12, deep=48, make_receipt=lambda *a, **k: k)  # fmt: skip
+    return receipt["summary"]
+
+
 def test_the_depth_bar_compares_first_steps_and_marks_a_lower_bound() -> None:
     rows = {
         "regional cold": {"contender": "regional cold", "mode": "regional", "first_step_s": 10.0},
@@ -24,14 +31,12 @@ def test_the_depth_bar_compares_first_steps_and_marks_a_lower_bound() -> None:
         "whole-model cold 48 layers": {"contender": "whole-model cold 48 layers", "mode": "whole",
                                        "stopped_at_s": 30.0, "stopped_by": "cap"},
     }  # fmt: skip
-    summary = bc.compile_receipt(rows, {}, preset="base", B=4, T=4096, docs=8, device="cuda", backend="inductor", shallow=12,
-                          deep=48, make_receipt=lambda *a, **k: k)["summary"]  # fmt: skip
+    summary = _summary(rows)
     assert summary["whole_at_depth_is_lower_bound"] is True
     assert summary["bar"]["48 layers: regional cold first step <= 1/3 of the whole-model's"] is False  # 11 > 30 / 3
     assert summary["bar"]["48 layers: regional cold first step <= 1.15x that at 12"] is True
     rows["whole-model cold 48 layers"]["stopped_at_s"] = 34.0
-    summary = bc.compile_receipt(rows, {}, preset="base", B=4, T=4096, docs=8, device="cuda", backend="inductor", shallow=12,
-                          deep=48, make_receipt=lambda *a, **k: k)["summary"]  # fmt: skip
+    summary = _summary(rows)
     assert summary["bar"]["48 layers: regional cold first step <= 1/3 of the whole-model's"] is True
 
 
@@ -57,7 +62,6 @@ def test_a_one_process_run_stopped_at_the_deadline_is_a_lower_bound() -> None:
         "regional cold, one process": {"contender": "regional cold, one process", "mode": "regional",
                                        "stopped_at_s": 25.0, "stopped_by": "deadline"},
     }  # fmt: skip
-    summary = bc.compile_receipt(rows, {}, preset="base", B=4, T=4096, docs=8, device="cuda", backend="inductor", shallow=12,
-                          deep=48, make_receipt=lambda *a, **k: k)["summary"]  # fmt: skip
+    summary = _summary(rows)
     assert summary["one_process_is_lower_bound"] is True and summary["regional_cold_one_process_first_step_s"] == 25.0
     assert summary["workers_over_one_process"] == 10.0 / 25.0
