@@ -190,7 +190,8 @@ TRAIN_SWITCHES: tuple[tuple[str, str], ...] = (
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megacpp_lab.model.train import TrainConfig, train
+    from megacpp_lab.model.train import train
+    from megacpp_lab.model.train_config import TrainConfig
 
     if args.nproc is not None:
         if args.nproc < 1:

@@ -367,7 +367,7 @@ def test_data_default_build_reproduces_the_committed_sample(tmp_path):
 
 def test_train_flags_state_train_config_defaults():
     from megacpp_lab.cli import TRAIN_FLAGS, TRAIN_SWITCHES
-    from megacpp_lab.model.train import TrainConfig
+    from megacpp_lab.model.train_config import TrainConfig
 
     defaults = TrainConfig()
     parallel = defaults.parallel
@@ -451,7 +451,8 @@ def test_train_warmup_defaults_to_a_tenth_of_the_steps(tmp_path, capsys):
 
 def test_default_train_out_dir_is_ignored_by_git():
     """`train` writes under runs/ by default (from the checkout too): git must not list it as untracked."""
-    from megacpp_lab.model.train import CHECKPOINT_FILE, TrainConfig
+    from megacpp_lab.model.checkpoint_io import CHECKPOINT_FILE
+    from megacpp_lab.model.train_config import TrainConfig
 
     if shutil.which("git") is None or subprocess.run(["git", "-C", str(repo_root()), "rev-parse"],
                                                      capture_output=True).returncode != 0:  # fmt: skip
@@ -476,7 +477,7 @@ def test_sample_reads_a_run_directory_or_either_checkpoint_kind(tiny_run, tmp_pa
     """The run directory, its checkpoint.pt, and the same checkpoint sharded (checkpoint.dcp in a run directory,
     or the checkpoint.dcp directory itself) all sample the same greedy text."""
     from megacpp_lab.model.distributed import SHARDED_DIR, Ranks, one_process_group, save_sharded
-    from megacpp_lab.model.train import CHECKPOINT_FILE, load_checkpoint
+    from megacpp_lab.model.checkpoint_io import CHECKPOINT_FILE, load_checkpoint
 
     want = greedy(capsys, tiny_run / CHECKPOINT_FILE)
     assert greedy(capsys, tiny_run) == want

@@ -236,7 +236,7 @@ CONFIGS = (
     "megacpp_lab.nn.table_store.TableStoreConfig",
     "megacpp_lab.model.config.ModelConfig",
     "megacpp_lab.model.config.HybridConfig",
-    "megacpp_lab.model.train.TrainConfig",
+    "megacpp_lab.model.train_config.TrainConfig",
     "megacpp_lab.model.parallelize.ParallelConfig",
 )
 

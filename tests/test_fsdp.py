@@ -233,7 +233,8 @@ def runs(tmp_path_factory):
     """One process straight through; 2 ranks straight through; 2 ranks to step 3 then 1 process to the end;
     1 process to step 3 then 2 ranks to the end. Same config, same global batch."""
     from megacpp_lab.data.sample import write_sample_corpus
-    from megacpp_lab.model.train import TrainConfig, train
+    from megacpp_lab.model.train import train
+    from megacpp_lab.model.train_config import TrainConfig
 
     root = tmp_path_factory.mktemp("fsdp-train")
     corpus = write_sample_corpus(root / "corpus")
@@ -265,7 +266,8 @@ def test_train_on_two_gpus_equals_one_gpu(tmp_path):
     """`train --nproc 2` on two GPUs (NCCL, the host-built context copied without a sync, the replicated
     parameters' one all-reduce) equals one GPU at the same global batch, in fp32."""
     from megacpp_lab.data.sample import write_sample_corpus
-    from megacpp_lab.model.train import TrainConfig, train
+    from megacpp_lab.model.train import train
+    from megacpp_lab.model.train_config import TrainConfig
 
     corpus = write_sample_corpus(tmp_path / "corpus")
     gpu = dict(device="cuda", dtype="fp32")
@@ -287,7 +289,7 @@ def test_resume_reshards_two_ranks_to_one_and_one_to_two(runs):
 def test_a_sharded_checkpoint_loads_whole_into_one_process(runs):
     """load_checkpoint gathers a sharded checkpoint into the single-process dict; the model it builds (sampling,
     evaluation) equals the one-process run's at the same step."""
-    from megacpp_lab.model.train import load_checkpoint, load_checkpoint_model
+    from megacpp_lab.model.checkpoint_io import load_checkpoint, load_checkpoint_model
 
     root = runs["root"]
     sharded, single = load_checkpoint(root / "two" / "checkpoint.dcp"), load_checkpoint(root / "single" / "checkpoint.pt")
@@ -307,7 +309,7 @@ def test_an_interrupted_sharded_save_keeps_the_previous_checkpoint(runs, tmp_pat
     import shutil
 
     from megacpp_lab.model.distributed import latest_sharded
-    from megacpp_lab.model.train import load_checkpoint
+    from megacpp_lab.model.checkpoint_io import load_checkpoint
 
     run = tmp_path / "checkpoint.dcp"
     shutil.copytree(runs["root"] / "two" / "checkpoint.dcp", run)
@@ -327,7 +329,7 @@ def test_a_rank_that_dies_fails_the_job_with_a_message(runs, tmp_path):
     import signal
     import time
 
-    from megacpp_lab.model.train import load_checkpoint
+    from megacpp_lab.model.checkpoint_io import load_checkpoint
 
     out = tmp_path / "run"
     proc = _cli_train(out, runs["corpus"], wait=False, steps=100000, warmup_steps=2, ckpt_every=2, val_every=100000,

@@ -13,18 +13,12 @@ import pytest
 import torch
 
 from megacpp_lab.data.sample import write_sample_corpus
+from megacpp_lab.model import checkpoint_io
 from megacpp_lab.model import train as train_mod
-from megacpp_lab.model.train import (
-    CHECKPOINT_FILE,
-    MasterWeightAdamW,
-    TrainConfig,
-    load_checkpoint,
-    load_checkpoint_model,
-    lr_at,
-    read_history,
-    save_checkpoint,
-    train,
-)
+from megacpp_lab.model.checkpoint_io import CHECKPOINT_FILE, load_checkpoint, load_checkpoint_model, save_checkpoint
+from megacpp_lab.model.optim import MasterWeightAdamW, lr_at
+from megacpp_lab.model.train import read_history, train
+from megacpp_lab.model.train_config import TrainConfig
 
 # the tiny preset on the committed sample's 69 C++ headers (the same bytes under every torch version; the
 # installed torch's headers are not): ~10 s a run on a CPU
@@ -110,7 +104,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         f.write(b"PK\x03\x04 half a zip")
         raise KeyboardInterrupt("killed mid-save")
 
-    monkeypatch.setattr(train_mod.torch, "save", dying_save)
+    monkeypatch.setattr(checkpoint_io.torch, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(path, {"step": 2, "weights": torch.zeros(4)})
     monkeypatch.undo()
@@ -162,7 +156,7 @@ def test_mismatched_checkpoints_name_the_field(runs, tmp_path):
     with pytest.raises(ValueError, match=r"field 'model\.lm_head\.weight' has shape \(32768, 8\)"):
         train(TrainConfig(**TINY, out_dir=str(out)), progress=False)
     # the reporting cadence may change on resume
-    assert "log_every" in train_mod.RESUME_FREE and "out_dir" in train_mod.RESUME_FREE
+    assert "log_every" in checkpoint_io.RESUME_FREE and "out_dir" in checkpoint_io.RESUME_FREE
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -290,11 +284,11 @@ def test_resume_compares_the_resolved_warmup():
     holds 100): a run whose default resolves to it, or that gives it, resumes; another number is refused."""
     where = Path("runs/old/checkpoint.pt")
     at_1000 = {"train_config": dataclasses.asdict(TrainConfig(steps=1000, warmup_steps=100))}
-    train_mod.check_resume(at_1000, TrainConfig(steps=1000), where)
+    checkpoint_io.check_resume(at_1000, TrainConfig(steps=1000), where)
     at_500 = {"train_config": dataclasses.asdict(TrainConfig(steps=500, warmup_steps=100))}
-    train_mod.check_resume(at_500, TrainConfig(steps=500, warmup_steps=100), where)
+    checkpoint_io.check_resume(at_500, TrainConfig(steps=500, warmup_steps=100), where)
     with pytest.raises(ValueError, match=r"field 'train_config.warmup_steps' is 100, this run has 50"):
-        train_mod.check_resume(at_500, TrainConfig(steps=500), where)
+        checkpoint_io.check_resume(at_500, TrainConfig(steps=500), where)
 
 
 def test_lr_schedule():

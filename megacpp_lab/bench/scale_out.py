@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from megacpp_lab.bench import BenchSetupError, bench_device, output_root
-from megacpp_lab.model.train import TrainConfig, read_history, tokenize_corpus
+from megacpp_lab.model.train import read_history, tokenize_corpus
+from megacpp_lab.model.train_config import TrainConfig
 from megacpp_lab.receipts import make_receipt, write_receipt
 
 # per-GPU batch: the base preset at B=4 x T=4096 per GPU, bf16, regional compile (the memory sweep's shape)

@@ -15,7 +15,8 @@ from typing import Any
 
 from megacpp_lab.bench import bench_device, output_root
 from megacpp_lab.model.decode import sample_text
-from megacpp_lab.model.train import TrainConfig, tokenize_corpus, train
+from megacpp_lab.model.train import tokenize_corpus, train
+from megacpp_lab.model.train_config import TrainConfig
 from megacpp_lab.receipts import make_receipt, write_receipt
 
 # a GPU run: the small preset (12 layers, d=384, AMRM, Engram at 1, 5, 9), 16 x 1024 tokens a step

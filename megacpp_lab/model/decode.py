@@ -207,7 +207,7 @@ def sample_text(checkpoint: str | Path, prompt: str | bytes, *, max_new_tokens: 
     tokens), `num_samples` rows sampled in one batch, each decoded until its first <eos>. top_k 0 or None
     samples from the whole vocab."""
     from megacpp_lab.data import load_bpe
-    from megacpp_lab.model.train import load_checkpoint_model
+    from megacpp_lab.model.checkpoint_io import load_checkpoint_model
 
     if not _is_int(num_samples) or num_samples < 1:
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")

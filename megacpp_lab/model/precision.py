@@ -8,7 +8,7 @@ A submodule declares the parameters (or buffers) its numerics need in fp32 by na
 `apply_precision(model, torch.bfloat16)` casts every other floating parameter and buffer to bf16 once, in
 place, and keeps the declared ones fp32 (they are made fp32 if they were not). Nothing is recast per step,
 and the model stays the model: no caller unwraps anything. The training loop keeps fp32 master weights in the
-optimizer (model/train.py's MasterWeightAdamW). Under FSDP2 the model stays fp32 and FSDP2's
+optimizer (model/optim.py's MasterWeightAdamW). Under FSDP2 the model stays fp32 and FSDP2's
 MixedPrecisionPolicy does the cast of the forward's copies (model/parallelize.py's apply_fsdp), with the
 contract's parameters kept out of it.
 

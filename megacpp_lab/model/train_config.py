@@ -1,0 +1,203 @@
+"""TrainConfig: everything a training run needs, in one frozen dataclass, checked on construction (the error
+names the field), built from a JSON/TOML file and flags with `TrainConfig.build`; and resolve_device, which
+fails before any work on what this machine cannot do. The loop is model/train.py.
+
+    config = TrainConfig(preset="small", steps=2000, batch_size=16, seq_len=1024, out_dir="runs/small")
+    config = TrainConfig.build("run.toml", steps=500)      # a file, then flags over it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from megacpp_lab.model.config import HYBRID_PRESETS, HybridConfig, model_config
+from megacpp_lab.model.parallelize import ParallelConfig
+from megacpp_lab.nn.config_builder import build_config
+
+__all__ = ["TrainConfig", "default_warmup", "resolve_device"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs. Frozen, checked on construction (the error names the field);
+    build it from a JSON/TOML file and flags with `TrainConfig.build`."""
+
+    # model: a preset, optionally reshaped
+    preset: str = "small"
+    pattern: str | None = None
+    d_model: int | None = None
+    n_layers: int | None = None
+    engram_layers: str | None = None  # None: the preset's; "none": no Engram branch; "1,5": those layers
+    # data
+    corpus: str | None = None  # a directory of C++ files; None: the installed torch's headers
+    max_files: int | None = None
+    val_fraction: float = 0.05
+    seq_len: int = 1024
+    batch_size: int = 8
+    val_batches: int = 8
+    # optimisation
+    steps: int = 1000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    # None: default_warmup(steps), resolved on construction, so the field (and the checkpoint's copy, which a
+    # resume compares) always holds the number of steps the schedule warms up over
+    warmup_steps: int | None = None
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # run
+    device: str = "auto"  # auto: cuda when there is one
+    # how the model is made ready (model/parallelize.py): dtype, the remat policy, compile, FSDP2's options.
+    # Flags and flat keys of a config file with these names (compile, remat, ...) land here (TrainConfig.build)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    seed: int = 0
+    log_every: int = 10
+    val_every: int = 100
+    ckpt_every: int = 200
+    tensorboard: bool = True
+    trace_steps: int = 0  # profile the run's last steps on rank 0 (torch.profiler) into out_dir/trace/
+    out_dir: str = "runs/train"
+
+    def __post_init__(self) -> None:
+        def fail(name: str, expected: str) -> ValueError:
+            return ValueError(f"TrainConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if self.preset not in HYBRID_PRESETS:
+            raise fail("preset", f"one of {tuple(HYBRID_PRESETS)}")
+        for name in ("d_model", "n_layers", "max_files"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 1):
+                raise fail(name, "an int >= 1 or None")
+        for name in ("seq_len", "batch_size", "val_batches", "steps", "log_every", "val_every", "ckpt_every"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise fail(name, "an int >= 1")
+        if self.seq_len < 16:
+            raise fail("seq_len", "at least 16 tokens")
+        if self.warmup_steps is None:  # frozen: the one place the default is resolved
+            object.__setattr__(self, "warmup_steps", default_warmup(self.steps))
+        for name in ("warmup_steps", "seed", "trace_steps"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise fail(name, "an int >= 0")
+        if self.warmup_steps >= self.steps:
+            raise fail("warmup_steps", f"fewer than steps={self.steps}")
+        if self.trace_steps and self.trace_steps + 1 >= self.steps:  # +1: the profiler's warm-up step
+            raise fail("trace_steps", f"fewer than steps - 1 = {self.steps - 1} (the first step compiles)")
+        if not is_num(self.lr) or not 0 < self.lr < 1:
+            raise fail("lr", "a number in (0, 1)")
+        for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2"):
+            v = getattr(self, name)
+            if not is_num(v) or not 0 <= v < 1 + (name == "min_lr_ratio"):
+                raise fail(name, "a number in [0, 1]" if name == "min_lr_ratio" else "a number in [0, 1)")
+        if not is_num(self.grad_clip) or self.grad_clip < 0:
+            raise fail("grad_clip", "a number >= 0 (0 = no clipping)")
+        if not is_num(self.val_fraction) or not 0 < self.val_fraction < 1:
+            raise fail("val_fraction", "a number in (0, 1)")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise fail("device", "'auto', 'cpu' or 'cuda'")
+        if isinstance(self.parallel, Mapping):  # a config file's [parallel] table, a checkpoint's asdict
+            object.__setattr__(self, "parallel", ParallelConfig(**self.parallel))
+        if not isinstance(self.parallel, ParallelConfig):
+            raise fail("parallel", "a ParallelConfig (or a mapping of its fields)")
+        for name in ("tensorboard",):
+            if not isinstance(getattr(self, name), bool):
+                raise fail(name, "a bool")
+        for name in ("pattern", "engram_layers", "corpus"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise fail(name, "a string or None")
+        if not isinstance(self.out_dir, str) or not self.out_dir:
+            raise fail("out_dir", "a non-empty path")
+
+    @classmethod
+    def build(cls, source: Any = None, **overrides: Any) -> TrainConfig:
+        """The one builder: fields from a source (a .json / .toml file of TrainConfig fields, a mapping, or an
+        object with these attributes), then keyword overrides, else the defaults. Unknown fields are refused,
+        named; an override of None means "not given" (an unset command-line flag)."""
+        if isinstance(source, (str, Path)):
+            path = Path(source)
+            values = _read_config_file(path)
+            unknown = sorted(set(values) - set(cls.__dataclass_fields__) - set(ParallelConfig.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"config file {path}: TrainConfig has no field(s) {unknown}")
+            source = SimpleNamespace(**values)
+        elif isinstance(source, Mapping):
+            source = SimpleNamespace(**source)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        # ParallelConfig's fields, given flat (command-line flags, a flat config file): into `parallel`
+        flat = {k for k in ParallelConfig.__dataclass_fields__ if k in given or hasattr(source, k)}
+        if flat:
+            if source is not None and hasattr(source, "parallel") and any(hasattr(source, k) for k in flat):
+                raise ValueError(f"TrainConfig.build: {sorted(k for k in flat if hasattr(source, k))} given both flat "
+                                 "and under 'parallel': give each once")  # fmt: skip
+            base = getattr(source, "parallel", None) if source is not None else None
+            base = dataclasses.asdict(base) if isinstance(base, ParallelConfig) else dict(base or {})
+            base.update({k: getattr(source, k) for k in flat if source is not None and hasattr(source, k)})
+            base.update({k: given.pop(k) for k in flat if k in given})
+            given["parallel"] = ParallelConfig(**base)
+            if source is not None:
+                source = SimpleNamespace(**{k: v for k, v in vars(source).items() if k not in flat and k != "parallel"})
+        return build_config(cls, source, given, prefix="train", aliases={}, required=())
+
+    def hybrid_config(self, device: str, vocab_size: int) -> HybridConfig:
+        """The model's config: the preset with this run's reshaping, the tokenizer's vocab, and scans named
+        for the device (Triton on a GPU, and on a CPU when compiled: the reference loops cannot enter a graph)."""
+        overrides: dict[str, Any] = {"vocab_size": vocab_size}
+        for name in ("pattern", "d_model", "n_layers"):
+            if getattr(self, name) is not None:
+                overrides[name] = getattr(self, name)
+        if self.engram_layers is not None:
+            overrides["engram_layers"] = "" if self.engram_layers.strip().lower() == "none" else self.engram_layers
+        return model_config(self.preset, device, compiled=self.parallel.compile, **overrides)
+
+
+def default_warmup(steps: int) -> int:
+    """TrainConfig.warmup_steps when not given: a tenth of the steps, at most 100 (0 below 10 steps)."""
+    return min(100, steps // 10)
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no config file {path}")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            values = tomllib.loads(text)
+        elif path.suffix == ".json":
+            values = json.loads(text)
+        else:
+            raise ValueError(f"config file {path}: expected a .json or .toml file")
+    except (json.JSONDecodeError, ValueError) as err:
+        raise ValueError(f"config file {path} cannot be parsed: {err}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a table of TrainConfig fields, got {type(values).__name__}")
+    return values
+
+
+def resolve_device(config: TrainConfig) -> tuple[str, torch.dtype]:
+    """(device, dtype) for the run; fails before any work on what this machine cannot do."""
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("TrainConfig.device is 'cuda' but this machine has no CUDA device")
+    dtype = config.parallel.resolve_dtype(device)
+    if config.parallel.compile and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("TrainConfig.parallel.compile on a CPU needs TRITON_INTERPRET=1: the compiled blocks run the scans' "
+                         "Triton kernels (under the interpreter on a CPU); the reference loops cannot enter a graph")
+    return device, dtype
