@@ -73,7 +73,7 @@ def mooncake_installed() -> None:
 def mooncake_master():
     """One local mooncake_master for the session (default 10 s lease)."""
     _require_mooncake()
-    from megacpp_lab.store.mooncake import MooncakeMaster
+    from megacpp_lab.store.mooncake_master import MooncakeMaster
 
     with MooncakeMaster() as master:
         yield master
@@ -81,7 +81,7 @@ def mooncake_master():
 
 @pytest.fixture(scope="session")
 def _mooncake_session_backend(mooncake_master):
-    from megacpp_lab.store.mooncake import MooncakeBackend
+    from megacpp_lab.store.mooncake_backend import MooncakeBackend
 
     # force_remove: the contract's remove_from_store works right after a lookup; without it the master's
     # read lease refuses that remove (OBJECT_HAS_LEASE), which tests/test_mooncake_store.py tests on its own

@@ -19,16 +19,10 @@ import torch
 from test_table_store import D, SIZES, make_ids, make_tables, reference  # the contract tests' tables and ids
 
 from megacpp_lab.nn.table_store import InProcessBackend, TableStore, TableStoreConfig
-from megacpp_lab.store.mooncake import (
-    MooncakeBackend,
-    MooncakeConfig,
-    MooncakeError,
-    MooncakeLeaseError,
-    MooncakeMaster,
-    MooncakeMasterError,
-    mooncake_unavailable,
-    plan_reads,
-)
+from megacpp_lab.store.mooncake import MooncakeConfig, MooncakeError, MooncakeLeaseError, MooncakeMasterError, mooncake_unavailable
+from megacpp_lab.store.mooncake_backend import MooncakeBackend
+from megacpp_lab.store.mooncake_master import MooncakeMaster
+from megacpp_lab.store.mooncake_plan import plan_reads
 
 
 def engram_store(layer: int, sizes: list[int], d: int, backend: MooncakeBackend):

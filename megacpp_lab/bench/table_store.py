@@ -30,7 +30,9 @@ from megacpp_lab.nn.ngram_hash import distinct_primes
 from megacpp_lab.nn.table_store import InProcessBackend, TableStore, TableStoreConfig
 from megacpp_lab.profiling import step_times_ms
 from megacpp_lab.receipts import make_receipt, write_receipt
-from megacpp_lab.store.mooncake import MOONCAKE_REQUIREMENT, MooncakeBackend, MooncakeMaster, mooncake_unavailable
+from megacpp_lab.store.mooncake import MOONCAKE_REQUIREMENT, mooncake_unavailable
+from megacpp_lab.store.mooncake_backend import MooncakeBackend
+from megacpp_lab.store.mooncake_master import MooncakeMaster
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,8 @@ SLOW = {MOONCAKE_ROWS, ENGRAM_STORE}  # one range per row: seconds at the large 
 # processes, as it would from a serving process to the store; the benchmark's own client lends none.
 _SEGMENT_HOST = """\
 import sys
-from megacpp_lab.store.mooncake import MooncakeBackend, MooncakeConfig
+from megacpp_lab.store.mooncake import MooncakeConfig
+from megacpp_lab.store.mooncake_backend import MooncakeBackend
 with MooncakeBackend(MooncakeConfig(sys.argv[1], sys.argv[2], segment_bytes=int(sys.argv[3]))):
     print("ready", flush=True)
     sys.stdin.read()  # hold the segment until the benchmark closes stdin
