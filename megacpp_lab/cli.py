@@ -138,60 +138,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-# `train` flags: (TrainConfig field, or a field of its ParallelConfig, type, help). Every default is None (not
-# given), so a config file's value stands unless a flag overrides it; each help states the config's default
-# (tests/test_cli.py checks).
-TRAIN_FLAGS: tuple[tuple[str, Any, str], ...] = (
-    ("preset", str, "model preset: tiny, small or base (default: small)"),
-    ("pattern", str, "block letters tiled over the layers, e.g. AMRM (default: the preset's)"),
-    ("d_model", int, "model width (default: the preset's)"),
-    ("n_layers", int, "layers (default: the preset's)"),
-    ("engram_layers", str, "Engram layers, e.g. 1,5,9, or none (default: the preset's)"),
-    ("corpus", str, "directory of C++ files (default: the installed torch's headers)"),
-    ("max_files", int, "read at most this many files of the corpus (default: all)"),
-    ("val_fraction", float, "share of files held out for validation, by path (default: 0.05)"),
-    ("seq_len", int, "tokens per packed row, T (default: 1024)"),
-    ("batch_size", int, "rows per batch, B (default: 8)"),
-    ("val_batches", int, "validation batches per evaluation (default: 8)"),
-    ("steps", int, "optimizer steps; the cosine schedule ends here (default: 1000)"),
-    ("lr", float, "peak learning rate (default: 0.001)"),
-    ("min_lr_ratio", float, "final LR as a fraction of the peak (default: 0.1)"),
-    ("warmup_steps", int, "linear warmup steps, fewer than --steps (default: 100, or --steps // 10 when that is "
-                          "fewer)"),
-    ("weight_decay", float, "AdamW weight decay on matrices (default: 0.1)"),
-    ("beta1", float, "AdamW beta1 (default: 0.9)"),
-    ("beta2", float, "AdamW beta2 (default: 0.95)"),
-    ("grad_clip", float, "clip the global gradient norm to this; 0 = off (default: 1.0)"),
-    ("device", str, "auto, cpu or cuda (default: auto: cuda when there is one)"),
-    ("dtype", str, "auto, bf16 or fp32 (default: auto: bf16 on a GPU with fp32 master weights, fp32 on a CPU)"),
-    ("remat", str, "activation checkpointing: none, full, a save list (mm+addmm), or with --compile a budget "
-                   "(0.3) or one per block kind (A=1.0,M=0.3,R=1.0); the last block never (default: none)"),
-    ("seed", int, "seed of the weights and of the data order (default: 0)"),
-    ("log_every", int, "steps per logged training loss (default: 10)"),
-    ("val_every", int, "steps per validation (default: 100)"),
-    ("ckpt_every", int, "steps per checkpoint (default: 200)"),
-    ("compile_workers", int, "with --compile: processes that compile the block structures at once on a cold start, "
-                             "at most one per two cores; 0 = all in this process (default: 8)"),
-    ("fsdp_blocks_per_group", int, "with --nproc > 1: consecutive blocks sharded as one FSDP2 group (default: 1)"),
-    ("trace_steps", int, "profile the last N steps on rank 0 into <out-dir>/trace/ (torch.profiler; their log "
-                         "interval is marked traced); 0 = off (default: 0)"),
-    ("out_dir", str, "run directory: checkpoint.pt, history.json, loss.png, tensorboard/ (default: runs/train)"),
-)
-
-
-# `train` on/off flags (--name / --no-name): (TrainConfig or ParallelConfig field, help)
-TRAIN_SWITCHES: tuple[tuple[str, str], ...] = (
-    ("compile", "regional torch.compile of every block (default: off)"),
-    ("tensorboard", "write TensorBoard scalars under <out-dir>/tensorboard (default: on)"),
-    ("reshard_after_forward", "with --nproc > 1: free each block's gathered weights after its forward and gather "
-                              "them again for its backward (less memory; one more all-gather per block, and its "
-                              "host time, in every backward) (default: off)"),
-)
-
-
 def _cmd_train(args: argparse.Namespace) -> int:
     from megacpp_lab.model.train import train
-    from megacpp_lab.model.train_config import TrainConfig
+    from megacpp_lab.model.train_config import TrainConfig, train_options
 
     if args.nproc is not None:
         if args.nproc < 1:
@@ -201,8 +150,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise ValueError(f"--nproc {args.nproc} under a launcher that started WORLD_SIZE={world} processes")
         if world is None and args.nproc > 1:
             return _launch_ranks(args.nproc, args.argv)
-    flags = {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS}
-    flags.update((name, getattr(args, name)) for name, _ in TRAIN_SWITCHES)
+    flags = {o.name: getattr(args, o.name) for o in train_options()}
     config = TrainConfig.build(args.config, **flags)
     result = train(config, progress=not args.quiet, resume=not args.no_resume, stop_after=args.stop_after)
     last = {key: next((r[key] for r in reversed(result.history) if key in r), float("nan"))
@@ -457,11 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
         **common,
     )
     p.add_argument("--config", default=None, help="a .json or .toml file of training settings (default: none)")
-    for name, kind, text in TRAIN_FLAGS:
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=text)
-    for name, text in TRAIN_SWITCHES:
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, action=argparse.BooleanOptionalAction, default=None,
-                       help=text)  # fmt: skip
+    from megacpp_lab.model.train_config import train_options
+
+    # one per TrainConfig / ParallelConfig field: its kind, help and default from the field. Every flag's own
+    # default is None (not given), so a config file's value stands unless a flag overrides it
+    for o in train_options():
+        kind = {"action": argparse.BooleanOptionalAction} if o.kind is bool else {"type": o.kind}
+        p.add_argument(f"--{o.name.replace('_', '-')}", dest=o.name, default=None, help=o.help, **kind)
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop after this step of the schedule, with a checkpoint; the next call resumes "
                    "(default: run to --steps)")  # fmt: skip

@@ -365,27 +365,44 @@ def test_data_default_build_reproduces_the_committed_sample(tmp_path):
         assert (tmp_path / name).read_bytes() == (repo_data_dir() / name).read_bytes(), name
 
 
-def test_train_flags_state_train_config_defaults():
-    from megacpp_lab.cli import TRAIN_FLAGS, TRAIN_SWITCHES
-    from megacpp_lab.model.train_config import TrainConfig
+def test_train_options_are_generated_from_the_config_fields():
+    from megacpp_lab.model.train_config import TrainConfig, train_options
 
     defaults = TrainConfig()
     parallel = defaults.parallel
-    switches = dict(TRAIN_SWITCHES)
+    found = {o.name: o for o in train_options()}
     # every field has a flag: TrainConfig's own, and its ParallelConfig's in place of `parallel` (but the backend,
     # which benches choose)
     fields = set(defaults.__dataclass_fields__) - {"parallel"} | set(parallel.__dataclass_fields__) - {"backend"}
-    assert {name for name, _, _ in TRAIN_FLAGS} | set(switches) == fields
+    assert set(found) == fields
+    for name, o in found.items():
+        value = getattr(parallel if name in parallel.__dataclass_fields__ else defaults, name)
+        if isinstance(value, bool):  # a switch: --name / --no-name
+            assert o.kind is bool and o.help.endswith(f"(default: {'on' if value else 'off'})"), (name, o)
+        elif value is not None:
+            assert isinstance(value, o.kind) and f"(default: {value}" in o.help, (name, value, o)
+        else:
+            assert "(default: " in o.help and "None" not in o.help, (name, o)
 
-    def default(name: str):
-        return getattr(parallel if name in parallel.__dataclass_fields__ else defaults, name)
 
-    for name, _, text in TRAIN_FLAGS:
-        value = default(name)
-        if value is not None:
-            assert f"(default: {value}" in text, (name, value, text)
-    for name, text in switches.items():
-        assert f"(default: {'on' if default(name) else 'off'})" in text, (name, text)
+def test_options_refuse_a_field_without_help_or_of_a_type_no_flag_reads():
+    import dataclasses
+
+    from megacpp_lab.nn.config_builder import option, options
+
+    @dataclasses.dataclass(frozen=True)
+    class Bare:
+        steps: int = 3
+
+    @dataclasses.dataclass(frozen=True)
+    class Listed:
+        layers: tuple = option((), "layers")
+
+    with pytest.raises(TypeError, match=r"Bare\.steps has no help"):
+        options(Bare)
+    with pytest.raises(TypeError, match=r"Listed\.layers: no command-line option"):
+        options(Listed)
+    assert options(Bare, skip=("steps",)) == []
 
 
 def test_train_then_sample_from_the_command_line(tmp_path, capsys):

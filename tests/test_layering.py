@@ -14,10 +14,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megacpp_lab"
 ALLOWED = {
     "kernels": {"varlen"},
     "testing": {"varlen"},
-    "data": {"varlen"},
-    "nn": {"kernels", "store", "varlen"},
-    "store": {"nn"},  # backends implement nn.table_store's TableBackend; nn imports no store module (checked below)
-    "model": {"nn", "kernels", "store", "data", "varlen", "profiling"},  # profiling: the saved-tensor count, no imports of ours
+    "data": {"varlen", "checks"},
+    "nn": {"kernels", "store", "varlen", "checks"},
+    "store": {"nn", "checks"},  # backends implement nn.table_store's TableBackend; nn imports no store module (checked below)
+    "model": {"nn", "kernels", "store", "data", "varlen", "profiling", "checks"},  # profiling: the saved-tensor count, no imports of ours
     # the regression packs reproduce bugs against the lab's own layers, as a benchmark does; nothing imports them
     # but the CLI. receipts: the commit stamped on a recorded lowering run
     "tripwires": {"model", "nn", "kernels", "varlen", "profiling", "receipts"},
@@ -49,6 +49,11 @@ def test_relative_imports_are_resolved_too(tmp_path) -> None:
 def test_varlen_imports_nothing_of_ours() -> None:
     """Below kernels/: importing it must not fix TRITON_INTERPRET (kernels/__init__ reads it once)."""
     assert _imports(PACKAGE / "varlen.py") == set()
+
+
+def test_checks_imports_nothing_of_ours() -> None:
+    """The typed-field checks sit below every layer that validates a config (data, nn, store, model)."""
+    assert _imports(PACKAGE / "checks.py") == set()
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))

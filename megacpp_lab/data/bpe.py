@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megacpp_lab.checks import check_int
 from megacpp_lab.data.corpus import (
     MANIFEST_FILE,
     list_cpp_files,
@@ -102,8 +103,7 @@ class BpeTrainConfig:
         floor = 256 + len(SPECIAL_TOKENS)
         for name, lo in (("vocab_size", floor), ("min_frequency", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"BpeTrainConfig.{name} must be an int, got {value!r}")
+            check_int("BpeTrainConfig", name, value)
             if value < lo:
                 why = " (256 bytes + 3 special tokens)" if name == "vocab_size" else ""
                 raise ValueError(f"BpeTrainConfig.{name} must be >= {lo}{why}, got {value}")

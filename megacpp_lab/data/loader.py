@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megacpp_lab.checks import check_int
 from megacpp_lab.data.corpus import SourceFile
 from megacpp_lab.data.packing import PackedBatch, pack_documents
 
@@ -96,9 +97,8 @@ class PackedRowStream:
 
     def __init__(self, docs: Sequence[np.ndarray], *, seq_len: int, batch_size: int, pad_id: int, seed: int = 0,
                  shuffle: bool = True, max_doc_tokens: int | None = None) -> None:  # fmt: skip
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PackedRowStream.{name} must be an int >= 1, got {value!r}")
+        check_int("PackedRowStream", "seq_len", seq_len, low=1)
+        check_int("PackedRowStream", "batch_size", batch_size, low=1)
         if not docs:
             raise ValueError("PackedRowStream needs at least one document")
         empty = [i for i, d in enumerate(docs) if len(d) == 0]

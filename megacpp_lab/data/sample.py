@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from megacpp_lab.checks import check_int
 from megacpp_lab.data.bpe import MANIFEST_KEY as BPE_TOKENIZER_KEY
 from megacpp_lab.data.bpe import BpeTokenizer, sha256_file
 from megacpp_lab.data.corpus import (
@@ -50,8 +51,7 @@ class SampleConfig:
         floors = {"rows": 1, "seq_len": MIN_SEQ_LEN, "stride": 1, "max_file_bytes": 1}
         for name, floor in floors.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"SampleConfig.{name} must be an int, got {value!r}")
+            check_int("SampleConfig", name, value)
             if value < floor:
                 why = " (a row must hold a document boundary with 4 tokens on each side)" if name == "seq_len" else ""
                 raise ValueError(f"SampleConfig.{name} must be >= {floor}{why}, got {value}")

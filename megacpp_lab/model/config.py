@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megacpp_lab.checks import check_ints, is_int
 from megacpp_lab.nn.concept_bank import ConceptBankConfig
 from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.engram import EngramConfig
@@ -64,7 +65,7 @@ def _layer_list(name: str, value: str | Sequence[int], n_layers: int, fail: Any 
     if isinstance(value, (bytes, bytearray)) or not isinstance(value, Sequence):
         raise fail(name, "a sequence of layer indices, a comma-separated string or 'all'", value)
     layers = tuple(value)
-    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers]
+    bad = [i for i in layers if not is_int(i) or not 0 <= i < n_layers]
     if bad:
         raise fail(name, f"layer indices in [0, n_layers={n_layers})", bad)
     if len(set(layers)) != len(layers):
@@ -110,10 +111,7 @@ class ModelConfig:
     ngram_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _fail(name, "an int >= 1", value)
+        check_ints("ModelConfig", self, ("d_model", "n_layers"))
         if not isinstance(self.mhc, bool):
             raise _fail("mhc", "a bool", self.mhc)
         if not isinstance(self.pattern, str):
@@ -134,7 +132,7 @@ class ModelConfig:
 
     def block(self, layer: int) -> str:
         """The block letter of one layer ('' while no pattern is set)."""
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.n_layers:
+        if not is_int(layer) or not 0 <= layer < self.n_layers:
             raise ValueError(f"layer must be an int in [0, n_layers={self.n_layers}), got {layer!r}")
         return self.pattern[layer] if self.pattern else ""
 
@@ -205,10 +203,7 @@ class HybridConfig:
     lm_head: LMHeadConfig | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _hfail(name, "an int >= 1", value)
+        check_ints("HybridConfig", self, ("vocab_size", "d_model", "n_layers"))
         if not isinstance(self.mhc, bool):
             raise _hfail("mhc", "a bool", self.mhc)
         if not isinstance(self.pattern, str) or not self.pattern.strip() or any(
@@ -224,7 +219,7 @@ class HybridConfig:
             raise _hfail("mlp_ratio", "a number in (0, 64]", ratio)
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, float) or not 0 < self.norm_eps < 1:
             raise _hfail("norm_eps", "a float in (0, 1)", self.norm_eps)
-        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int) or not 0 <= self.pad_id < self.vocab_size:
+        if not is_int(self.pad_id) or not 0 <= self.pad_id < self.vocab_size:
             raise _hfail("pad_id", f"a token id in [0, vocab_size={self.vocab_size})", self.pad_id)
         for name, (cls, defaults) in _SUBCONFIGS.items():
             object.__setattr__(self, name, self._sub_config(name, cls, defaults(self.d_model)))

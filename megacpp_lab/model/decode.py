@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from megacpp_lab.checks import is_int
 from megacpp_lab.model.hybrid import BlockState, HybridLM
 from megacpp_lab.nn.hyper_connections import collapse_streams, expand_streams
 from megacpp_lab.nn.mla import MLAKVCache
@@ -51,8 +52,6 @@ def _hybrid(model: nn.Module) -> HybridLM:
     return model
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_ids(name: str, ids: torch.Tensor, dims: int, vocab_size: int) -> None:
@@ -84,7 +83,7 @@ def _check_room(state: DecodeState, n: int) -> None:
 def _check_sampling(temperature: float, top_k: int | None, vocab_size: int) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= vocab_size):
+    if top_k is not None and (not is_int(top_k) or not 1 <= top_k <= vocab_size):
         raise ValueError(f"top_k must be None or an int in 1..vocab_size={vocab_size}, got {top_k!r}")
 
 
@@ -95,9 +94,9 @@ def init_decode_state(model: nn.Module, batch: int, max_len: int, device: torch.
     (of the windows and the KV cache; the recurrent states are fp32) default to the embedding's."""
     lm = _hybrid(model)
     c = lm.config
-    if not _is_int(batch) or batch < 1:
+    if not is_int(batch) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-    if not _is_int(max_len) or max_len < 1:
+    if not is_int(max_len) or max_len < 1:
         raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
     n_attn = c.blocks.count("A")
     if n_attn and max_len > c.mla.max_positions:  # no RoPE row past the table
@@ -177,7 +176,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, tem
     c = lm.config
     _check_ids("prompt", prompt, 2, c.vocab_size)
     _check_sampling(temperature, top_k, c.vocab_size)
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     B, P = prompt.shape
     total = P + max_new_tokens
@@ -209,7 +208,7 @@ def sample_text(checkpoint: str | Path, prompt: str | bytes, *, max_new_tokens: 
     from megacpp_lab.data import load_bpe
     from megacpp_lab.model.checkpoint_io import load_checkpoint_model
 
-    if not _is_int(num_samples) or num_samples < 1:
+    if not is_int(num_samples) or num_samples < 1:
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")

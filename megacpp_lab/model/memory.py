@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megacpp_lab.checks import is_int
 from megacpp_lab.kernels.linear_cross_entropy import default_chunk_size
 from megacpp_lab.model.checkpointing import CheckpointingPolicy, Entry, checkpoint_module, saves_output
 from megacpp_lab.model.config import HybridConfig
@@ -229,7 +230,7 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
     if not isinstance(config, HybridConfig):
         raise TypeError(f"estimate_memory needs a HybridConfig, got {type(config).__name__}")
     for name, value in (("batch", batch), ("seq_len", seq_len), ("docs", docs)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"estimate_memory: {name} must be an int >= 1, got {value!r}")
     if docs > seq_len:
         raise ValueError(f"estimate_memory: docs={docs} documents do not fit in seq_len={seq_len} tokens")

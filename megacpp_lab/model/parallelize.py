@@ -23,13 +23,20 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
+from megacpp_lab.checks import check_int, is_int
 from megacpp_lab.model.precision import PrecisionPlan, apply_precision
+from megacpp_lab.nn.config_builder import option
+
+if TYPE_CHECKING:
+    from megacpp_lab.model.checkpointing import CheckpointingPolicy
+
+# checkpointing.py (which imports the model, and through it the kernels) is imported where a policy is read or
+# applied, not here: ParallelConfig's fields generate the CLI's options, and building the parser stays light
 
 __all__ = ["PHASES", "CompileStats", "ParallelConfig", "apply_compile", "apply_fsdp", "block_structures",
            "compile_breakdown", "compile_stats", "describe_compile", "fp32_contract_params", "fsdp_groups", "graphs_needed", "parallelize",
@@ -45,21 +52,26 @@ class ParallelConfig:
     """How parallelize makes a model ready: precision, the activation-checkpointing policy, compile, FSDP2.
     Frozen, checked on construction (the error names the field)."""
 
-    dtype: str = "auto"  # auto: bf16 on a GPU, fp32 on a CPU
+    dtype: str = option("auto", "auto, bf16 or fp32", shown="auto: bf16 on a GPU with fp32 master weights, fp32 on a CPU")
     # the activation-checkpointing policy, as text (CheckpointingPolicy.parse): "none"; "full"; a save list
     # "mm+addmm" (eager); a budget "0.3" or per kind "A=1.0,M=0.3,R=1.0" (inductor's activation_memory_budget,
     # under compile). The last block is never checkpointed.
-    remat: str = "none"
-    compile: bool = False  # regional compile (apply_compile)
+    remat: str = option("none", "activation checkpointing: none, full, a save list (mm+addmm), or with --compile a "
+                                "budget (0.3) or one per block kind (A=1.0,M=0.3,R=1.0); the last block never")  # fmt: skip
+    compile: bool = option(False, "regional torch.compile of every block")
     backend: str = "inductor"  # the compile backend; aot_eager / eager: dynamo's graphs without inductor
     # FSDP2 (several processes): free each block's gathered bf16 weights after its forward and gather them again
     # for its backward. Off: the gathered weights stay to the backward (ZeRO-2's memory for them: 0.2 GB a GPU
     # at base), which saves an all-gather per block and, more, its host time in a step the host must keep fed
-    reshard_after_forward: bool = False
-    fsdp_blocks_per_group: int = 1  # FSDP2: consecutive blocks sharded as one group (fewer collectives and hooks)
+    reshard_after_forward: bool = option(False, "with --nproc > 1: free each block's gathered weights after its "
+                                                "forward and gather them again for its backward (less memory; one "
+                                                "more all-gather per block, and its host time, in every backward)")  # fmt: skip
+    # FSDP2: consecutive blocks sharded as one group (fewer collectives and hooks)
+    fsdp_blocks_per_group: int = option(1, "with --nproc > 1: consecutive blocks sharded as one FSDP2 group")
     # the cold compile's worker processes: the block structures compiled at once (model/precompile.py), at most
     # one per two cores; 0: every structure compiled in this process, one after another
-    compile_workers: int = 8
+    compile_workers: int = option(8, "with --compile: processes that compile the block structures at once on a "
+                                     "cold start, at most one per two cores; 0 = all in this process")  # fmt: skip
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> ValueError:
@@ -72,13 +84,11 @@ class ParallelConfig:
                 raise fail(name, "a bool")
         if self.backend not in BACKENDS:
             raise fail("backend", f"one of {BACKENDS}")
-        n = self.fsdp_blocks_per_group
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise fail("fsdp_blocks_per_group", "an int >= 1")
-        n = self.compile_workers
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise fail("compile_workers", "an int >= 0")
+        check_int("ParallelConfig", "fsdp_blocks_per_group", self.fsdp_blocks_per_group, low=1)
+        check_int("ParallelConfig", "compile_workers", self.compile_workers, low=0)
         try:
+            from megacpp_lab.model.checkpointing import CheckpointingPolicy
+
             policy = CheckpointingPolicy.parse(self.remat)
         except ValueError as err:
             raise ValueError(f"ParallelConfig.remat: {err}") from None
@@ -106,6 +116,8 @@ class ParallelConfig:
 
     @property
     def policy(self) -> CheckpointingPolicy:
+        from megacpp_lab.model.checkpointing import CheckpointingPolicy
+
         return CheckpointingPolicy.parse(self.remat)
 
     def resolve_dtype(self, device: str) -> torch.dtype:
@@ -148,6 +160,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, device: str | None 
     lm.precision_plan = plan
     lm.parallel_config = config  # what precompile's workers build again
     policy = config.policy
+    from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
+
     if policy != CheckpointingPolicy():
         apply_ac(lm, policy, compiled=config.compile)
     if config.compile:
@@ -440,7 +454,7 @@ def fsdp_groups(model: nn.Module, blocks_per_group: int = 1) -> list[tuple[str, 
     """The FSDP2 groups apply_fsdp makes, innermost first: the blocks (each on its own, or `blocks_per_group`
     consecutive blocks together: one all-gather, one reduce-scatter and one set of hooks for them), the
     embedding, [final norm, LM head], then the root (what is left: nothing, for a HybridLM)."""
-    if isinstance(blocks_per_group, bool) or not isinstance(blocks_per_group, int) or blocks_per_group < 1:
+    if not is_int(blocks_per_group) or blocks_per_group < 1:
         raise ValueError(f"blocks_per_group must be an int >= 1, got {blocks_per_group!r}")
     lm = _hybrid(model)
     blocks, k = list(lm.blocks), blocks_per_group

@@ -16,15 +16,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megacpp_lab.model.config import HYBRID_PRESETS, HybridConfig, model_config
+from megacpp_lab.checks import is_int
 from megacpp_lab.model.parallelize import ParallelConfig
-from megacpp_lab.nn.config_builder import build_config
+from megacpp_lab.nn.config_builder import Option, build_config, option, options
 
-__all__ = ["TrainConfig", "default_warmup", "resolve_device"]
+if TYPE_CHECKING:
+    from megacpp_lab.model.config import HybridConfig
+
+# model/config.py (the layers' configs, and through them the kernels) is imported where a preset is read, not
+# here: TrainConfig's fields generate `megacpp-lab train`'s options, and building the parser stays light
+
+__all__ = ["TrainConfig", "default_warmup", "resolve_device", "train_options"]
 
 
 @dataclass(frozen=True)
@@ -33,51 +39,52 @@ class TrainConfig:
     build it from a JSON/TOML file and flags with `TrainConfig.build`."""
 
     # model: a preset, optionally reshaped
-    preset: str = "small"
-    pattern: str | None = None
-    d_model: int | None = None
-    n_layers: int | None = None
-    engram_layers: str | None = None  # None: the preset's; "none": no Engram branch; "1,5": those layers
+    preset: str = option("small", "model preset: tiny, small or base")
+    pattern: str | None = option(None, "block letters tiled over the layers, e.g. AMRM", shown="the preset's")
+    d_model: int | None = option(None, "model width", shown="the preset's")
+    n_layers: int | None = option(None, "layers", shown="the preset's")
+    engram_layers: str | None = option(None, "Engram layers, e.g. 1,5,9, or none", shown="the preset's")
     # data
-    corpus: str | None = None  # a directory of C++ files; None: the installed torch's headers
-    max_files: int | None = None
-    val_fraction: float = 0.05
-    seq_len: int = 1024
-    batch_size: int = 8
-    val_batches: int = 8
+    corpus: str | None = option(None, "directory of C++ files", shown="the installed torch's headers")
+    max_files: int | None = option(None, "read at most this many files of the corpus", shown="all")
+    val_fraction: float = option(0.05, "share of files held out for validation, by path")
+    seq_len: int = option(1024, "tokens per packed row, T")
+    batch_size: int = option(8, "rows per batch, B")
+    val_batches: int = option(8, "validation batches per evaluation")
     # optimisation
-    steps: int = 1000
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
+    steps: int = option(1000, "optimizer steps; the cosine schedule ends here")
+    lr: float = option(1e-3, "peak learning rate")
+    min_lr_ratio: float = option(0.1, "final LR as a fraction of the peak")
     # None: default_warmup(steps), resolved on construction, so the field (and the checkpoint's copy, which a
     # resume compares) always holds the number of steps the schedule warms up over
-    warmup_steps: int | None = None
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
+    warmup_steps: int | None = option(None, "linear warmup steps, fewer than --steps",
+                                      shown="100, or --steps // 10 when that is fewer")  # fmt: skip
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off")
     # run
-    device: str = "auto"  # auto: cuda when there is one
+    device: str = option("auto", "auto, cpu or cuda", shown="auto: cuda when there is one")
     # how the model is made ready (model/parallelize.py): dtype, the remat policy, compile, FSDP2's options.
     # Flags and flat keys of a config file with these names (compile, remat, ...) land here (TrainConfig.build)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    seed: int = 0
-    log_every: int = 10
-    val_every: int = 100
-    ckpt_every: int = 200
-    tensorboard: bool = True
-    trace_steps: int = 0  # profile the run's last steps on rank 0 (torch.profiler) into out_dir/trace/
-    out_dir: str = "runs/train"
+    seed: int = option(0, "seed of the weights and of the data order")
+    log_every: int = option(10, "steps per logged training loss")
+    val_every: int = option(100, "steps per validation")
+    ckpt_every: int = option(200, "steps per checkpoint")
+    tensorboard: bool = option(True, "write TensorBoard scalars under <out-dir>/tensorboard")
+    trace_steps: int = option(0, "profile the last N steps on rank 0 into <out-dir>/trace/ (torch.profiler; their "
+                                 "log interval is marked traced); 0 = off")  # fmt: skip
+    out_dir: str = option("runs/train", "run directory: checkpoint.pt, history.json, loss.png, tensorboard/")
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> ValueError:
             return ValueError(f"TrainConfig.{name} must be {expected}, got {getattr(self, name)!r}")
 
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
         def is_num(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        from megacpp_lab.model.config import HYBRID_PRESETS
 
         if self.preset not in HYBRID_PRESETS:
             raise fail("preset", f"one of {tuple(HYBRID_PRESETS)}")
@@ -157,6 +164,8 @@ class TrainConfig:
     def hybrid_config(self, device: str, vocab_size: int) -> HybridConfig:
         """The model's config: the preset with this run's reshaping, the tokenizer's vocab, and scans named
         for the device (Triton on a GPU, and on a CPU when compiled: the reference loops cannot enter a graph)."""
+        from megacpp_lab.model.config import model_config
+
         overrides: dict[str, Any] = {"vocab_size": vocab_size}
         for name in ("pattern", "d_model", "n_layers"):
             if getattr(self, name) is not None:
@@ -164,6 +173,14 @@ class TrainConfig:
         if self.engram_layers is not None:
             overrides["engram_layers"] = "" if self.engram_layers.strip().lower() == "none" else self.engram_layers
         return model_config(self.preset, device, compiled=self.parallel.compile, **overrides)
+
+
+def train_options() -> list[Option]:
+    """`megacpp-lab train`'s settings options, generated from the fields: TrainConfig's, with ParallelConfig's
+    in place of `parallel` (but the backend, which the benches choose)."""
+    own = options(TrainConfig, skip=("parallel",))
+    at = [f.name for f in dataclasses.fields(TrainConfig)].index("parallel")
+    return own[:at] + options(ParallelConfig, skip=("backend",)) + own[at:]
 
 
 def default_warmup(steps: int) -> int:

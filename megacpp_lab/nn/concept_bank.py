@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp_lab.checks import check_ints
 from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.primitives import ParameterFreeRMSNorm
 from megacpp_lab.varlen import PackedContext
@@ -55,10 +56,7 @@ class ConceptBankConfig:
     def __post_init__(self) -> None:
         if self.concept_dim is None:
             object.__setattr__(self, "concept_dim", self.d_model)
-        for name in ("d_model", "n_concepts", "concept_dim", "n_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _fail(name, "an int >= 1", value)
+        check_ints("ConceptBankConfig", self, ("d_model", "n_concepts", "concept_dim", "n_heads", "head_dim"))
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0 < self.eps < 1:
             raise _fail("eps", "a float in (0, 1)", self.eps)
 

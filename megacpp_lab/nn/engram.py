@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp_lab.checks import is_int
 from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.primitives import (CONV_IMPLS, DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate,
                                        conv_stepper)
@@ -72,7 +73,7 @@ class EngramConfig:
             raise _fail("orders", f"a non-empty tuple of n-gram orders in 2..{MAX_ORDER}", self.orders)
         object.__setattr__(self, "orders", tuple(orders))
         if not self.orders or any(
-            isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_ORDER for n in self.orders
+            not is_int(n) or not 2 <= n <= MAX_ORDER for n in self.orders
         ):
             raise _fail("orders", f"a non-empty tuple of n-gram orders in 2..{MAX_ORDER}", self.orders)
         if len(set(self.orders)) != len(self.orders):

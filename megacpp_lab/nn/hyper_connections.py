@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp_lab.checks import is_int
 from megacpp_lab.nn.config_builder import build_config, config_error
 
 __all__ = ["COLLAPSE_MODES", "HyperConnection", "HyperConnectionConfig", "collapse_streams", "expand_streams",
@@ -58,8 +59,6 @@ _MAX_STREAMS = 64
 _fail = functools.partial(config_error, "HyperConnectionConfig")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_float(value: object) -> bool:
@@ -77,9 +76,9 @@ class HyperConnectionConfig:
     res_init_diag: float = 0.5  # H_res diagonal at init; off-diagonal (1 - this) / (n - 1) (see the docstring)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n_streams) or not 2 <= self.n_streams <= _MAX_STREAMS:
+        if not is_int(self.n_streams) or not 2 <= self.n_streams <= _MAX_STREAMS:
             raise _fail("n_streams", f"an int in 2..{_MAX_STREAMS} (one stream is the plain residual)", self.n_streams)
-        if not _is_int(self.sinkhorn_iters) or not 1 <= self.sinkhorn_iters <= 1000:
+        if not is_int(self.sinkhorn_iters) or not 1 <= self.sinkhorn_iters <= 1000:
             raise _fail("sinkhorn_iters", "an int in 1..1000", self.sinkhorn_iters)
         if not _is_float(self.eps) or not 0 < self.eps < 1:
             raise _fail("eps", "a float in (0, 1)", self.eps)
@@ -114,7 +113,7 @@ def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
     """[B,T,d] -> [B,T,n,d]: every stream a copy of x (the model input of an mHC stack)."""
     if x.dim() != 3:
         raise ValueError(f"expand_streams needs [B,T,d], got {tuple(x.shape)}")
-    if not _is_int(n) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"expand_streams needs n >= 1 streams, got {n!r}")
     return x.unsqueeze(-2).expand(*x.shape[:2], n, x.shape[-1]).contiguous()
 
@@ -149,9 +148,9 @@ class HyperConnection(nn.Module):
         super().__init__()
         if not isinstance(config, HyperConnectionConfig):
             raise TypeError(f"HyperConnection needs a HyperConnectionConfig, got {type(config).__name__}")
-        if not _is_int(d_model) or d_model < 1:
+        if not is_int(d_model) or d_model < 1:
             raise ValueError(f"HyperConnection d_model must be an int >= 1, got {d_model!r}")
-        if not _is_int(layer_idx) or layer_idx < 0:
+        if not is_int(layer_idx) or layer_idx < 0:
             raise ValueError(f"HyperConnection layer_idx must be an int >= 0, got {layer_idx!r}")
         self.config = c = config
         self.d_model, self.layer_idx = d_model, layer_idx

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megacpp_lab.checks import is_int
+
 __all__ = [
     "MAX_BITS",
     "METHODS",
@@ -124,7 +126,7 @@ def _polar_codebook(level: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+    if not is_int(value) or value < lo or (hi is not None and value > hi):
         rng = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
         raise ValueError(f"{name} must be {rng}, got {value!r}")
     return value

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp_lab.checks import check_ints, is_int
 from megacpp_lab.kernels.linear_cross_entropy import IMPLS, fused_linear_cross_entropy, linear_cross_entropy_reference
 from megacpp_lab.nn.config_builder import build_config, config_error
 
@@ -38,20 +39,17 @@ class LMHeadConfig:
     loss_chunk_size: int | None = None  # rows per [C, V] chunk; None: the fused loss's default
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _fail(name, "an int >= 1", value)
+        check_ints("LMHeadConfig", self, ("d_model", "vocab_size"))
         if not isinstance(self.fused_loss, bool):
             raise _fail("fused_loss", "a bool", self.fused_loss)
         if isinstance(self.z_loss, bool) or not isinstance(self.z_loss, (int, float)) or not self.z_loss >= 0:
             raise _fail("z_loss", "a float >= 0", self.z_loss)
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+        if not is_int(self.ignore_index):
             raise _fail("ignore_index", "an int", self.ignore_index)
         if self.loss_impl not in IMPLS:
             raise _fail("loss_impl", f"one of {IMPLS}", self.loss_impl)
         chunk = self.loss_chunk_size
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        if chunk is not None and (not is_int(chunk) or chunk < 1):
             raise _fail("loss_chunk_size", "None or an int >= 1", chunk)
 
     @classmethod

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp_lab.checks import check_ints
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
 from megacpp_lab.varlen import PackedContext, resolve_doc_ids
 from megacpp_lab.nn.config_builder import build_config, config_error
@@ -55,10 +56,7 @@ class M2RNNConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "A_init_range", tuple(self.A_init_range))
-        for name in ("d_model", "n_heads", "k_head_dim", "v_head_dim", "conv_kernel", "chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise _fail(name, "an int", value)
+        check_ints("M2RNNConfig", self, ("d_model", "n_heads", "k_head_dim", "v_head_dim", "conv_kernel", "chunk"), low=None)
         if self.d_model < 1 or self.n_heads < 1:
             raise _fail("d_model" if self.d_model < 1 else "n_heads", "an int >= 1", min(self.d_model, self.n_heads))
         for name in ("k_head_dim", "v_head_dim"):

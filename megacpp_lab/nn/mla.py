@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from megacpp_lab.checks import check_ints
 from megacpp_lab.kernels import TRITON_INTERPRET
 from megacpp_lab.kernels.down_norm_up import FusedDownNormUp
 from megacpp_lab.kernels.rope import (
@@ -93,10 +94,8 @@ class MLAConfig:
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_heads", "q_lora_rank", "kv_lora_rank", "d_nope", "d_rope", "d_v", "max_positions"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _fail(name, "an int >= 1", value)
+        check_ints("MLAConfig", self, ("d_model", "n_heads", "q_lora_rank", "kv_lora_rank", "d_nope", "d_rope", "d_v",
+                                      "max_positions"))  # fmt: skip
         if self.d_rope % 2:
             raise _fail("d_rope", "even (the rotation pairs its two halves)", self.d_rope)
         for name in ("fused_down_proj", "kv_fused_down_norm_up", "recompute_kv_upproj", "recompute_q_upproj"):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from megacpp_lab.checks import is_int
 from megacpp_lab.nn.config_builder import build_config
 
 __all__ = ["RopeScaling", "apply_rope_reference", "rope_attention_scale", "rope_cos_sin", "rope_inv_freq"]
@@ -44,7 +45,7 @@ class RopeScaling:
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         if self.factor < 1.0:
             raise ValueError(f"factor must be >= 1 (context extension), got {self.factor}")
-        if isinstance(self.original_max_positions, bool) or not isinstance(self.original_max_positions, int):
+        if not is_int(self.original_max_positions):
             raise ValueError(f"original_max_positions must be an int, got {self.original_max_positions!r}")
         if self.original_max_positions <= 0:
             raise ValueError(f"original_max_positions must be positive, got {self.original_max_positions}")
@@ -70,7 +71,7 @@ class RopeScaling:
 
 
 def _check_dim_base(dim: int, base: float) -> None:
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
+    if not is_int(dim) or dim < 2 or dim % 2:
         raise ValueError(f"dim must be an even int >= 2, got {dim!r}")
     if not math.isfinite(base) or base <= 1.0:
         raise ValueError(f"base must be finite and > 1, got {base}")
@@ -123,7 +124,7 @@ def rope_cos_sin(
     device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables, each [max_positions, dim//2] float32, yarn attention scale multiplied in."""
-    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+    if not is_int(max_positions) or max_positions < 1:
         raise ValueError(f"max_positions must be an int >= 1, got {max_positions!r}")
     inv = rope_inv_freq(dim, base, scaling)
     # Angles in float64 from the float32 inv_freq: p * inv_freq at p ~ 1e5 loses ~1e-2 rad in

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp_lab.checks import check_ints, is_int
 from megacpp_lab.kernels.ssd import KERNELS, ssd_scan
 from megacpp_lab.nn.config_builder import build_config, config_error
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
@@ -52,13 +53,10 @@ class SSDConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "A_init_range", tuple(self.A_init_range))
-        for name in ("d_model", "n_heads", "head_dim", "state_dim", "n_groups", "chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _fail(name, "an int >= 1", value)
+        check_ints("SSDConfig", self, ("d_model", "n_heads", "head_dim", "state_dim", "n_groups", "chunk"))
         if self.n_heads % self.n_groups:
             raise _fail("n_groups", f"a divisor of n_heads={self.n_heads}", self.n_groups)
-        if isinstance(self.conv_kernel, bool) or not isinstance(self.conv_kernel, int) or not 0 <= self.conv_kernel <= 16:
+        if not is_int(self.conv_kernel) or not 0 <= self.conv_kernel <= 16:
             raise _fail("conv_kernel", "0 (no conv) or a kernel size in 1..16", self.conv_kernel)
         check_decay_init(self, _fail)
         if self.kernel not in KERNELS:

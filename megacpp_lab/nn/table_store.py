@@ -22,7 +22,6 @@ backend implements (``InProcessBackend`` is the embedded default, a dict of tens
 from __future__ import annotations
 
 import abc
-import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from megacpp_lab.checks import is_int
 from megacpp_lab.nn.config_builder import build_config
 
 __all__ = ["TableBackend", "InProcessBackend", "TableStoreConfig", "TableStore"]
@@ -109,9 +109,6 @@ class InProcessBackend(TableBackend):
         return f"InProcessBackend(device={str(self.device)!r}, keys={len(self._tables)})"
 
 
-def _is_int(value: object) -> bool:
-    # bool is an int subclass; True as a table size is a bug, not a size of 1.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -130,9 +127,9 @@ class TableStoreConfig:
         if len(sizes) == 0:
             raise ValueError("table_vocab_sizes must be non-empty (one size per hash head), got []")
         for i, n in enumerate(sizes):
-            if not _is_int(n) or n <= 0:
+            if not is_int(n) or n <= 0:
                 raise ValueError(f"table_vocab_sizes[{i}] must be a positive int, got {n!r}")
-        if not _is_int(self.embedding_dim) or self.embedding_dim <= 0:
+        if not is_int(self.embedding_dim) or self.embedding_dim <= 0:
             raise ValueError(f"embedding_dim must be a positive int, got {self.embedding_dim!r}")
         object.__setattr__(self, "table_vocab_sizes", tuple(int(n) for n in sizes))
         object.__setattr__(self, "embedding_dim", int(self.embedding_dim))
@@ -154,7 +151,7 @@ class TableStore:
     """The Engram tables of one layer behind a ``TableBackend``, with Mooncake EngramStore semantics."""
 
     def __init__(self, layer_id: int, config: TableStoreConfig, backend: TableBackend | None = None) -> None:
-        if not _is_int(layer_id) or layer_id < 0:
+        if not is_int(layer_id) or layer_id < 0:
             raise ValueError(f"layer_id must be an int >= 0, got {layer_id!r}")
         if not isinstance(config, TableStoreConfig):
             raise TypeError(f"config must be a TableStoreConfig, got {type(config).__name__}")
@@ -168,7 +165,7 @@ class TableStore:
 
     def key(self, head: int) -> str:
         """Store key of one head's table; the layer id in it keeps layers apart in a shared backend."""
-        if not _is_int(head) or not 0 <= head < self.get_num_heads():
+        if not is_int(head) or not 0 <= head < self.get_num_heads():
             raise IndexError(f"head must be in [0, {self.get_num_heads()}), got {head!r}")
         return f"engram:l{self.layer_id}:h{int(head)}"
 
