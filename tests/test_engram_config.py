@@ -1,4 +1,4 @@
-"""Configs fail closed naming the field; model-level fields live in ModelConfig; the mHC fallback never
+"""Configs fail closed naming the field; model-level fields live in HybridConfig; the mHC fallback never
 silently becomes empty; every per-layer config has the one construction style."""
 
 import dataclasses
@@ -12,14 +12,14 @@ import pytest
 
 import megacpp_lab.model
 import megacpp_lab.nn
-from megacpp_lab.model.config import ModelConfig
+from megacpp_lab.model.config import HybridConfig
 from megacpp_lab.nn.engram import EngramConfig
 from megacpp_lab.nn.m2rnn import M2RNNConfig
 from megacpp_lab.nn.ngram_hash import NgramHashConfig
 from megacpp_lab.nn.table_store import TableStoreConfig
 
 BASE = dict(d_model=64, bottleneck=16)
-MODEL = dict(d_model=64, n_layers=6)
+MODEL = dict(vocab_size=512, d_model=64, n_layers=6)
 
 # ----------------------------------------------------------------------------- EngramConfig (one layer)
 
@@ -72,7 +72,7 @@ def test_engram_config_holds_no_model_level_field(field):
 
 
 def test_engram_config_build_reads_the_model_config_and_overrides():
-    model = ModelConfig(**MODEL, engram_layers="1,3")
+    model = HybridConfig(**MODEL, engram_layers="1,3")
     cfg = EngramConfig.build(model, bottleneck=8, orders="2,3")
     assert (cfg.d_model, cfg.bottleneck, cfg.orders) == (64, 8, (2, 3))
     # prefixed source attributes win over bare ones; Megatron's hidden_size is d_model
@@ -88,7 +88,7 @@ def test_engram_config_build_reads_the_model_config_and_overrides():
         EngramConfig.build(model, bottleneck=8, conv_impl="tpu")
 
 
-# ----------------------------------------------------------------------------- ModelConfig (the stack)
+# ----------------------------------------------------------------------------- HybridConfig (the stack)
 
 
 @pytest.mark.parametrize(
@@ -109,67 +109,66 @@ def test_engram_config_build_reads_the_model_config_and_overrides():
         ("n_layers", True, "an int >= 1"),
         ("d_model", 0, "an int >= 1"),
         ("mhc", 1, "a bool"),
-        ("pattern", "AMX", r"6 \(n_layers\) block letters from \('A', 'M', 'R'\)"),
-        ("pattern", "AMR", r"6 \(n_layers\) block letters from \('A', 'M', 'R'\)"),
-        ("pattern", ("A",) * 6, "a string of block letters"),
+        ("vocab_size", 0, "an int >= 1"),
+        ("pattern", "AMX", r"a non-empty string of block letters from \('A', 'M', 'R'\)"),
+        ("pattern", " ", r"a non-empty string of block letters from \('A', 'M', 'R'\)"),
+        ("pattern", ("A",) * 6, "a non-empty string of block letters"),
     ],
 )
-def test_model_config_names_field_and_allowed_values(field, value, allowed):
-    with pytest.raises(ValueError, match=rf"ModelConfig\.{field} must be {allowed}"):
-        ModelConfig(**{**MODEL, field: value})
+def test_hybrid_config_names_field_and_allowed_values(field, value, allowed):
+    with pytest.raises(ValueError, match=rf"HybridConfig\.{field} must be {allowed}"):
+        HybridConfig(**{**MODEL, field: value})
 
 
-def test_model_config_parses_layer_lists():
-    assert ModelConfig(**MODEL, engram_layers="0,2,4").engram_layers == (0, 2, 4)
-    assert ModelConfig(**MODEL, engram_layers=" ALL ").engram_layers == tuple(range(6))
-    assert ModelConfig(**MODEL, engram_layers=[5]).engram_layers == (5,)
-    assert ModelConfig(**MODEL, engram_layers="").engram_layers == ()
-    assert ModelConfig(**MODEL, ngram_layers="1,3").ngram_layers == (1, 3)
-    assert ModelConfig(**MODEL, ngram_layers="all").ngram_layers == tuple(range(6))
-    cfg = ModelConfig(**MODEL, pattern="ammrar")
-    assert cfg.pattern == "AMMRAR" and cfg.block(3) == "R" and ModelConfig(**MODEL).block(0) == ""
-    with pytest.raises(ValueError, match=r"layer must be an int in \[0, n_layers=6\)"):
-        cfg.block(6)
+def test_hybrid_config_parses_layer_lists():
+    assert HybridConfig(**MODEL, engram_layers="0,2,4").engram_layers == (0, 2, 4)
+    assert HybridConfig(**MODEL, engram_layers=" ALL ").engram_layers == tuple(range(6))
+    assert HybridConfig(**MODEL, engram_layers=[5]).engram_layers == (5,)
+    assert HybridConfig(**MODEL, engram_layers="").engram_layers == ()
+    assert HybridConfig(**MODEL, ngram_layers="1,3").ngram_layers == (1, 3)
+    assert HybridConfig(**MODEL, ngram_layers="all").ngram_layers == tuple(range(6))
+    cfg = HybridConfig(**MODEL, pattern="amr")
+    assert cfg.pattern == "AMR" and cfg.blocks == "AMRAMR"  # the pattern tiled over the layers
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.engram_layers = (1,)
 
 
-def test_model_config_build_from_a_source_and_overrides():
-    args = SimpleNamespace(hidden_size=128, num_layers=4, engram_layers="all", mhc=False, lr=3e-4)
-    cfg = ModelConfig.build(args, ngram_layers="1")
+def test_hybrid_config_build_from_a_source_and_overrides():
+    args = SimpleNamespace(hidden_size=128, num_layers=4, padded_vocab_size=512, engram_layers="all", mhc=False, lr=3e-4)
+    cfg = HybridConfig.build(args, ngram_layers="1")
     assert (cfg.d_model, cfg.n_layers, cfg.engram_layers, cfg.ngram_layers) == (128, 4, (0, 1, 2, 3), (1,))
-    assert ModelConfig.build(**MODEL) == ModelConfig(**MODEL)
-    with pytest.raises(ValueError, match=r"ModelConfig\.build needs \['n_layers'\]"):
-        ModelConfig.build(d_model=64)
-    with pytest.raises(ValueError, match=r"ModelConfig has no field\(s\) \['bottleneck'\]"):
-        ModelConfig.build(**MODEL, bottleneck=16)
-    with pytest.raises(ValueError, match=r"ModelConfig\.engram_layers must be layer indices in \[0, n_layers=4\)"):
-        ModelConfig.build(args, engram_layers="4")
+    assert HybridConfig.build(**MODEL) == HybridConfig(**MODEL)
+    with pytest.raises(ValueError, match=r"HybridConfig\.build needs \['n_layers'\]"):
+        HybridConfig.build(vocab_size=512, d_model=64)
+    with pytest.raises(ValueError, match=r"HybridConfig has no field\(s\) \['bottleneck'\]"):
+        HybridConfig.build(**MODEL, bottleneck=16)
+    with pytest.raises(ValueError, match=r"HybridConfig\.engram_layers must be layer indices in \[0, n_layers=4\)"):
+        HybridConfig.build(args, engram_layers="4")
 
 
 def test_tripwire_mhc_without_engram_layers_defaults_to_all_layers_with_warning():
     """The historical bug: mHC fell back to an empty engram layer list and silently did nothing."""
     with pytest.warns(UserWarning, match="defaults? to all 6 layers") as record:
-        cfg = ModelConfig(**MODEL, mhc=True)
+        cfg = HybridConfig(**MODEL, mhc=True)
     assert cfg.engram_layers == tuple(range(6)) and cfg.mhc
     assert record[0].filename == __file__  # attributed to the caller, not to the dataclass machinery
     with pytest.warns(UserWarning, match="defaults? to all 4 layers") as record:
-        cfg = ModelConfig.build(SimpleNamespace(d_model=8, n_layers=4, mhc=True))
+        cfg = HybridConfig.build(SimpleNamespace(vocab_size=512, d_model=64, n_layers=4, mhc=True))
     assert cfg.engram_layers == (0, 1, 2, 3) and record[0].filename == __file__
 
 
 @pytest.mark.parametrize("empty", ["", (), []])
 def test_mhc_with_explicitly_empty_engram_layers_fails_closed(empty):
-    with pytest.raises(ValueError, match=r"ModelConfig\.engram_layers must be non-empty when mhc=True .*silent no-op"):
-        ModelConfig(**MODEL, mhc=True, engram_layers=empty)
-    with pytest.raises(ValueError, match=r"ModelConfig\.engram_layers must be non-empty when mhc=True"):
-        ModelConfig.build(SimpleNamespace(**MODEL, mhc=True, engram_layers=empty))
+    with pytest.raises(ValueError, match=r"HybridConfig\.engram_layers must be non-empty when mhc=True .*silent no-op"):
+        HybridConfig(**MODEL, mhc=True, engram_layers=empty)
+    with pytest.raises(ValueError, match=r"HybridConfig\.engram_layers must be non-empty when mhc=True"):
+        HybridConfig.build(SimpleNamespace(**MODEL, mhc=True, engram_layers=empty))
 
 
 def test_no_mhc_and_no_layers_means_engram_off_without_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cfg = ModelConfig(**MODEL)
+        cfg = HybridConfig(**MODEL)
     assert cfg.engram_layers == () and cfg.ngram_layers == () and not cfg.mhc
 
 
@@ -198,7 +197,7 @@ def test_ngram_hash_config_names_field_and_allowed_values(field, value, allowed)
 
 
 def test_ngram_hash_config_build():
-    model = ModelConfig(d_model=32, n_layers=4, ngram_layers="1,3")
+    model = SimpleNamespace(d_model=32, n_layers=4, ngram_layers="1,3")  # any object with the model's attributes
     src = SimpleNamespace(vocab_size=259, pad_id=258, head_dim=128, seed=7, ngram_max_ngram=4)
     cfg = NgramHashConfig.build(model, vocab_size=259, pad_id=258, max_ngram=4)
     assert (cfg.d_model, cfg.orders, cfg.num_heads) == (32, (2, 3, 4), 12)
@@ -234,7 +233,6 @@ CONFIGS = (
     "megacpp_lab.nn.rope_freqs.RopeScaling",
     "megacpp_lab.nn.ssm.SSDConfig",
     "megacpp_lab.nn.table_store.TableStoreConfig",
-    "megacpp_lab.model.config.ModelConfig",
     "megacpp_lab.model.config.HybridConfig",
     "megacpp_lab.model.train_config.TrainConfig",
     "megacpp_lab.model.parallelize.ParallelConfig",
@@ -272,5 +270,5 @@ def test_every_config_is_a_frozen_dataclass_with_one_build_classmethod(qualname)
 
 
 def test_m2rnn_config_builds_from_the_model_config():
-    cfg = M2RNNConfig.build(ModelConfig(**MODEL), n_heads=2, k_head_dim=16, v_head_dim=16)
+    cfg = M2RNNConfig.build(HybridConfig(**MODEL), n_heads=2, k_head_dim=16, v_head_dim=16)
     assert (cfg.d_model, cfg.n_heads) == (64, 2)

@@ -1,12 +1,12 @@
-"""The model config: the fields that describe the whole stack, not one layer.
+"""The model config: HybridConfig, the fields that describe the whole stack, not one layer, and its presets.
 
 Per-layer configs (EngramConfig, NgramHashConfig, M2RNNConfig, SSDConfig, MLAConfig, ...) live beside
 their layers in `megacpp_lab.nn` and hold only what one layer needs. Which layers exist, and which of
 them carry an Engram branch, a hashed n-gram memory or hyper-connections, is decided here, once:
 
-    cfg = ModelConfig.build(args, engram_layers="0,2", mhc=True)     # args: any object with attributes
-    engram = EngramConfig.build(cfg, bottleneck=64)                   # d_model comes from cfg
-    branches = {i: EngramBranch(engram) for i in cfg.engram_layers}
+    cfg = HybridConfig.build(args, engram_layers="0,2", mhc=True)    # args: any object with attributes
+    cfg.engram                                                         # the EngramConfig, d_model from cfg
+    cfg = hybrid_preset("small", d_model=512)                          # a preset, reshaped
 
 Every config has one construction style: a frozen dataclass, checked on construction, with
 `build(source=None, **overrides)`, failing closed with a message that names the field.
@@ -34,12 +34,12 @@ from megacpp_lab.nn.mla import MLAConfig
 from megacpp_lab.nn.ngram_hash import NgramHashConfig
 from megacpp_lab.nn.ssm import SSDConfig
 
-__all__ = ["BLOCK_KINDS", "HYBRID_PRESETS", "HybridConfig", "ModelConfig", "device_kernels", "hybrid_preset", "model_config"]
+__all__ = ["BLOCK_KINDS", "HYBRID_PRESETS", "HybridConfig", "device_kernels", "hybrid_preset", "model_config"]
 
 # block letters of the layer pattern: A = MLA + MLP, M = SSD + MLP, R = M2RNN + MLP
 BLOCK_KINDS = ("A", "M", "R")
 
-_fail = functools.partial(config_error, "ModelConfig")
+_fail = functools.partial(config_error, "HybridConfig")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
@@ -89,57 +89,6 @@ def _engram_layers(value: Any, mhc: bool, n_layers: int, fail: Any) -> tuple[int
     return layers
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Model-level settings. Frozen; every field is checked on construction. Build it with ModelConfig.build.
-
-    engram_layers / ngram_layers take a tuple, a comma-separated string or 'all'. Left as None,
-    engram_layers is empty, or every layer when mhc=True (with a warning): hyper-connections wrap the
-    Engram layers, and over none of them they would be a silent no-op. An explicitly empty list with
-    mhc=True is refused.
-    """
-
-    d_model: int
-    n_layers: int
-    # block letters, one per layer (A = MLA, M = SSD, R = M2RNN, each + MLP); "" until the hybrid model
-    # chooses one
-    pattern: str = ""
-    engram_layers: tuple[int, ...] | None = None
-    # multi-stream hyper-connections (mHC) over the Engram layers
-    mhc: bool = False
-    # layers with a hashed n-gram memory (NgramHashMemory(config, layer_id) for each)
-    ngram_layers: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        check_ints("ModelConfig", self, ("d_model", "n_layers"))
-        if not isinstance(self.mhc, bool):
-            raise _fail("mhc", "a bool", self.mhc)
-        if not isinstance(self.pattern, str):
-            raise _fail("pattern", f"a string of block letters {BLOCK_KINDS}", self.pattern)
-        pattern = self.pattern.strip().upper()
-        if pattern and (len(pattern) != self.n_layers or any(c not in BLOCK_KINDS for c in pattern)):
-            raise _fail("pattern", f"{self.n_layers} (n_layers) block letters from {BLOCK_KINDS}, or ''", self.pattern)
-        object.__setattr__(self, "pattern", pattern)
-        object.__setattr__(self, "engram_layers", _engram_layers(self.engram_layers, self.mhc, self.n_layers, _fail))
-        object.__setattr__(self, "ngram_layers", _layer_list("ngram_layers", self.ngram_layers, self.n_layers))
-
-    @classmethod
-    def build(cls, source: Any = None, **overrides: Any) -> ModelConfig:
-        """The one builder: fields from a source object (these names, model_<name>, or Megatron's
-        hidden_size / num_layers) and keyword overrides, else the defaults."""
-        aliases = {"d_model": ("d_model", "hidden_size"), "n_layers": ("n_layers", "num_layers")}
-        return build_config(cls, source, overrides, prefix="model", aliases=aliases, required=("d_model", "n_layers"))
-
-    def block(self, layer: int) -> str:
-        """The block letter of one layer ('' while no pattern is set)."""
-        if not is_int(layer) or not 0 <= layer < self.n_layers:
-            raise ValueError(f"layer must be an int in [0, n_layers={self.n_layers}), got {layer!r}")
-        return self.pattern[layer] if self.pattern else ""
-
-
-# ----------------------------------------------------------------------------- the hybrid LM
-
-_hfail = functools.partial(config_error, "HybridConfig")
 
 # per-layer config field of HybridConfig -> (its class, defaults derived from the model's d_model)
 def _mla_defaults(d: int) -> dict[str, Any]:
@@ -173,8 +122,9 @@ class HybridConfig:
 
     pattern: block letters tiled across n_layers (layer i is pattern[i % len(pattern)]): A = MLA + SwiGLU MLP,
     M = SSD + MLP, R = M2RNN + MLP. engram_layers / ngram_layers / cblock_layers: explicit layer indices
-    (tuple, '0,2' or 'all'); mhc: multi-stream hyper-connections over the Engram layers (the same tripwire as
-    ModelConfig: mhc without engram_layers means all layers, with a warning; an explicitly empty list fails).
+    (tuple, '0,2' or 'all'); mhc: multi-stream hyper-connections over the Engram layers (the tripwire: mhc
+    without engram_layers means all layers, with a warning; an explicitly empty list fails: mHC over no layer
+    was a silent no-op).
 
     The per-layer configs (mla, ssd, m2rnn, engram, ngram, concept, hyper, lm_head) are built through each
     layer's own build(): leave one None for the defaults derived from d_model (and vocab_size / pad_id),
@@ -205,22 +155,22 @@ class HybridConfig:
     def __post_init__(self) -> None:
         check_ints("HybridConfig", self, ("vocab_size", "d_model", "n_layers"))
         if not isinstance(self.mhc, bool):
-            raise _hfail("mhc", "a bool", self.mhc)
+            raise _fail("mhc", "a bool", self.mhc)
         if not isinstance(self.pattern, str) or not self.pattern.strip() or any(
             c not in BLOCK_KINDS for c in self.pattern.strip().upper()
         ):
-            raise _hfail("pattern", f"a non-empty string of block letters from {BLOCK_KINDS}", self.pattern)
+            raise _fail("pattern", f"a non-empty string of block letters from {BLOCK_KINDS}", self.pattern)
         object.__setattr__(self, "pattern", self.pattern.strip().upper())
-        object.__setattr__(self, "engram_layers", _engram_layers(self.engram_layers, self.mhc, self.n_layers, _hfail))
+        object.__setattr__(self, "engram_layers", _engram_layers(self.engram_layers, self.mhc, self.n_layers, _fail))
         for name in ("ngram_layers", "cblock_layers"):
-            object.__setattr__(self, name, _layer_list(name, getattr(self, name), self.n_layers, _hfail))
+            object.__setattr__(self, name, _layer_list(name, getattr(self, name), self.n_layers, _fail))
         ratio = self.mlp_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 64:
-            raise _hfail("mlp_ratio", "a number in (0, 64]", ratio)
+            raise _fail("mlp_ratio", "a number in (0, 64]", ratio)
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, float) or not 0 < self.norm_eps < 1:
-            raise _hfail("norm_eps", "a float in (0, 1)", self.norm_eps)
+            raise _fail("norm_eps", "a float in (0, 1)", self.norm_eps)
         if not is_int(self.pad_id) or not 0 <= self.pad_id < self.vocab_size:
-            raise _hfail("pad_id", f"a token id in [0, vocab_size={self.vocab_size})", self.pad_id)
+            raise _fail("pad_id", f"a token id in [0, vocab_size={self.vocab_size})", self.pad_id)
         for name, (cls, defaults) in _SUBCONFIGS.items():
             object.__setattr__(self, name, self._sub_config(name, cls, defaults(self.d_model)))
 
@@ -234,10 +184,10 @@ class HybridConfig:
             except ValueError as err:
                 raise ValueError(f"HybridConfig.{name}: {err}") from None
         else:
-            raise _hfail(name, f"a {cls.__name__}, a dict of its fields, or None", value)
+            raise _fail(name, f"a {cls.__name__}, a dict of its fields, or None", value)
         for field in ("d_model", "vocab_size", "pad_id"):
             if hasattr(config, field) and hasattr(self, field) and getattr(config, field) != getattr(self, field):
-                raise _hfail(name, f"a {cls.__name__} with {field}={getattr(self, field)}", getattr(config, field))
+                raise _fail(name, f"a {cls.__name__} with {field}={getattr(self, field)}", getattr(config, field))
         return config
 
     @classmethod

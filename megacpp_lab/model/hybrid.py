@@ -16,7 +16,7 @@ as the identity on the residual. Every branch that mixes tokens gets the batch's
 no layer re-derives document boundaries.
 
 mHC (mhc=True): the residual is widened once, expand_streams(x, n) [B,T,n,d], and collapsed once before
-the final norm (collapse_streams, the mean). At the mHC layers (engram_layers, see ModelConfig's tripwire)
+the final norm (collapse_streams, the mean). At the mHC layers (engram_layers, see HybridConfig's tripwire)
 every branch runs through its own HyperConnection: x <- H_res x + H_post^T f(H_pre x). At the other
 layers a branch reads the mean of the streams and adds f to every stream (the fixed connection
 H_pre = 1/n, H_post = 1, H_res = I). At init every HyperConnection is x + f(x) on equal streams, so the

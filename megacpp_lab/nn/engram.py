@@ -43,7 +43,8 @@ _fail = functools.partial(config_error, "EngramConfig")
 class EngramConfig:
     """One Engram branch's settings; build it with EngramConfig.build. Frozen, checked on construction.
 
-    Which layers carry a branch (and mHC over them) is model-level: megacpp_lab.model.config.ModelConfig.
+    Which layers carry a branch (and mHC over them) is model-level: megacpp_lab.model.config.HybridConfig
+    (engram_layers, mhc).
     """
 
     d_model: int

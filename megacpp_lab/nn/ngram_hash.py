@@ -78,7 +78,7 @@ def distinct_primes(start: int, count: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class NgramHashConfig:
     """One hashed n-gram memory layer's settings; build it with NgramHashConfig.build. Frozen, checked on
-    construction. Which layers carry a memory is model-level: megacpp_lab.model.config.ModelConfig.ngram_layers."""
+    construction. Which layers carry a memory is model-level: megacpp_lab.model.config.HybridConfig.ngram_layers."""
 
     vocab_size: int
     d_model: int
