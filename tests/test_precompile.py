@@ -13,9 +13,9 @@ import torch
 import megacpp_lab.model.precompile as precompile_module
 from megacpp_lab.bench.harness import ModelShape, TrainingStep, build_model, make_batch
 from megacpp_lab.model.config import model_config
-from megacpp_lab.model.checkpointing import CheckpointingPolicy
+from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.model.parallelize import ParallelConfig, apply_ac
+from megacpp_lab.model.parallelize import ParallelConfig
 from megacpp_lab.model.precompile import heaviest_block, precompile, precompile_plan, worker_count
 from megacpp_lab.varlen import build_context
 
