@@ -220,16 +220,20 @@ documents per row, bf16, Triton scans, built by parallelize. Contenders:
                                then the eager step of the same weights and batch (the
                                baseline: 10 CUDA-event-timed steps after 3 of warm-up)
   regional warm                a new process on the caches the cold run left: every cache hit or missed
-  regional from Mega-Cache     empty caches, the artifacts loaded first (torch.compiler.load_cache_artifacts)
   regional cold 48 layers      the same model 48 layers deep (compile should be flat in depth)
   whole-model cold 48 layers   torch.compile(model), stopped at 3.05x the regional first step at 48 layers
                                (a lower bound then; earlier if MEGACPP_BENCH_DEADLINE_S seconds would pass)
+  regional from Mega-Cache     empty caches, the artifacts loaded first (torch.compiler.load_cache_artifacts)
+  regional cold, one process   compile_workers=0: every block structure compiled in the step's process
+The last two explain and are stopped at the deadline if it comes first. Where the host writes no Python
+bytecode (PYTHONDONTWRITEBYTECODE, a torch without .pyc files), every process gets a bytecode cache compiled
+once before the first contender, as a pip-installed torch has (summary.python_bytecode).
 The summary holds one bar per threshold: cold first step <= 40 s, warm first step <= 4 s, warm import +
 build + first step <= 10 s, 48 layers <= 1.15x 12 layers, regional <= 1/3 of whole-model at 48 layers,
 zero recompiles, the compiled step <= 0.8x eager.
 Receipts under <out>/<device-slug>/compile/: compile_step.json, compile_step.png (phases per region, first
 steps), compile_regional.*.pt.trace.json; compile_step.partial.json while it runs.
-Run time on an H100: about ten minutes (five processes; three cold compiles and a stopped one).
+Run time on an H100 or H200: six to ten minutes (six processes; four cold compiles and a stopped one).
 --small (CPU, the tiny preset at B=1, T=32, 4 and 8 layers, the scans' Triton kernels under the
 interpreter, dynamo's aot_eager backend instead of inductor): about two minutes.""",
             triton_on_cpu=True,
