@@ -1,4 +1,4 @@
-"""model/train.py: the config fails early naming the field, the LR schedule, atomic checkpoints, bit-exact
+"""model/train.py, train_config.py, optim.py, checkpoint_io.py: the config fails early naming the field, the LR schedule, atomic checkpoints, bit-exact
 resume on a CPU, clear errors for corrupt or mismatched checkpoints, and the master-weight optimizer."""
 
 from __future__ import annotations
