@@ -65,3 +65,15 @@ def test_a_one_process_run_stopped_at_the_deadline_is_a_lower_bound() -> None:
     summary = _summary(rows)
     assert summary["one_process_is_lower_bound"] is True and summary["regional_cold_one_process_first_step_s"] == 25.0
     assert summary["workers_over_one_process"] == 10.0 / 25.0
+
+
+def test_the_warm_bars_read_the_median_of_the_warm_runs() -> None:
+    runs = [{"contender": "regional warm", "first_step_s": f, "total_s": t, "import_s": 1.0, "build_s": 0.5, "tag": i}
+            for i, (f, t) in enumerate([(5.0, 9.0), (3.0, 12.0), (4.0, 8.0)])]  # fmt: skip
+    row = bc.median_run(runs)
+    assert row["first_step_s"] == 4.0 and row["total_s"] == 9.0  # each a median over the runs
+    assert row["tag"] == 2 and len(row["runs"]) == 3  # the median run's own fields; every run's times kept
+    summary = _summary({"regional warm": row})
+    assert summary["warm_first_step_s"] == 4.0 and summary["warm_runs"] == row["runs"]
+    assert summary["bar"]["warm: first compiled step <= 4 s"] is True
+    assert summary["bar"]["warm: import, build and first step <= 10 s"] is True

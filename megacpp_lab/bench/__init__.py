@@ -219,7 +219,8 @@ documents per row, bf16, Triton scans, built by parallelize. Contenders:
                                MFU against 989 TFLOP/s; one profiled step; its Mega-Cache artifacts saved;
                                then the eager step of the same weights and batch (the
                                baseline: 10 CUDA-event-timed steps after 3 of warm-up)
-  regional warm                a new process on the caches the cold run left: every cache hit or missed
+  regional warm                a new process on the caches the cold run left: every cache hit or missed;
+                               three in a row, the bars reading their medians
   regional cold 48 layers      the same model 48 layers deep (compile should be flat in depth)
   whole-model cold 48 layers   torch.compile(model), stopped at 3.05x the regional first step at 48 layers
                                (a lower bound then; earlier if MEGACPP_BENCH_DEADLINE_S seconds would pass)
