@@ -29,9 +29,15 @@ def check_int(where: str, name: str, value: object, *, low: int | None = None, h
         return
     if is_int(value) and (low is None or value >= low) and (high is None or value <= high):  # type: ignore[operator]
         return
-    allowed = ("an int" + (f" in [{low}, {high}]" if low is not None and high is not None else f" >= {low}" if low is not None
-               else f" <= {high}" if high is not None else "")) + (" or None" if optional else "")  # fmt: skip
-    raise ValueError(f"{where}.{name} must be {allowed}, got {value!r}")
+    if low is not None and high is not None:
+        bound = f" in [{low}, {high}]"
+    elif low is not None:
+        bound = f" >= {low}"
+    elif high is not None:
+        bound = f" <= {high}"
+    else:
+        bound = ""
+    raise ValueError(f"{where}.{name} must be an int{bound}{' or None' if optional else ''}, got {value!r}")
 
 
 def check_ints(where: str, config: Any, names: Iterable[str], *, low: int | None = 1) -> None:
