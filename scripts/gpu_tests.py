@@ -10,6 +10,7 @@ Exit status: 0 when every file passed (skips allowed), 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -21,13 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
 
-def run_file(path: Path, xdist: int, timeout_s: int) -> tuple[Path, dict[str, int], float, str]:
+def run_file(path: Path, xdist: int, timeout_s: int, threads: int) -> tuple[Path, dict[str, int], float, str]:
     cmd = [sys.executable, "-m", "pytest", str(path.relative_to(ROOT)), "-q", "-rfEs", "-p", "no:cacheprovider"]
+    # torch's intra-op pool takes every core by default: with several files at once the CPU-bound ones (a CPU
+    # training run, the CLI's subprocesses) oversubscribe the host and time out, so each file gets its share
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **os.environ}
     if xdist > 1:
         cmd += ["-n", str(xdist)]
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
         output, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         output, code = f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {timeout_s} s", -1
@@ -60,8 +64,9 @@ def main() -> int:
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_text(f"# partial log, started {started}; the full log replaces it at the end\n")
     results = []
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_file, p, split.get(p.name, 1), args.timeout) for p in files]
+        futures = [pool.submit(run_file, p, split.get(p.name, 1), args.timeout, threads) for p in files]
         for done in as_completed(futures):
             path, counts, seconds, output = done.result()
             results.append((path, counts, seconds, output))
@@ -82,7 +87,8 @@ def main() -> int:
         device = f"{n_gpus} x {device}"
     commit = git_commit()
     kinds = ("passed", "failed", "error", "skipped")
-    lines = [f"# whole test suite, one pytest process per file ({args.jobs} at a time)",
+    lines = [f"# whole test suite, one pytest process per file ({args.jobs} at a time, {threads} CPU threads each "
+             "unless OMP_NUM_THREADS was set)",
              f"# device: {device}; torch {torch.__version__}; triton {triton.__version__}; commit {commit}",
              f"# started {started}; wall {wall:.0f} s", ""]  # fmt: skip
     for path, counts, seconds, output in sorted(results):
