@@ -87,9 +87,7 @@ class ParallelConfig:
         check_int("ParallelConfig", "fsdp_blocks_per_group", self.fsdp_blocks_per_group, low=1)
         check_int("ParallelConfig", "compile_workers", self.compile_workers, low=0)
         try:
-            from megacpp_lab.model.checkpointing import CheckpointingPolicy
-
-            policy = CheckpointingPolicy.parse(self.remat)
+            policy = self.policy
         except ValueError as err:
             raise ValueError(f"ParallelConfig.remat: {err}") from None
         if policy.is_budget and not self.compile:
@@ -159,11 +157,10 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, device: str | None 
         plan = apply_precision(lm, dtype)
     lm.precision_plan = plan
     lm.parallel_config = config  # what precompile's workers build again
-    policy = config.policy
-    from megacpp_lab.model.checkpointing import CheckpointingPolicy, apply_ac
+    if config.remat != "none":  # the policy's one spelling (ParallelConfig normalises it)
+        from megacpp_lab.model.checkpointing import apply_ac
 
-    if policy != CheckpointingPolicy():
-        apply_ac(lm, policy, compiled=config.compile)
+        apply_ac(lm, config.policy, compiled=config.compile)
     if config.compile:
         apply_compile(lm, backend=config.backend)
     if fsdp:
