@@ -12,7 +12,12 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["check_int", "check_ints", "is_int"]
+__all__ = ["check_int", "check_ints", "config_error", "is_int"]
+
+
+def config_error(config_name: str, field_name: str, allowed: str, got: object) -> ValueError:
+    """The fail-closed message every config uses: it names the config, the field, what was allowed and the value."""
+    return ValueError(f"{config_name}.{field_name} must be {allowed}, got {got!r}")
 
 
 def is_int(value: object) -> bool:
@@ -23,8 +28,8 @@ def is_int(value: object) -> bool:
 
 def check_int(where: str, name: str, value: object, *, low: int | None = None, high: int | None = None,
               optional: bool = False) -> None:  # fmt: skip
-    """Raise ValueError('<where>.<name> must be an int >= low (or in [low, high]), got <value>') unless `value`
-    is such an int (or None, when optional)."""
+    """Raise config_error('<where>.<name> must be an int >= low (or in [low, high]), got <value>') unless
+    `value` is such an int (or None, when optional)."""
     if optional and value is None:
         return
     if is_int(value) and (low is None or value >= low) and (high is None or value <= high):  # type: ignore[operator]
@@ -37,7 +42,7 @@ def check_int(where: str, name: str, value: object, *, low: int | None = None, h
         bound = f" <= {high}"
     else:
         bound = ""
-    raise ValueError(f"{where}.{name} must be an int{bound}{' or None' if optional else ''}, got {value!r}")
+    raise config_error(where, name, f"an int{bound}{' or None' if optional else ''}", value)
 
 
 def check_ints(where: str, config: Any, names: Iterable[str], *, low: int | None = 1) -> None:

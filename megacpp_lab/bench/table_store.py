@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from megacpp_lab.bench import bench_device, output_root
-from megacpp_lab.nn.config_builder import config_error
+from megacpp_lab.checks import config_error
 from megacpp_lab.nn.ngram_hash import distinct_primes
 from megacpp_lab.nn.table_store import InProcessBackend, TableStore, TableStoreConfig
 from megacpp_lab.profiling import step_times_ms

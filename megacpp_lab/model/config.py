@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megacpp_lab.checks import check_ints, is_int
+from megacpp_lab.checks import check_ints, config_error, is_int
 from megacpp_lab.nn.concept_bank import ConceptBankConfig
-from megacpp_lab.nn.config_builder import build_config, config_error
+from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.engram import EngramConfig
 from megacpp_lab.nn.hyper_connections import HyperConnectionConfig
 from megacpp_lab.nn.lm_head import LMHeadConfig

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.checks import check_ints
-from megacpp_lab.nn.config_builder import build_config, config_error
+from megacpp_lab.checks import check_ints, config_error
+from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import ParameterFreeRMSNorm
 from megacpp_lab.varlen import PackedContext
 

@@ -1,18 +1,14 @@
-"""How layer configs are built (from a model config object plus overrides) and how they fail closed."""
+"""How configs are built (from a model config object plus overrides) and turned into command-line options.
+How they fail closed is megacpp_lab/checks.py (config_error)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, TypeVar
 
-__all__ = ["Option", "build_config", "config_error", "option", "options"]
+__all__ = ["Option", "build_config", "option", "options"]
 
 C = TypeVar("C")
-
-
-def config_error(config_name: str, field_name: str, allowed: str, got: object) -> ValueError:
-    """The fail-closed message every layer config uses: it names the config, the field and the value."""
-    return ValueError(f"{config_name}.{field_name} must be {allowed}, got {got!r}")
 
 
 def build_config(cls: type[C], source: Any, overrides: dict[str, Any], *, prefix: str,

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.checks import is_int
-from megacpp_lab.nn.config_builder import build_config, config_error
+from megacpp_lab.checks import config_error, is_int
+from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import (CONV_IMPLS, DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate,
                                        conv_stepper)
 from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids

@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.checks import is_int
-from megacpp_lab.nn.config_builder import build_config, config_error
+from megacpp_lab.checks import config_error, is_int
+from megacpp_lab.nn.config_builder import build_config
 
 __all__ = ["COLLAPSE_MODES", "HyperConnection", "HyperConnectionConfig", "collapse_streams", "expand_streams",
            "sinkhorn_knopp"]

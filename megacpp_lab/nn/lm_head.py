@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.checks import check_ints, is_int
+from megacpp_lab.checks import check_ints, config_error, is_int
 from megacpp_lab.kernels.linear_cross_entropy import IMPLS, fused_linear_cross_entropy, linear_cross_entropy_reference
-from megacpp_lab.nn.config_builder import build_config, config_error
+from megacpp_lab.nn.config_builder import build_config
 
 __all__ = ["LMHead", "LMHeadConfig", "LMHeadOutput"]
 

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.checks import check_ints
+from megacpp_lab.checks import check_ints, config_error
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
 from megacpp_lab.varlen import PackedContext, resolve_doc_ids
-from megacpp_lab.nn.config_builder import build_config, config_error
+from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
 
 __all__ = ["M2RNN", "M2RNNConfig", "M2RNNMegatronMixer", "M2RNNState", "softplus_decay_gate"]

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from megacpp_lab.checks import check_ints
+from megacpp_lab.checks import check_ints, config_error
 from megacpp_lab.kernels import TRITON_INTERPRET
 from megacpp_lab.kernels.down_norm_up import FusedDownNormUp
 from megacpp_lab.kernels.rope import (
@@ -49,7 +49,7 @@ from megacpp_lab.kernels.rope import (
     mla_rope_q_reference,
 )
 from megacpp_lab.varlen import FLEX_BLOCK, PackedContext, doc_causal_block_mask, resolve_doc_ids
-from megacpp_lab.nn.config_builder import build_config, config_error
+from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
 
 __all__ = [

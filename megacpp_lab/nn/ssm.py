@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.checks import check_ints, is_int
+from megacpp_lab.checks import check_ints, config_error, is_int
 from megacpp_lab.kernels.ssd import KERNELS, ssd_scan
-from megacpp_lab.nn.config_builder import build_config, config_error
+from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
 from megacpp_lab.varlen import PackedContext, cu_seqlens_from_doc_ids, resolve_doc_ids
 

@@ -65,7 +65,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from megacpp_lab.nn.config_builder import config_error
+from megacpp_lab.checks import config_error
 
 __all__ = ["ERROR_NAMES", "MIN_SEGMENT_BYTES", "MOONCAKE_REQUIREMENT", "P2P_METADATA", "MooncakeConfig", "MooncakeError",
            "MooncakeLeaseError", "MooncakeMasterError", "error_label", "host_port", "mooncake_unavailable",

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from megacpp_lab.nn.config_builder import config_error
+from megacpp_lab.checks import config_error
 from megacpp_lab.store.mooncake import MOONCAKE_REQUIREMENT, P2P_METADATA, MooncakeConfig, MooncakeMasterError
 
 __all__ = ["MooncakeMaster"]
