@@ -36,8 +36,8 @@ SMALL_DOC_COUNTS = (1, 2, 3, 5)
 WHOLE_CAP_FACTOR = 3.05
 EAGER = "eager (timed after regional cold, in its process)"
 STOPPED = 75  # the exit status of a run stopped at its first-step cap
-# warm processes in a row on the same caches: a warm start's first step spread by seconds between processes on
-# one host (3.5 to 6.7 s on an H200, 2026-11-27), so the warm bars read the median of these
+# warm processes in a row on the same caches: a warm start's first step spreads by seconds between processes on
+# one host, so the warm bars read the median of these (summary.warm_runs keeps each)
 WARM_RUNS = 3
 # what every contender imports before its first step ends (bytecode_cache compiles these once)
 BYTECODE_PRIME = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "triton", "megacpp_lab.bench.compile",
@@ -220,8 +220,8 @@ def python_env(bytecode: Path | None) -> dict[str, str]:
 
 def bytecode_cache(root: Path) -> dict[str, Any]:
     """A host that writes no Python bytecode (PYTHONDONTWRITEBYTECODE, as container images often set) with a torch
-    installed without .pyc files makes every new process compile torch's, dynamo's and inductor's sources: on
-    the device tool's hosts that alone was 10 s of every process's start, and of every compile worker's. A
+    installed without .pyc files makes every new process compile torch's, dynamo's and inductor's sources,
+    seconds of every process's start and of every compile worker's, which an installed torch does not pay. A
     pip-installed torch carries its bytecode, so the contenders get a bytecode cache under `root`, compiled
     once here (`primed_s`) before the first contender, and the receipt says so. Where the host writes bytecode,
     nothing changes (`cache` None)."""
