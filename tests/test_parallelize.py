@@ -214,7 +214,32 @@ def test_describe_compile_says_cold_warm_or_partly_warm_from_the_cache_hits():
     cold = [R(is_forward=True, inductor_fx_local_cache_miss_count=1), R(is_forward=False, inductor_fx_local_cache_miss_count=1)]
     warm = [R(is_forward=True, inductor_fx_local_cache_hit_count=1, aotautograd_local_cache_hit_count=1),
             R(is_forward=False, inductor_fx_local_cache_hit_count=1)]  # fmt: skip
-    assert describe_compile(80.04, 0, cold) == "1 region compiled in 80.0 s, cold: 0 of 2 inductor graphs and 0 AOTAutograd graphs from the caches"
+    assert describe_compile(80.04, 0, cold).startswith("1 region compiled in 80.0 s, cold: 0 of 2 inductor graphs and 0 "
+                                                       "AOTAutograd graphs from the caches")  # fmt: skip
     assert ", warm: 2 of 2 inductor graphs and 1 AOTAutograd" in describe_compile(6.9, 0, warm)
     assert ", partly warm: 2 of 4" in describe_compile(9.0, 0, cold + warm)
-    assert describe_compile(1.0, 2, cold).endswith("no inductor graph (another backend, or nothing compiled)")
+    assert "no inductor graph (another backend, or nothing compiled)" in describe_compile(1.0, 2, cold)
+
+
+def test_apply_compile_starts_inductor_once_and_the_console_line_says_how_long_it_took():
+    """A model made compile-ready with inductor has inductor imported and its cache system key computed
+    before the first step (ready_inductor, once a process): the first step's time is the model's compile, and
+    describe_compile names the start-up apart. Another backend starts nothing."""
+    import sys
+    from types import SimpleNamespace as R
+
+    from megacpp_lab.model.parallelize import describe_compile, ready_inductor
+
+    ready_inductor.cache_clear()
+    apply_compile(_tiny(), backend="eager")
+    assert ready_inductor.cache_info().currsize == 0
+    assert "inductor started" not in describe_compile(1.0, 0, [])
+    apply_compile(_tiny())
+    assert ready_inductor.cache_info().currsize == 1 and "torch._inductor.compile_fx" in sys.modules
+    seconds = ready_inductor()
+    assert seconds > 0 and ready_inductor() == seconds and ready_inductor.cache_info().hits >= 2
+    from torch._inductor.codecache import CacheBase
+
+    assert CacheBase.get_system.cache_info().currsize == 1  # the system key the cache lookups include
+    line = describe_compile(6.9, 0, [R(is_forward=True, inductor_fx_local_cache_hit_count=1)])
+    assert line.endswith(f"; inductor started in {seconds:.1f} s before it, when the model was built")

@@ -96,7 +96,8 @@ def _run(run: Run, out: Path) -> None:
     from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
     from megacpp_lab.bench.harness import ModelShape, TrainingStep, build_model, make_batch, triton_config
-    from megacpp_lab.model.parallelize import ParallelConfig, block_structures, compile_breakdown, compile_stats
+    from megacpp_lab.model.parallelize import (ParallelConfig, block_structures, compile_breakdown, compile_stats,
+                                              ready_inductor)
     from megacpp_lab.profiling import profile_trace, step_times_ms, sync
     from megacpp_lab.varlen import build_context
 
@@ -129,7 +130,8 @@ def _run(run: Run, out: Path) -> None:
     kernels_before = _triton_kernels(os.environ.get("TRITON_CACHE_DIR"))
     sync(run.device)
     built_at = time.time()
-    save(build_s=built_at - ready_at, layers=config.n_layers, structures=[[list(s), n] for s, n in structures])
+    save(build_s=built_at - ready_at, layers=config.n_layers, structures=[[list(s), n] for s, n in structures],
+         inductor_start_s=ready_inductor() if ready_inductor.cache_info().currsize else None)  # fmt: skip
     if run.first_step_cap_s is not None:  # the cap counts from the first step, not from the launch
 
         def stop() -> None:
@@ -275,7 +277,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     is the row's), every run's times beside it (`runs`), and the median first step and total of them all."""
     ordered = sorted(runs, key=lambda r: r["first_step_s"])
     row = dict(ordered[len(ordered) // 2])
-    row["runs"] = [{k: r.get(k) for k in ("import_s", "build_s", "first_step_s", "total_s")} for r in runs]
+    row["runs"] = [{k: r.get(k) for k in ("import_s", "build_s", "inductor_start_s", "first_step_s", "total_s")} for r in runs]
     row["first_step_s"] = statistics.median(r["first_step_s"] for r in runs)
     row["total_s"] = statistics.median(r["total_s"] for r in runs)
     return row
@@ -379,7 +381,8 @@ def compile_receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *,
                        one_process_is_lower_bound="first_step_s" not in serial,
                        workers_over_one_process=cold["first_step_s"] / first_step_seconds(serial))  # fmt: skip
     if warm:
-        summary.update(warm_first_step_s=warm["first_step_s"], warm_total_s=warm["total_s"], warm_runs=warm.get("runs"))
+        summary.update(warm_first_step_s=warm["first_step_s"], warm_total_s=warm["total_s"],
+                       warm_inductor_start_s=warm.get("inductor_start_s"), warm_runs=warm.get("runs"))  # fmt: skip
         bar[f"warm: first compiled step <= {BARS['warm_first_step_s']:g} s"] = warm["first_step_s"] <= BARS["warm_first_step_s"]
         bar[f"warm: import, build and first step <= {BARS['warm_total_s']:g} s"] = warm["total_s"] <= BARS["warm_total_s"]
     if cold and deep_r:
@@ -409,7 +412,7 @@ def compile_receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *,
             "'regional from Mega-Cache' starts with empty caches and loads the artifacts 'regional cold' saved "
             "(torch.compiler.save_cache_artifacts / load_cache_artifacts), as a fresh container would. import_s: "
             "from the launch of the process to the library imported; build_s: the model built and made ready "
-            "(parallelize) and the batch made; first_step_s: the first training step (forward to the fused loss, "
+            "(parallelize, which starts inductor in the process once: inductor_start_s of it, its imports and the system key every cache lookup includes, which the first graph's compile paid before) and the batch made; first_step_s: the first training step (forward to the fused loss, "
             "backward), which compiles, with the block structures but block 0's compiled at once by worker processes "
             "(ParallelConfig.compile_workers, model/precompile.py; compile_workers in a row: each worker's blocks, "
             "when the first step had it done, its compile threads), all in one process in 'regional cold, one "
