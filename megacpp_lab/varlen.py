@@ -26,6 +26,7 @@ __all__ = [
     "FLEX_BLOCK",
     "PackedContext",
     "build_context",
+    "check_cu_seqlens",
     "copy_to_device",
     "check_doc_ids",
     "cu_seqlens_from_doc_ids",
@@ -218,6 +219,52 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.T
     return torch.searchsorted(cu_seqlens[1:].to(torch.int64), flat, right=True).view(B, T)
 
 
+def check_cu_seqlens(cu_seqlens: Any, n_tokens: int, *, device: torch.device | None = None,
+                     row_len: int | None = None, values: bool = True) -> None:  # fmt: skip
+    """Fail closed on varlen boundaries handed over bare (a PackedContext's were checked when it was built).
+
+    Always (host metadata, no sync): a 1-D int32 tensor of >= 2 entries, on `device` when given. Then, unless
+    values=False (a caller that checked them already) and outside a compiled region, the values: 0, rising strictly, ending at n_tokens, and with row_len a document start at
+    every row start (a multiple of row_len: a document never spans two rows). On a CPU tensor a ValueError
+    naming the entry, row and offset; on a GPU one device-side assert, so the caller's stream never waits on
+    the host. The one check of cu_seqlens: build_context, the SSD and M2RNN scans and the rope kernels use it."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
+                         f"{tuple(getattr(cu_seqlens, 'shape', ()))}")  # fmt: skip
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must hold >= 2 entries (0 and the {n_tokens} tokens), got {cu_seqlens.numel()}")
+    if device is not None and cu_seqlens.device != torch.device(device):
+        raise ValueError(f"cu_seqlens must be on the input's device {device}, got {cu_seqlens.device}")
+    if not values or torch.compiler.is_compiling():
+        return
+    if cu_seqlens.device.type != "cpu":
+        ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == n_tokens) & (cu_seqlens[1:] > cu_seqlens[:-1]).all()
+        if row_len is not None:  # every row start is among the boundaries
+            rows = torch.arange(0, n_tokens, row_len, device=cu_seqlens.device, dtype=torch.int32)
+            ok = ok & torch.isin(rows, cu_seqlens).all()
+        torch._assert_async(ok, "cu_seqlens must rise strictly from 0 to the token count, a document starting at every row start")
+        return
+    cu = cu_seqlens.tolist()
+    where = (lambda at: f" (row {at // row_len}, offset {at % row_len})") if row_len else (lambda at: "")
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={cu[0]}")
+    bad = next((i for i in range(1, len(cu)) if cu[i] <= cu[i - 1]), None)
+    if bad is not None:
+        raise ValueError(f"cu_seqlens must increase strictly: entries {bad - 1} and {bad} are {cu[bad - 1]}, {cu[bad]}"
+                         f"{where(min(cu[bad - 1], n_tokens - 1)) if n_tokens else ''}")  # fmt: skip
+    if cu[-1] < n_tokens:
+        raise ValueError(f"cu_seqlens do not cover the {n_tokens} tokens: they end at {cu[-1]}"
+                         + (f" (row {cu[-1] // row_len}, offset {cu[-1] % row_len} onward is uncovered)" if row_len else ""))  # fmt: skip
+    if cu[-1] > n_tokens:
+        raise ValueError(f"cu_seqlens do not cover the {n_tokens} tokens: they end at {cu[-1]}, past them")
+    if row_len:
+        starts = set(cu)
+        row = next((r for r in range(n_tokens // row_len) if r * row_len not in starts), None)
+        if row is not None:
+            raise ValueError(f"cu_seqlens must start a document at every row start: row {row} (offset {row * row_len}) "
+                             "is not one")  # fmt: skip
+
+
 def validate_packed_layout(doc_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     """Raise ValueError naming the field, row and offset of the first violation of the layout contract."""
     for name, t in (("doc_ids", doc_ids), ("positions", positions), ("cu_seqlens", cu_seqlens)):
@@ -231,10 +278,6 @@ def validate_packed_layout(doc_ids: torch.Tensor, positions: torch.Tensor, cu_se
             raise ValueError(f"{name} shape {tuple(t.shape)} does not match doc_ids shape {tuple(doc_ids.shape)}")
         if t.dtype not in ID_DTYPES:
             raise ValueError(f"{name} dtype must be int32 or int64, got {t.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens dtype must be int32, got {cu_seqlens.dtype}")
     devices = {t.device for t in (doc_ids, positions, cu_seqlens)}
     if len(devices) != 1:
         raise ValueError(f"doc_ids, positions and cu_seqlens must share one device, got {sorted(map(str, devices))}")
@@ -257,26 +300,8 @@ def validate_packed_layout(doc_ids: torch.Tensor, positions: torch.Tensor, cu_se
                 f"{int(positions[r, t + 1])} after {int(positions[r, t])}"
             )
 
-    total = B * T
+    check_cu_seqlens(cu_seqlens.cpu(), B * T, row_len=T)  # on the host, as doc_ids: a named error
     cu = cu_seqlens.to(torch.int64)
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
-    if int(cu[-1]) != total:
-        last = min(int(cu[-1]), total)
-        raise ValueError(
-            f"cu_seqlens do not cover T: they end at {int(cu[-1])} but the batch holds B*T = {B}*{T} = {total} "
-            f"tokens (row {last // T}, offset {last % T} onward is uncovered)"
-            if int(cu[-1]) < total
-            else f"cu_seqlens do not cover T: they end at {int(cu[-1])}, past B*T = {B}*{T} = {total}"
-        )
-    steps = cu[1:] - cu[:-1]
-    if (steps <= 0).any():
-        i = int((steps <= 0).nonzero()[0, 0])
-        at = int(cu[i])
-        raise ValueError(
-            f"cu_seqlens must increase strictly: entries {i} and {i + 1} are {int(cu[i])}, {int(cu[i + 1])} "
-            f"(row {at // T}, offset {at % T})"
-        )
     expected = starts.reshape(-1).nonzero().reshape(-1)
     got = cu[:-1]
     n = min(expected.numel(), got.numel())

@@ -97,11 +97,15 @@ def test_scan_validation_names_the_field():
     q, k, v, f, W, h0 = (t.detach() for t in _inputs(1, 8, 1, 16, 16))
     with pytest.raises(ValueError, match=r"W must have shape \(1, 16, 16\)"):
         m2rnn_scan(q, k, v, f, W[:, :8], kernel="triton")
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="give only one of doc_ids, cu_seqlens and ctx"):
         m2rnn_scan(q, k, v, f, W, doc_ids=torch.zeros(1, 8, dtype=torch.long, device=DEVICE),
                    cu_seqlens=torch.tensor([0, 8], dtype=torch.int32, device=DEVICE))  # fmt: skip
-    with pytest.raises(ValueError, match="cu_seqlens must rise strictly from 0 to S=8"):
-        m2rnn_scan(q, k, v, f, W, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE), kernel="triton")
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32 tensor"):  # structure: on any device
+        m2rnn_scan(q, k, v, f, W, cu_seqlens=torch.tensor([0, 8], device=DEVICE), kernel="triton")
+    # values (varlen.check_cu_seqlens): by name on the host; a device assert on a GPU, which would end the process
+    cpu = [t.cpu() for t in (q, k, v, f, W)]
+    with pytest.raises(ValueError, match="cu_seqlens do not cover the 8 tokens: they end at 5"):
+        m2rnn_scan(*cpu, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32), kernel="reference")
     with pytest.raises(ValueError, match=r"h0 must have shape \(1, 1, 16, 16\)"):
         m2rnn_scan(q, k, v, f, W, h0[:, :, :8], kernel="triton")
 

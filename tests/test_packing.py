@@ -62,7 +62,7 @@ def test_positions_not_advancing_names_row_and_offset():
         ("positions", torch.zeros(2, 8, dtype=torch.float32), r"positions dtype must be int32 or int64"),
         ("tokens", torch.zeros(2, 8, dtype=torch.float32), r"tokens dtype must be an integer type"),
         ("tokens", torch.zeros(16, dtype=torch.int64), r"tokens must be \[B,T\]"),
-        ("cu_seqlens", torch.tensor([0, 3, 5, 8, 9, 14, 16]), r"cu_seqlens dtype must be int32"),
+        ("cu_seqlens", torch.tensor([0, 3, 5, 8, 9, 14, 16]), r"cu_seqlens must be a 1-D int32 tensor"),
     ],
 )
 def test_shape_and_dtype_mismatches(field, value, message):
@@ -76,10 +76,10 @@ def test_shape_and_dtype_mismatches(field, value, message):
 def test_cu_seqlens_not_covering_T_names_row_and_offset():
     b = _batch()
     short = torch.tensor([0, 3, 5, 8, 9, 14], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"cu_seqlens do not cover T: they end at 14 .*row 1, offset 6 onward"):
+    with pytest.raises(ValueError, match=r"cu_seqlens do not cover the 16 tokens: they end at 14 .*row 1, offset 6 onward"):
         PackedBatch(b.tokens, b.doc_ids, b.positions, short)
     long = torch.tensor([0, 3, 5, 8, 9, 14, 20], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"past B\*T"):
+    with pytest.raises(ValueError, match=r"they end at 20, past them"):
         PackedBatch(b.tokens, b.doc_ids, b.positions, long)
 
 

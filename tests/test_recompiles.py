@@ -121,13 +121,13 @@ def test_compiled_m2rnn_scan_of_one_document_reuses_the_graph(grad):
     q, k, v = (torch.randn(1, T, H, K, generator=g).mul(0.5).to(DEV).requires_grad_(grad) for _ in range(3))
     f = torch.sigmoid(torch.randn(1, T, H, generator=g)).to(DEV).requires_grad_(grad)
     W = torch.randn(H, V, V, generator=g).mul(0.1).to(DEV).requires_grad_(grad)
-    scan = torch.compile(lambda ctx: m2rnn_scan(q, k, v, f, W, context=ctx, chunk=16, kernel="triton"),
+    scan = torch.compile(lambda ctx: m2rnn_scan(q, k, v, f, W, ctx=ctx, chunk=16, kernel="triton"),
                          backend="aot_eager", fullgraph=True)  # fmt: skip
     with torch.set_grad_enabled(grad):
         for docs in (4, 1):
             ctx = build_context(_batch(docs, docs)[1]).to(DEV)
             y = scan(ctx)
-            ref = m2rnn_scan(q, k, v, f, W, context=ctx, chunk=16, kernel="reference")
+            ref = m2rnn_scan(q, k, v, f, W, ctx=ctx, chunk=16, kernel="reference")
             torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
             if grad:
                 dy = torch.randn_like(y)

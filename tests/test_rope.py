@@ -164,7 +164,7 @@ def test_bad_inputs_fail_closed() -> None:
     if DEV == "cpu":  # value checks run on the host for CPU tensors (device asserts on the GPU)
         with pytest.raises(ValueError, match=r"positions\[3\] = 9"):
             mla_rope_q_(q.clone(), cos, sin, 4, positions=torch.tensor([0, 1, 2, 9, 0, 1, 2, 3]))
-        with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        with pytest.raises(ValueError, match="cu_seqlens do not cover the 8 tokens: they end at 7"):
             mla_rope_q_(q.view(8, 2, 12).clone(), cos, sin, 4, cu_seqlens=torch.tensor([0, 5, 7], dtype=torch.int32))
 
 
@@ -273,14 +273,14 @@ def test_ops_skip_value_checks_only_when_told_validated() -> None:
     x = torch.randn(8, 2, 12, device=DEV)
     bad = torch.tensor([0, 5, 7], dtype=torch.int32, device=DEV)  # ends short of the 8 tokens
     if DEV == "cpu":
-        with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        with pytest.raises(ValueError, match="cu_seqlens do not cover the 8 tokens: they end at 7"):
             mla_rope_q_op(x.clone(), cos, sin, None, bad, 4, False)
     good = torch.tensor([0, 5, 8], dtype=torch.int32, device=DEV)
     y = x.clone()
     with no_host_reads():
         mla_rope_q_op(y, cos, sin, None, good, 4, False, validated=True)
     torch.testing.assert_close(y, mla_rope_q_reference(x, cos, sin, 4, cu_seqlens=good))
-    with pytest.raises(ValueError, match="cu_seqlens must be 1-D int32"):  # structure is checked even when validated
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32 tensor"):  # structure is checked even when validated
         mla_rope_q_op(x.clone(), cos, sin, None, good.long(), 4, False, validated=True)
 
 

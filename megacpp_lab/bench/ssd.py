@@ -22,7 +22,7 @@ from megacpp_lab.bench import bench_device, output_root, require_triton_interpre
 from megacpp_lab.kernels.ssd import ssd_chunked_torch, ssd_scan, ssd_scan_reference
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, sync, time_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
-from megacpp_lab.varlen import packed_cu_seqlens
+from megacpp_lab.varlen import PackedContext, build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
 # The issue's bar, each measured in the same run at the main shape.
 BAR = {
@@ -140,17 +140,20 @@ def _scan_fns(scan: Callable[..., torch.Tensor], inputs: list[torch.Tensor], cu:
     return fwd, fwd_bwd
 
 
-def lab_triton(chunk: int) -> Callable[..., torch.Tensor]:
-    """The Triton op as the model calls it: cu_seqlens checked once per batch beforehand (the PackedContext's
-    job; here `_validate`), so the call makes no host sync. Validation is measured by neither contender."""
-    return lambda x, dt, A, Bm, Cm, cu: ssd_scan(x, dt, A, Bm, Cm, cu_seqlens=cu, chunk=chunk, kernel="triton",
-                                                 cu_seqlens_validated=True)  # fmt: skip
+def lab_triton(chunk: int, ctx: PackedContext) -> Callable[..., torch.Tensor]:
+    """The Triton op as the model calls it: with the batch's PackedContext, built and validated once per batch
+    beforehand (`_validate`), so the call checks and reads back nothing (its cu argument is ctx.cu_seqlens).
+    Validation is measured by no contender."""
+    return lambda x, dt, A, Bm, Cm, cu: ssd_scan(x, dt, A, Bm, Cm, ctx=ctx, chunk=chunk, kernel="triton")
 
 
-def _validate(inputs: list[torch.Tensor], cu: torch.Tensor) -> None:
-    """The public entry's full input checks, cu_seqlens values included (fails closed on a bad batch)."""
+def _validate(inputs: list[torch.Tensor], cu: torch.Tensor) -> PackedContext:
+    """The public entry's full input checks, cu_seqlens values included (fails closed on a bad batch), and the
+    batch's PackedContext (build_context validates the layout once, as the training loop does)."""
     with torch.no_grad():
         ssd_scan(*inputs, cu_seqlens=cu, kernel="chunked")
+    B, T = inputs[0].shape[:2]
+    return build_context(doc_ids_from_cu_seqlens(cu, B, T), cu_seqlens=cu)
 
 
 def eager_chunked(chunk: int) -> Callable[..., torch.Tensor]:
@@ -266,7 +269,7 @@ def bench_ssd(shape: SSDShape = FULL_SHAPE, ref_shape: SSDShape = FULL_REF_SHAPE
     t_start = time.perf_counter()
     inputs, cu = make_inputs(shape, dtype, device)
     dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    _validate(inputs, cu)
+    ctx = _validate(inputs, cu)
     y_ref, grads_ref = _oracle(inputs, cu, dy, shape.chunk)
     bar = tqdm(total=4, desc="ssd contenders", disable=not progress)
     results: list[dict[str, Any]] = []
@@ -274,7 +277,7 @@ def bench_ssd(shape: SSDShape = FULL_SHAPE, ref_shape: SSDShape = FULL_REF_SHAPE
     warm = rep > 1
 
     # the lab's Triton op
-    fwd, fwd_bwd = _scan_fns(lab_triton(shape.chunk), inputs, cu, dy)
+    fwd, fwd_bwd = _scan_fns(lab_triton(shape.chunk, ctx), inputs, cu, dy)
     (y, t_fwd), (grads, t_fwd_bwd) = _timed(fwd, device), _timed(fwd_bwd, device)
     lab: dict[str, Any] = {"contender": "triton", "first_call_s": t_fwd + t_fwd_bwd, "max_abs_err": _err(y, y_ref)}
     lab |= _grad_errors(grads, grads_ref)
@@ -321,10 +324,10 @@ def bench_ssd(shape: SSDShape = FULL_SHAPE, ref_shape: SSDShape = FULL_REF_SHAPE
     # the step loop, at a shorter length; the Triton op beside it at that length
     r_inputs, r_cu = make_inputs(ref_shape, dtype, device, seed=2)
     r_dy = torch.randn(r_inputs[0].shape, generator=torch.Generator().manual_seed(3)).to(device, dtype)
-    _validate(r_inputs, r_cu)
+    r_ctx = _validate(r_inputs, r_cu)
     r_y_ref, r_grads_ref = _oracle(r_inputs, r_cu, r_dy, ref_shape.chunk)
     for contender, fn in (("reference step loop", lambda *a: ssd_scan_reference(*a)),
-                          ("triton (at the step loop's shape)", lab_triton(ref_shape.chunk))):  # fmt: skip
+                          ("triton (at the step loop's shape)", lab_triton(ref_shape.chunk, r_ctx))):  # fmt: skip
         fwd, fwd_bwd = _scan_fns(fn, r_inputs, r_cu, r_dy)
         row = {"contender": contender, "shape": asdict(ref_shape), "max_abs_err": _err(fwd(), r_y_ref)}
         row |= _grad_errors(fwd_bwd(), r_grads_ref)
@@ -377,8 +380,8 @@ def bench_ssd(shape: SSDShape = FULL_SHAPE, ref_shape: SSDShape = FULL_REF_SHAPE
             "only. The step-loop rows run at their own shape (row 'shape'), beside the Triton op at that shape; "
             "speedup_of_triton = step-loop ms / Triton ms there. Triton row: speedup = chunked ms / Triton ms, "
             "fwd_vs_fla_fwd = Triton fwd_ms / fla fwd_ms, peak_vs_compiled = Triton peak_mib / compiled peak_mib. "
-            "The Triton op is timed as the model calls it, cu_seqlens validated once per batch beforehand "
-            "(cu_seqlens_validated=True: no host sync in the call). first_call_s: the first forward and "
+            "The Triton op is timed as the model calls it, with the batch's PackedContext, built and validated "
+            "once per batch beforehand (ctx=: no check and no host sync in the call). first_call_s: the first forward and "
             "forward+backward calls (Triton JIT, fla's autotuning), not in any timing."
         ),
     )  # fmt: skip
@@ -406,9 +409,9 @@ def bench_ssd_sweep(shape: SSDShape = FULL_SHAPE, seq_lens: tuple[int, ...] = FU
     for series, s in tqdm(sweep_shapes(shape, seq_lens, docs), desc="ssd sweep", disable=not progress):
         inputs, cu = make_inputs(s, dtype, device)
         dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-        _validate(inputs, cu)
+        ctx = _validate(inputs, cu)
         y_ref, _ = _oracle(inputs, cu, None, s.chunk)
-        scans = (("triton", lab_triton(s.chunk)), (chunked_name, chunked(s.chunk)))
+        scans = (("triton", lab_triton(s.chunk, ctx)), (chunked_name, chunked(s.chunk)))
         rows = []
         for name, scan in scans:
             fwd, fwd_bwd = _scan_fns(scan, inputs, cu, dy)
@@ -531,7 +534,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     if trace:
         inputs, cu = make_inputs(shape, dtype, device)
         dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-        _, fwd_bwd = _scan_fns(lab_triton(shape.chunk), inputs, cu, dy)
+        _, fwd_bwd = _scan_fns(lab_triton(shape.chunk, _validate(inputs, cu)), inputs, cu, dy)
         path, _ = profile_trace(fwd_bwd, root / device_slug(main["device"]) / "ssd", "ssd_triton",
                                 steps=1 if small else 2, warmup=1 if small else 2)  # fmt: skip
         written.append(path)

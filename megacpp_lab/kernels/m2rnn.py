@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import TRITON_INTERPRET, warn_at_caller
-from megacpp_lab.varlen import PackedContext
+from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = [
     "DEFAULT_KERNEL",
@@ -445,7 +445,7 @@ def m2rnn_scan(
     *,
     doc_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    context: PackedContext | None = None,
+    ctx: PackedContext | None = None,
     chunk: int = 64,
     grad_clip: float = 0.0,
     kernel: str = "auto",
@@ -454,8 +454,9 @@ def m2rnn_scan(
 
     Document starts reset the state to h0: give doc_ids [B,S] (h0 is [B,H,K,V], one per row),
     or cu_seqlens [N+1] int32 for packed varlen input with B=1 (h0 is [N,H,K,V], one per
-    sequence), or a PackedContext (the rows are flattened and scanned one program per document, from
-    its validated cu_seqlens; h0 is [N,H,K,V]), or none (each row is one document). h0=None means zeros.
+    sequence; checked here, varlen.check_cu_seqlens), or ctx, the batch's PackedContext (the rows are
+    flattened and scanned one program per document, from its cu_seqlens, validated when it was built;
+    h0 is [N,H,K,V]), or none (each row is one document). h0=None means zeros.
     """
     if q.dim() != 4:
         raise ValueError(f"q must be [B,S,H,K], got shape {tuple(q.shape)}")
@@ -468,32 +469,28 @@ def m2rnn_scan(
     _check("f", f, (B, S, H))
     _check("W", W, (H, V, V))
     _check("q", q, (B, S, H, K))
-    if (doc_ids is not None) + (cu_seqlens is not None) + (context is not None) > 1:
-        raise ValueError("give only one of doc_ids, cu_seqlens and context (not both)")
+    if (doc_ids is not None) + (cu_seqlens is not None) + (ctx is not None) > 1:
+        raise ValueError("give only one of doc_ids, cu_seqlens and ctx")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    if context is not None:  # validated when it was built: flatten the rows, one program per document
-        if context.shape != (B, S):
-            raise ValueError(f"context is for [B,S] = {context.shape}, the input is {(B, S)}")
+    if ctx is not None:  # validated when it was built: flatten the rows, one program per document
+        if ctx.shape != (B, S):
+            raise ValueError(f"ctx is for [B,S] = {ctx.shape}, the input is {(B, S)}")
         if resolve_kernel(kernel, q.device) == "reference":  # the step loop over rows, not over B*S steps
             if h0 is None:
-                h0 = torch.zeros((context.n_seqs, H, K, V), device=q.device, dtype=torch.float32)
-            _check("h0", h0, (context.n_seqs, H, K, V))
-            return m2rnn_scan_reference(q, k, v, f, W, h0, context.starts, context.seq_index.view(B, S), grad_clip)
+                h0 = torch.zeros((ctx.n_seqs, H, K, V), device=q.device, dtype=torch.float32)
+            _check("h0", h0, (ctx.n_seqs, H, K, V))
+            return m2rnn_scan_reference(q, k, v, f, W, h0, ctx.starts, ctx.seq_index.view(B, S), grad_clip)
         N = B * S
         y = _scan(q.reshape(1, N, H, K), k.reshape(1, N, H, K), v.reshape(1, N, H, V), f.reshape(1, N, H), W, h0,
-                  context.cu_seqlens, context.starts.reshape(1, N), context.seq_index.view(1, N), chunk, grad_clip,
+                  ctx.cu_seqlens, ctx.starts.reshape(1, N), ctx.seq_index.view(1, N), chunk, grad_clip,
                   kernel)  # fmt: skip
         return y.view(B, S, H, V)
     dev = q.device
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens needs packed input with B=1, got B={B}")
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be 1-D int32 with >= 2 entries, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-        if not torch.compiler.is_compiling():
-            if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != S or bool((cu_seqlens[1:] <= cu_seqlens[:-1]).any()):
-                raise ValueError(f"cu_seqlens must rise strictly from 0 to S={S}, got {cu_seqlens.tolist()[:8]}...")
+        check_cu_seqlens(cu_seqlens, S, device=dev)
         ranges = cu_seqlens.to(dev)
         reset = torch.zeros(S, dtype=torch.int8, device=dev)
         reset[ranges[:-1].long()] = 1

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import TRITON_INTERPRET
+from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = [
     "KERNELS",
@@ -73,10 +74,10 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 def validate_ssd_inputs(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor | None, *, cu_seqlens_validated: bool = False,
+    cu_seqlens: torch.Tensor | None, *, validated: bool = False,
 ) -> None:  # fmt: skip
-    """Fail closed, naming the argument. The cu_seqlens value checks sync with the host, so they run
-    in eager only, and not at all for cu_seqlens a PackedContext already validated."""
+    """Fail closed, naming the argument. cu_seqlens are checked by varlen.check_cu_seqlens: their structure
+    always, their values unless `validated` (a PackedContext's, checked when it was built)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be [B,T,H,P], got shape {tuple(getattr(x, 'shape', ()))}")
     B, T, H, P = x.shape
@@ -90,29 +91,8 @@ def validate_ssd_inputs(
     _check("A", A, (H,))
     _check("Bm", Bm, (B, T, G, N))
     _check("Cm", Cm, (B, T, G, N))
-    if cu_seqlens is None:
-        return
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
-                         f"{tuple(getattr(cu_seqlens, 'shape', ()))}")  # fmt: skip
-    if cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must hold >= 2 entries (0 and B*T), got {cu_seqlens.numel()}")
-    if cu_seqlens.device != x.device:
-        raise ValueError(f"cu_seqlens must be on x's device {x.device}, got {cu_seqlens.device}")
-    if torch.compiler.is_compiling() or cu_seqlens_validated:
-        return
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={cu[0]}")
-    bad = next((i for i in range(1, len(cu)) if cu[i] <= cu[i - 1]), None)
-    if bad is not None:
-        raise ValueError(f"cu_seqlens must be strictly increasing, got cu_seqlens[{bad - 1}:{bad + 1}]={cu[bad - 1:bad + 1]}")
-    if cu[-1] != B * T:
-        raise ValueError(f"cu_seqlens must end at B*T={B * T}, got cu_seqlens[-1]={cu[-1]}")
-    starts = set(cu)
-    row = next((b for b in range(B) if b * T not in starts), None)
-    if row is not None:
-        raise ValueError(f"cu_seqlens must start a document at every row start: row {row} (offset {row * T}) is not one")
+    if cu_seqlens is not None and not validated:
+        check_cu_seqlens(cu_seqlens, B * T, device=x.device, row_len=T)
 
 
 def _per_head(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -549,16 +529,24 @@ def _pow2_at_least_16(name: str, n: int) -> None:
 
 def ssd_scan(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    *, cu_seqlens: torch.Tensor | None = None, chunk: int = 64, kernel: str = "auto",
-    cu_seqlens_validated: bool = False,
+    *, cu_seqlens: torch.Tensor | None = None, ctx: PackedContext | None = None, chunk: int = 64,
+    kernel: str = "auto",
 ) -> torch.Tensor:  # fmt: skip
     """The SSD scan over packed rows; returns y [B,T,H,P] in x's dtype (see the module docstring).
 
-    kernel: "triton" (the custom op; CUDA, or CPU under TRITON_INTERPRET=1), "chunked" (plain torch,
-    compilable: the CPU path), "reference" (the step loop), or "auto": Triton on CUDA, chunked elsewhere.
-    cu_seqlens_validated=True (from a PackedContext) skips the host-side value checks of cu_seqlens.
+    The documents: ctx, the batch's PackedContext (its cu_seqlens, validated when it was built: nothing is
+    checked or read back here), or bare cu_seqlens (checked here, varlen.check_cu_seqlens), or neither (each
+    row one document). kernel: "triton" (the custom op; CUDA, or CPU under TRITON_INTERPRET=1), "chunked"
+    (plain torch, compilable: the CPU path), "reference" (the step loop), or "auto": Triton on CUDA, chunked
+    elsewhere.
     """
-    validate_ssd_inputs(x, dt, A, Bm, Cm, cu_seqlens, cu_seqlens_validated=cu_seqlens_validated)
+    if ctx is not None:
+        if cu_seqlens is not None:
+            raise ValueError("give ctx or cu_seqlens, not both")
+        if ctx.shape != tuple(x.shape[:2]):
+            raise ValueError(f"ctx is for [B,T] = {ctx.shape}, x is {tuple(x.shape)}")
+        cu_seqlens = ctx.cu_seqlens
+    validate_ssd_inputs(x, dt, A, Bm, Cm, cu_seqlens, validated=ctx is not None)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if not isinstance(chunk, int) or chunk < 1:

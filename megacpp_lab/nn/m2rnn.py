@@ -147,7 +147,7 @@ class M2RNN(nn.Module):
             conv_ids = (torch.searchsorted(cu_seqlens, torch.arange(S, device=x.device, dtype=cu_seqlens.dtype), right=True) - 1).view(1, S)
         q, k, v, f, gate = self._inputs(x, lambda qkv: self.conv(qkv, conv_ids))
         y = m2rnn_scan(
-            q, k, v, f, self.W.to(q.dtype), doc_ids=doc_ids, cu_seqlens=cu_seqlens, context=ctx, chunk=c.chunk,
+            q, k, v, f, self.W.to(q.dtype), doc_ids=doc_ids, cu_seqlens=cu_seqlens, ctx=ctx, chunk=c.chunk,
             grad_clip=c.gradient_clipping, kernel=kernel or c.kernel,
         )  # fmt: skip
         return self._output(y, v, gate)

@@ -116,8 +116,8 @@ class SSD(nn.Module):
             cu_seqlens = None
         z, xs, Bm, Cm, dt = self._inputs(x, lambda xbc: self.conv(xbc, doc_ids))
         A = -torch.exp(self.A_log.float())
-        y = ssd_scan(xs, dt, A, Bm, Cm, cu_seqlens=cu_seqlens, chunk=c.chunk, kernel=kernel or c.kernel,
-                     cu_seqlens_validated=ctx is not None)  # fmt: skip
+        y = ssd_scan(xs, dt, A, Bm, Cm, cu_seqlens=cu_seqlens if ctx is None else None, ctx=ctx, chunk=c.chunk,
+                     kernel=kernel or c.kernel)  # fmt: skip
         return self._output(y, xs, z)
 
     def _inputs(self, x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
