@@ -29,6 +29,7 @@ __all__ = [
     "check_cu_seqlens",
     "copy_to_device",
     "check_doc_ids",
+    "context_positions",
     "cu_seqlens_from_doc_ids",
     "doc_causal_block_mask",
     "doc_causal_shift",
@@ -36,7 +37,6 @@ __all__ = [
     "doc_starts",
     "packed_cu_seqlens",
     "positions_from_doc_ids",
-    "resolve_doc_ids",
     "same_doc_as_lag",
     "sequence_index",
     "validate_packed_layout",
@@ -106,37 +106,31 @@ def doc_causal_block_mask(doc_ids: torch.Tensor | None, *, batch: int | None = N
 # previous document, exactly as if each document had been left-padded on its own.
 
 
-def same_doc_as_lag(doc_ids: torch.Tensor, lag: int) -> torch.Tensor:
-    """Bool [B,T]: True where position t-lag exists and belongs to the same document as t."""
+def same_doc_as_lag(positions: torch.Tensor, lag: int) -> torch.Tensor:
+    """Bool [B,T]: True where position t-lag exists and belongs to the same document as t, read from each
+    token's offset inside its document (a PackedContext's positions): exactly where that offset is >= lag."""
     if lag < 0:
         raise ValueError(f"lag must be >= 0, got {lag}")
-    T = doc_ids.shape[1]
-    if lag == 0:
-        return torch.ones_like(doc_ids, dtype=torch.bool)
-    if lag >= T:
-        return torch.zeros_like(doc_ids, dtype=torch.bool)
-    # functional (no in-place slice write): Inductor fuses it into the consumer
-    return F.pad(doc_ids[:, lag:] == doc_ids[:, : T - lag], (lag, 0), value=False)
+    return positions >= lag
 
 
 def doc_causal_shift(
-    x: torch.Tensor, doc_ids: torch.Tensor | None, lag: int, *, fill: float | int = 0
+    x: torch.Tensor, positions: torch.Tensor | None, lag: int, *, fill: float | int = 0
 ) -> torch.Tensor:
     """x[:, t-lag] placed at t, `fill` where t-lag is before the row or in another document.
 
-    x is [B,T,...]; doc_ids is [B,T] or None (one document per row). Token ids use
-    fill=pad_id, hidden states the default zero.
+    x is [B,T,...]; positions [B,T] is each token's offset inside its document (a PackedContext's
+    positions), or None (one document per row). Token ids use fill=pad_id, hidden states the default zero.
     """
     if lag == 0:
         return x
     B, T = x.shape[:2]
     if lag >= T:
-        shifted = torch.full_like(x, fill)
-    else:
-        shifted = F.pad(x[:, : T - lag], [0, 0] * (x.dim() - 2) + [lag, 0], value=fill)
-    if doc_ids is None:
+        return torch.full_like(x, fill)
+    shifted = F.pad(x[:, : T - lag], [0, 0] * (x.dim() - 2) + [lag, 0], value=fill)
+    if positions is None:
         return shifted
-    mask = same_doc_as_lag(doc_ids, lag).view(B, T, *([1] * (x.dim() - 2)))
+    mask = same_doc_as_lag(positions, lag).view(B, T, *([1] * (x.dim() - 2)))
     # where, not multiply: 0 * inf from another document would still leak a NaN
     return torch.where(mask, shifted, torch.full((), fill, dtype=x.dtype, device=x.device))
 
@@ -176,18 +170,17 @@ def check_doc_ids(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> None:
         )
 
 
-def resolve_doc_ids(doc_ids: torch.Tensor | None, ctx: PackedContext | None,
-                    shape: tuple[int, int]) -> torch.Tensor | None:  # fmt: skip
-    """The document ids a layer of input [B,T] = shape uses: its context's, validated when it was built,
-    or bare doc_ids, checked here (check_doc_ids). Never both."""
+def context_positions(ctx: PackedContext | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The positions a layer of input [B,T,...] = shape reads its look-back masks from: its context's
+    (validated when it was built), or None without one (one document per row). A context of another batch
+    shape fails closed."""
     if ctx is None:
-        check_doc_ids(doc_ids, shape)
-        return doc_ids
-    if doc_ids is not None:
-        raise ValueError("give ctx or doc_ids, not both")
-    if ctx.shape != tuple(shape):
-        raise ValueError(f"ctx is for [B,T] = {ctx.shape}, the input is {tuple(shape)}")
-    return ctx.doc_ids
+        return None
+    if not isinstance(ctx, PackedContext):
+        raise TypeError(f"ctx must be a PackedContext (megacpp_lab.varlen.build_context), got {type(ctx).__name__}")
+    if ctx.shape != tuple(shape[:2]):
+        raise ValueError(f"ctx is for [B,T] = {ctx.shape}, the input is {tuple(shape[:2])}")
+    return ctx.positions
 
 
 def packed_cu_seqlens(B: int, T: int, docs: int, generator: torch.Generator) -> torch.Tensor:

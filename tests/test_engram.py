@@ -1,4 +1,4 @@
-"""EngramBranch: modes, conv implementations, doc-id threading, RMSNorm tripwires, compile."""
+"""EngramBranch: modes, conv implementations, the packed context threaded through, RMSNorm tripwires, compile."""
 
 import pytest
 import torch
@@ -8,9 +8,11 @@ from torch import nn
 from megacpp_lab.data import PackedBatch, boundary_windows, load_sample
 from megacpp_lab.nn.engram import EngramBranch, EngramConfig, causal_local_averages
 from megacpp_lab.nn.primitives import CONV_IMPLS, DocCausalDepthwiseConv, ParameterFreeRMSNorm
-from megacpp_lab.testing import TokenMixer, check_leaks
+from megacpp_lab.testing import TokenMixer, check_leaks, with_doc_ids
+from megacpp_lab.varlen import build_context
 
 DOC_IDS = torch.tensor([[0] * 10 + [1] * 5 + [2] * 1 + [3] * 16, [0] * 3 + [1] * 29])
+CTX = build_context(DOC_IDS)
 MODES = {"minimal": dict(gated=False, conv_kernel=0), "gated": dict(gated=True, conv_kernel=4)}
 
 
@@ -36,7 +38,7 @@ def test_minimal_mode_is_identity_at_step_zero():
     cfg = EngramConfig(d_model=16, bottleneck=8, gated=False, conv_kernel=0)
     branch = EngramBranch(cfg)
     h = torch.randn(2, 32, 16)
-    out = branch(h, DOC_IDS)
+    out = branch(h, ctx=CTX)
     assert torch.equal(h + out, h) and out.abs().max() == 0
     (out * torch.randn_like(h)).sum().backward()  # the zero out_proj still learns
     assert branch.out_proj.weight.grad.abs().max() > 0
@@ -45,7 +47,7 @@ def test_minimal_mode_is_identity_at_step_zero():
 
 def test_local_averages_equal_per_document_avg_pool():
     u = torch.randn(2, 32, 8, dtype=torch.float64)
-    got = causal_local_averages(u, DOC_IDS, (2, 3, 4))
+    got = causal_local_averages(u, CTX.positions, (2, 3, 4))
     for i, n in enumerate((2, 3, 4)):
         pool = lambda v, n=n: F.avg_pool1d(F.pad(v.transpose(1, 2), (n - 1, 0)), n, stride=1).transpose(1, 2)
         assert torch.allclose(got[:, :, i], _per_document(pool, u, DOC_IDS), atol=1e-12)
@@ -57,7 +59,7 @@ def test_conv_equals_per_document_left_padded_conv1d(impl):
     conv = DocCausalDepthwiseConv(8, 4, impl).double()
     x = torch.randn(2, 32, 8, dtype=torch.float64)
     ref_conv = lambda v: F.conv1d(F.pad(v.transpose(1, 2), (3, 0)), conv.weight, conv.bias, groups=8).transpose(1, 2)
-    assert torch.allclose(conv(x, DOC_IDS), _per_document(ref_conv, x, DOC_IDS), atol=1e-12)
+    assert torch.allclose(conv(x, CTX), _per_document(ref_conv, x, DOC_IDS), atol=1e-12)
     assert torch.allclose(conv(x, None), ref_conv(x), atol=1e-12)
 
 
@@ -66,12 +68,12 @@ def test_conv_impls_give_the_same_numbers(mode):
     x = torch.randn(2, 32, 16, dtype=torch.float64)
     a, b = _branch(mode, "maxtext_depthwise"), _branch(mode, "xla_safe")
     b.load_state_dict(a.state_dict())
-    for doc_ids in (DOC_IDS, None):
-        assert torch.allclose(a(x, doc_ids), b(x, doc_ids), atol=1e-12, rtol=0)
+    for ctx in (CTX, None):
+        assert torch.allclose(a(x, ctx=ctx), b(x, ctx=ctx), atol=1e-12, rtol=0)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     g = torch.randn_like(x)
-    (a(xa, DOC_IDS) * g).sum().backward()
-    (b(xb, DOC_IDS) * g).sum().backward()
+    (a(xa, ctx=CTX) * g).sum().backward()
+    (b(xb, ctx=CTX) * g).sum().backward()
     assert torch.allclose(xa.grad, xb.grad, atol=1e-12)
     assert torch.allclose(a.conv.weight.grad, b.conv.weight.grad, atol=1e-10) if a.conv is not None else True
 
@@ -81,7 +83,7 @@ def test_conv_isolation_survives_nan_in_previous_document():
     x = torch.randn(1, 12, 4)
     doc_ids = torch.tensor([[0] * 6 + [1] * 6])
     x[0, 5] = float("nan")
-    y = conv(x, doc_ids)
+    y = conv(x, build_context(doc_ids))
     assert torch.isfinite(y[0, 6:]).all()
 
 
@@ -96,7 +98,7 @@ def _real_rows(T: int = 96) -> tuple[torch.Tensor, torch.Tensor]:
 def test_leak_harness_passes_on_real_packed_rows(mode, impl):
     tokens, doc_ids = _real_rows()
     assert (doc_ids[:, -1] > doc_ids[:, 0]).all()
-    model = TokenMixer(259, 16, _branch(mode, impl)).double()
+    model = TokenMixer(259, 16, with_doc_ids(_branch(mode, impl))).double()
     report = check_leaks(model, tokens, doc_ids, vocab_size=259, causal_positions=range(0, 96, 5))
     assert report.passed, str(report)
 
@@ -105,7 +107,7 @@ def test_leak_harness_passes_on_real_packed_rows(mode, impl):
 def test_tripwire_withheld_doc_ids_is_flagged(mode):
     """The historical bug: Engram mixed documents when doc_ids were not threaded through."""
     tokens, doc_ids = _real_rows()
-    model = TokenMixer(259, 16, _branch(mode)).double()
+    model = TokenMixer(259, 16, with_doc_ids(_branch(mode))).double()
     report = check_leaks(lambda t, d: model(t, None), tokens, doc_ids, vocab_size=259, causal=False)
     assert not report.passed
     v = report.cross_doc
@@ -172,7 +174,7 @@ def test_gated_branch_compiles_with_zero_graph_breaks():
     cfg = EngramConfig(d_model=16, bottleneck=8)
     branch = EngramBranch(cfg)
     x = torch.randn(2, 32, 16)
-    explained = torch._dynamo.explain(branch)(x, DOC_IDS)
+    explained = torch._dynamo.explain(branch)(x, ctx=CTX)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
@@ -186,12 +188,12 @@ def test_compiled_gated_branch_matches_eager_fwd_bwd():
     x = torch.randn(2, 32, 32)
     xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
     g = torch.randn_like(x)
-    (branch(xe, DOC_IDS) * g).sum().backward()
+    (branch(xe, ctx=CTX) * g).sum().backward()
     eager_grads = [p.grad.clone() for p in branch.parameters()]
     branch.zero_grad()
-    yc = compiled(xc, DOC_IDS)
+    yc = compiled(xc, ctx=CTX)
     (yc * g).sum().backward()
-    assert torch.allclose(yc, branch(x, DOC_IDS), atol=1e-5)
+    assert torch.allclose(yc, branch(x, ctx=CTX), atol=1e-5)
     assert torch.allclose(xc.grad, xe.grad, atol=1e-5)
     for p, ge in zip(branch.parameters(), eager_grads):
         assert torch.allclose(p.grad, ge, atol=1e-4)
@@ -201,8 +203,8 @@ def test_branch_rejects_bad_shapes():
     branch = EngramBranch(EngramConfig(d_model=16, bottleneck=8))
     with pytest.raises(ValueError, match=r"\[B,T,16\]"):
         branch(torch.randn(2, 8, 12))
-    with pytest.raises(ValueError, match="doc_ids shape"):
-        branch(torch.randn(2, 8, 16), torch.zeros(2, 7, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 7\), the input is \(2, 8\)"):
+        branch(torch.randn(2, 8, 16), ctx=build_context(torch.zeros(2, 7, dtype=torch.int64)))
 
 
 @pytest.mark.cuda
@@ -215,20 +217,22 @@ def test_gated_branch_bf16_on_gpu_matches_fp32_and_is_leak_free(impl):
     tokens, doc_ids = _real_rows(T=512)
     tokens, doc_ids = tokens.cuda(), doc_ids.cuda()
     h = torch.randn(2, 512, 256, device="cuda")
-    ref = branch(h, doc_ids)
-    out = branch.to(torch.bfloat16)(h.bfloat16(), doc_ids)
+    ctx = build_context(doc_ids)
+    ref = branch(h, ctx=ctx)
+    out = branch.to(torch.bfloat16)(h.bfloat16(), ctx=ctx)
     assert ((out.float() - ref).norm() / ref.norm()) < 2e-2
-    report = check_leaks(branch, h.bfloat16(), doc_ids, causal_positions=range(0, 512, 31))
+    report = check_leaks(with_doc_ids(branch), h.bfloat16(), doc_ids, causal_positions=range(0, 512, 31))
     assert report.passed, str(report)
 
 
-def test_branch_rejects_doc_ids_that_break_the_packed_contract():
+def test_branch_takes_a_packed_context_only():
+    """Bad doc_ids fail where the context is built (build_context, by row and offset); the branch itself takes
+    a PackedContext or nothing, and refuses anything else by name."""
     branch = EngramBranch(EngramConfig(d_model=16, bottleneck=8))
     h = torch.randn(1, 8, 16)
     with pytest.raises(ValueError, match=r"doc_ids go backwards at row 0, offset 3: 1 -> 0"):
-        branch(h, torch.tensor([[0, 0, 1, 0, 0, 0, 0, 0]]))
-    with pytest.raises(ValueError, match="doc_ids dtype"):
-        branch(h, torch.zeros(1, 8))
-    compiled = torch.compile(branch, backend="aot_eager", fullgraph=True)
-    with pytest.raises(RuntimeError, match="doc_ids go backwards"):
-        compiled(h, torch.tensor([[0, 0, 1, 0, 0, 0, 0, 0]]))
+        with_doc_ids(branch)(h, torch.tensor([[0, 0, 1, 0, 0, 0, 0, 0]]))
+    with pytest.raises(TypeError, match="ctx must be a PackedContext"):
+        branch(h, ctx=torch.zeros(1, 8, dtype=torch.int64))
+    with pytest.raises(TypeError, match="positional"):
+        branch(h, torch.zeros(1, 8, dtype=torch.int64))

@@ -21,6 +21,7 @@ from megacpp_lab.nn.engram import EngramBranch, EngramConfig
 from megacpp_lab.nn.primitives import ParameterFreeRMSNorm
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
+from megacpp_lab.varlen import PackedContext
 
 
 @dataclass(frozen=True)
@@ -38,14 +39,15 @@ SMALL_SWEEP_T = (128, 256)
 SMALL_REPS = {"rep": 1, "warmup": 0}  # a --small run is a smoke test: one timed call per contender
 
 
-def packed_doc_ids(B: int, T: int, device: torch.device | str) -> torch.Tensor:
-    """doc_ids of B rows of T tokens packed from real torch headers (realistic boundary density)."""
+def packed_context(B: int, T: int, device: torch.device | str) -> PackedContext:
+    """The PackedContext of B rows of T tokens packed from real torch headers (realistic boundary density):
+    built and validated once, on the host, then moved, as the training loop does."""
     tok = ByteTokenizer()
     docs = load_corpus(stride=7, max_bytes=int(B * T * 1.1) + 4096)
     packed = pack_documents([tok.encode(d.data) for d in docs], T, pad_id=tok.pad_id, max_rows=B)
     if packed.batch.batch_size < B:
         raise ValueError(f"the corpus filled only {packed.batch.batch_size} of {B} rows of {T} tokens")
-    return packed.batch.doc_ids.to(device)
+    return PackedContext.from_batch(packed.batch).to(device)
 
 
 def _branch(shape: EngramBenchShape, *, gated: bool, conv_impl: str, dtype: torch.dtype, device: str) -> EngramBranch:
@@ -62,17 +64,17 @@ def _branch(shape: EngramBenchShape, *, gated: bool, conv_impl: str, dtype: torc
     return branch.to(device=device, dtype=dtype)
 
 
-def _measure(module: nn.Module, x: torch.Tensor, doc_ids: torch.Tensor, grad: torch.Tensor, device: str,
+def _measure(module: nn.Module, x: torch.Tensor, ctx: PackedContext, grad: torch.Tensor, device: str,
              rep: int | None = None, warmup: int = 3) -> tuple[dict[str, float], torch.Tensor]:  # fmt: skip
     """Timings of fwd+bwd and fwd, and the output of the first call (for the error columns: taken from
     the call that compiled, so a compiled module is not compiled again for a no_grad forward)."""
     x = x.detach().requires_grad_(True)
 
     def fwd() -> torch.Tensor:
-        return module(x, doc_ids)
+        return module(x, ctx=ctx)
 
     def fwd_bwd() -> torch.Tensor:
-        y = module(x, doc_ids)
+        y = module(x, ctx=ctx)
         y.backward(grad)
         return y
 
@@ -112,14 +114,14 @@ def bench_engram_branch(
     rep: timed calls per contender (default 20 on CUDA, 5 on CPU)."""
     from tqdm.auto import tqdm
 
-    doc_ids = packed_doc_ids(shape.B, shape.T, device)
+    ctx = packed_context(shape.B, shape.T, device)
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(shape.B, shape.T, shape.C, generator=gen, device=device, dtype=dtype)
     grad = torch.randn(shape.B, shape.T, shape.C, generator=gen, device=device, dtype=dtype)
 
     reference = _branch(shape, gated=True, conv_impl="maxtext_depthwise", dtype=torch.float32, device=device)
     with torch.no_grad():
-        ref_out = reference(x.float(), doc_ids)
+        ref_out = reference(x.float(), ctx=ctx)
     del reference
 
     plan = contenders
@@ -133,7 +135,7 @@ def bench_engram_branch(
         torch._dynamo.reset()
         compiled = torch.compile(eager)
         for kind, module in (("eager", eager), ("compiled", compiled)):
-            stats, y = _measure(module, x, doc_ids, grad, device, rep=rep, warmup=warmup)
+            stats, y = _measure(module, x, ctx, grad, device, rep=rep, warmup=warmup)
             row: dict[str, Any] = {"contender": f"{kind} {label}", **stats}
             if kind == "compiled":
                 row["compile_s"] = row.pop("first_call_s")
@@ -157,11 +159,11 @@ def bench_engram_branch(
         results=results,
         device=device,
         notes=(
-            "forward+backward of EngramBranch on packed doc_ids from real torch headers; "
+            "forward+backward of EngramBranch on packed rows of real torch headers (their PackedContext, built once); "
             "compiled = torch.compile(branch) (inductor, default mode), per block; speedup = eager ms / compiled ms "
             "of the same mode in this run; max_abs_err = compiled vs eager output; rel_err = vs fp32 eager"
         ),
-        num_docs=int((doc_ids[:, 1:] != doc_ids[:, :-1]).sum() + shape.B),
+        num_docs=ctx.n_seqs,
     )
 
 
@@ -181,14 +183,14 @@ def bench_engram_sweep(
     results = []
     for T in tqdm(seq_lens, desc="engram T sweep", disable=not progress):
         s = EngramBenchShape(B=shape.B, T=T, C=shape.C, bottleneck=shape.bottleneck)
-        doc_ids = packed_doc_ids(s.B, T, device)
+        ctx = packed_context(s.B, T, device)
         x = torch.randn(s.B, T, s.C, device=device, dtype=dtype)
         grad = torch.randn_like(x)
         eager = _branch(s, gated=True, conv_impl="maxtext_depthwise", dtype=dtype, device=device)
         torch._dynamo.reset()
         compiled = torch.compile(eager)
         for kind, module in (("eager", eager), ("compiled", compiled)):
-            stats, _ = _measure(module, x, doc_ids, grad, device, rep=rep, warmup=warmup)
+            stats, _ = _measure(module, x, ctx, grad, device, rep=rep, warmup=warmup)
             stats.pop("first_call_s")
             results.append({"contender": kind, "shape": asdict(s), **stats, "tokens_per_s": s.B * T / (stats["ms"] / 1e3)})
     return make_receipt(
@@ -257,11 +259,11 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
         branch = _branch(shape, gated=True, conv_impl="maxtext_depthwise", dtype=dtype, device=device)
         torch._dynamo.reset()
         compiled = torch.compile(branch)
-        doc_ids = packed_doc_ids(shape.B, shape.T, device)
+        ctx = packed_context(shape.B, shape.T, device)
         x = torch.randn(shape.B, shape.T, shape.C, device=device, dtype=dtype, requires_grad=True)
         g = torch.randn_like(x)
         path, _ = profile_trace(
-            lambda: compiled(x, doc_ids).backward(g),
+            lambda: compiled(x, ctx=ctx).backward(g),
             root / device_slug(main["device"]) / "engram",
             "engram_gated_compiled",
             steps=1 if small else 2,

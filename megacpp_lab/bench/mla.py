@@ -199,16 +199,16 @@ def bench_memory(*, small: bool = False, dtype: torch.dtype = torch.bfloat16, de
     }
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(B, T, base["d_model"], generator=g, device=device).to(dtype).requires_grad_()
-    doc_ids = (torch.arange(T, device=device) >= T // 3).long().expand(B, T).contiguous()
+    ctx = build_context((torch.arange(T) >= T // 3).long().expand(B, T).contiguous()).to(device)
     results = []
     for name, flags in variants.items():
         torch.manual_seed(0)
         layer = MultiLatentAttention(MLAConfig.build(**base, **flags)).to(device=device, dtype=dtype)
-        step = lambda: layer(x, doc_ids).float().square().mean().backward()  # noqa: E731
+        step = lambda: layer(x, ctx=ctx).float().square().mean().backward()  # noqa: E731
         step()
         params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
         with _saved_storages() as saved:
-            layer(x, doc_ids)  # activations kept for the backward (inside a checkpoint: only its inputs)
+            layer(x, ctx=ctx)  # activations kept for the backward (inside a checkpoint: only its inputs)
         mib = sum(n for ptr, n in saved.items() if ptr not in params) / 2**20
         row = {"contender": name, "saved_mib": mib, "ms": time_ms(step, warmup=2, rep=10, device=device)}
         if device == "cuda":

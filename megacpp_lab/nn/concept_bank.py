@@ -34,7 +34,7 @@ from torch import nn
 from megacpp_lab.checks import check_ints, config_error
 from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import ParameterFreeRMSNorm
-from megacpp_lab.varlen import PackedContext
+from megacpp_lab.varlen import PackedContext, context_positions
 
 __all__ = ["ConceptBank", "ConceptBankConfig", "concept_attention"]
 
@@ -106,37 +106,27 @@ class ConceptBank(nn.Module):
         self.out_proj = nn.Linear(inner, c.d_model, bias=False)
         nn.init.zeros_(self.out_proj.weight)  # identity at step 0 inside a residual
 
-    def _qkv(self, x: torch.Tensor, doc_ids: torch.Tensor | None,
-             ctx: PackedContext | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _qkv(self, x: torch.Tensor, ctx: PackedContext | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"ConceptBank input must be [B,T,{c.d_model}], got {tuple(x.shape)}")
-        shape = tuple(x.shape[:2])
-        # accepted for the uniform block interface and ignored (no token sees another): shapes only,
-        # no value check, so no host sync and nothing for a compiled block to break on
-        if ctx is not None and doc_ids is not None:
-            raise ValueError("give ctx or doc_ids, not both")
-        if ctx is not None and tuple(ctx.shape) != shape:
-            raise ValueError(f"ctx is for [B,T] = {ctx.shape}, the input is {shape}")
-        if doc_ids is not None and tuple(doc_ids.shape) != shape:
-            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} does not match [B,T] = {shape}")
-        B, T = shape
+        # ctx is accepted for the uniform block interface and ignored (no token sees another): its shape only
+        context_positions(ctx, tuple(x.shape))
+        B, T = x.shape[:2]
         H, D = c.n_heads, c.head_dim
         bank = self.bank.weight.to(self.k_proj.weight.dtype)  # a read: out of place, the parameter untouched
         q = self.q_proj(self.norm(x)).reshape(B, T, H, D)
         return q, self.k_proj(bank).reshape(-1, H, D), self.v_proj(bank).reshape(-1, H, D)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, *,
-                ctx: PackedContext | None = None) -> torch.Tensor:  # fmt: skip
-        """x [B,T,d_model]; doc_ids [B,T] or ctx (a PackedContext) are accepted and ignored."""
-        q, k, v = self._qkv(x, doc_ids, ctx)
+    def forward(self, x: torch.Tensor, *, ctx: PackedContext | None = None) -> torch.Tensor:
+        """x [B,T,d_model]; ctx (the batch's PackedContext) is accepted and ignored."""
+        q, k, v = self._qkv(x, ctx)
         o = concept_attention(q, k, v).to(x.dtype)
         return self.out_proj(o.flatten(2))
 
-    def attention_weights(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, *,
-                          ctx: PackedContext | None = None) -> torch.Tensor:  # fmt: skip
+    def attention_weights(self, x: torch.Tensor, *, ctx: PackedContext | None = None) -> torch.Tensor:
         """The fp32 softmax weights [B,T,H,n_concepts] the forward applies (for diagnostics: concept use)."""
-        q, k, _ = self._qkv(x, doc_ids, ctx)
+        q, k, _ = self._qkv(x, ctx)
         scores = torch.einsum("bthd,nhd->bthn", q.float(), k.float()) / math.sqrt(self.config.head_dim)
         return scores.softmax(-1)
 

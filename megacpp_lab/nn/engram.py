@@ -10,8 +10,9 @@
     out    = out_proj(m)                                   zero-initialised: identity at step 0
 
 Minimal mode is gated=False, conv_kernel=0; gated mode is gated=True, conv_kernel=4.
-doc_ids are threaded through every shift, pool and conv: a window that would cross a
-document boundary sees zeros, exactly as if each document were left-padded on its own.
+The batch's PackedContext is threaded through every shift, pool and conv (its positions mask each look-back):
+a window that would cross a document boundary sees zeros, exactly as if each document were left-padded on its
+own.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from megacpp_lab.checks import config_error, is_int
 from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import (CONV_IMPLS, DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate,
                                        conv_stepper)
-from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids
+from megacpp_lab.varlen import PackedContext, context_positions, doc_causal_shift
 
 __all__ = ["MAX_CONV_KERNEL", "MAX_ORDER", "EngramBranch", "EngramConfig", "EngramState", "causal_local_averages"]
 
@@ -100,18 +101,19 @@ class EngramConfig:
         return build_config(cls, source, overrides, prefix="engram", aliases=aliases, required=("d_model",))
 
 
-def causal_local_averages(u: torch.Tensor, doc_ids: torch.Tensor | None, orders: Sequence[int]) -> torch.Tensor:
+def causal_local_averages(u: torch.Tensor, positions: torch.Tensor | None, orders: Sequence[int]) -> torch.Tensor:
     """[B,T,D] -> [B,T,len(orders),D]: mean of the last n tokens for each order n.
 
     The same numbers as F.avg_pool1d(kernel=n, stride=1) over each document left-padded
-    with n-1 zeros (count_include_pad): tokens of an earlier document count as zeros.
+    with n-1 zeros (count_include_pad): tokens of an earlier document count as zeros. positions: each
+    token's offset in its document (a PackedContext's), or None for one document per row.
     Shifts are shared across orders, so orders (2, 3, 4) cost 3 shifts, not 9.
     """
     max_order = max(orders)
     running = u
     sums = {1: u}
     for lag in range(1, max_order):
-        running = running + doc_causal_shift(u, doc_ids, lag)
+        running = running + doc_causal_shift(u, positions, lag)
         sums[lag + 1] = running
     return torch.stack([sums[n] / n for n in orders], dim=2)
 
@@ -145,17 +147,15 @@ class EngramBranch(nn.Module):
         self.out_proj = nn.Linear(d, C, bias=False)
         nn.init.zeros_(self.out_proj.weight)  # identity on the residual at step 0
 
-    def forward(self, h: torch.Tensor, doc_ids: torch.Tensor | None = None, *,
-                ctx: PackedContext | None = None) -> torch.Tensor:  # fmt: skip
-        """h: [B,T,C] pre-norm residual; the packed batch as ctx or doc_ids [B,T], or neither for one
-        document per row."""
+    def forward(self, h: torch.Tensor, *, ctx: PackedContext | None = None) -> torch.Tensor:
+        """h: [B,T,C] pre-norm residual; ctx, the batch's PackedContext (None: one document per row)."""
         if h.dim() != 3 or h.shape[-1] != self.config.d_model:
             raise ValueError(f"EngramBranch input must be [B,T,{self.config.d_model}], got {tuple(h.shape)}")
-        doc_ids = resolve_doc_ids(doc_ids, ctx, tuple(h.shape[:2]))
+        positions = context_positions(ctx, tuple(h.shape))
         h_norm = self.norm(h)
         u = self.in_proj(h_norm)
-        m = (causal_local_averages(u, doc_ids, self.config.orders) * self.order_mix).sum(dim=2)
-        return self._output(h_norm, m, lambda m_: self.conv(m_, doc_ids))
+        m = (causal_local_averages(u, positions, self.config.orders) * self.order_mix).sum(dim=2)
+        return self._output(h_norm, m, lambda m_: self.conv(m_, ctx))
 
     def _output(self, h_norm: torch.Tensor, m: torch.Tensor,
                 conv: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip

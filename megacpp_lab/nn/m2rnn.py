@@ -25,7 +25,7 @@ from torch import nn
 
 from megacpp_lab.checks import check_ints, config_error
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
-from megacpp_lab.varlen import PackedContext, resolve_doc_ids
+from megacpp_lab.varlen import PackedContext, context_positions
 from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
 
@@ -124,32 +124,16 @@ class M2RNN(nn.Module):
         self.norm = nn.RMSNorm(H * V, eps=c.eps)
         self.output_proj = nn.Linear(H * V, c.d_model, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
-        *,
-        cu_seqlens: torch.Tensor | None = None,
-        ctx: PackedContext | None = None,
-        kernel: str | None = None,
-    ) -> torch.Tensor:
-        """x [B,S,d_model]. The packed batch comes as ctx (a validated PackedContext: the scan runs one
-        program per document over the flattened rows, nothing re-checked), or as bare doc_ids [B,S], or
-        as cu_seqlens for B=1 packed input; none of them means one document per row."""
+    def forward(self, x: torch.Tensor, *, ctx: PackedContext | None = None, kernel: str | None = None) -> torch.Tensor:
+        """x [B,S,d_model]; ctx, the batch's PackedContext (validated when it was built: the scan runs one
+        program per document over the flattened rows, nothing re-checked), or None for one document per row."""
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"M2RNN input must be [B,S,{c.d_model}], got {tuple(x.shape)}")
-        B, S, _ = x.shape
-        if ctx is not None and cu_seqlens is not None:
-            raise ValueError("give ctx or cu_seqlens, not both")
-        conv_ids = resolve_doc_ids(doc_ids, ctx, (B, S))
-        if cu_seqlens is not None:  # varlen: the conv still needs to see the boundaries
-            conv_ids = (torch.searchsorted(cu_seqlens, torch.arange(S, device=x.device, dtype=cu_seqlens.dtype), right=True) - 1).view(1, S)
-        q, k, v, f, gate = self._inputs(x, lambda qkv: self.conv(qkv, conv_ids))
-        y = m2rnn_scan(
-            q, k, v, f, self.W.to(q.dtype), doc_ids=doc_ids, cu_seqlens=cu_seqlens, ctx=ctx, chunk=c.chunk,
-            grad_clip=c.gradient_clipping, kernel=kernel or c.kernel,
-        )  # fmt: skip
+        context_positions(ctx, tuple(x.shape))  # a context of another batch shape fails here, by name
+        q, k, v, f, gate = self._inputs(x, lambda qkv: self.conv(qkv, ctx))
+        y = m2rnn_scan(q, k, v, f, self.W.to(q.dtype), ctx=ctx, chunk=c.chunk, grad_clip=c.gradient_clipping,
+                       kernel=kernel or c.kernel)  # fmt: skip
         return self._output(y, v, gate)
 
     def _inputs(self, x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -206,9 +190,10 @@ class M2RNNMegatronMixer(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         *,
-        doc_ids: torch.Tensor | None = None,
+        ctx: PackedContext | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, None]:
-        """attention_mask is ignored (the recurrence is causal); doc_ids are [batch, seq]."""
-        out = self.m2rnn(hidden_states.transpose(0, 1), doc_ids)
+        """attention_mask is ignored (the recurrence is causal); ctx is the batch's PackedContext over
+        [batch, seq] (None: one document per sequence)."""
+        out = self.m2rnn(hidden_states.transpose(0, 1), ctx=ctx)
         return out.transpose(0, 1), None

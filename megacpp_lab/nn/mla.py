@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from megacpp_lab.checks import check_ints, config_error
@@ -48,7 +48,7 @@ from megacpp_lab.kernels.rope import (
     mla_rope_q_,
     mla_rope_q_reference,
 )
-from megacpp_lab.varlen import FLEX_BLOCK, PackedContext, doc_causal_block_mask, resolve_doc_ids
+from megacpp_lab.varlen import FLEX_BLOCK, PackedContext, context_positions, doc_causal_block_mask
 from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
 
@@ -261,7 +261,7 @@ def _refuse_compiled(reason: str) -> NoReturn:
 
 
 class MultiLatentAttention(nn.Module):
-    """[B,T,d_model] -> [B,T,d_model] MLA over packed rows (doc_ids keep documents apart)."""
+    """[B,T,d_model] -> [B,T,d_model] MLA over packed rows (the batch's PackedContext keeps documents apart)."""
 
     # the RoPE tables: the Triton kernels take fp32 cos/sin only, and bf16 tables would round the angles
     _fp32_params = ("rope_cos", "rope_sin")
@@ -346,12 +346,12 @@ class MultiLatentAttention(nn.Module):
         positions = ctx.positions if ctx is not None else positions
         return mla_rope_kv_reference(kv, k_pe, self.rope_cos, self.rope_sin, c.d_nope, positions=positions)
 
-    def _attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, doc_ids: torch.Tensor | None,
-                block_mask: BlockMask | None) -> torch.Tensor:  # fmt: skip
+    def _attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: PackedContext | None) -> torch.Tensor:
         c = self.config
         q, key, value = (t.transpose(1, 2) for t in (q, key, value))
         scale = 1.0 / math.sqrt(c.d_nope + c.d_rope)
         if c.attn_impl == "flex":
+            block_mask = ctx.block_mask if ctx is not None else None
             compiling = torch.compiler.is_compiling()
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
             reason = flex_refusal(q.device, q.dtype, compiled=compiling, grad=grad, seq_len=q.shape[2],
@@ -360,59 +360,44 @@ class MultiLatentAttention(nn.Module):
                 if compiling:
                     _refuse_compiled(reason)
                 raise FlexNotProvenError(reason)
-            if block_mask is None:
-                block_mask = doc_causal_block_mask(doc_ids, batch=q.shape[0], seq_len=q.shape[2], device=q.device)
-            # the mask_mod indexes doc_ids by batch row: a broadcast batch-1 mask would read past them
-            elif tuple(block_mask.seq_lengths) != (q.shape[2], q.shape[2]) or block_mask.shape[0] != q.shape[0]:
-                raise ValueError(f"block_mask is for batch {block_mask.shape[0]} and lengths {tuple(block_mask.seq_lengths)}, "
-                                 f"the input is batch {q.shape[0]}, length {q.shape[2]}")  # fmt: skip
+            if block_mask is None:  # eager only (flex_refusal): built here from the context's doc_ids
+                block_mask = doc_causal_block_mask(ctx.doc_ids if ctx is not None else None, batch=q.shape[0],
+                                                   seq_len=q.shape[2], device=q.device)  # fmt: skip
             # contiguous: inductor's CPU flex lowering fails on q/k/v that are views of a concat
             out = flex_attention(q.contiguous(), key.contiguous(), value.contiguous(), block_mask=block_mask, scale=scale)
-        elif block_mask is not None:
-            raise ValueError("block_mask is for attn_impl='flex'; the sdpa path builds its dense mask from doc_ids")
-        elif doc_ids is None:
+        elif ctx is None:
             out = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale)
         else:
-            out = F.scaled_dot_product_attention(q, key, value, attn_mask=_doc_causal_mask(doc_ids), scale=scale)
+            out = F.scaled_dot_product_attention(q, key, value, attn_mask=_doc_causal_mask(ctx.doc_ids), scale=scale)
         return out.transpose(1, 2)
 
     # -- training forward
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None, *,
-                block_mask: BlockMask | None = None, ctx: PackedContext | None = None) -> torch.Tensor:  # fmt: skip
-        """x [B,T,d_model]; doc_ids [B,T] keep documents apart; positions [B,T] (reset at each document
-        start, as PackedBatch gives them) pick the RoPE rows, else 0..T-1 per row. With attn_impl='flex',
-        block_mask (from doc_causal_block_mask, built outside any compiled region) replaces doc_ids for the
-        attention mask; eager calls may leave it out and have it built here.
-
-        ctx (a PackedContext, validated once when it was built) gives all three at once and is taken as given:
-        RoPE runs the kernels' packed thd path on its cu_seqlens (no value check, no host sync; the reference
-        takes its positions), attention its doc_ids (sdpa) or its block_mask (flex)."""
+    def forward(self, x: torch.Tensor, *, ctx: PackedContext | None = None) -> torch.Tensor:
+        """x [B,T,d_model]; ctx, the batch's PackedContext (validated once when it was built, taken as given),
+        or None for one document per row (RoPE rows 0..T-1, causal attention). With ctx, RoPE runs the
+        kernels' packed thd path on its cu_seqlens (no value check, no host sync; the reference takes its
+        positions), attention reads its doc_ids (sdpa) or its block_mask (flex; build_context(block_mask=True),
+        outside any compiled region; an eager call without one has it built here)."""
         c = self.config
         B, T, _ = x.shape
-        if ctx is not None and (doc_ids is not None or positions is not None or block_mask is not None):
-            raise ValueError("give ctx, or doc_ids / positions / block_mask, not both")
-        doc_ids = resolve_doc_ids(doc_ids, ctx, (B, T))  # the context's as given, bare doc_ids checked here
-        if ctx is not None:  # the context holds every form of the batch: flex uses its block mask (when built)
-            block_mask = ctx.block_mask if c.attn_impl == "flex" else None
+        context_positions(ctx, tuple(x.shape))  # a context of another batch shape fails here, by name
         if T > c.max_positions:
             raise ValueError(f"sequence length {T} exceeds MLAConfig.max_positions={c.max_positions}")
-        if positions is not None and positions.shape != (B, T):
-            raise ValueError(f"positions must be [B, T] = {(B, T)}, got {tuple(positions.shape)}")
         q_lat, c_lat, k_pe = self.down_proj(x)
         # ctx reaches a checkpointed function by closure, never as an argument: dynamo flattens a checkpoint's
         # arguments, reading every field of the frozen PackedContext, and guarded its int max_seqlen (one
         # recompile per new longest document; seen on an H100, torch 2.11)
         if c.recompute_q_upproj and torch.is_grad_enabled():
-            q = checkpoint(lambda q_lat_: self.q_up_rope(q_lat_, positions, ctx=ctx), q_lat, use_reentrant=False)
+            q = checkpoint(lambda q_lat_: self.q_up_rope(q_lat_, None, ctx=ctx), q_lat, use_reentrant=False)
         else:
-            q = self.q_up_rope(q_lat, positions, ctx=ctx)
+            q = self.q_up_rope(q_lat, None, ctx=ctx)
         if c.recompute_kv_upproj and torch.is_grad_enabled():
-            key, value = checkpoint(lambda x_, c_lat_, k_pe_: self.kv_up_rope(x_, c_lat_, k_pe_, positions, ctx=ctx),
+            key, value = checkpoint(lambda x_, c_lat_, k_pe_: self.kv_up_rope(x_, c_lat_, k_pe_, None, ctx=ctx),
                                     x, c_lat, k_pe, use_reentrant=False)  # fmt: skip
         else:
-            key, value = self.kv_up_rope(x, c_lat, k_pe, positions, ctx=ctx)
-        out = self._attend(q, key, value, doc_ids, block_mask)
+            key, value = self.kv_up_rope(x, c_lat, k_pe, None, ctx=ctx)
+        out = self._attend(q, key, value, ctx)
         return self.w_o(out.reshape(B, T, c.n_heads * c.d_v))
 
     # -- decode

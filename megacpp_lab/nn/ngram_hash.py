@@ -32,7 +32,7 @@ from megacpp_lab.checks import config_error
 from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, ParameterFreeRMSNorm, context_gate, conv_stepper
 from megacpp_lab.nn.table_store import TableBackend, TableStore, TableStoreConfig
-from megacpp_lab.varlen import PackedContext, doc_causal_shift, resolve_doc_ids
+from megacpp_lab.varlen import PackedContext, context_positions, doc_causal_shift
 
 __all__ = [
     "MAX_NGRAM",
@@ -152,14 +152,15 @@ def layer_multipliers(config: NgramHashConfig, layer_id: int) -> torch.Tensor:
 
 def ngram_row_ids(
     tokens: torch.Tensor,
-    doc_ids: torch.Tensor | None,
+    positions: torch.Tensor | None,
     config: NgramHashConfig,
     layer_id: int,
     *,
     multipliers: torch.Tensor | None = None,
     moduli: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[B,T] token ids -> [B,T,H] row ids, each in [0, table_sizes[h]) of its own head."""
+    """[B,T] token ids -> [B,T,H] row ids, each in [0, table_sizes[h]) of its own head. positions [B,T]: each
+    token's offset in its document (a PackedContext's), or None for one document per row."""
     if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"tokens must be [B,T] int32/int64, got shape {tuple(tokens.shape)} dtype {tokens.dtype}")
     check_token_ids(tokens, config.vocab_size)
@@ -168,7 +169,7 @@ def ngram_row_ids(
     if moduli is None:
         moduli = torch.tensor(config.table_sizes, dtype=torch.int64, device=tokens.device)
     tok = tokens.to(torch.int64)
-    shifted = [doc_causal_shift(tok, doc_ids, i, fill=config.pad_id) for i in range(config.max_ngram)]
+    shifted = [doc_causal_shift(tok, positions, i, fill=config.pad_id) for i in range(config.max_ngram)]
     per_order = []
     mix = shifted[0] * multipliers[0]
     for n in range(2, config.max_ngram + 1):
@@ -227,9 +228,10 @@ class NgramHashMemory(nn.Module):
         # no conv bias: SiLU(conv(0)) must be 0 for the memory to start as an identity
         self.conv = DocCausalDepthwiseConv(C, config.conv_kernel, bias=False) if config.conv_kernel else None
 
-    def row_ids(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """[B,T,H] per-head row ids (what a TableStore lookup takes)."""
-        return ngram_row_ids(tokens, doc_ids, self.config, self.layer_id, multipliers=self.multipliers, moduli=self.moduli)
+    def row_ids(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """[B,T,H] per-head row ids (what a TableStore lookup takes); positions as for ngram_row_ids."""
+        return ngram_row_ids(tokens, positions, self.config, self.layer_id, multipliers=self.multipliers,
+                             moduli=self.moduli)  # fmt: skip
 
     def head_tables(self) -> list[torch.Tensor]:
         """The per-head tables [N_h, D], views into the trained parameter."""
@@ -245,21 +247,19 @@ class NgramHashMemory(nn.Module):
         self,
         h: torch.Tensor,
         tokens: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
         *,
         store: TableStore | None = None,
         ctx: PackedContext | None = None,
     ) -> torch.Tensor:
-        """h: [B,T,C] hidden state; tokens: [B,T] ids; the packed batch as ctx or doc_ids. With `store`,
-        rows come from it (no grad to tables)."""
+        """h: [B,T,C] hidden state; tokens: [B,T] ids; ctx, the batch's PackedContext (None: one document per
+        row). With `store`, rows come from it (no grad to tables)."""
         if h.dim() != 3 or h.shape[-1] != self.config.d_model or tokens.shape != h.shape[:2]:
             raise ValueError(
                 f"NgramHashMemory needs h [B,T,{self.config.d_model}] and tokens [B,T]; "
                 f"got h {tuple(h.shape)}, tokens {tuple(tokens.shape)}"
             )
-        doc_ids = resolve_doc_ids(doc_ids, ctx, tuple(tokens.shape))
-        e = self._lookup(self.row_ids(tokens, doc_ids), h, store)
-        return self._fuse(h, e, lambda y: self.conv(y, doc_ids))
+        e = self._lookup(self.row_ids(tokens, context_positions(ctx, tuple(tokens.shape))), h, store)
+        return self._fuse(h, e, lambda y: self.conv(y, ctx))
 
     def _lookup(self, ids: torch.Tensor, h: torch.Tensor, store: TableStore | None) -> torch.Tensor:
         """Row ids [B,T,H] -> the concatenated rows [B,T,H*D] in h's dtype: from the tables, or from `store`."""
@@ -303,7 +303,7 @@ class NgramHashMemory(nn.Module):
 
 
 def hash_statistics(
-    tokens: torch.Tensor, doc_ids: torch.Tensor | None, config: NgramHashConfig, layer_id: int
+    tokens: torch.Tensor, positions: torch.Tensor | None, config: NgramHashConfig, layer_id: int
 ) -> list[dict[str, float]]:
     """Per head: n-gram order, table size, distinct n-grams seen, rows hit, collisions, occupancy.
 
@@ -311,9 +311,9 @@ def hash_statistics(
     a collision is a row that two or more distinct n-grams land on.
     """
     tok = tokens.to(torch.int64).cpu()
-    doc = doc_ids.cpu() if doc_ids is not None else None
-    ids = ngram_row_ids(tok, doc, config, layer_id).reshape(-1, config.num_heads)
-    shifted = [doc_causal_shift(tok, doc, i, fill=config.pad_id).reshape(-1) for i in range(config.max_ngram)]
+    pos = positions.cpu() if positions is not None else None
+    ids = ngram_row_ids(tok, pos, config, layer_id).reshape(-1, config.num_heads)
+    shifted = [doc_causal_shift(tok, pos, i, fill=config.pad_id).reshape(-1) for i in range(config.max_ngram)]
     stats = []
     for h, size in enumerate(config.table_sizes):
         n = config.orders[h // config.heads_per_order]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.varlen import doc_causal_shift, same_doc_as_lag
+from megacpp_lab.varlen import PackedContext, context_positions, doc_causal_shift, same_doc_as_lag
 
 __all__ = ["CONV_IMPLS", "DocCausalDepthwiseConv", "ParameterFreeRMSNorm", "check_decay_init", "context_gate",
            "conv_stepper", "init_decay_params"]
@@ -64,26 +64,28 @@ class DocCausalDepthwiseConv(nn.Module):
         self.weight = nn.Parameter(conv.weight.detach().clone())  # [D, 1, K]
         self.bias = nn.Parameter(conv.bias.detach().clone()) if bias else None  # [D]
 
-    def _unfold_sum(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+    def _unfold_sum(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """The K taps of each window as K doc-masked shifts of x, weighted and summed."""
         K = self.kernel
         out = x * self.weight[:, 0, K - 1]
         if self.bias is not None:
             out = out + self.bias
         for lag in range(1, K):
-            out = out + doc_causal_shift(x, doc_ids, lag) * self.weight[:, 0, K - 1 - lag]
+            out = out + doc_causal_shift(x, positions, lag) * self.weight[:, 0, K - 1 - lag]
         return out
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: PackedContext | None = None) -> torch.Tensor:
+        """x [B,T,D]; ctx, the batch's PackedContext (None: one document per row)."""
+        positions = context_positions(ctx, tuple(x.shape))
         if self.impl == "xla_safe":
-            return self._unfold_sum(x, doc_ids)
+            return self._unfold_sum(x, positions)
         K = self.kernel
         full = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), self.weight, self.bias, groups=x.shape[-1])
         full = full.transpose(1, 2)
-        if doc_ids is None or K == 1:
+        if positions is None or K == 1:
             return full
-        clean = same_doc_as_lag(doc_ids, K - 1)  # the whole window lies in the token's document
-        return torch.where(clean[..., None], full, self._unfold_sum(x, doc_ids))
+        clean = same_doc_as_lag(positions, K - 1)  # the whole window lies in the token's document
+        return torch.where(clean[..., None], full, self._unfold_sum(x, positions))
 
     # -- decode: the recurrent form
 
@@ -106,7 +108,7 @@ class DocCausalDepthwiseConv(nn.Module):
 
 def conv_stepper(conv: DocCausalDepthwiseConv | None, state: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """x [B,1,D] -> conv.step over the window held in state.conv, advancing it: the decode twin of a layer's
-    `lambda x: conv(x, doc_ids)` (never called when the layer has no conv)."""
+    `lambda x: conv(x, ctx)` (never called when the layer has no conv)."""
 
     def step(x: torch.Tensor) -> torch.Tensor:
         y, state.conv = conv.step(x, state.conv)

@@ -26,7 +26,7 @@ from megacpp_lab.checks import check_ints, config_error, is_int
 from megacpp_lab.kernels.ssd import KERNELS, ssd_scan
 from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
-from megacpp_lab.varlen import PackedContext, cu_seqlens_from_doc_ids, resolve_doc_ids
+from megacpp_lab.varlen import PackedContext, context_positions
 
 __all__ = ["SSD", "SSDConfig", "SSDState"]
 
@@ -100,24 +100,16 @@ class SSD(nn.Module):
         self.norm = nn.RMSNorm(H * P, eps=c.eps)
         self.out_proj = nn.Linear(H * P, c.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, *, ctx: PackedContext | None = None,
-                kernel: str | None = None) -> torch.Tensor:  # fmt: skip
-        """x [B,T,d_model]; the packed batch as ctx (validated once, its cu_seqlens used as given) or bare
-        doc_ids [B,T] (checked, and turned into cu_seqlens here), or neither for one document per row."""
+    def forward(self, x: torch.Tensor, *, ctx: PackedContext | None = None, kernel: str | None = None) -> torch.Tensor:
+        """x [B,T,d_model]; ctx, the batch's PackedContext (validated once, its cu_seqlens used as given), or
+        None for one document per row."""
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"SSD input must be [B,T,{c.d_model}], got {tuple(x.shape)}")
-        doc_ids = resolve_doc_ids(doc_ids, ctx, tuple(x.shape[:2]))
-        if ctx is not None:
-            cu_seqlens = ctx.cu_seqlens
-        elif doc_ids is not None:
-            cu_seqlens = cu_seqlens_from_doc_ids(doc_ids)
-        else:
-            cu_seqlens = None
-        z, xs, Bm, Cm, dt = self._inputs(x, lambda xbc: self.conv(xbc, doc_ids))
+        context_positions(ctx, tuple(x.shape))  # a context of another batch shape fails here, by name
+        z, xs, Bm, Cm, dt = self._inputs(x, lambda xbc: self.conv(xbc, ctx))
         A = -torch.exp(self.A_log.float())
-        y = ssd_scan(xs, dt, A, Bm, Cm, cu_seqlens=cu_seqlens if ctx is None else None, ctx=ctx, chunk=c.chunk,
-                     kernel=kernel or c.kernel)  # fmt: skip
+        y = ssd_scan(xs, dt, A, Bm, Cm, ctx=ctx, chunk=c.chunk, kernel=kernel or c.kernel)
         return self._output(y, xs, z)
 
     def _inputs(self, x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -13,6 +13,7 @@ from megacpp_lab.testing.leaks import (
     influence_matrix,
     influence_violation,
     plot_influence,
+    with_doc_ids,
 )
 from megacpp_lab.testing.model_leaks import model_leak_report, wake_zero_initialised
 from megacpp_lab.testing.planted import (

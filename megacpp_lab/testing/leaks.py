@@ -42,9 +42,31 @@ __all__ = [
     "influence_violation",
     "perturb",
     "plot_influence",
+    "with_doc_ids",
 ]
 
 Mixer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _WithDocIds(nn.Module):
+    def __init__(self, layer: nn.Module, kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.layer, self.kwargs = layer, kwargs
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        from megacpp_lab.varlen import build_context
+
+        return self.layer(x, ctx=None if doc_ids is None else build_context(doc_ids), **self.kwargs)
+
+
+def with_doc_ids(layer: nn.Module, **kwargs: Any) -> nn.Module:
+    """The one bare-doc_ids entry to the library's layers, which take the batch's PackedContext only: a module
+    whose forward(x, doc_ids) is layer(x, ctx=build_context(doc_ids), **kwargs) (doc_ids None: ctx=None, one
+    document per row). The harness's mixer signature: tests and notebooks call a layer on doc_ids through it,
+    and it holds the layer as a submodule (.double(), .to() reach it). build_context validates doc_ids on the
+    host: a bad id fails by name before the layer runs."""
+    return _WithDocIds(layer, kwargs)
+
 
 # Bound on the number of gradient elements materialised per batched backward pass
 # in influence_matrix (chunk of cotangents x numel of the differentiated input).

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp_lab.varlen import doc_causal_shift
+from megacpp_lab.varlen import doc_causal_shift, positions_from_doc_ids
 
 __all__ = ["CausalSmoother", "CenteredSmoother", "TokenMixer", "DocCausalAttention", "ZeroInitProjection"]
 
@@ -40,8 +40,8 @@ class CausalSmoother(nn.Module):
         self.nonlinear = bool(nonlinear)
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        ids = doc_ids if self.doc_masked else None
-        acc = sum(doc_causal_shift(x, ids, lag) for lag in range(self.window))
+        pos = positions_from_doc_ids(doc_ids) if self.doc_masked and doc_ids is not None else None
+        acc = sum(doc_causal_shift(x, pos, lag) for lag in range(self.window))
         y = acc / self.window
         return torch.tanh(y) if self.nonlinear else y
 
@@ -63,12 +63,14 @@ class CenteredSmoother(nn.Module):
         self.back = self.window - 1 - self.ahead
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        acc = sum(doc_causal_shift(x, doc_ids, lag) for lag in range(self.back + 1))
+        pos = positions_from_doc_ids(doc_ids) if doc_ids is not None else None
+        acc = sum(doc_causal_shift(x, pos, lag) for lag in range(self.back + 1))
         if self.ahead:
-            # look ahead = look back on the time-reversed row (doc masking only compares ids)
+            # look ahead = look back on the time-reversed row (its positions count from each reversed document's
+            # start: doc_starts only compares neighbouring ids)
             xr = x.flip(1)
-            ids_r = doc_ids.flip(1) if doc_ids is not None else None
-            acc = acc + sum(doc_causal_shift(xr, ids_r, lag) for lag in range(1, self.ahead + 1)).flip(1)
+            pos_r = positions_from_doc_ids(doc_ids.flip(1)) if doc_ids is not None else None
+            acc = acc + sum(doc_causal_shift(xr, pos_r, lag) for lag in range(1, self.ahead + 1)).flip(1)
         return torch.tanh(acc / self.window)
 
     def extra_repr(self) -> str:
