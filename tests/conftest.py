@@ -32,19 +32,20 @@ def fresh_dynamo():
 @pytest.fixture
 def sample_leak_reports():
     """The leak harness on 2 real packed rows of the byte sample (24 tokens, a document boundary at 9),
-    a fixed 32-wide embedding in front of `layer(x, doc_ids)`: (the report with doc_ids, the control with
-    doc_ids withheld). The mixer tests assert on both."""
+    a fixed 32-wide embedding in front of `layer(x, ctx=build_context(doc_ids))` (testing.with_doc_ids):
+    (the report with the context, the control with it withheld, ctx=None). The mixer tests assert on both."""
     from megacpp_lab.data import boundary_windows, load_sample
-    from megacpp_lab.testing import check_leaks
+    from megacpp_lab.testing import check_leaks, with_doc_ids
 
     def run(layer, device):
         w = boundary_windows(load_sample()[0].batch, 2, 24, lead=9)
         torch.manual_seed(0)
         emb = torch.nn.Embedding(259, 32).to(device)
         tokens, doc_ids = w.tokens.to(device), w.doc_ids.to(device)
-        report = check_leaks(lambda t, d: layer(emb(t), d), tokens, doc_ids, vocab_size=259,
+        mixer = with_doc_ids(layer)
+        report = check_leaks(lambda t, d: mixer(emb(t), d), tokens, doc_ids, vocab_size=259,
                              causal_positions=range(0, 24, 2))  # fmt: skip
-        leaky = check_leaks(lambda t, d: layer(emb(t), None), tokens, doc_ids, vocab_size=259, causal=False)
+        leaky = check_leaks(lambda t, d: mixer(emb(t), None), tokens, doc_ids, vocab_size=259, causal=False)
         return report, leaky
 
     return run

@@ -10,7 +10,7 @@ import torch
 from megacpp_lab.data import boundary_windows, load_sample
 from megacpp_lab.model.precision import apply_precision, check_precision
 from megacpp_lab.nn.concept_bank import ConceptBank, ConceptBankConfig, concept_attention
-from megacpp_lab.testing import check_leaks
+from megacpp_lab.testing import check_leaks, with_doc_ids
 from megacpp_lab.testing.leaks import VacuousCheckError
 from megacpp_lab.varlen import build_context
 
@@ -200,17 +200,21 @@ def test_tokens_are_independent_a_permutation_permutes_the_outputs() -> None:
     torch.testing.assert_close(alone[0, 0], y[1, 4], atol=1e-6, rtol=1e-5)
 
 
-def test_doc_ids_and_ctx_are_accepted_and_ignored() -> None:
+def test_ctx_is_accepted_and_ignored() -> None:
+    """The packed context (also through with_doc_ids, the bare doc_ids adapter) changes nothing; a context of
+    another batch shape, or anything but a PackedContext, is refused by name."""
     block = _block()
     doc_ids = torch.tensor([[0] * 7 + [1] * 9, [0] * 3 + [1] * 13])
     x = torch.randn(2, 16, 32)
     y = block(x)
-    assert torch.equal(block(x, doc_ids), y)
+    assert torch.equal(with_doc_ids(block)(x, doc_ids), y)
     assert torch.equal(block(x, ctx=build_context(doc_ids)), y)
-    with pytest.raises(ValueError, match="give ctx or doc_ids, not both"):
-        block(x, doc_ids, ctx=build_context(doc_ids))
-    with pytest.raises(ValueError, match="does not match"):
-        block(x, doc_ids[:, :8])
+    assert torch.equal(block.attention_weights(x, ctx=build_context(doc_ids)), block.attention_weights(x))
+    with pytest.raises(TypeError, match="ctx must be a PackedContext"):
+        block(x, ctx=doc_ids)
+    for call in (block, block.attention_weights):
+        with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 8\), the input is \(2, 16\)"):
+            call(x, ctx=build_context(doc_ids[:, :8]))
     with pytest.raises(ValueError, match=r"input must be \[B,T,32\]"):
         block(x[..., :16])
 
@@ -219,7 +223,7 @@ def test_leak_harness_passes_on_real_packed_rows() -> None:
     w = boundary_windows(load_sample()[0].batch, 2, 24, lead=9)
     torch.manual_seed(0)
     emb = torch.nn.Embedding(259, 32)
-    block = _block().eval()
+    block = with_doc_ids(_block().eval())
     report = check_leaks(lambda t, d: block(emb(t), d), w.tokens, w.doc_ids, vocab_size=259)
     assert report.passed, str(report)
     # the harness is not vacuous here: a block that mixed tokens would fail it ...
@@ -228,7 +232,7 @@ def test_leak_harness_passes_on_real_packed_rows() -> None:
     assert not leaky.passed
     # ... and at init the block is the zero map, which the harness refuses to call evidence
     with pytest.raises(VacuousCheckError):
-        check_leaks(lambda t, d: _block(perturb=False)(emb(t), d), w.tokens, w.doc_ids, vocab_size=259)
+        check_leaks(lambda t, d: with_doc_ids(_block(perturb=False))(emb(t), d), w.tokens, w.doc_ids, vocab_size=259)
 
 
 def test_compiles_without_graph_breaks() -> None:

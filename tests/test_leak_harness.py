@@ -25,8 +25,9 @@ from megacpp_lab.testing import (  # noqa: E402
     influence_matrix,
     influence_violation,
     plot_influence,
+    with_doc_ids,
 )
-from megacpp_lab.varlen import doc_causal_shift  # noqa: E402
+from megacpp_lab.varlen import doc_causal_shift, positions_from_doc_ids  # noqa: E402
 from megacpp_lab.nn.engram import EngramBranch, EngramConfig  # noqa: E402
 from megacpp_lab.testing.leaks import perturb  # noqa: E402
 
@@ -227,14 +228,15 @@ def test_constant_output_is_refused(x, doc_ids, name, fn):
 def test_zero_init_engram_branch_is_refused_until_its_projection_is_set(doc_ids):
     """The case that passed before: Engram's zero out_proj made check_leaks report PASS."""
     torch.manual_seed(0)
-    branch = EngramBranch(EngramConfig(d_model=C, bottleneck=4)).double().eval()
+    engram = EngramBranch(EngramConfig(d_model=C, bottleneck=4)).double().eval()
+    branch = with_doc_ids(engram)  # the harness's fn(x, doc_ids): the branch on build_context(doc_ids)
     h = torch.randn(B, T, C, dtype=torch.float64)
     with pytest.raises(VacuousCheckError, match=r"zero-initialised output projection"):
         check_leaks(branch, h, doc_ids)
     ids = torch.randint(0, V, (B, T))
     with pytest.raises(VacuousCheckError, match="constant in the input"):
         check_leaks(TokenMixer(V, C, branch).double(), ids, doc_ids, vocab_size=V)
-    nn.init.normal_(branch.out_proj.weight, std=0.05)  # on purpose: the check can now fail
+    nn.init.normal_(engram.out_proj.weight, std=0.05)  # on purpose: the check can now fail
     rep = check_leaks(branch, h, doc_ids)
     assert rep.passed and not rep.vacuous, str(rep)
 
@@ -302,7 +304,7 @@ def test_dependence_below_tol_does_not_count(x, doc_ids):
 
 def test_previous_token_mixer_passes_with_inert_probes(x, doc_ids):
     """y_t = x_{t-1} within the document: a document's last token moves nothing, which is legal."""
-    rep = check_leaks(lambda v, d: doc_causal_shift(v, d, 1), x, doc_ids)
+    rep = check_leaks(lambda v, d: doc_causal_shift(v, positions_from_doc_ids(d), 1), x, doc_ids)
     assert rep.passed and not rep.vacuous, str(rep)
     last = {(b, t) for b in range(B) for t in range(T) if t == T - 1 or doc_ids[b, t + 1] != doc_ids[b, t]}
     assert set(rep.dependence.inert_probes) == last

@@ -11,7 +11,8 @@ import megacpp_lab.kernels.m2rnn as m2k
 from megacpp_lab.data import boundary_windows, load_sample
 from megacpp_lab.kernels.m2rnn import m2rnn_scan_reference, m2rnn_scan, resolve_kernel
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, M2RNNMegatronMixer
-from megacpp_lab.testing import check_leaks
+from megacpp_lab.testing import check_leaks, each_document_alone, with_doc_ids
+from megacpp_lab.varlen import build_context
 
 ON_GPU = torch.cuda.is_available()
 # Triton runs on the GPU where there is one, else under TRITON_INTERPRET=1 (tests/conftest.py)
@@ -162,8 +163,8 @@ def test_environment_knob_is_read_once_at_import(monkeypatch):
 # ------------------------------------------------------------------ compile boundary
 
 
-def _graph_nodes(fn, *args) -> tuple[int, int]:
-    explained = torch._dynamo.explain(fn)(*args)
+def _graph_nodes(fn, *args, **kwargs) -> tuple[int, int]:
+    explained = torch._dynamo.explain(fn)(*args, **kwargs)
     nodes = sum(len(list(g.graph.nodes)) for g in explained.graphs)
     return explained.graph_break_count, nodes
 
@@ -185,7 +186,7 @@ def test_regional_compile_of_the_layer_has_no_graph_break():
     layer = M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton")).to(DEVICE)
     x = torch.randn(2, 16, 32, device=DEVICE)
     doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 16], device=DEVICE)
-    breaks, _ = _graph_nodes(layer, x, doc_ids)
+    breaks, _ = _graph_nodes(layer, x, ctx=build_context(doc_ids))
     assert breaks == 0
 
 
@@ -204,14 +205,20 @@ def test_layer_passes_the_leak_harness_on_real_packed_rows(sample_leak_reports):
     assert not leaky.passed
 
 
-def test_layer_triton_equals_reference_and_varlen_equals_doc_ids():
+def test_layer_triton_equals_reference_and_packed_rows_equaleach_document_alone():
+    """The packed context's path against the reference kernel, and against each document run on its own (the
+    independent reference: no context, the conv and the state start from zero at the row start)."""
     layer = _layer()
-    x = torch.randn(1, 20, 32, device=DEVICE)
-    doc_ids = torch.tensor([[0] * 8 + [1] * 12], device=DEVICE)
-    y = layer(x, doc_ids)
-    assert torch.allclose(y, layer(x, doc_ids, kernel="reference"), atol=1e-5)
-    cu = torch.tensor([0, 8, 20], dtype=torch.int32, device=DEVICE)
-    assert torch.allclose(y, layer(x, cu_seqlens=cu), atol=1e-5)
+    x = torch.randn(2, 20, 32, device=DEVICE)
+    doc_ids = torch.tensor([[0] * 8 + [1] * 12, [0] * 3 + [1] * 16 + [2]], device=DEVICE)
+    ctx = build_context(doc_ids)
+    y = layer(x, ctx=ctx)
+    assert torch.allclose(y, layer(x, ctx=ctx, kernel="reference"), atol=1e-5)
+    assert torch.allclose(y, each_document_alone(layer, doc_ids, x), atol=1e-5)
+    with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 20\), the input is \(1, 20\)"):
+        layer(x[:1], ctx=ctx)
+    with pytest.raises(TypeError, match="ctx must be a PackedContext"):
+        layer(x, ctx=doc_ids)
 
 
 def test_megatron_adapter_is_seq_first_and_returns_no_bias():
@@ -222,6 +229,10 @@ def test_megatron_adapter_is_seq_first_and_returns_no_bias():
     out, bias = mixer(x.transpose(0, 1), attention_mask=None)
     assert bias is None and out.shape == (12, 2, 32)
     assert torch.allclose(out.transpose(0, 1), layer(x), atol=1e-6)
+    ctx = build_context(torch.tensor([[0] * 5 + [1] * 7, [0] * 12], device=DEVICE))  # over [batch, seq]
+    out, _ = mixer(x.transpose(0, 1), ctx=ctx)
+    assert torch.allclose(out.transpose(0, 1), layer(x, ctx=ctx), atol=1e-6)
+    assert not torch.allclose(out.transpose(0, 1), layer(x), atol=1e-3)  # the context reached the layer
 
 
 def test_config_builder_reads_a_megatron_style_config():
@@ -277,7 +288,8 @@ def test_layer_on_gpu_bf16_leak_free_and_compiles_without_breaks():
     w = boundary_windows(load_sample()[0].batch, 2, 256)
     x = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16)
     doc_ids = w.doc_ids.cuda()
-    report = check_leaks(layer, x, doc_ids, causal_positions=range(0, 256, 17))
+    report = check_leaks(with_doc_ids(layer), x, doc_ids, causal_positions=range(0, 256, 17))
     assert report.passed, str(report)
+    ctx = build_context(doc_ids)
     compiled = torch.compile(layer, fullgraph=True)
-    assert torch.allclose(compiled(x, doc_ids).float(), layer(x, doc_ids).float(), atol=5e-2)
+    assert torch.allclose(compiled(x, ctx=ctx).float(), layer(x, ctx=ctx).float(), atol=5e-2)

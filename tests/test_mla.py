@@ -9,7 +9,7 @@ from torch import nn
 
 from megacpp_lab.data import boundary_windows, load_sample
 from megacpp_lab.nn.mla import MLAConfig, MLAKVCache, MultiLatentAttention, cache_bytes_per_token
-from megacpp_lab.testing import check_leaks, no_host_reads
+from megacpp_lab.testing import check_leaks, no_host_reads, with_doc_ids
 from megacpp_lab.varlen import PackedContext, build_context
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,10 +48,7 @@ def test_config_fails_closed_naming_the_field() -> None:
 @pytest.mark.parametrize("doc", [False, True])
 def test_triton_rope_path_equals_reference_forward_and_backward(doc: bool) -> None:
     x = torch.randn(2, 24, 32, device=DEV)
-    kw = {}
-    if doc:
-        kw["doc_ids"] = torch.tensor([[0] * 10 + [1] * 14, [0] * 24], device=DEV)
-        kw["positions"] = torch.tensor([list(range(10)) + list(range(14)), list(range(24))], device=DEV)
+    kw = {"ctx": build_context(torch.tensor([[0] * 10 + [1] * 14, [0] * 24], device=DEV))} if doc else {}
     y_ref, g_ref = _grads(_layer(rope_impl="reference"), x, **kw)
     y_tri, g_tri = _grads(_layer(rope_impl="triton"), x, **kw)
     torch.testing.assert_close(y_tri, y_ref, atol=1e-5, rtol=1e-5)
@@ -89,23 +86,25 @@ def test_layer_passes_the_leak_harness_on_real_packed_rows() -> None:
     emb = nn.Embedding(259, 32).to(DEV)
     layer = _layer(rope_impl="triton").eval()
     tokens, doc_ids = w.tokens.to(DEV), w.doc_ids.to(DEV)
-    positions = w.positions.to(DEV)
-    report = check_leaks(lambda t, d: layer(emb(t), d, positions), tokens, doc_ids, vocab_size=259, causal_positions=range(0, 24, 4))
+    assert torch.equal(build_context(doc_ids).positions, w.positions.to(DEV))  # the batch's own positions
+    mixer = with_doc_ids(layer)  # layer(x, ctx=build_context(doc_ids))
+    report = check_leaks(lambda t, d: mixer(emb(t), d), tokens, doc_ids, vocab_size=259, causal_positions=range(0, 24, 4))
     assert report.passed, str(report)
-    leaky = check_leaks(lambda t, d: layer(emb(t), None), tokens, doc_ids, vocab_size=259, causal=False)
-    assert not leaky.passed  # without doc_ids the next document attends to the previous one
+    leaky = check_leaks(lambda t, d: layer(emb(t)), tokens, doc_ids, vocab_size=259, causal=False)
+    assert not leaky.passed  # without the context the next document attends to the previous one
 
 
-def test_compiled_layer_has_no_graph_break() -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["no_ctx", "ctx"])
+def test_compiled_layer_has_no_graph_break(packed: bool) -> None:
     import torch._dynamo.testing
 
     layer = _layer(rope_impl="triton")
     counter = torch._dynamo.testing.CompileCounter()
     compiled = torch.compile(layer, backend=counter, fullgraph=True)
     x = torch.randn(2, 16, 32, device=DEV, requires_grad=True)
-    doc_ids = torch.tensor([[0] * 6 + [1] * 10] * 2, device=DEV)
-    y = compiled(x, doc_ids)
-    torch.testing.assert_close(y, layer(x, doc_ids), atol=1e-5, rtol=1e-5)
+    ctx = build_context(torch.tensor([[0] * 6 + [1] * 10] * 2, device=DEV)) if packed else None
+    y = compiled(x, ctx=ctx)
+    torch.testing.assert_close(y, layer(x, ctx=ctx), atol=1e-5, rtol=1e-5)
     y.sum().backward()
     assert counter.frame_count == 1
 
@@ -119,15 +118,29 @@ def _ctx(doc_ids: list[list[int]]) -> PackedContext:
     return build_context(torch.tensor(doc_ids, device=DEV))
 
 
+def _per_document(layer: nn.Module, x: torch.Tensor, rows: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """_grads of the packed rows with each document run alone (ctx=None: RoPE from 0, causal) and stitched
+    back: outputs and input grads in place, weight grads summed over the documents."""
+    y_doc, g_doc = torch.zeros_like(x), [torch.zeros_like(x)] + [torch.zeros_like(p) for p in layer.parameters()]
+    for b, row in enumerate(rows):
+        for d in dict.fromkeys(row):
+            s, e = row.index(d), len(row) - row[::-1].index(d)
+            y, (gx, *gp) = _grads(layer, x[b : b + 1, s:e])
+            y_doc[b, s:e], g_doc[0][b, s:e] = y[0], gx[0]
+            for acc, g in zip(g_doc[1:], gp):
+                acc += g
+    return y_doc, g_doc
+
+
 @pytest.mark.parametrize("rope_impl", ["triton", "reference"])
 @pytest.mark.parametrize("flags", [dict(), dict(recompute_kv_upproj=False, recompute_q_upproj=True)], ids=["default", "recompute_q"])
-def test_context_path_equals_the_doc_ids_path_forward_and_backward(rope_impl: str, flags: dict) -> None:
+def test_context_path_equals_per_document_runs_forward_and_backward(rope_impl: str, flags: dict) -> None:
     ctx = _ctx(PACKED)
     x = torch.randn(2, 16, 32, device=DEV)
-    y_ids, g_ids = _grads(_layer(rope_impl=rope_impl, **flags), x, doc_ids=ctx.doc_ids, positions=ctx.positions)
+    y_doc, g_doc = _per_document(_layer(rope_impl=rope_impl, **flags), x, PACKED)
     y_ctx, g_ctx = _grads(_layer(rope_impl=rope_impl, **flags), x, ctx=ctx)
-    torch.testing.assert_close(y_ctx, y_ids, atol=1e-5, rtol=1e-5)
-    for a, b in zip(g_ctx, g_ids):
+    torch.testing.assert_close(y_ctx, y_doc, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_ctx, g_doc, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     y_ref, _ = _grads(_layer(rope_impl="reference", **flags), x, ctx=ctx)  # and the kernels' equal the reference's
     torch.testing.assert_close(y_ctx, y_ref, atol=1e-5, rtol=1e-5)
@@ -156,30 +169,36 @@ def test_context_path_reads_nothing_back_from_the_device_and_the_check_can_fail(
         layer = _layer(rope_impl="triton", **flags)
         with no_host_reads():
             layer(x, ctx=ctx).square().sum().backward()
-    # bare doc_ids / positions are checked on every call: on CPU by reading them back, and the same detector
-    # trips on that path; on a GPU those checks are device-side asserts, so it is shown firing on a plain read
+    # bare doc_ids (with_doc_ids) are validated on every call by build_context, on the host: the same detector
+    # trips on that path, on either device
     with pytest.raises(AssertionError, match="host read on the validated path"), no_host_reads():
-        layer(x, ctx.doc_ids, ctx.positions) if DEV == "cpu" else ctx.cu_seqlens.tolist()
+        with_doc_ids(layer)(x, ctx.doc_ids)
 
 
-def test_flex_attention_through_the_context_equals_sdpa() -> None:
-    """attn_impl='flex' takes the context's block mask (built once with it), sdpa its doc_ids."""
+def test_flex_attention_through_the_context_equals_sdpa_and_per_document_runs() -> None:
+    """attn_impl='flex' takes the context's block mask (built once with it), sdpa its doc_ids; both equal
+    each document run alone."""
     ctx = build_context(torch.tensor(PACKED, device=DEV), block_mask=True)
     sdpa, flex = _layer(rope_impl="triton"), _layer(rope_impl="triton", attn_impl="flex")
     flex.load_state_dict(sdpa.state_dict())
     x = torch.randn(2, 16, 32, device=DEV)
+    y_doc, _ = _per_document(sdpa, x, PACKED)
     with torch.no_grad():  # flex has no CPU backward (FLEX_PROVEN)
         torch.testing.assert_close(flex(x, ctx=ctx), sdpa(x, ctx=ctx), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(sdpa(x, ctx=ctx), sdpa(x, ctx.doc_ids, ctx.positions), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sdpa(x, ctx=ctx), y_doc, atol=1e-5, rtol=1e-5)
 
 
 def test_context_path_fails_closed() -> None:
     ctx = _ctx(PACKED)
-    layer = _layer(rope_impl="triton")
-    with pytest.raises(ValueError, match="not both"):
-        layer(torch.randn(2, 16, 32, device=DEV), ctx.doc_ids, ctx=ctx)
-    with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 16\)"):
+    layer, x = _layer(rope_impl="triton"), torch.randn(2, 16, 32, device=DEV)
+    with pytest.raises(TypeError, match="ctx must be a PackedContext"):
+        layer(x, ctx=ctx.doc_ids)
+    with pytest.raises(TypeError, match="positional argument"):  # the old bare doc_ids call
+        layer(x, ctx.doc_ids)
+    with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 16\), the input is \(2, 12\)"):
         layer(torch.randn(2, 12, 32, device=DEV), ctx=ctx)
+    with pytest.raises(ValueError, match="doc_ids go backwards at row 1, offset 3"):  # bad ids fail in build_context
+        with_doc_ids(layer)(x, torch.tensor([[0] * 16, [0, 0, 1] + [0] * 13], device=DEV))
 
 
 def test_compiled_layer_through_the_context_has_no_graph_break_and_one_graph_for_any_document_count() -> None:
@@ -287,7 +306,7 @@ def test_cuda_layer_bf16_triton_vs_reference_at_real_width() -> None:
     for impl in ("reference", "triton"):
         torch.manual_seed(0)
         layer = MultiLatentAttention(MLAConfig.build(**cfg, rope_impl=impl)).cuda().to(torch.bfloat16)
-        outs.append(_grads(layer, x, doc_ids=doc_ids))
+        outs.append(_grads(layer, x, ctx=build_context(doc_ids)))
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=2e-2, rtol=2e-2)
     for a, b in zip(outs[1][1], outs[0][1]):
         assert (a.float() - b.float()).norm() <= 2e-2 * b.float().norm()
@@ -309,12 +328,13 @@ def test_rope_tables_stay_fp32_under_apply_precision() -> None:
     assert {"rope_cos", "rope_sin"} <= set(fp32_contract(layer))
     x, doc_ids = torch.randn(2, 16, 32, device=DEV), torch.zeros(2, 16, dtype=torch.long, device=DEV)
     doc_ids[:, 9:] = 1
+    ctx = build_context(doc_ids)
     with torch.no_grad():
-        y_fp32 = layer(x, doc_ids=doc_ids)
+        y_fp32 = layer(x, ctx=ctx)
         plan = apply_precision(layer, torch.bfloat16)
         check_precision(layer, plan)
         assert layer.rope_cos.dtype == torch.float32 and layer.w_o.weight.dtype == torch.bfloat16
         torch.testing.assert_close(layer.rope_cos, _layer().rope_cos, atol=0, rtol=0)
-        y = layer(x.bfloat16(), doc_ids=doc_ids)
+        y = layer(x.bfloat16(), ctx=ctx)
     assert y.dtype == torch.bfloat16
     assert (y.float() - y_fp32).norm() <= 3e-2 * y_fp32.norm()

@@ -2,8 +2,9 @@
 
 Compiled flex once returned wrong numbers with no error (B=4, T=256, no_grad on an H100) and hit illegal
 memory accesses at T >= 1024, because the block mask was built inside the compiled region and fused into
-the attention kernel. The mask is now built once per batch outside (`doc_causal_block_mask`), compiled
-calls without one are refused, and so is every configuration that FLEX_PROVEN does not list."""
+the attention kernel. The mask is now built once per batch outside, with the batch's context
+(`build_context(doc_ids, block_mask=True)`), compiled calls without one are refused, and so is every
+configuration that FLEX_PROVEN does not list."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megacpp_lab.varlen import doc_causal_block_mask
+from megacpp_lab.varlen import build_context, doc_causal_block_mask
 from megacpp_lab.nn.mla import FLEX_PROVEN, FlexNotProvenError, MLAConfig, MultiLatentAttention, flex_refusal
 
 SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=8, d_v=8, max_positions=256)
@@ -53,10 +54,11 @@ def test_flex_equals_the_dense_doc_mask_eager_with_and_without_a_prebuilt_mask()
     sdpa, flex = _pair("cpu", **SMALL)
     x = torch.randn(2, 16, 32)
     doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 3 + [1] * 4 + [2] * 9])
+    ctx, ctx_mask = build_context(doc_ids), build_context(doc_ids, block_mask=True)
     with torch.no_grad():
-        ref = sdpa(x, doc_ids)
-        torch.testing.assert_close(flex(x, doc_ids), ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(flex(x, block_mask=doc_causal_block_mask(doc_ids)), ref, atol=1e-5, rtol=1e-5)
+        ref = sdpa(x, ctx=ctx)
+        torch.testing.assert_close(flex(x, ctx=ctx), ref, atol=1e-5, rtol=1e-5)  # the mask built here, eagerly
+        torch.testing.assert_close(flex(x, ctx=ctx_mask), ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(flex(x), sdpa(x), atol=1e-5, rtol=1e-5)  # one document per row
 
 
@@ -69,8 +71,8 @@ def test_compiled_flex_equals_sdpa_and_never_recompiles_for_new_document_layouts
     with torch.no_grad():
         for seed in range(4):  # 1..6 documents per row, different at every step
             doc_ids = _packed_doc_ids(2, 128, "cpu", seed)
-            y = compiled(x, doc_ids, block_mask=doc_causal_block_mask(doc_ids))
-            torch.testing.assert_close(y, sdpa(x, doc_ids), atol=1e-5, rtol=1e-5)
+            y = compiled(x, ctx=build_context(doc_ids, block_mask=True))
+            torch.testing.assert_close(y, sdpa(x, ctx=build_context(doc_ids)), atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
 
@@ -85,9 +87,9 @@ def test_compiled_flex_without_a_block_mask_is_refused(fullgraph: bool) -> None:
     torch._dynamo.reset()
     _, flex = _pair("cpu", **SMALL)
     x = torch.randn(1, 128, 32)
-    match = REFUSED[fullgraph] or "needs block_mask=.*doc_causal_block_mask"
+    match = REFUSED[fullgraph] or "needs a context with a block mask.*build_context"
     with torch.no_grad(), pytest.raises(RuntimeError, match=match):
-        torch.compile(flex, fullgraph=fullgraph)(x, torch.zeros(1, 128, dtype=torch.long))
+        torch.compile(flex, fullgraph=fullgraph)(x, ctx=build_context(torch.zeros(1, 128, dtype=torch.long)))
 
 
 def test_unproven_flex_configurations_are_refused_by_name() -> None:
@@ -111,24 +113,28 @@ def test_compiled_flex_refuses_a_length_off_the_block_grid(fullgraph: bool) -> N
     torch._dynamo.reset()
     _, flex = _pair("cpu", **SMALL)
     x = torch.randn(1, 100, 32)
-    block_mask = doc_causal_block_mask(None, batch=1, seq_len=100)
+    ctx = build_context(torch.zeros(1, 100, dtype=torch.long), block_mask=True)
     match = REFUSED[fullgraph] or "needs T to be a multiple of 128, got T=100"
     with torch.no_grad(), pytest.raises(RuntimeError, match=match):
-        torch.compile(flex, fullgraph=fullgraph)(x, block_mask=block_mask)
+        torch.compile(flex, fullgraph=fullgraph)(x, ctx=ctx)
     with torch.no_grad():  # eager flex masks partial blocks itself
-        assert torch.isfinite(flex(x, block_mask=block_mask)).all()
+        assert torch.isfinite(flex(x, ctx=ctx)).all()
 
 
-def test_block_mask_mismatches_fail_closed() -> None:
+def test_context_and_block_mask_mismatches_fail_closed() -> None:
     sdpa, flex = _pair("cpu", **SMALL)
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
-        with pytest.raises(ValueError, match="block_mask is for batch 2 and lengths \\(32, 32\\)"):
-            flex(x, block_mask=doc_causal_block_mask(None, batch=2, seq_len=32))
-        with pytest.raises(ValueError, match="block_mask is for batch 1 and lengths \\(16, 16\\)"):
-            flex(x, block_mask=doc_causal_block_mask(None, batch=1, seq_len=16))  # no broadcast: mask_mod reads row b
-        with pytest.raises(ValueError, match="block_mask is for attn_impl='flex'"):
-            sdpa(x, block_mask=doc_causal_block_mask(None, batch=2, seq_len=16))
+        with pytest.raises(ValueError, match="ctx is for \\[B,T\\] = \\(2, 32\\), the input is \\(2, 16\\)"):
+            flex(x, ctx=build_context(torch.zeros(2, 32, dtype=torch.long), block_mask=True))
+        with pytest.raises(ValueError, match="ctx is for \\[B,T\\] = \\(1, 16\\), the input is \\(2, 16\\)"):
+            flex(x, ctx=build_context(torch.zeros(1, 16, dtype=torch.long), block_mask=True))  # no broadcast
+        with pytest.raises(TypeError, match="ctx must be a PackedContext"):  # a bare block mask is no context
+            flex(x, ctx=doc_causal_block_mask(None, batch=2, seq_len=16))
+        # sdpa reads the context's doc_ids; a block mask it carries for flex changes nothing
+        doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 3 + [1] * 4 + [2] * 9])
+        ref = sdpa(x, ctx=build_context(doc_ids))
+        torch.testing.assert_close(sdpa(x, ctx=build_context(doc_ids, block_mask=True)), ref, atol=0, rtol=0)
     with pytest.raises(ValueError, match="doc_ids must be \\[B, T\\]"):
         doc_causal_block_mask(torch.zeros(16, dtype=torch.long))
 
@@ -138,21 +144,21 @@ def test_block_mask_mismatches_fail_closed() -> None:
 
 def _check_against_sdpa(layer_fn, sdpa: MultiLatentAttention, B: int, T: int, grad: bool, seed: int,
                         dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
-    """layer_fn(x, doc_ids, block_mask=) against eager SDPA: outputs, and with grad the input and weight grads."""
+    """layer_fn(x, ctx=) against eager SDPA on the same context (flex reads its block mask, sdpa its doc_ids):
+    outputs, and with grad the input and weight grads."""
     torch.manual_seed(seed)
     x = torch.randn(B, T, REAL["d_model"], device="cuda", dtype=dtype)
-    doc_ids = _packed_doc_ids(B, T, "cuda", seed)
-    block_mask = doc_causal_block_mask(doc_ids)
+    ctx = build_context(_packed_doc_ids(B, T, "cuda", seed), block_mask=True)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
     if not grad:
         with torch.no_grad():
-            y, ref = layer_fn(x, doc_ids, block_mask=block_mask), sdpa(x, doc_ids)
+            y, ref = layer_fn(x, ctx=ctx), sdpa(x, ctx=ctx)
         torch.cuda.synchronize()  # an illegal memory access surfaces here, not as a silent result
         assert torch.isfinite(y).all()
         assert _rel(y, ref) < tol and (y.float() - ref.float()).abs().max() < 10 * tol * ref.float().abs().max()
         return
     xs = [x.clone().requires_grad_() for _ in range(2)]
-    y, ref = layer_fn(xs[0], doc_ids, block_mask=block_mask), sdpa(xs[1], doc_ids)
+    y, ref = layer_fn(xs[0], ctx=ctx), sdpa(xs[1], ctx=ctx)
     dy = torch.randn_like(ref)
     y.backward(dy)
     ref.backward(dy)
@@ -203,12 +209,12 @@ def test_cuda_compiled_flex_fp32_is_refused() -> None:
     torch._dynamo.reset()
     _, flex = _pair("cuda", torch.float32, **REAL)
     x = torch.randn(1, 256, REAL["d_model"], device="cuda")
-    block_mask = doc_causal_block_mask(None, batch=1, seq_len=256, device="cuda")
+    ctx = build_context(torch.zeros(1, 256, dtype=torch.long, device="cuda"), block_mask=True)
     for fullgraph in (True, False):
         torch._dynamo.reset()
         match = REFUSED[fullgraph] or "not proven on cuda float32 compiled without gradients"
         with torch.no_grad(), pytest.raises(RuntimeError, match=match):
-            torch.compile(flex, fullgraph=fullgraph)(x, block_mask=block_mask)
+            torch.compile(flex, fullgraph=fullgraph)(x, ctx=ctx)
 
 
 @pytest.mark.cuda

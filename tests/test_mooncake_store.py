@@ -285,6 +285,7 @@ def test_ngram_hash_memory_gives_the_same_output_from_mooncake(mooncake_backend)
     """NgramHashMemory(store=...) reads its rows from Mooncake: bit-identical to the in-process store."""
     from megacpp_lab.data import boundary_windows, load_sample
     from megacpp_lab.nn.ngram_hash import NgramHashConfig, NgramHashMemory
+    from megacpp_lab.varlen import build_context
 
     config = NgramHashConfig(vocab_size=259, d_model=32, pad_id=256, max_ngram=4, heads_per_order=2,
                              table_size=1009, head_dim=8)  # fmt: skip
@@ -292,9 +293,9 @@ def test_ngram_hash_memory_gives_the_same_output_from_mooncake(mooncake_backend)
     mem = NgramHashMemory(config, layer_id=1)
     torch.nn.init.normal_(mem.value_proj.weight, std=0.1)  # a trained layer, not the zero init
     w = boundary_windows(load_sample()[0].batch, 2, 128, lead=64)
-    h = torch.randn(2, 128, 32)
-    in_process = mem(h, w.tokens, w.doc_ids, store=mem.make_store(InProcessBackend()))
-    mooncake = mem(h, w.tokens, w.doc_ids, store=mem.make_store(mooncake_backend))
+    h, ctx = torch.randn(2, 128, 32), build_context(w.doc_ids)
+    in_process = mem(h, w.tokens, ctx=ctx, store=mem.make_store(InProcessBackend()))
+    mooncake = mem(h, w.tokens, ctx=ctx, store=mem.make_store(mooncake_backend))
     assert torch.equal(mooncake, in_process)
     assert not torch.equal(in_process, torch.zeros_like(in_process))
 

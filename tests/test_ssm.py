@@ -35,10 +35,11 @@ def test_layer_paths_equal_the_chunked_path_forward_and_backward(kernel: str) ->
     layer = _layer()
     doc_ids = torch.tensor([[0] * 11 + [1] * 25 + [2] * 4, [0] * 40], device=DEVICE)
     x = torch.randn(2, 40, 32, device=DEVICE)
+    ctx = build_context(doc_ids)
     outs, grads = [], []
     for k in ("chunked", kernel):
         xk = x.clone().requires_grad_()
-        y = layer(xk, doc_ids, kernel=k)
+        y = layer(xk, ctx=ctx, kernel=k)
         y.square().sum().backward()
         outs.append(y.detach())
         grads.append([xk.grad] + [p.grad.clone() for p in layer.parameters()])
@@ -48,13 +49,21 @@ def test_layer_paths_equal_the_chunked_path_forward_and_backward(kernel: str) ->
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
 
 
-def test_layer_through_the_context_equals_bare_doc_ids() -> None:
+def test_layer_through_the_context_equals_each_document_run_alone() -> None:
+    """The packed rows through their PackedContext equal every document run on its own as a one-document row
+    (ctx=None): no state, conv window or gate crosses a boundary. A context of another shape, or anything
+    but a context, fails by name."""
     layer = _layer()
     doc_ids = torch.tensor([[0] * 7 + [1] * 9, [0] * 3 + [1] * 13], device=DEVICE)
     x = torch.randn(2, 16, 32, device=DEVICE)
-    torch.testing.assert_close(layer(x, ctx=build_context(doc_ids)), layer(x, doc_ids), atol=0, rtol=0)
-    with pytest.raises(ValueError, match="give ctx or doc_ids, not both"):
-        layer(x, doc_ids, ctx=build_context(doc_ids))
+    packed = layer(x, ctx=build_context(doc_ids))
+    for row, cuts in ((0, (0, 7, 16)), (1, (0, 3, 16))):
+        for s, e in zip(cuts, cuts[1:]):
+            torch.testing.assert_close(packed[row, s:e], layer(x[row : row + 1, s:e])[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 16\), the input is \(2, 15\)"):
+        layer(x[:, :15], ctx=build_context(doc_ids))
+    with pytest.raises(TypeError, match="ctx must be a PackedContext"):
+        layer(x, ctx=doc_ids)
 
 
 def test_layer_passes_the_leak_harness_on_real_packed_rows_and_fails_without_doc_ids(sample_leak_reports) -> None:

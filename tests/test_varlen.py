@@ -1,4 +1,5 @@
-"""The packed-batch context: built and validated once, then taken as given by M2RNN and MLA."""
+"""The packed-batch context: built and validated once, then taken as given by M2RNN, MLA, Engram and the n-gram
+memory; the doc-aware shift helpers read its positions."""
 
 from __future__ import annotations
 
@@ -6,10 +7,19 @@ import pytest
 import torch
 
 from megacpp_lab.data import PackedBatch, load_sample
-from megacpp_lab.varlen import PackedContext, build_context, doc_causal_block_mask
+from megacpp_lab.kernels.m2rnn import m2rnn_scan
+from megacpp_lab.varlen import (
+    PackedContext,
+    build_context,
+    doc_causal_block_mask,
+    doc_causal_shift,
+    doc_ids_from_cu_seqlens,
+    packed_cu_seqlens,
+    same_doc_as_lag,
+)
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig
 from megacpp_lab.nn.mla import MLAConfig, MultiLatentAttention
-from megacpp_lab.testing import check_leaks
+from megacpp_lab.testing import check_leaks, each_document_alone
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DOC_IDS = [[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]]
@@ -62,21 +72,32 @@ def _m2rnn(**kw) -> M2RNN:
     return M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton", **kw)).to(DEVICE)
 
 
-def test_m2rnn_through_the_context_equals_the_doc_ids_path_forward_and_backward() -> None:
-    """One program per document over the flattened rows, against one program per row with resets."""
+def test_m2rnn_through_the_context_equals_each_document_alone_forward_and_backward() -> None:
+    """The layer: one program per document over the flattened rows, against each document run alone (ctx=None,
+    _each_document_alone) and the reference kernel. The scan: the context path against its doc_ids path (one
+    program per row with resets), which the kernel entry point keeps."""
     layer = _m2rnn()
     doc_ids = torch.tensor([[0] * 5 + [1] * 9 + [2] * 6, [0] * 13 + [1] * 7], device=DEVICE)
     ctx = build_context(doc_ids)
-    xs = [torch.randn(2, 20, 32, device=DEVICE).requires_grad_()]
-    x_ctx = xs[0].detach().clone().requires_grad_()
-    y_ids, y_ctx = layer(xs[0], doc_ids), layer(x_ctx, ctx=ctx)
+    x_alone = torch.randn(2, 20, 32, device=DEVICE).requires_grad_()
+    x_ctx = x_alone.detach().clone().requires_grad_()
+    y_alone, y_ctx = each_document_alone(layer, doc_ids, x_alone), layer(x_ctx, ctx=ctx)
+    torch.testing.assert_close(y_ctx, y_alone, atol=1e-5, rtol=1e-5)
+    dy = torch.randn_like(y_alone)
+    grads_alone = torch.autograd.grad(y_alone, [x_alone, *layer.parameters()], dy)
+    grads_ctx = torch.autograd.grad(y_ctx, [x_ctx, *layer.parameters()], dy)
+    for a, b in zip(grads_ctx, grads_alone):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(layer(x_ctx, ctx=ctx, kernel="reference"), y_alone, atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 20, 2, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+    f = torch.rand(2, 20, 2, generator=g).to(DEVICE).requires_grad_()
+    W = (torch.randn(2, 16, 16, generator=g) * 0.1).to(DEVICE).requires_grad_()
+    y_ids, y_ctx = (m2rnn_scan(q, k, v, f, W, kernel="triton", **kw) for kw in (dict(doc_ids=doc_ids), dict(ctx=ctx)))
     torch.testing.assert_close(y_ctx, y_ids, atol=1e-5, rtol=1e-5)
     dy = torch.randn_like(y_ids)
-    grads_ids = torch.autograd.grad(y_ids, [xs[0], *layer.parameters()], dy)
-    grads_ctx = torch.autograd.grad(y_ctx, [x_ctx, *layer.parameters()], dy)
-    for a, b in zip(grads_ctx, grads_ids):
+    for a, b in zip(torch.autograd.grad(y_ctx, [q, k, v, f, W], dy), torch.autograd.grad(y_ids, [q, k, v, f, W], dy)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(layer(x_ctx, ctx=ctx, kernel="reference"), y_ids, atol=1e-5, rtol=1e-5)
 
 
 def test_m2rnn_and_mla_through_the_context_pass_the_leak_harness_on_real_packed_rows() -> None:
@@ -95,44 +116,77 @@ def test_m2rnn_and_mla_through_the_context_pass_the_leak_harness_on_real_packed_
         assert report.passed, str(report)
 
 
-def test_mla_through_the_context_equals_doc_ids_and_positions() -> None:
+def test_mla_through_the_context_equalseach_document_alone() -> None:
+    """RoPE from the context's positions and same-document causal attention, against each document run alone
+    (ctx=None: RoPE rows from 0, causal attention; _each_document_alone)."""
     torch.manual_seed(0)
     mla = MultiLatentAttention(MLAConfig.build(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8,
                                                d_rope=8, d_v=8, max_positions=64)).to(DEVICE)  # fmt: skip
     doc_ids = torch.tensor(DOC_IDS, device=DEVICE)
     ctx = build_context(doc_ids)
     x = torch.randn(2, 8, 32, device=DEVICE)
-    torch.testing.assert_close(mla(x, ctx=ctx), mla(x, doc_ids, ctx.positions), atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="give ctx, or doc_ids"):
-        mla(x, doc_ids, ctx=ctx)
+    torch.testing.assert_close(mla(x, ctx=ctx), each_document_alone(mla, doc_ids, x), atol=1e-6, rtol=1e-6)
+    with pytest.raises(TypeError, match="ctx must be a PackedContext"):
+        mla(x, ctx=doc_ids)
     with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 8\)"):
         mla(x[:1], ctx=ctx)
 
 
-def test_engram_and_ngram_memory_through_the_context_equal_their_doc_ids_paths() -> None:
+def test_engram_and_ngram_memory_through_the_context_equaleach_document_alone() -> None:
+    """Their doc-aware shifts and convs read the context's positions: against each document run alone (ctx=None,
+    _each_document_alone)."""
     from megacpp_lab.nn.engram import EngramBranch, EngramConfig
     from megacpp_lab.nn.ngram_hash import NgramHashConfig, NgramHashMemory
 
     torch.manual_seed(0)
     doc_ids = torch.tensor(DOC_IDS, device=DEVICE)
     ctx = build_context(doc_ids)
-    h = torch.randn(2, 8, 32, device=DEVICE)
-    branch = EngramBranch(EngramConfig(d_model=32, bottleneck=8, gated=True, conv_kernel=4)).to(DEVICE)
-    torch.nn.init.normal_(branch.out_proj.weight, std=0.05)  # zero-init would make both sides 0
-    torch.testing.assert_close(branch(h, ctx=ctx), branch(h, doc_ids), atol=0, rtol=0)
+    h = torch.randn(2, 8, 32, device=DEVICE, dtype=torch.float64)  # fp64: shorter rows round their matmuls apart
+    branch = EngramBranch(EngramConfig(d_model=32, bottleneck=8, gated=True, conv_kernel=4)).to(DEVICE).double()
     memory = NgramHashMemory(NgramHashConfig(vocab_size=259, d_model=32, pad_id=258,
-                                             table_size=101, head_dim=8), layer_id=0).to(DEVICE)  # fmt: skip
+                                             table_size=101, head_dim=8), layer_id=0).to(DEVICE).double()  # fmt: skip
+    for zero_init in (branch.out_proj.weight, memory.value_proj.weight):  # else both sides are 0
+        torch.nn.init.normal_(zero_init, std=0.05)
     tokens = torch.randint(0, 259, (2, 8), device=DEVICE)
-    torch.testing.assert_close(memory(h, tokens, ctx=ctx), memory(h, tokens, doc_ids), atol=0, rtol=0)
-    for call in (lambda: branch(h, doc_ids, ctx=ctx), lambda: memory(h, tokens, doc_ids, ctx=ctx)):
-        with pytest.raises(ValueError, match="give ctx or doc_ids, not both"):
+    for got, alone, row in ((branch(h, ctx=ctx), each_document_alone(branch, doc_ids, h), branch(h)),
+                            (memory(h, tokens, ctx=ctx), each_document_alone(memory, doc_ids, h, tokens),
+                             memory(h, tokens))):  # fmt: skip
+        torch.testing.assert_close(got, alone, atol=1e-12, rtol=0)
+        assert not torch.allclose(got, row, atol=1e-6)  # the documents' windows differ from the whole row's
+    for call in (lambda: branch(h, ctx=doc_ids), lambda: memory(h, tokens, ctx=doc_ids)):
+        with pytest.raises(TypeError, match="ctx must be a PackedContext"):
             call()
-    with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 8\), the input is \(1, 8\)"):
-        branch(h[:1], ctx=ctx)
+    for call in (lambda: branch(h[:1], ctx=ctx), lambda: memory(h[:1], tokens[:1], ctx=ctx)):
+        with pytest.raises(ValueError, match=r"ctx is for \[B,T\] = \(2, 8\), the input is \(1, 8\)"):
+            call()
+
+
+def test_doc_shift_helpers_read_positions_as_the_doc_ids_definition_on_random_packed_rows() -> None:
+    """same_doc_as_lag(positions, lag) is exactly "t-lag exists and holds t's document", written out from doc_ids;
+    doc_causal_shift puts x[t-lag] there and the fill elsewhere (an inf of another document included), and with
+    positions None treats each row as one document. Seeded random packed rows, every lag from 0 to past T."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 40
+    t = torch.arange(T)
+    for docs in (1, 5, 17):
+        doc_ids = doc_ids_from_cu_seqlens(packed_cu_seqlens(B, T, docs, g), B, T)
+        positions = build_context(doc_ids).positions
+        x = torch.randn(B, T, 2, generator=g)
+        x[:, ::7, 0] = float("inf")
+        for lag in range(T + 2):
+            src = (t - lag).clamp_min(0)
+            same = (t >= lag) & (doc_ids == doc_ids[:, src])
+            assert torch.equal(same_doc_as_lag(positions, lag), same), (docs, lag)
+            want = torch.where(same[..., None], x[:, src], torch.tensor(-1.0))
+            assert torch.equal(doc_causal_shift(x, positions, lag, fill=-1), want), (docs, lag)
+            want = torch.where((t >= lag)[None, :, None], x[:, src], torch.tensor(-1.0))
+            assert torch.equal(doc_causal_shift(x, None, lag, fill=-1), want), lag
+    with pytest.raises(ValueError, match="lag must be >= 0"):
+        same_doc_as_lag(positions, -1)
 
 
 def test_random_packed_layout_round_trips_through_doc_ids() -> None:
-    from megacpp_lab.varlen import cu_seqlens_from_doc_ids, doc_ids_from_cu_seqlens, packed_cu_seqlens
+    from megacpp_lab.varlen import cu_seqlens_from_doc_ids
 
     cu = packed_cu_seqlens(3, 40, 5, torch.Generator().manual_seed(0))
     assert cu.numel() == 3 * 5 + 1 and cu.dtype == torch.int32

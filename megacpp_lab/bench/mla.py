@@ -336,8 +336,8 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
         torch.manual_seed(0)
         layer = MultiLatentAttention(MLAConfig.build(**_layer_cfg(small))).to(device=device, dtype=dtype)
         x = torch.randn(1 if small else 2, 32 if small else 4096, layer.config.d_model, device=device, dtype=dtype, requires_grad=True)
-        ids = (torch.arange(x.shape[1], device=device) >= x.shape[1] // 3).long().expand(x.shape[0], -1).contiguous()
-        path, _ = profile_trace(lambda: layer(x, ids).float().sum().backward(), root / device_slug(rope["device"]) / "mla",
+        ctx = build_context((torch.arange(x.shape[1]) >= x.shape[1] // 3).long().expand(x.shape[0], -1).contiguous()).to(device)
+        path, _ = profile_trace(lambda: layer(x, ctx=ctx).float().sum().backward(), root / device_slug(rope["device"]) / "mla",
                                 "mla_layer", steps=1 if small else 2, warmup=1 if small else 2)  # fmt: skip
         written.append(path)
     return written

@@ -38,7 +38,7 @@ from megacpp_lab.model.optim import MasterWeightAdamW, lr_at
 from megacpp_lab.model.parallelize import block_structures, describe_compile, parallelize
 from megacpp_lab.model.precompile import precompile
 from megacpp_lab.model.train_config import TrainConfig, resolve_device
-from megacpp_lab.varlen import PackedContext, build_context, copy_to_device
+from megacpp_lab.varlen import PackedContext, copy_to_device
 
 __all__ = ["HISTORY_FILE", "TokenizedCorpus", "TrainResult", "plot_history", "read_history", "tokenize_corpus", "train",
            "write_history"]  # fmt: skip
@@ -171,7 +171,8 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
         waiting: the step holds no host sync, so the CPU queues the next step while the GPU runs this one."""
         targets = _targets(batch.tokens, batch.doc_ids, hcfg.pad_id, ignore)  # the whole batch, on the host
         share = token_share(targets, rows, ignore) if ranks.world > 1 else 1.0
-        ctx = build_context(batch.doc_ids[rows]).to(device)
+        mine = batch if rows == slice(0, batch.batch_size) else batch.rows(rows)  # a sub-batch: its own cu_seqlens
+        ctx = PackedContext.from_batch(mine).to(device)  # the batch's positions and cu_seqlens, not derived again
         tokens, targets = (copy_to_device(t[rows], device) for t in (batch.tokens, targets))
         return tokens, ctx, targets, share
 

@@ -137,8 +137,8 @@ def _logit(p: float) -> float:
 class HyperConnection(nn.Module):
     """The mHC seam around one block: forward(streams [B,T,n,d], block, **block_kwargs) -> [B,T,n,d].
 
-    The block is any callable taking [B,T,d] (plus the keyword arguments given here, e.g. ctx= or
-    doc_ids=) and returning [B,T,d]; it is not owned by this module. `layer_idx` picks the stream H_pre
+    The block is any callable taking [B,T,d] (plus the keyword arguments given here, e.g. ctx=) and
+    returning [B,T,d]; it is not owned by this module. `layer_idx` picks the stream H_pre
     favours at init (layer_idx % n), which breaks the symmetry between streams.
     """
 

@@ -18,8 +18,8 @@ for the Q side.
 
 Packed rows: `forward(x, ctx=)` takes the batch's `PackedContext` (megacpp_lab.varlen), validated once when
 it was built, as given: RoPE runs the kernels' packed thd path on its cu_seqlens (no value check, no host
-sync), attention its doc_ids (sdpa) or its block mask (flex). Bare doc_ids / positions still work, checked on
-every call.
+sync), attention its doc_ids (sdpa) or its block mask (flex). Bare doc_ids reach the layer through
+testing.with_doc_ids, which builds (and checks) a context per call.
 
 Decode keeps only the normed latent c_kv and one rotated rope row per token (`MLAKVCache`). The
 expanded path re-projects keys and values from it; the absorbed path folds W_uk into the query and
@@ -236,9 +236,10 @@ def flex_refusal(device: torch.device, dtype: torch.dtype, *, compiled: bool, gr
     """Why the flex path must not run this configuration, or None: it must be listed in FLEX_PROVEN and,
     compiled, have a block mask built outside the compiled region and T a multiple of FLEX_BLOCK."""
     if compiled and not has_block_mask:
-        return ("MultiLatentAttention(attn_impl='flex') under torch.compile needs block_mask=: build it once per batch "
-                "with doc_causal_block_mask(doc_ids) outside the compiled region. Built inside, inductor fuses the "
-                "mask into the attention kernel, which gave wrong numbers and illegal memory accesses")  # fmt: skip
+        return ("MultiLatentAttention(attn_impl='flex') under torch.compile needs a context with a block mask: build it "
+                "once per batch outside the compiled region (build_context(doc_ids, block_mask=True)). Built inside, "
+                "inductor fuses the mask into the attention kernel, which gave wrong numbers and illegal memory "
+                "accesses")  # fmt: skip
     if compiled and seq_len % FLEX_BLOCK:
         return (f"compiled attn_impl='flex' needs T to be a multiple of {FLEX_BLOCK}, got T={seq_len} (a compiled flex "
                 "kernel returned wrong numbers with no error at T=100); pad the rows, run it eagerly, or use 'sdpa'")  # fmt: skip
@@ -250,8 +251,8 @@ def flex_refusal(device: torch.device, dtype: torch.dtype, *, compiled: bool, gr
 
 
 @torch.compiler.disable(
-    reason="MultiLatentAttention refuses this compiled attn_impl='flex' call: it needs block_mask= built outside the "
-    "compiled region (doc_causal_block_mask), T a multiple of 128, and a (device, dtype, gradients) configuration "
+    reason="MultiLatentAttention refuses this compiled attn_impl='flex' call: it needs a context with a block mask built "
+    "outside the compiled region (build_context(block_mask=True)), T a multiple of 128, and a (device, dtype, gradients) configuration "
     "in FLEX_PROVEN; compiled without fullgraph, or run eagerly, it raises the exact reason"
 )
 def _refuse_compiled(reason: str) -> NoReturn:

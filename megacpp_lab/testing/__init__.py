@@ -10,6 +10,7 @@ from megacpp_lab.testing.leaks import (
     Violation,
     assert_no_leaks,
     check_leaks,
+    each_document_alone,
     influence_matrix,
     influence_violation,
     plot_influence,

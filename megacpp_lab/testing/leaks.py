@@ -42,6 +42,7 @@ __all__ = [
     "influence_violation",
     "perturb",
     "plot_influence",
+    "each_document_alone",
     "with_doc_ids",
 ]
 
@@ -66,6 +67,18 @@ def with_doc_ids(layer: nn.Module, **kwargs: Any) -> nn.Module:
     and it holds the layer as a submodule (.double(), .to() reach it). build_context validates doc_ids on the
     host: a bad id fails by name before the layer runs."""
     return _WithDocIds(layer, kwargs)
+
+
+def each_document_alone(fn: Callable[..., torch.Tensor], doc_ids: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """fn on each document of the packed rows alone (a row of its own, no context: one document per row),
+    stitched back into [B,T,...]: the independent reference of a layer's context path. The segments are read
+    from doc_ids directly, not from a PackedContext; `inputs` are [B,T,...] tensors cut the same way."""
+    rows = []
+    for b, ids in enumerate(doc_ids):
+        lengths = torch.unique_consecutive(ids, return_counts=True)[1].tolist()
+        docs = zip(*(t[b].split(lengths) for t in inputs))  # each input's segments, document by document
+        rows.append(torch.cat([fn(*(p[None] for p in parts))[0] for parts in docs]))
+    return torch.stack(rows)
 
 
 # Bound on the number of gradient elements materialised per batched backward pass
