@@ -28,7 +28,6 @@ __all__ = [
     "build_context",
     "check_cu_seqlens",
     "copy_to_device",
-    "check_doc_ids",
     "context_positions",
     "cu_seqlens_from_doc_ids",
     "doc_causal_block_mask",
@@ -144,25 +143,14 @@ def _first_true(mask: torch.Tensor) -> tuple[int, int]:
     return flat // mask.shape[1], flat % mask.shape[1]
 
 
-def check_doc_ids(doc_ids: torch.Tensor | None, shape: tuple[int, int]) -> None:
-    """Fail closed on doc_ids a mixer given bare doc_ids cannot trust: wrong shape or dtype, or ids going
-    backwards (masks compare ids for equality only, so 0,0,1,0 would silently join two documents).
-
-    On CPU this raises ValueError with the row and offset. On a GPU, and under torch.compile, it is an
-    asynchronous device assert: no host sync in the hot path and no graph break. A PackedContext was
-    checked when it was built and needs none of this."""
-    if doc_ids is None:
-        return
+def _check_doc_ids(doc_ids: torch.Tensor, shape: tuple[int, int]) -> None:
+    """Host tensors only (validate_packed_layout's): shape, dtype, and ids never going backwards (masks compare
+    ids for equality only, so 0,0,1,0 would silently join two documents); a ValueError with row and offset."""
     if doc_ids.shape != shape:
         raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} does not match [B,T] = {tuple(shape)}")
     if doc_ids.dtype not in ID_DTYPES:
         raise ValueError(f"doc_ids dtype must be int32 or int64, got {doc_ids.dtype}")
-    if doc_ids.shape[1] < 2:
-        return
     backwards = doc_ids[:, 1:] < doc_ids[:, :-1]
-    if torch.compiler.is_compiling() or doc_ids.device.type != "cpu":
-        torch._assert_async(~backwards.any(), "doc_ids go backwards inside a row")
-        return
     if bool(backwards.any()):
         r, t = _first_true(backwards)
         raise ValueError(
@@ -217,10 +205,11 @@ def check_cu_seqlens(cu_seqlens: Any, n_tokens: int, *, device: torch.device | N
     """Fail closed on varlen boundaries handed over bare (a PackedContext's were checked when it was built).
 
     Always (host metadata, no sync): a 1-D int32 tensor of >= 2 entries, on `device` when given. Then, unless
-    values=False (a caller that checked them already) and outside a compiled region, the values: 0, rising strictly, ending at n_tokens, and with row_len a document start at
-    every row start (a multiple of row_len: a document never spans two rows). On a CPU tensor a ValueError
-    naming the entry, row and offset; on a GPU one device-side assert, so the caller's stream never waits on
-    the host. The one check of cu_seqlens: build_context, the SSD and M2RNN scans and the rope kernels use it."""
+    values=False (a caller that checked them already) and outside a compiled region, the values: 0, rising
+    strictly, ending at n_tokens, and with row_len a document start at every row start (a multiple of row_len:
+    a document never spans two rows). On a CPU tensor a ValueError naming the entry, row and offset; on a GPU
+    one device-side assert, so the caller's stream never waits on the host. The one check of cu_seqlens:
+    build_context, the SSD and M2RNN scans and the rope kernels use it."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
                          f"{tuple(getattr(cu_seqlens, 'shape', ()))}")  # fmt: skip
@@ -275,7 +264,7 @@ def validate_packed_layout(doc_ids: torch.Tensor, positions: torch.Tensor, cu_se
     if len(devices) != 1:
         raise ValueError(f"doc_ids, positions and cu_seqlens must share one device, got {sorted(map(str, devices))}")
 
-    check_doc_ids(doc_ids.cpu(), (B, T))  # on the host: a named error, not a device assert
+    _check_doc_ids(doc_ids.cpu(), (B, T))  # on the host: a named error, not a device assert
     starts = doc_starts(doc_ids)
     bad_start = starts & (positions != 0)
     if bad_start.any():
