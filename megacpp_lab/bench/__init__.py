@@ -210,22 +210,25 @@ runs in a process of its own, with inductor and Triton cache directories of its 
 
 Shape: the base preset (12 layers, d=1024, pattern AMRM, Engram at layers 1, 5, 9), B=4, T=4096, 8
 documents per row, bf16, Triton scans, built by parallelize. Contenders:
-  regional cold                apply_compile (one graph per block structure), fresh caches: import, build
-                               and first step; the compile of each region split by phase (dynamo trace,
-                               AOTAutograd, inductor lowering and code generation, Triton compile, autotune)
-                               from dynamo's CompilationMetrics, the time outside dynamo (the lab's kernels),
-                               the Triton kernels compiled; then batches of 1, 2, 3, 17 and 64 documents per
+  regional cold                apply_compile (one graph per block structure) through saved graphs, as
+                               `train --compile` runs: fresh caches; import, build and first step, each
+                               structure traced once by dynamo's ahead-of-time compile and saved; the
+                               Triton kernels compiled; then batches of 1, 2, 3, 17 and 64 documents per
                                row with and without gradients (graphs added: recompiles); the timed steps,
                                MFU against 989 TFLOP/s; one profiled step; its Mega-Cache artifacts saved;
                                then the eager step of the same weights and batch (the
                                baseline: 10 CUDA-event-timed steps after 3 of warm-up)
-  regional warm                a new process on the caches the cold run left: every cache hit or missed;
-                               three in a row, the bars reading their medians
+  regional warm                a new process on the caches the cold run left: it loads the saved graphs and
+                               traces nothing; three in a row, the bars reading their medians
   regional cold 48 layers      the same model 48 layers deep (compile should be flat in depth)
   whole-model cold 48 layers   torch.compile(model), stopped at 3.05x the regional first step at 48 layers
                                (a lower bound then; earlier if MEGACPP_BENCH_DEADLINE_S seconds would pass)
-  regional from Mega-Cache     empty caches, the artifacts loaded first (torch.compiler.load_cache_artifacts)
-  regional cold, one process   compile_workers=0: every block structure compiled in the step's process
+  regional from Mega-Cache     empty caches, the artifacts loaded first (torch.compiler.load_cache_artifacts),
+                               torch.compile's entry (Mega-Cache carries inductor's caches, not saved graphs)
+  regional cold, one process   compile_workers=0, torch.compile's entry: every block structure compiled in
+                               the step's process, its compile split by phase (dynamo trace, AOTAutograd,
+                               inductor lowering and code generation, Triton compile, autotune) from dynamo's
+                               CompilationMetrics, and the time outside dynamo (the lab's kernels)
 The last two explain and are stopped at the deadline if it comes first. Where the host writes no Python
 bytecode (PYTHONDONTWRITEBYTECODE, a torch without .pyc files), every process gets a bytecode cache compiled
 once before the first contender, as a pip-installed torch has (summary.python_bytecode).

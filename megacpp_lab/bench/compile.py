@@ -74,6 +74,7 @@ class Run:
     eager_after: bool = False  # then time the eager step of the same model in this process (the baseline)
     first_step_cap_s: float | None = None  # stop the process this long into its first step (a lower bound then)
     compile_workers: int | None = None  # ParallelConfig.compile_workers (None: its default); 0: one process
+    saved_graphs: bool = True  # ParallelConfig.saved_graphs: a warm run loads the graphs a cold run saved
     launched_at: float = 0.0  # time.time() when the parent launched the process
 
 
@@ -116,7 +117,8 @@ def _run(run: Run, out: Path) -> None:
         info = torch.compiler.load_cache_artifacts(Path(run.megacache_load).read_bytes())
         save(megacache_load_s=time.perf_counter() - t0, megacache_loaded=info is not None)
     config = triton_config(run.preset, run.device, **({"n_layers": run.n_layers} if run.n_layers else {}))
-    parallel = ParallelConfig.build(compile=run.mode == "regional", backend=run.backend, compile_workers=run.compile_workers)
+    parallel = ParallelConfig.build(compile=run.mode == "regional", backend=run.backend, compile_workers=run.compile_workers,
+                                    saved_graphs=run.saved_graphs)  # fmt: skip
     model = build_model(config, run.device, parallel=parallel)
     if run.mode == "whole":
         model = torch.compile(model, backend=run.backend)
@@ -155,7 +157,13 @@ def _run(run: Run, out: Path) -> None:
         save(compile_workers={"blocks": job.plan, "done_at_s": job.seconds, "threads_each": job.threads,
                               "timelines": job.reports, "own_block": job.own, "own_s": job.own_s})  # fmt: skip
         structures = job.structures_in_compile_order(model)  # dynamo compiled them in the job's order
-    if run.mode != "eager":
+    saved = getattr(model, "saved_graphs", None)
+    if saved is not None:  # loaded or compiled by dynamo's ahead-of-time entry: no frame records to split by phase
+        summary = saved.summary()
+        save(saved_graphs=summary, saved_graph_events=saved.events,
+             saved_graphs_s=summary["loaded_s"] + summary["compiled_s"],
+             outside_saved_graphs_s=max(0.0, first - summary["loaded_s"] - summary["compiled_s"]))  # fmt: skip
+    elif run.mode != "eager":
         breakdown = compile_breakdown(structures if run.mode == "regional" else [(("model",), 1)], n_first)
         save(compile=breakdown, dynamo_and_inductor_s=breakdown["cold_compile_s"],
              outside_dynamo_s=max(0.0, first - breakdown["cold_compile_s"]),
@@ -322,9 +330,10 @@ def bench_compile(*, preset: str = "base", B: int = 4, T: int = 4096, docs: int 
         (f"whole-model cold {deep_layers} layers", root / "whole-deep", Run(f"whole-model cold {deep_layers} layers", "whole",
                                                                             n_layers=deep_layers), f"regional cold {deep_layers} layers"),  # fmt: skip
     ] + ([("whole-model cold", root / "whole", Run("whole-model cold", "whole"), "regional cold")] if whole_shallow else []) + [
-        ("regional from Mega-Cache", root / "megacache", Run("regional from Mega-Cache", "regional", megacache_load=str(mega)), None),
+        ("regional from Mega-Cache", root / "megacache", Run("regional from Mega-Cache", "regional", megacache_load=str(mega),
+                                                               saved_graphs=False), None),  # fmt: skip
         ("regional cold, one process", root / "regional-serial", Run("regional cold, one process", "regional",
-                                                                       compile_workers=0), None),  # fmt: skip
+                                                                       compile_workers=0, saved_graphs=False), None),  # fmt: skip
     ]
     never_stopped = {"regional cold", "regional warm", f"regional cold {deep_layers} layers"}  # their times are the bars
     bytecode = bytecode_cache(root)
@@ -410,7 +419,14 @@ def compile_receipt(rows: dict[str, dict[str, Any]], skipped: dict[str, str], *,
             "warm_runs times in a row (runs: each one's times; first_step_s and total_s: their medians; the "
             "per-region breakdown: the median run's); "
             "'regional from Mega-Cache' starts with empty caches and loads the artifacts 'regional cold' saved "
-            "(torch.compiler.save_cache_artifacts / load_cache_artifacts), as a fresh container would. import_s: "
+            "(torch.compiler.save_cache_artifacts / load_cache_artifacts), as a fresh container would. "
+            "The regional runs compile through saved graphs (ParallelConfig.saved_graphs, model/saved_graphs.py), as "
+            "`train --compile` does: the cold run traces each block structure once with dynamo's ahead-of-time "
+            "compile and saves the graph, a warm run loads it and traces nothing (saved_graphs: graphs loaded and "
+            "compiled and their seconds; saved_graph_events: each graph; outside_saved_graphs_s: the rest of the "
+            "first step). 'regional cold, one process' and the Mega-Cache run compile with torch.compile (saved graphs "
+            "off): the first so that its compile splits by dynamo's phases, the second because Mega-Cache carries "
+            "inductor's and AOTAutograd's caches, not saved graphs. import_s: "
             "from the launch of the process to the library imported; build_s: the model built and made ready "
             "(parallelize, which starts inductor in the process once: inductor_start_s of it, its imports and the system key every cache lookup includes, which the first graph's compile paid before) and the batch made; first_step_s: the first training step (forward to the fused loss, "
             "backward), which compiles, with the block structures but block 0's compiled at once by worker processes "

@@ -186,7 +186,9 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     config = model_config(preset, device, compiled=compiled)
     if T > config.mla.max_positions:  # the RoPE table's length costs no time
         config = model_config(preset, device, compiled=compiled, mla=dict(max_positions=T))
-    model = build_model(config, device, seed=seed, parallel=ParallelConfig(compile=compiled, backend=backend))
+    # saved_graphs off: this profile splits the cold compile by dynamo's phases, which a loaded graph has none of
+    parallel = ParallelConfig(compile=compiled, backend=backend, saved_graphs=False)
+    model = build_model(config, device, seed=seed, parallel=parallel)
     counts = varied_doc_counts(docs, T, 1 + n_steps, seed)
     batches = []
     for i, d in enumerate(counts):

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 # applied, not here: ParallelConfig's fields generate the CLI's options, and building the parser stays light
 
 __all__ = ["PHASES", "CompileStats", "ParallelConfig", "apply_compile", "apply_fsdp", "block_structures",
-           "compile_breakdown", "compile_stats", "describe_compile", "fp32_contract_params", "fsdp_groups", "graphs_needed", "parallelize",
+           "compile_breakdown", "compile_stats", "describe_compile", "fp32_contract_params", "fsdp_groups", "graphs_needed", "model_fingerprint", "parallelize",
            "ready_inductor", "structure_keys"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -74,6 +74,10 @@ class ParallelConfig:
     # one per two cores; 0: every structure compiled in this process, one after another
     compile_workers: int = option(8, "with --compile: processes that compile the block structures at once on a "
                                      "cold start, at most one per two cores; 0 = all in this process")  # fmt: skip
+    # regional compile through saved graphs (model/saved_graphs.py): each block structure's graph is traced once,
+    # saved, and loaded by later processes instead of traced again; one process only (FSDP2 keeps torch.compile)
+    saved_graphs: bool = option(True, "with --compile: save each block structure's compiled graph and load it in "
+                                      "later runs instead of tracing it again (one process; FSDP2 traces)")  # fmt: skip
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> ValueError:
@@ -81,7 +85,7 @@ class ParallelConfig:
 
         if self.dtype not in ("auto", *DTYPES):
             raise fail("dtype", f"'auto' or one of {tuple(DTYPES)}")
-        for name in ("compile", "reshard_after_forward"):
+        for name in ("compile", "reshard_after_forward", "saved_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "a bool")
         if self.backend not in BACKENDS:
@@ -164,7 +168,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, device: str | None 
 
         apply_ac(lm, config.policy, compiled=config.compile)
     if config.compile:
-        apply_compile(lm, backend=config.backend)
+        apply_compile(lm, backend=config.backend, saved_graphs=config.saved_graphs and not fsdp)
     if fsdp:
         low_dtype = dtype if dtype != torch.float32 else None
         apply_fsdp(lm, mesh=mesh, param_dtype=low_dtype, reduce_dtype=torch.float32 if low_dtype is not None else None,
@@ -198,9 +202,15 @@ def graphs_needed(model: nn.Module) -> int:
     return 2 * len(set(keys))
 
 
-def apply_compile(model: nn.Module, *, fullgraph: bool = True, **compile_kwargs: Any) -> nn.Module:
+def apply_compile(model: nn.Module, *, fullgraph: bool = True, saved_graphs: bool = False,
+                  **compile_kwargs: Any) -> nn.Module:  # fmt: skip
     """Compile every block of the model on its own, in place (torchtitan's per-block compile), and return
     the model. fullgraph=True: a graph break is an error, not a silent split.
+
+    saved_graphs=True: every block's forward runs through the model's SavedGraphs (model/saved_graphs.py,
+    kept as `model.saved_graphs`): one graph per structure, traced once by dynamo's ahead-of-time compile and
+    saved, and loaded instead of traced by a later process. It needs fullgraph and a single-process model, and
+    applies to the inductor backend (the others' graphs are not saved: they compile with torch.compile).
 
     Every graph is an entry of Block.forward's cache, and past dynamo's recompile_limit dynamo stops compiling
     and runs the frame eager with a warning: the silent fallback the lab refuses. So the graphs this model
@@ -217,7 +227,18 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, **compile_kwargs:
         raise ValueError(f"blocks {wrapped} hold manual checkpoint wrappers (apply_ac without compiled=True); under "
                          "regional compile the activation_memory_budget is the single authority: build the model "
                          "again and call apply_ac(model, policy, compiled=True) before apply_compile")  # fmt: skip
-    _cache_compiles(compile_kwargs.get("backend", "inductor"))
+    backend = compile_kwargs.get("backend", "inductor")
+    _cache_compiles(backend)
+    if saved_graphs and backend == "inductor":
+        from megacpp_lab.model.saved_graphs import SavedForward, SavedGraphs
+
+        if not fullgraph or set(compile_kwargs) - {"backend"}:
+            raise ValueError(f"saved_graphs compiles whole blocks with the backend alone: fullgraph={fullgraph}, "
+                             f"other options {sorted(set(compile_kwargs) - {'backend'})}")  # fmt: skip
+        lm.saved_graphs = SavedGraphs(model_fingerprint(lm), backend=backend)
+        for block, structure in zip(lm.blocks, structure_keys(lm)):
+            block.forward = SavedForward(block, structure, lm.saved_graphs)
+        return model
     for block in lm.blocks:
         budget = block_budget(block)
         if budget is None:
@@ -226,6 +247,24 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, **compile_kwargs:
             block._compiled_call_impl = _with_budget(torch.compile(block._call_impl, fullgraph=fullgraph, **compile_kwargs),
                                                      budget)  # fmt: skip
     return model
+
+
+def model_fingerprint(lm: nn.Module) -> str:
+    """What a compiled graph of this model depends on beyond its inputs: the model's and the parallel config,
+    the device, torch's and Triton's versions, the Triton interpreter flag and the lab's source (a changed
+    kernel or block changes the graphs). Precompile's manifest and the saved graphs are keyed by it."""
+    import hashlib
+    import os
+
+    import triton
+
+    from megacpp_lab.model.precompile import source_digest
+
+    param = next(lm.parameters())
+    device = torch.cuda.get_device_name(param.device) if param.is_cuda else param.device.type
+    text = repr((lm.config, getattr(lm, "parallel_config", None), device, torch.__version__, triton.__version__,
+                 os.environ.get("TRITON_INTERPRET", "0"), source_digest()))  # fmt: skip
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _cache_compiles(backend: Any) -> None:
@@ -403,11 +442,22 @@ def compile_breakdown(structures: list[tuple[tuple[str, ...], int]], n_first: in
                       "next"}  # fmt: skip
 
 
-def describe_compile(seconds: float, since: int = 0, metrics: list[Any] | None = None) -> str:
-    """One console line for a first compiled step: how long it took and whether its compile was cold or warm,
-    from the FX-graph and AOTAutograd cache hits of dynamo's records after the first `since`
-    (torch._dynamo.utils.get_compilation_metrics())."""
+def describe_compile(seconds: float, since: int = 0, metrics: list[Any] | None = None, model: nn.Module | None = None) -> str:
+    """One console line for a first compiled step: how long it took and whether its compile was cold or warm:
+    for a model with saved graphs (apply_compile(saved_graphs=True)), how many it loaded and how many it
+    compiled; otherwise from the FX-graph and AOTAutograd cache hits of dynamo's records after the first
+    `since` (torch._dynamo.utils.get_compilation_metrics())."""
     from torch._dynamo.utils import get_compilation_metrics
+
+    start = (f"; inductor started in {ready_inductor():.1f} s before it, when the model was built"
+             if ready_inductor.cache_info().currsize else "")  # fmt: skip
+    saved = getattr(_hybrid(model), "saved_graphs", None) if model is not None else None
+    if saved is not None:
+        n = saved.summary()
+        state = ("warm" if n["compiled"] == 0 else "cold" if n["loaded"] == 0 else "partly warm")
+        return (f"{n['loaded'] + n['compiled']} block graphs ready in {seconds:.1f} s, {state}: {n['loaded']} loaded "
+                f"from saved graphs in {n['loaded_s']:.1f} s, {n['compiled']} compiled and saved in "
+                f"{n['compiled_s']:.1f} s{start}")  # fmt: skip
 
     records = (get_compilation_metrics() if metrics is None else metrics)[since:]
     count = {k: sum(int(getattr(m, k, None) or 0) for m in records) for k in CACHE_FIELDS}
@@ -419,8 +469,6 @@ def describe_compile(seconds: float, since: int = 0, metrics: list[Any] | None =
         state = "warm" if misses == 0 else "cold" if hits == 0 else "partly warm"
         state += (f": {hits} of {hits + misses} inductor graphs and {count['aotautograd_local_cache_hit_count']} "
                   f"AOTAutograd graphs from the caches")  # fmt: skip
-    start = (f"; inductor started in {ready_inductor():.1f} s before it, when the model was built"
-             if ready_inductor.cache_info().currsize else "")  # fmt: skip
     return f"{graphs} region{'' if graphs == 1 else 's'} compiled in {seconds:.1f} s, {state}{start}"
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Precompile", "heaviest_block", "manifest_path", "precompile", "precompile_plan", "worker_count"]
+__all__ = ["Precompile", "heaviest_block", "manifest_path", "precompile", "precompile_plan", "source_digest", "worker_count"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # megacpp_lab/
 _CONTEXT_TENSORS = ("doc_ids", "positions", "starts", "cu_seqlens", "seq_index")
@@ -149,7 +149,7 @@ class Precompile:
             self.workdir.cleanup()
 
 
-def _source_digest() -> str:
+def source_digest() -> str:
     """The lab's source: a changed kernel or block changes the graphs, so a manifest of older code is not warm."""
     h = hashlib.sha256()
     for path in sorted(_PACKAGE.rglob("*.py")):
@@ -180,13 +180,13 @@ def _set_marks(ctx: Any, marks: dict[str, dict[str, list[int]]]) -> None:
 def manifest_path(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.Tensor | None) -> Path:
     """Where the manifest of this model, parallel config, batch shape, code, versions and Triton cache lives (in
     inductor's cache directory: clearing it clears the manifest; another TRITON_CACHE_DIR is another key)."""
-    import triton
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    key = repr((model.config, model.parallel_config, tuple(tokens.shape), str(tokens.dtype), str(tokens.device),
+    from megacpp_lab.model.parallelize import model_fingerprint
+
+    key = repr((model_fingerprint(model), tuple(tokens.shape), str(tokens.dtype), str(tokens.device),
                 None if targets is None else tuple(targets.shape), _dynamic_marks(ctx), ctx.block_mask is not None,
-                torch.cuda.get_device_name() if tokens.is_cuda else "cpu", torch.__version__, triton.__version__,
-                os.environ.get("TRITON_INTERPRET", "0"), os.environ.get("TRITON_CACHE_DIR"), _source_digest()))  # fmt: skip
+                os.environ.get("TRITON_CACHE_DIR")))  # fmt: skip
     return Path(cache_dir()) / "megacpp_precompiled" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
@@ -265,7 +265,8 @@ def _compile_here(model: nn.Module, index: int, tokens: torch.Tensor, ctx: Any) 
 
 
 def _wait_at_first_call(model: nn.Module, job: Precompile) -> None:
-    """Every block of a worker's structures, at its first call, waits for that worker and then runs compiled."""
+    """Every block of a worker's structures, at its first call, waits for that worker and then runs compiled
+    (its saved-graph forward, or torch.compile's entry: whichever apply_compile installed)."""
     from megacpp_lab.model.checkpointing import block_budget
     from megacpp_lab.model.parallelize import structure_keys
 
@@ -274,15 +275,16 @@ def _wait_at_first_call(model: nn.Module, job: Precompile) -> None:
     for key, block in zip(keys, model.blocks):
         if key not in owner:
             continue
-        compiled = block._compiled_call_impl
+        attr = "forward" if "forward" in vars(block) else "_compiled_call_impl"
+        compiled = getattr(block, attr)
 
         def first_call(*args: Any, _w: int = owner[key], _block: nn.Module = block, _fn: Any = compiled,
-                       **kwargs: Any) -> Any:  # fmt: skip
+                       _attr: str = attr, **kwargs: Any) -> Any:  # fmt: skip
             job.wait(_w)
-            _block._compiled_call_impl = _fn
+            setattr(_block, _attr, _fn)
             return _fn(*args, **kwargs)
 
-        block._compiled_call_impl = first_call
+        setattr(block, attr, first_call)
 
 
 def _worker(spec_path: str, blocks: list[int], report: Path, launched_at: float) -> None:

@@ -259,7 +259,7 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
         if compiling:  # one host sync, once: the first step's time is what the compile cost
             if device == "cuda":
                 torch.cuda.synchronize()
-            say(f"step {step + 1}: {describe_compile(time.perf_counter() - t_compile, since)}")
+            say(f"step {step + 1}: {describe_compile(time.perf_counter() - t_compile, since, model=model)}")
         loss_sum += loss.detach().double() * share if ranks.world > 1 else loss.detach().double()
         done = step + 1
         if prof is not None:
