@@ -99,6 +99,20 @@ def test_hooks_run_around_a_saved_graph_and_a_guard_failure_past_the_limit_names
         block(x, tokens, ctx)
 
 
+@pytest.mark.slow
+def test_under_a_remat_budget_each_budget_gets_its_own_graph_and_the_step_equals_eager(own_caches):
+    config = model_config("tiny", DEV, **TRITON, n_layers=3, pattern="AAA", engram_layers=())
+    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 3), config.vocab_size, DEV)
+    reference = build_model(config, DEV, parallel=ParallelConfig(dtype="fp32"))
+    ref_loss = TrainingStep(reference, tokens, build_context(doc_ids), targets)()
+    model = build_model(config, DEV, parallel=ParallelConfig(dtype="fp32", compile=True, remat="0.3", compile_workers=0))
+    loss = TrainingStep(model, tokens, build_context(doc_ids), targets)()
+    _assert_same(loss, _grads(model), ref_loss, _grads(reference))
+    # blocks 0 and 1 share the graph partitioned at 0.3; block 2, the last, is never recomputed: a graph of its own
+    assert model.saved_graphs.summary()["compiled"] == 2
+    assert len({e["file"] for e in model.saved_graphs.events}) == 2
+
+
 def test_a_corrupt_saved_graph_is_an_error_naming_the_file(own_caches):
     config, _, compiled = _models(n_layers=1, engram_layers=())
     tokens, doc_ids, targets = make_batch(ModelShape("tiny", 1, 32, 2), config.vocab_size, DEV)
