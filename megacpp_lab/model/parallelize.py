@@ -258,13 +258,25 @@ def model_fingerprint(lm: nn.Module) -> str:
 
     import triton
 
-    from megacpp_lab.model.precompile import source_digest
-
     param = next(lm.parameters())
     device = torch.cuda.get_device_name(param.device) if param.is_cuda else param.device.type
     text = repr((lm.config, getattr(lm, "parallel_config", None), device, torch.__version__, triton.__version__,
-                 os.environ.get("TRITON_INTERPRET", "0"), source_digest()))  # fmt: skip
+                 os.environ.get("TRITON_INTERPRET", "0"), _source_digest()))  # fmt: skip
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _source_digest() -> str:
+    """The lab's source: a changed kernel or block changes the graphs, so a graph or manifest of older code is
+    not warm."""
+    import hashlib
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1]  # megacpp_lab/
+    h = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        h.update(str(path.relative_to(package)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def _cache_compiles(backend: Any) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Precompile", "heaviest_block", "manifest_path", "precompile", "precompile_plan", "source_digest", "worker_count"]
+__all__ = ["Precompile", "heaviest_block", "manifest_path", "precompile", "precompile_plan", "worker_count"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # megacpp_lab/
 _CONTEXT_TENSORS = ("doc_ids", "positions", "starts", "cu_seqlens", "seq_index")
@@ -147,15 +147,6 @@ class Precompile:
                 proc.wait()
         if self.workdir is not None:
             self.workdir.cleanup()
-
-
-def source_digest() -> str:
-    """The lab's source: a changed kernel or block changes the graphs, so a manifest of older code is not warm."""
-    h = hashlib.sha256()
-    for path in sorted(_PACKAGE.rglob("*.py")):
-        h.update(str(path.relative_to(_PACKAGE)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 def _dynamic_marks(ctx: Any) -> dict[str, dict[str, list[int]]]:
