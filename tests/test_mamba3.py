@@ -1,0 +1,97 @@
+"""Mamba-3's step-loop reference (kernels/mamba3.py): with the trapezoid at 1 and no angles it is Mamba-2's SSD
+step loop; over packed rows it equals each document run alone (every state restarts at a document start); it
+matches mamba_ssm's own step reference where the peer checkout is beside the repo; bad shapes fail naming the
+field. CPU, fp64 and fp32."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacpp_lab.kernels.mamba3 import mamba3_scan_reference
+from megacpp_lab.kernels.ssd import ssd_scan_reference
+from megacpp_lab.testing import each_document_alone
+from megacpp_lab.varlen import doc_ids_from_cu_seqlens, packed_cu_seqlens
+
+PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "mamba3"
+
+
+def _inputs(B=2, T=48, H=4, G=2, P=8, N=16, n_a=4, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    return dict(x=r(B, T, H, P), dt=torch.nn.functional.softplus(r(B, T, H)) * 0.5, A=-torch.rand(H, generator=g, dtype=dtype) - 0.1,
+                Bm=r(B, T, G, N) * 0.5, Cm=r(B, T, G, N) * 0.5, trap=r(B, T, H), angles=r(B, T, H, n_a),
+                b_bias=r(H, N) * 0.1, c_bias=r(H, N) * 0.1, D=r(H))  # fmt: skip
+
+
+def _cu(B, T, docs, seed=1):
+    return packed_cu_seqlens(B, T, docs, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("docs", [1, 5])
+def test_with_the_trapezoid_at_one_and_no_angles_it_is_mamba2s_ssd(docs):
+    a = _inputs()
+    B, T = a["x"].shape[:2]
+    cu = _cu(B, T, docs)
+    y3 = mamba3_scan_reference(**{**a, "trap": torch.full_like(a["trap"], 40.0), "angles": torch.zeros_like(a["angles"]),
+                                  "b_bias": torch.zeros_like(a["b_bias"]), "c_bias": torch.zeros_like(a["c_bias"]), "D": None},
+                               cu_seqlens=cu)  # fmt: skip
+    y2 = ssd_scan_reference(a["x"], a["dt"], a["A"], a["Bm"], a["Cm"], cu_seqlens=cu)
+    torch.testing.assert_close(y3, y2, atol=1e-12, rtol=1e-10)
+    # each change on its own moves the output away from Mamba-2's: the trapezoid, the angles, the biases
+    base = {**a, "trap": torch.full_like(a["trap"], 40.0), "angles": torch.zeros_like(a["angles"]),
+            "b_bias": torch.zeros_like(a["b_bias"]), "c_bias": torch.zeros_like(a["c_bias"]), "D": None}
+    for change in ("trap", "angles", "b_bias"):
+        moved = mamba3_scan_reference(**{**base, change: a[change]}, cu_seqlens=cu)
+        assert (moved - y2).abs().max() > 1e-3, change
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_rows_equal_each_document_alone(dtype):
+    a = _inputs(dtype=dtype)
+    B, T = a["x"].shape[:2]
+    cu = _cu(B, T, 6)
+    doc_ids = doc_ids_from_cu_seqlens(cu, B, T)
+    packed = mamba3_scan_reference(**a, cu_seqlens=cu)
+    per_token = ("x", "dt", "Bm", "Cm", "trap", "angles")
+    fixed = {k: v for k, v in a.items() if k not in per_token}
+
+    def alone(x, dt, Bm, Cm, trap, angles):
+        return mamba3_scan_reference(x, dt, a["A"], Bm, Cm, trap, angles, fixed["b_bias"], fixed["c_bias"], fixed["D"])
+
+    ref = each_document_alone(alone, doc_ids, *(a[k] for k in per_token))
+    tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed, ref, **tol)  # alone, every state starts at zero: angles and trapezoid too
+
+
+@pytest.mark.skipif(not (PEER.is_dir() and importlib.util.find_spec("einops")),
+                    reason="the mamba_ssm peer checkout (../shared/peers/mamba3) and einops are not here")  # fmt: skip
+def test_matches_mamba_ssms_step_reference_per_document(monkeypatch):
+    monkeypatch.syspath_prepend(str(PEER / "tests" / "ops" / "triton"))
+    monkeypatch.syspath_prepend(str(PEER))
+    peer = pytest.importorskip("test_mamba3_siso")
+    a = _inputs(B=1, T=40, dtype=torch.float64)
+    ours = mamba3_scan_reference(**a)
+    # the peer's layout: Q, K [B,T,G,N], V [B,T,H,P], ADT / DT / Trap [B,H,T], angle rates [B,T,H,N_a]
+    theirs, _ = peer.mamba3_siso_step_ref(a["Cm"], a["Bm"], a["x"], (a["dt"] * a["A"]).transpose(1, 2),
+                                          a["dt"].transpose(1, 2), a["trap"].transpose(1, 2), a["c_bias"],
+                                          a["b_bias"], a["angles"], D=a["D"])  # fmt: skip
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=1e-10, rtol=1e-8)
+    sys.modules.pop("test_mamba3_siso", None)
+
+
+@pytest.mark.parametrize("field, change, message", [
+    ("dt", lambda a: a["dt"][:, :-1], r"mamba3 dt must be a tensor of shape \[2, 48, 4\]"),
+    ("b_bias", lambda a: a["b_bias"][:-1], r"mamba3 b_bias must be a tensor of shape \[4, 16\]"),
+    ("angles", lambda a: torch.zeros(2, 48, 4, 9, dtype=torch.float64), r"at most N/2 = 8 rotated pairs"),
+    ("Bm", lambda a: torch.zeros(2, 48, 3, 16, dtype=torch.float64), r"H=4 must be a multiple of the groups G=3"),
+])  # fmt: skip
+def test_bad_shapes_fail_naming_the_field(field, change, message):
+    a = _inputs()
+    extra = {"Cm": torch.zeros(2, 48, 3, 16, dtype=torch.float64)} if field == "Bm" else {}
+    with pytest.raises(ValueError, match=message):
+        mamba3_scan_reference(**{**a, field: change(a), **extra})
