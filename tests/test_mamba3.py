@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacpp_lab.kernels.mamba3 import mamba3_scan_reference
+from megacpp_lab.kernels.mamba3 import mamba3_scan, mamba3_scan_reference
 from megacpp_lab.kernels.ssd import ssd_scan_reference
 from megacpp_lab.testing import each_document_alone
 from megacpp_lab.varlen import doc_ids_from_cu_seqlens, packed_cu_seqlens
@@ -66,6 +66,33 @@ def test_packed_rows_equal_each_document_alone(dtype):
     ref = each_document_alone(alone, doc_ids, *(a[k] for k in per_token))
     tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed, ref, **tol)  # alone, every state starts at zero: angles and trapezoid too
+
+
+@pytest.mark.parametrize("docs, chunk", [(1, 16), (6, 8), (6, 64)])
+def test_the_chunked_scan_through_ssd_equals_the_step_loop_in_value_and_every_gradient(docs, chunk):
+    a = _inputs()
+    B, T = a["x"].shape[:2]
+    cu = _cu(B, T, docs)
+    leaves = {k: v.clone().requires_grad_() for k, v in a.items()}
+    dy = torch.randn_like(a["x"])
+    outs, grads = [], []
+    for kernel in ("reference", "chunked"):
+        y = mamba3_scan(**leaves, cu_seqlens=cu, chunk=chunk, kernel=kernel)
+        outs.append(y.detach())
+        grads.append(torch.autograd.grad(y, list(leaves.values()), dy))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-10, rtol=1e-8)
+    for name, g_ref, g in zip(leaves, *grads):
+        torch.testing.assert_close(g, g_ref, atol=1e-9, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_the_triton_ssd_path_equals_the_step_loop_under_the_interpreter():
+    a = _inputs(B=1, T=40, H=2, G=1, P=16, N=16, n_a=2, dtype=torch.float32)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = {k: v.to(device) for k, v in a.items()}
+    y = mamba3_scan(**a, cu_seqlens=cu.to(device), chunk=16, kernel="triton")
+    ref = mamba3_scan_reference(**a, cu_seqlens=cu.to(device))
+    torch.testing.assert_close(y, ref, atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.skipif(not (PEER.is_dir() and importlib.util.find_spec("einops")),
