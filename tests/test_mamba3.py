@@ -14,8 +14,8 @@ import torch
 
 from megacpp_lab.kernels.mamba3 import mamba3_scan, mamba3_scan_reference
 from megacpp_lab.kernels.ssd import ssd_scan_reference
-from megacpp_lab.testing import each_document_alone
-from megacpp_lab.varlen import doc_ids_from_cu_seqlens, packed_cu_seqlens
+from megacpp_lab.testing import assert_no_leaks, each_document_alone
+from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "mamba3"
 
@@ -93,6 +93,48 @@ def test_the_triton_ssd_path_equals_the_step_loop_under_the_interpreter():
     y = mamba3_scan(**a, cu_seqlens=cu.to(device), chunk=16, kernel="triton")
     ref = mamba3_scan_reference(**a, cu_seqlens=cu.to(device))
     torch.testing.assert_close(y, ref, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "chunked"])
+def test_the_scan_as_a_mixer_passes_the_leak_harness_on_packed_rows(kernel):
+    """Every input of the scan (x, dt, the trapezoid, the angles, B, C) is a fixed random projection of the mixer's
+    input, so a token of one document reaching another through any of them (the trapezoid's previous term, the
+    angles' sum, the state) is a leak, and so is a token reaching an earlier one."""
+    H, G, P, N, n_a, C = 2, 1, 4, 8, 2, 16
+    g = torch.Generator().manual_seed(3)
+    widths = dict(x=H * P, dt=H, trap=H, angles=H * n_a, Bm=G * N, Cm=G * N)
+    proj = {k: torch.randn(C, w, generator=g, dtype=torch.float64) / C**0.5 for k, w in widths.items()}
+    fixed = dict(A=-torch.rand(H, generator=g, dtype=torch.float64) - 0.1, b_bias=torch.randn(H, N, generator=g, dtype=torch.float64) * 0.1,
+                 c_bias=torch.randn(H, N, generator=g, dtype=torch.float64) * 0.1, D=torch.randn(H, generator=g, dtype=torch.float64))  # fmt: skip
+
+    def mixer(x, doc_ids):
+        B, T, _ = x.shape
+        p = {k: x @ w for k, w in proj.items()}
+        y = mamba3_scan(p["x"].view(B, T, H, P), torch.nn.functional.softplus(p["dt"]), fixed["A"], p["Bm"].view(B, T, G, N),
+                        p["Cm"].view(B, T, G, N), p["trap"], p["angles"].view(B, T, H, n_a), fixed["b_bias"], fixed["c_bias"],
+                        fixed["D"], ctx=build_context(doc_ids), chunk=8, kernel=kernel)  # fmt: skip
+        return y.reshape(B, T, H * P)
+
+    cu = _cu(2, 40, 4, seed=5)
+    x = torch.randn(2, 40, C, generator=g, dtype=torch.float64)
+    report = assert_no_leaks(mixer, x, doc_ids_from_cu_seqlens(cu, 2, 40))
+    assert report.passed and not report.vacuous
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_chunked_scan_compiles_in_one_graph_and_other_document_counts_add_none():
+    from megacpp_lab.model.parallelize import compile_stats
+
+    a = _inputs(dtype=torch.float32)
+    B, T = a["x"].shape[:2]
+    compiled = torch.compile(lambda ctx: mamba3_scan(**a, ctx=ctx, chunk=16, kernel="chunked"), fullgraph=True,
+                             backend="aot_eager")  # fmt: skip
+    for docs in (3, 1, 2, 7):
+        cu = _cu(B, T, docs, seed=docs)
+        ctx = build_context(doc_ids_from_cu_seqlens(cu, B, T))
+        torch.testing.assert_close(compiled(ctx), mamba3_scan_reference(**a, cu_seqlens=cu), atol=1e-4, rtol=1e-4)
+    stats = compile_stats()
+    assert stats.graphs == 1 and stats.graph_breaks == 0, stats
 
 
 @pytest.mark.skipif(not (PEER.is_dir() and importlib.util.find_spec("einops")),
