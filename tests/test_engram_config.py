@@ -228,6 +228,7 @@ CONFIGS = (
     "megacpp_lab.nn.hyper_connections.HyperConnectionConfig",
     "megacpp_lab.nn.lm_head.LMHeadConfig",
     "megacpp_lab.nn.m2rnn.M2RNNConfig",
+    "megacpp_lab.nn.mamba3.Mamba3Config",
     "megacpp_lab.nn.mla.MLAConfig",
     "megacpp_lab.nn.ngram_hash.NgramHashConfig",
     "megacpp_lab.nn.rope_freqs.RopeScaling",

@@ -164,3 +164,53 @@ def test_bad_shapes_fail_naming_the_field(field, change, message):
     extra = {"Cm": torch.zeros(2, 48, 3, 16, dtype=torch.float64)} if field == "Bm" else {}
     with pytest.raises(ValueError, match=message):
         mamba3_scan_reference(**{**a, field: change(a), **extra})
+
+
+# ----------------------------------------------------------------------------- the layer (nn/mamba3.py)
+
+
+def _layer(**overrides):
+    from megacpp_lab.nn.mamba3 import Mamba3, Mamba3Config
+
+    torch.manual_seed(0)
+    cfg = Mamba3Config.build(**{**dict(d_model=32, n_heads=4, head_dim=8, state_dim=16, n_groups=2, rope_pairs=4,
+                                       chunk=8), **overrides})  # fmt: skip
+    return Mamba3(cfg).double()
+
+
+@pytest.mark.parametrize("kernel", ["chunked", "reference"])
+def test_the_layers_decode_step_equals_its_forward_at_every_position(kernel):
+    layer = _layer(kernel=kernel)
+    x = torch.randn(2, 20, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        state = layer.init_state(2)
+        state.h, state.theta, state.k_prev, state.x_prev = (t.double() for t in (state.h, state.theta, state.k_prev, state.x_prev))
+        steps = torch.cat([layer.step(x[:, t : t + 1], state) for t in range(20)], dim=1)
+    # dt, the trapezoid and the angles are fp32 by contract: the in_proj of one token and of the whole row
+    # differ in fp64's last bits, which can round dt to neighbouring fp32 values
+    torch.testing.assert_close(steps, full, atol=1e-6, rtol=1e-5)
+
+
+def test_the_layer_on_packed_rows_equals_each_document_alone_and_passes_the_leak_harness():
+    from megacpp_lab.testing import with_doc_ids
+
+    layer = _layer()
+    cu = _cu(2, 40, 5, seed=2)
+    doc_ids = doc_ids_from_cu_seqlens(cu, 2, 40)
+    x = torch.randn(2, 40, 32, dtype=torch.float64)
+    with torch.no_grad():
+        packed = layer(x, ctx=build_context(doc_ids))
+        alone = each_document_alone(lambda xd: layer(xd), doc_ids, x)
+    torch.testing.assert_close(packed, alone, atol=1e-6, rtol=1e-5)  # fp32 dt, as in the decode test
+    assert assert_no_leaks(with_doc_ids(layer), x, doc_ids).passed
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rope_pairs", 9, r"Mamba3Config.rope_pairs must be an int in \[0, state_dim / 2 = 8\]"),
+    ("n_groups", 3, r"Mamba3Config.n_groups must be a divisor of n_heads=4"),
+    ("kernel", "fast", r"Mamba3Config.kernel must be one of"),
+])  # fmt: skip
+def test_the_layers_config_fails_closed_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        _layer(**{field: value})

@@ -33,7 +33,7 @@ import torch
 
 from megacpp_lab.varlen import PackedContext
 
-__all__ = ["KERNELS", "mamba3_scan", "mamba3_scan_reference"]
+__all__ = ["KERNELS", "mamba3_scan", "mamba3_scan_reference", "rotate_pairs"]
 
 KERNELS = ("auto", "triton", "chunked", "reference")
 
@@ -44,7 +44,7 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
                          f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")  # fmt: skip
 
 
-def _rotate(v: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(v: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """Rotate the first theta.shape[-1] pairs (v[2i], v[2i+1]) of v [..., N] by theta [..., N_a]."""
     n_a = theta.shape[-1]
     pairs = v[..., : 2 * n_a].unflatten(-1, (n_a, 2))
@@ -92,7 +92,7 @@ def mamba3_scan_reference(
         k_prev = torch.where(start, torch.zeros_like(k_prev), k_prev)
         x_prev = torch.where(start, torch.zeros_like(x_prev), x_prev)
         theta = torch.remainder(theta + rates[:, t] * dts[:, t, :, None], 2 * math.pi)
-        k, q = _rotate(Bh[:, t], theta), _rotate(Ch[:, t], theta)
+        k, q = rotate_pairs(Bh[:, t], theta), rotate_pairs(Ch[:, t], theta)
         alpha = torch.exp(dts[:, t] * Af)  # [B,H]
         prev_w = ((1 - lam[:, t]) * dts[:, t] * alpha)[..., None, None]
         cur_w = (lam[:, t] * dts[:, t])[..., None, None]
@@ -158,8 +158,8 @@ def mamba3_scan(
     base = torch.gather(before, 1, first[:, :, None, None].expand_as(before))
     theta = torch.remainder(total - base, 2 * math.pi).to(acc)
     per_head = H // G
-    k = _rotate(Bm.to(acc).repeat_interleave(per_head, dim=2) + b_bias.to(acc), theta)  # [B,T,H,N]
-    q = _rotate(Cm.to(acc).repeat_interleave(per_head, dim=2) + c_bias.to(acc), theta)
+    k = rotate_pairs(Bm.to(acc).repeat_interleave(per_head, dim=2) + b_bias.to(acc), theta)  # [B,T,H,N]
+    q = rotate_pairs(Cm.to(acc).repeat_interleave(per_head, dim=2) + c_bias.to(acc), theta)
     # delta_next: the next token's previous-input weight, zero where the next token starts a document (or past the row)
     continues = torch.cat((~start[:, 1:], torch.zeros_like(start[:, :1])), dim=1)
     delta_next = torch.cat((((1 - lam) * dts)[:, 1:], torch.zeros_like(dts[:, :1])), dim=1) * continues[..., None]

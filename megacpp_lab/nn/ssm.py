@@ -28,21 +28,23 @@ from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
 from megacpp_lab.varlen import PackedContext, context_positions
 
-__all__ = ["SSD", "SSDConfig", "SSDState"]
+__all__ = ["SSD", "SSDConfig", "SSDState", "StateSpaceFields"]
 
 _fail = functools.partial(config_error, "SSDConfig")
 
 
 @dataclass(frozen=True)
-class SSDConfig:
-    """SSD layer settings; build it with SSDConfig.build. Frozen, checked on construction."""
+class StateSpaceFields:
+    """What the M block's state-space mixers share (SSD here, Mamba-3 in nn/mamba3.py): n_heads heads of
+    head_dim channels over a state_dim state, B and C shared by groups of heads, the scan's chunk, Mamba's decay
+    initialisation, the scan kernel by name and the output norm's eps. A base of fields, not a config of its own
+    (its subclasses are built); checked on construction, the error naming the subclass and the field."""
 
     d_model: int
     n_heads: int
     head_dim: int = 64  # P
     state_dim: int = 128  # N
     n_groups: int = 1  # heads sharing one B and C
-    conv_kernel: int = 4
     chunk: int = 64
     A_init_range: tuple[float, float] = (1.0, 16.0)
     dt_min: float = 0.001
@@ -52,17 +54,29 @@ class SSDConfig:
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
+        name = type(self).__name__
+        fail = functools.partial(config_error, name)
         object.__setattr__(self, "A_init_range", tuple(self.A_init_range))
-        check_ints("SSDConfig", self, ("d_model", "n_heads", "head_dim", "state_dim", "n_groups", "chunk"))
+        check_ints(name, self, ("d_model", "n_heads", "head_dim", "state_dim", "n_groups", "chunk"))
         if self.n_heads % self.n_groups:
-            raise _fail("n_groups", f"a divisor of n_heads={self.n_heads}", self.n_groups)
+            raise fail("n_groups", f"a divisor of n_heads={self.n_heads}", self.n_groups)
+        check_decay_init(self, fail)
+        if self.kernel not in KERNELS:  # the SSD and Mamba-3 scans take the same four
+            raise fail("kernel", f"one of {KERNELS}", self.kernel)
+        if not 0 < self.eps < 1:
+            raise fail("eps", "in (0, 1)", self.eps)
+
+
+@dataclass(frozen=True)
+class SSDConfig(StateSpaceFields):
+    """SSD layer settings; build it with SSDConfig.build. Frozen, checked on construction."""
+
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not is_int(self.conv_kernel) or not 0 <= self.conv_kernel <= 16:
             raise _fail("conv_kernel", "0 (no conv) or a kernel size in 1..16", self.conv_kernel)
-        check_decay_init(self, _fail)
-        if self.kernel not in KERNELS:
-            raise _fail("kernel", f"one of {KERNELS}", self.kernel)
-        if not 0 < self.eps < 1:
-            raise _fail("eps", "in (0, 1)", self.eps)
 
     @classmethod
     def build(cls, source: Any = None, **overrides: Any) -> SSDConfig:

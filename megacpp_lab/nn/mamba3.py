@@ -1,0 +1,143 @@
+"""Mamba-3's mixer (SISO) over packed rows: the layer the M block will take as variant="mamba3" (issue 29).
+
+    x -> in_proj -> [z (gate) | x | B | C | dt | trap | angles]
+      -> B, C: RMSNorm over N, + a learnable bias per head (Mamba-3's B/C norm and bias)
+      -> dt = softplus(dt + dt_bias), A = -exp(A_log) (fp32); trap: the trapezoid's logits; angles: the
+         rotary angle rates, shared by the heads
+      -> the Mamba-3 scan (megacpp_lab.kernels.mamba3: SSD's Triton op on a GPU, its chunked torch form on a
+         CPU; the step loop by name)
+      -> + x * D -> * SiLU(z) -> RMSNorm -> out_proj
+
+No short convolution: the trapezoid's previous-input term takes its place. A is per head, as in Mamba-2
+(mamba_ssm's module makes it data-dependent; the scan would take that as a per-token decay). The decode `step`
+keeps the scan's state (S, the angles, the previous key and input) and equals the forward at every position.
+Not yet: MIMO, and the M block's variant flag that puts this layer in the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp_lab.checks import config_error, is_int
+from megacpp_lab.kernels.mamba3 import mamba3_scan, rotate_pairs
+from megacpp_lab.nn.config_builder import build_config
+from megacpp_lab.nn.primitives import init_decay_params
+from megacpp_lab.nn.ssm import StateSpaceFields
+from megacpp_lab.varlen import PackedContext, context_positions
+
+__all__ = ["Mamba3", "Mamba3Config", "Mamba3State"]
+
+_fail = functools.partial(config_error, "Mamba3Config")
+
+
+@dataclass(frozen=True)
+class Mamba3Config(StateSpaceFields):
+    """Mamba-3 layer settings (StateSpaceFields's, and the rotated pairs); build it with Mamba3Config.build."""
+
+    rope_pairs: int = 32  # rotated (B, C) pairs per head: at most state_dim / 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not is_int(self.rope_pairs) or not 0 <= 2 * self.rope_pairs <= self.state_dim:
+            raise _fail("rope_pairs", f"an int in [0, state_dim / 2 = {self.state_dim // 2}]", self.rope_pairs)
+
+    @classmethod
+    def build(cls, source: Any = None, **overrides: Any) -> Mamba3Config:
+        """Fields from a model config object (these names or mamba3_<name>) and keyword overrides, else the defaults."""
+        aliases = {"d_model": ("d_model", "hidden_size"), "n_heads": ("mamba3_n_heads", "n_heads", "num_attention_heads")}
+        return build_config(cls, source, overrides, prefix="mamba3", aliases=aliases, required=("d_model", "n_heads"))
+
+
+@dataclass
+class Mamba3State:
+    """One layer's decode state: S [B,H,P,N] (fp32), the angles theta [B,H,rope_pairs] (fp32), and the previous
+    token's rotated key [B,H,N] and input [B,H,P] (the trapezoid's previous term): all zero at a document start."""
+
+    h: torch.Tensor
+    theta: torch.Tensor
+    k_prev: torch.Tensor
+    x_prev: torch.Tensor
+
+
+class Mamba3(nn.Module):
+    """[B,T,d_model] -> [B,T,d_model] Mamba-3 (SISO) mixer with document resets."""
+
+    _fp32_params = ("A_log", "dt_bias", "D")
+
+    def __init__(self, config: Mamba3Config) -> None:
+        super().__init__()
+        if not isinstance(config, Mamba3Config):
+            raise TypeError(f"Mamba3 needs a Mamba3Config, got {type(config).__name__}")
+        self.config = c = config
+        H, P, G, N = c.n_heads, c.head_dim, c.n_groups, c.state_dim
+        self.splits = [H * P, H * P, G * N, G * N, H, H, c.rope_pairs]  # z, x, B, C, dt, trap, angles
+        self.in_proj = nn.Linear(c.d_model, sum(self.splits), bias=False)
+        self.A_log, self.dt_bias = init_decay_params(H, c)
+        self.D = nn.Parameter(torch.ones(H))
+        self.b_bias = nn.Parameter(torch.ones(H, N))  # mamba_ssm initialises both biases at 1
+        self.c_bias = nn.Parameter(torch.ones(H, N))
+        self.norm = nn.RMSNorm(H * P, eps=c.eps)
+        self.out_proj = nn.Linear(H * P, c.d_model, bias=False)
+
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        c = self.config
+        B, T, _ = x.shape
+        H, P, G, N = c.n_heads, c.head_dim, c.n_groups, c.state_dim
+        z, xs, Bm, Cm, dt, trap, angles = self.in_proj(x).split(self.splits, dim=-1)
+        Bm = F.rms_norm(Bm.reshape(B, T, G, N), (N,), eps=c.eps)
+        Cm = F.rms_norm(Cm.reshape(B, T, G, N), (N,), eps=c.eps)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        angles = angles.float()[:, :, None, :].expand(B, T, H, c.rope_pairs)
+        return z, xs.reshape(B, T, H, P), Bm, Cm, dt, trap.float(), angles
+
+    def forward(self, x: torch.Tensor, *, ctx: PackedContext | None = None, kernel: str | None = None) -> torch.Tensor:
+        """x [B,T,d_model]; ctx, the batch's PackedContext, or None for one document per row."""
+        c = self.config
+        if x.dim() != 3 or x.shape[-1] != c.d_model:
+            raise ValueError(f"Mamba3 input must be [B,T,{c.d_model}], got {tuple(x.shape)}")
+        context_positions(ctx, tuple(x.shape))  # a context of another batch shape fails here, by name
+        z, xs, Bm, Cm, dt, trap, angles = self._inputs(x)
+        A = -torch.exp(self.A_log.float())
+        y = mamba3_scan(xs, dt, A, Bm, Cm, trap, angles, self.b_bias, self.c_bias, ctx=ctx, chunk=c.chunk,
+                        kernel=kernel or c.kernel)  # fmt: skip
+        return self._output(y, xs, z)
+
+    def _output(self, y: torch.Tensor, xs: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = y + xs * self.D.to(xs.dtype)[:, None]
+        y = y.reshape(*y.shape[:2], -1) * F.silu(z)
+        return self.out_proj(self.norm(y))
+
+    # -- decode: the scan's step
+
+    def init_state(self, batch: int, device: torch.device | str | None = None) -> Mamba3State:
+        """The state at a document start: every part zero, fp32."""
+        c = self.config
+        H, P, N = c.n_heads, c.head_dim, c.state_dim
+        zeros = functools.partial(torch.zeros, device=device)
+        return Mamba3State(zeros(batch, H, P, N), zeros(batch, H, c.rope_pairs), zeros(batch, H, N), zeros(batch, H, P))
+
+    def step(self, x: torch.Tensor, state: Mamba3State) -> torch.Tensor:
+        """One token x [B,1,d_model] -> [B,1,d_model]; advances `state` in place (kernels/mamba3's recurrence)."""
+        c = self.config
+        H = c.n_heads
+        z, xs, Bm, Cm, dt, trap, angles = self._inputs(x)
+        per_head = H // c.n_groups
+        acc = torch.promote_types(xs.dtype, torch.float32)  # the scan's accumulation dtype
+        dt, lam, x0 = dt[:, 0].to(acc), torch.sigmoid(trap[:, 0].to(acc)), xs[:, 0].to(acc)  # [B,H], [B,H], [B,H,P]
+        state.theta = torch.remainder(state.theta + torch.tanh(angles[:, 0].to(acc)) * math.pi * dt[..., None], 2 * math.pi)
+        k = rotate_pairs(Bm[:, 0].to(acc).repeat_interleave(per_head, dim=1) + self.b_bias.to(acc), state.theta)
+        q = rotate_pairs(Cm[:, 0].to(acc).repeat_interleave(per_head, dim=1) + self.c_bias.to(acc), state.theta)
+        alpha = torch.exp(dt * -torch.exp(self.A_log.float()).to(acc))  # A as the forward makes it
+        prev_w, cur_w = ((1 - lam) * dt * alpha)[..., None, None], (lam * dt)[..., None, None]
+        state.h = (alpha[..., None, None] * state.h + prev_w * state.x_prev[..., None] * state.k_prev[:, :, None]
+                   + cur_w * x0[..., None] * k[:, :, None])  # fmt: skip
+        state.k_prev, state.x_prev = k, x0
+        y = (state.h @ q[..., None]).squeeze(-1)  # [B,H,P]
+        return self._output(y[:, None].to(xs.dtype), xs, z)
