@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from megacpp_lab.kernels.ssd import doc_start_mask, ssd_scan
 from megacpp_lab.varlen import PackedContext
 
 __all__ = ["KERNELS", "mamba3_scan", "mamba3_scan_reference", "rotate_pairs"]
@@ -54,15 +55,6 @@ def rotate_pairs(v: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     return torch.cat((rotated, v[..., 2 * n_a :]), dim=-1)
 
 
-def _doc_starts(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
-    reset = torch.zeros(B * T, dtype=torch.bool, device=device)
-    if cu_seqlens is None:
-        reset.view(B, T)[:, 0] = True
-    else:
-        reset[cu_seqlens[:-1].long()] = True
-    return reset.view(B, T)
-
-
 @torch.compiler.disable  # dynamo would unroll the T steps into one enormous graph
 def mamba3_scan_reference(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, trap: torch.Tensor,
@@ -74,7 +66,7 @@ def mamba3_scan_reference(
     Returns y [B,T,H,P] in x's dtype."""
     B, T, H, P, G, N, n_a = _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D)
     acc = torch.promote_types(x.dtype, torch.float32)
-    reset = _doc_starts(cu_seqlens, B, T, x.device)
+    reset = doc_start_mask(cu_seqlens, B, T, x.device)
     per_head = H // G
     Bh = (Bm.to(acc).repeat_interleave(per_head, dim=2) + b_bias.to(acc))  # [B,T,H,N]
     Ch = (Cm.to(acc).repeat_interleave(per_head, dim=2) + c_bias.to(acc))
@@ -135,8 +127,6 @@ def mamba3_scan(
     docstring). The documents: ctx (the batch's PackedContext), or bare cu_seqlens, or neither (one document per
     row). kernel: "triton" (the lab's SSD Triton op), "chunked" (plain torch, compilable), "reference" (the step
     loop), "auto" (Triton on CUDA, chunked elsewhere)."""
-    from megacpp_lab.kernels.ssd import ssd_scan
-
     if kernel not in KERNELS:
         raise ValueError(f"mamba3 kernel must be one of {KERNELS}, got {kernel!r}")
     if ctx is not None:
@@ -147,7 +137,7 @@ def mamba3_scan(
         return mamba3_scan_reference(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, cu_seqlens)
     B, T, H, P, G, N, n_a = _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D)
     acc = torch.promote_types(x.dtype, torch.float32)
-    start = _doc_starts(cu_seqlens, B, T, x.device)  # [B,T]
+    start = doc_start_mask(cu_seqlens, B, T, x.device)  # [B,T]
     dts, lam = dt.to(acc), torch.sigmoid(trap.to(acc))
     # the angles: a cumulative sum that restarts at every document start, in fp64 (a long document's sum
     # would lose the angle's low bits in fp32), then taken mod 2 pi as the step loop does at every step

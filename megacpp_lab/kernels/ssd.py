@@ -41,6 +41,7 @@ from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = [
     "KERNELS",
+    "doc_start_mask",
     "ssd_chunked_torch",
     "ssd_scan",
     "ssd_scan_bwd",
@@ -52,8 +53,9 @@ __all__ = [
 # ----------------------------------------------------------------------------- inputs
 
 
-def _doc_starts(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
-    """[B,T] bool: True at every document start (row starts included). Loop-free, no host sync."""
+def doc_start_mask(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """[B,T] bool: True at every document start (row starts included). Loop-free, no host sync. The SSD and
+    Mamba-3 scans' resets."""
     if cu_seqlens is None:
         reset = torch.zeros((B, T), dtype=torch.bool, device=device)
         reset[:, 0] = True
@@ -113,7 +115,7 @@ def ssd_scan_reference(
     Disabled for torch.compile: dynamo would unroll the T steps into one enormous graph."""
     B, T, H, P = x.shape
     acc = torch.promote_types(x.dtype, torch.float32)
-    reset = _doc_starts(cu_seqlens, B, T, x.device)
+    reset = doc_start_mask(cu_seqlens, B, T, x.device)
     Bh, Ch = _per_head(Bm, H).to(acc), _per_head(Cm, H).to(acc)
     xs, dts, Af = x.to(acc), dt.to(acc), A.to(acc)
     S = torch.zeros((B, H, P, Bm.shape[-1]), dtype=acc, device=x.device)
@@ -147,7 +149,7 @@ def ssd_chunked_torch(
     N = Bm.shape[-1]
     acc = torch.promote_types(x.dtype, torch.float32)
     pad = (-T) % chunk
-    reset = _doc_starts(cu_seqlens, B, T, x.device)
+    reset = doc_start_mask(cu_seqlens, B, T, x.device)
     loga = torch.where(reset[..., None], float("-inf"), dt.to(acc) * A.to(acc))  # [B,T,H]
     u = x.to(acc) * dt.to(acc)[..., None]
     Bh, Ch = _per_head(Bm, H).to(acc), _per_head(Cm, H).to(acc)

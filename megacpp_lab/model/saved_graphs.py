@@ -92,6 +92,7 @@ class SavedGraphs:
     events: list[dict[str, Any]] = field(default_factory=list)
     _ctx: Any = None  # the last context and its unmarked view: every block of a step gets the same one
     _view: Any = None
+    _keys: dict[tuple[Any, ...], str] = field(default_factory=dict)  # this context's keys: hashed once a step
 
     @property
     def directory(self) -> Path:
@@ -100,6 +101,7 @@ class SavedGraphs:
     def view(self, ctx: Any) -> Any:
         if ctx is not self._ctx:
             self._ctx, self._view = ctx, unmarked(ctx)
+            self._keys.clear()
         return self._view
 
     def key(self, structure: tuple[str, ...], budget: float | None, x: torch.Tensor, tokens: torch.Tensor,
@@ -118,7 +120,12 @@ class SavedGraphs:
 
         view = self.view(ctx)
         budget = block_budget(block)
-        key = self.key(structure, budget, x, tokens, ctx)
+        # the key hashes the model and the inputs' signature: once per (structure, budget, grad mode, x) and
+        # context, not at every block of every step (tokens' and the context's shapes are the context's)
+        memo = (structure, budget, torch.is_grad_enabled(), x.shape, x.dtype, x.stride(), x.device)
+        key = self._keys.get(memo)
+        if key is None:
+            key = self._keys[memo] = self.key(structure, budget, x, tokens, ctx)
         for graph in self.graphs.get(key, ()):
             if graph.guard_check(block, x, tokens, view):
                 return graph(block, x, tokens, view)
