@@ -73,8 +73,12 @@ def test_the_chunked_scan_through_ssd_equals_the_step_loop_in_value_and_every_gr
     a = _inputs()
     B, T = a["x"].shape[:2]
     cu = _cu(B, T, docs)
+    _chunked_equals_the_step_loop(a, cu, chunk, torch.randn_like(a["x"]))
+
+
+def _chunked_equals_the_step_loop(a, cu, chunk, dy):
+    """The chunked scan against the step loop: the value, and every input's gradient (each one nonzero)."""
     leaves = {k: v.clone().requires_grad_() for k, v in a.items()}
-    dy = torch.randn_like(a["x"])
     outs, grads = [], []
     for kernel in ("reference", "chunked"):
         y = mamba3_scan(**leaves, cu_seqlens=cu, chunk=chunk, kernel=kernel)
@@ -82,6 +86,7 @@ def test_the_chunked_scan_through_ssd_equals_the_step_loop_in_value_and_every_gr
         grads.append(torch.autograd.grad(y, list(leaves.values()), dy))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-10, rtol=1e-8)
     for name, g_ref, g in zip(leaves, *grads):
+        assert g_ref.abs().sum() > 0, name
         torch.testing.assert_close(g, g_ref, atol=1e-9, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
 
 
@@ -164,6 +169,104 @@ def test_bad_shapes_fail_naming_the_field(field, change, message):
     extra = {"Cm": torch.zeros(2, 48, 3, 16, dtype=torch.float64)} if field == "Bm" else {}
     with pytest.raises(ValueError, match=message):
         mamba3_scan_reference(**{**a, field: change(a), **extra})
+
+
+# ----------------------------------------------------------------------------- MIMO
+
+
+def _mimo_inputs(R=2, B=2, T=48, H=4, G=2, P=8, N=16, n_a=4, dtype=torch.float64, seed=0):
+    a = _inputs(B=B, T=T, H=H, G=G, P=P, N=N, n_a=n_a, dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    return {**a, "Bm": r(B, T, R, G, N) * 0.5, "Cm": r(B, T, R, G, N) * 0.5, "b_bias": r(H, R, N) * 0.1,
+            "c_bias": r(H, R, N) * 0.1, "mimo_x": 1 + 0.3 * r(H, R, P)}  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", ["reference", "chunked"])
+def test_mimo_at_rank_one_is_siso(kernel):
+    a = _inputs()
+    cu = _cu(2, 48, 4)
+    siso = mamba3_scan(**a, cu_seqlens=cu, kernel=kernel, chunk=8)
+    mimo = mamba3_scan(**{**a, "Bm": a["Bm"][:, :, None], "Cm": a["Cm"][:, :, None], "b_bias": a["b_bias"][:, None],
+                          "c_bias": a["c_bias"][:, None]}, mimo_x=torch.ones(4, 1, 8, dtype=torch.float64),
+                       cu_seqlens=cu, kernel=kernel, chunk=8)  # fmt: skip
+    assert mimo.shape == (2, 48, 1, 4, 8)
+    torch.testing.assert_close(mimo[:, :, 0], siso, atol=1e-12, rtol=1e-10)
+
+
+def test_mimo_shares_one_state_across_ranks_as_mamba2s_ssd_summed_over_input_ranks():
+    """With the trapezoid at 1, no angles and no biases, MIMO's rank r' output is sum_r SSD(x_r, k_r, q_r') (the
+    SSD is linear in its inputs): an oracle built from Mamba-2's step loop alone. A per-rank state would give only
+    the r = r' term, which differs."""
+    a = _mimo_inputs(R=3)
+    cu = _cu(2, 48, 3)
+    plain = {**a, "trap": torch.full_like(a["trap"], 40.0), "angles": torch.zeros_like(a["angles"]),
+             "b_bias": torch.zeros_like(a["b_bias"]), "c_bias": torch.zeros_like(a["c_bias"]), "D": None}
+    y = mamba3_scan_reference(**{k: v for k, v in plain.items() if k != "mimo_x"}, cu_seqlens=cu, mimo_x=a["mimo_x"])
+    xr = a["x"][:, :, None] * a["mimo_x"].transpose(0, 1)
+    want = torch.stack([sum(ssd_scan_reference(xr[:, :, r], a["dt"], a["A"], a["Bm"][:, :, r], a["Cm"][:, :, rq], cu)
+                            for r in range(3)) for rq in range(3)], dim=2)  # fmt: skip
+    torch.testing.assert_close(y, want, atol=1e-12, rtol=1e-10)
+    own_rank_only = torch.stack([ssd_scan_reference(xr[:, :, r], a["dt"], a["A"], a["Bm"][:, :, r], a["Cm"][:, :, r], cu)
+                                 for r in range(3)], dim=2)  # fmt: skip
+    assert (y - own_rank_only).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("R, docs, chunk", [(2, 1, 16), (2, 6, 8), (4, 6, 16), (4, 3, 64)])
+def test_mimo_chunked_equals_the_step_loop_in_value_and_every_gradient(R, docs, chunk):
+    a = _mimo_inputs(R=R)
+    cu = _cu(2, 48, docs, seed=docs)
+    _chunked_equals_the_step_loop(a, cu, chunk, torch.randn(2, 48, R, 4, 8, dtype=torch.float64))
+
+
+def test_mimo_packed_rows_equal_each_document_alone():
+    a = _mimo_inputs(R=2)
+    cu = _cu(2, 48, 5)
+    doc_ids = doc_ids_from_cu_seqlens(cu, 2, 48)
+    packed = mamba3_scan_reference(**a, cu_seqlens=cu)
+    per_token = ("x", "dt", "Bm", "Cm", "trap", "angles")
+
+    def alone(x, dt, Bm, Cm, trap, angles):
+        y = mamba3_scan_reference(x, dt, a["A"], Bm, Cm, trap, angles, a["b_bias"], a["c_bias"], a["D"], mimo_x=a["mimo_x"])
+        return y.flatten(2)
+
+    ref = each_document_alone(alone, doc_ids, *(a[k] for k in per_token))
+    torch.testing.assert_close(packed.flatten(2), ref, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_mimo_triton_path_equals_the_step_loop_under_the_interpreter(R):
+    """Forward and every gradient of the Triton SSD op over rank sub-tokens (fp32, 16-wide chunks: 16 / R steps)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = {k: v.to(device).requires_grad_() for k, v in _mimo_inputs(R=R, B=1, T=24, H=2, G=1, P=16, N=16, n_a=2,
+                                                                     dtype=torch.float32).items()}  # fmt: skip
+    cu = torch.tensor([0, 7, 24], dtype=torch.int32, device=device)
+    dy = torch.randn(1, 24, R, 2, 16, generator=torch.Generator().manual_seed(9)).to(device)
+    y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
+    grads = torch.autograd.grad(y, list(a.values()), dy)
+    ref = mamba3_scan_reference(**a, cu_seqlens=cu)
+    grads_ref = torch.autograd.grad(ref, list(a.values()), dy)
+    torch.testing.assert_close(y, ref, atol=2e-4, rtol=2e-4)
+    for name, g, g_ref in zip(a, grads, grads_ref):
+        rel = ((g - g_ref).norm() / g_ref.norm()).item()
+        assert rel < 1e-4, f"d{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {"mimo_x": None}, r"MIMO \(Bm \[B,T,R,G,N\]\) needs the rank inputs' scale mimo_x \[H,R,P\]"),
+    (lambda a: {"mimo_x": a["mimo_x"][:, :1]}, r"mamba3 mimo_x must be a tensor of shape \[4, 2, 8\]"),
+    (lambda a: {"c_bias": a["c_bias"][:, 0]}, r"mamba3 c_bias must be a tensor of shape \[4, 2, 16\]"),
+    (lambda a: {"Cm": a["Cm"][:, :, 0]}, r"mamba3 Cm must be a tensor of shape \[2, 48, 2, 2, 16\]"),
+])  # fmt: skip
+def test_mimo_bad_shapes_fail_naming_the_field(change, message):
+    a = _mimo_inputs(R=2)
+    with pytest.raises(ValueError, match=message):
+        mamba3_scan(**{**a, **change(a)}, kernel="chunked")
+
+
+def test_siso_refuses_mimo_x():
+    with pytest.raises(ValueError, match=r"SISO's Bm \[B,T,G,N\] takes none"):
+        mamba3_scan(**_inputs(), mimo_x=torch.ones(4, 1, 8, dtype=torch.float64), kernel="chunked")
 
 
 # ----------------------------------------------------------------------------- the layer (nn/mamba3.py)

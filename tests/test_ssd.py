@@ -95,6 +95,39 @@ def test_triton_matches_chunked_and_step_loop(layout, G, monkeypatch):
     _assert_close(got, _fwd_bwd(lambda *a: ssd_scan_reference(*a, cu), inputs, dy), fwd_tol=1e-5, grad_rtol=1e-5)
 
 
+@pytest.mark.parametrize("G", [1, 4], ids=["G1", "G=H"])
+def test_input_weight_apart_from_the_decay_on_every_path(G, monkeypatch):
+    """x_weight replaces dt as the input's scale and dt keeps only the decay (Mamba-3's trapezoid weight, and its
+    MIMO sub-tokens whose dt is 0 but whose weight is not): the step loop against the same scan with the weight
+    folded into x (x * w / dt, the old way), and the chunked and Triton paths against the step loop, forward and
+    every gradient, the weight's included. Some dt are exactly 0 here, as MIMO's sub-tokens give them."""
+    for name in ("STATE_BLOCK_P", "STATE_BLOCK_N", "OUT_BLOCK_P", "BWD_BLOCK_N"):
+        monkeypatch.setattr(ssd_mod, name, 16)
+    B, T, H = 1, 53, 4
+    x, dt, A, Bm, Cm = _inputs(B, T, H, 32, 32, G, grad=False)
+    w = torch.rand(B, T, H, generator=torch.Generator().manual_seed(3)).to(DEVICE) + 0.1
+    dt_zero = dt.clone()
+    dt_zero[:, 1::3] = 0.0  # decay 1 at every third token, as a MIMO rank sub-token
+    cu = _cu(*PACKED["cu"])
+    dy = torch.randn(B, T, H, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    folded = ssd_scan_reference(x * (w / dt)[..., None], dt, A, Bm, Cm, cu)
+    assert torch.allclose(ssd_scan_reference(x, dt, A, Bm, Cm, cu, x_weight=w), folded, atol=1e-5, rtol=1e-5)
+    inputs = [t.requires_grad_() for t in (x, dt_zero, A, Bm, Cm, w)]
+
+    def run(kernel):
+        return _fwd_bwd(lambda x, dt, A, Bm, Cm, w: ssd_scan(x, dt, A, Bm, Cm, cu_seqlens=cu, chunk=16, kernel=kernel,
+                                                               x_weight=w), inputs, dy)  # fmt: skip
+
+    want = run("reference")
+    assert want[1][5].abs().sum() > 0 and want[1][1].abs().sum() > 0  # the weight and dt both get gradients
+    for kernel in ("chunked", "triton"):
+        (y, grads), (yr, grads_ref) = run(kernel), want
+        assert (y - yr).abs().max().item() <= 1e-5, kernel
+        for name, a, b in zip((*GRADS, "x_weight"), grads, grads_ref):
+            rel = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+            assert rel <= 1e-5, f"{kernel} d{name}: relative error {rel:.2e}"
+
+
 def test_triton_rows_without_cu_seqlens_are_one_document_each():
     inputs = _inputs(2, 21, 2, 16, 16, 1)
     dy = torch.randn(2, 21, 2, 16, generator=torch.Generator().manual_seed(5)).to(DEVICE)  # seeded: a tolerance of 1e-5 is not for any draw

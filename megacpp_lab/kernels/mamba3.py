@@ -1,4 +1,4 @@
-"""Mamba-3's scan (Lahoti et al., ICLR 2026): the step-loop reference over packed rows.
+"""Mamba-3's scan (Lahoti et al., ICLR 2026) over packed rows: the step-loop reference and the SSD-based scan.
 
 Mamba-3 changes Mamba-2's SSD recurrence in three ways; the SISO form (one input and one output per head and
 step) is
@@ -14,15 +14,25 @@ block needs no short convolution); with lam = 1 and no angles it is Mamba-2's SS
 checks that against kernels/ssd.py's step loop). At every document start the whole state restarts: S, the
 previous input and key (so the trapezoid's previous term is zero there) and the angles.
 
-**The SISO scan is Mamba-2's SSD with a per-token input scale.** Token s's x_s k_s^T enters S_t (t >= s) with
-weight (gamma_s + [t > s] delta_{s+1}) prod_{j=s+1..t} alpha_j, where gamma_s = lam_s dt_s and delta_{s+1} =
-(1 - lam_{s+1}) dt_{s+1} (zero when s+1 starts a document): the trapezoid's previous term is token s's
-contribution one step later. So with the rotated, biased keys and queries per head, y = SSD(x * w / dt, dt, A,
-k, q) - delta_next * (q . k) x + D x, w = gamma + delta_next: the SSD scan (its chunked torch form, or the lab's
-Triton kernel) does the scan, and what Mamba-3 adds is elementwise. `mamba3_scan` is that; the step loop is its
-oracle. MIMO, a fused Triton kernel and the layer are issue 29's remaining work. Shapes follow kernels/ssd.py: x [B,T,H,P], dt [B,T,H], A [H], B and C [B,T,G,N]
-(G groups of heads, H % G == 0), the trapezoid logits trap [B,T,H], the angle rates angles [B,T,H,N_a] with
-N_a <= N/2 (the pairs past N_a are not rotated), the biases [H,N], D [H].
+**MIMO** (rank R): each head takes R inputs x_r = x * mimo_x[h, r] (a learned scale per rank and channel), R
+keys and R queries (B, C and their biases per rank), into one shared state: S_t = alpha_t S_{t-1} + sum_r (the
+trapezoid's two terms of rank r), y_{t,r} = S_t q_{t,r} + D x_{t,r}. The state update is a rank-R matmul, which
+raises the arithmetic intensity; R = 1 with mimo_x = 1 is SISO. The angles are shared by the ranks.
+
+**The scan is Mamba-2's SSD with an input weight, over rank sub-tokens.** Token s's x_s k_s^T enters S_t
+(t >= s) with weight (gamma_s + [t > s] delta_{s+1}) prod_{j=s+1..t} alpha_j, where gamma_s = lam_s dt_s and
+delta_{s+1} = (1 - lam_{s+1}) dt_{s+1} (zero when s+1 starts a document): the trapezoid's previous term is token
+s's contribution one step later. So the SSD scan (kernels/ssd.py: its chunked torch form, or the lab's Triton
+op) runs with the input weight w = gamma + delta_next apart from the decay. For MIMO it runs over T*R
+sub-tokens (t, r): rank 0 carries the step's decay, ranks r > 0 have dt = 0 (decay 1) and the same weight. The
+SSD output at (t, r') then holds the same step's ranks r <= r' at weight w; the exact same-step term is gamma for
+every rank, so y_{t,r'} += sum_r c_{r'r} (q_{t,r'} . k_{t,r}) x_{t,r} with c = gamma where r > r' and -delta_next
+where r <= r' (for SISO, the diagonal -delta_next (q . k) x). `mamba3_scan` is that; the step loop is its oracle.
+
+Shapes follow kernels/ssd.py: x [B,T,H,P], dt [B,T,H], A [H], the trapezoid logits trap [B,T,H], the angle
+rates angles [B,T,H,N_a] with N_a <= N/2 (the pairs past N_a are not rotated), D [H]. SISO: B and C [B,T,G,N]
+(G groups of heads, H % G == 0), the biases [H,N], y [B,T,H,P]. MIMO: B and C [B,T,R,G,N], the biases [H,R,N],
+mimo_x [H,R,P], y [B,T,R,H,P] (one output per rank: the layer gates and combines them).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import math
 import torch
 
 from megacpp_lab.kernels.ssd import doc_start_mask, ssd_scan
-from megacpp_lab.varlen import PackedContext
+from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = ["KERNELS", "mamba3_scan", "mamba3_scan_reference", "rotate_pairs"]
 
@@ -59,74 +69,109 @@ def rotate_pairs(v: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
 def mamba3_scan_reference(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, trap: torch.Tensor,
     angles: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, D: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, *, mimo_x: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The SISO step loop (module docstring): fp32 state and angles (fp64 inputs stay fp64), every state
-    restarted at each document start of cu_seqlens (over the flattened B*T tokens; None: one document per row).
-    Returns y [B,T,H,P] in x's dtype."""
-    B, T, H, P, G, N, n_a = _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D)
+    """The step loop (module docstring), SISO or MIMO (B and C with a rank dim, and mimo_x): fp32 state and
+    angles (fp64 inputs stay fp64), every state restarted at each document start of cu_seqlens (over the
+    flattened B*T tokens; None: one document per row). Returns y in x's dtype: [B,T,H,P], MIMO [B,T,R,H,P]."""
+    B, T, H, P, G, N, n_a, R = _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x)
+    mimo = Bm.dim() == 5
+    Bm, Cm, b_bias, c_bias, xr = _ranked(x, Bm, Cm, b_bias, c_bias, mimo_x)
     acc = torch.promote_types(x.dtype, torch.float32)
     reset = doc_start_mask(cu_seqlens, B, T, x.device)
     per_head = H // G
-    Bh = (Bm.to(acc).repeat_interleave(per_head, dim=2) + b_bias.to(acc))  # [B,T,H,N]
-    Ch = (Cm.to(acc).repeat_interleave(per_head, dim=2) + c_bias.to(acc))
-    xs, dts, Af, lam = x.to(acc), dt.to(acc), A.to(acc), torch.sigmoid(trap.to(acc))
+    Bh = (Bm.to(acc).repeat_interleave(per_head, dim=3) + b_bias.transpose(0, 1).to(acc))  # [B,T,R,H,N]
+    Ch = (Cm.to(acc).repeat_interleave(per_head, dim=3) + c_bias.transpose(0, 1).to(acc))
+    xs, dts, Af, lam = xr.to(acc), dt.to(acc), A.to(acc), torch.sigmoid(trap.to(acc))  # xs [B,T,R,H,P]
     rates = torch.tanh(angles.to(acc)) * math.pi
     S = torch.zeros((B, H, P, N), dtype=acc, device=x.device)
     theta = torch.zeros((B, H, max(n_a, 0)), dtype=acc, device=x.device)
-    k_prev = torch.zeros((B, H, N), dtype=acc, device=x.device)
-    x_prev = torch.zeros((B, H, P), dtype=acc, device=x.device)
+    k_prev = torch.zeros((B, R, H, N), dtype=acc, device=x.device)
+    x_prev = torch.zeros((B, R, H, P), dtype=acc, device=x.device)
     ys = []
     for t in range(T):
         start = reset[:, t].view(B, 1, 1)
         S = torch.where(start[..., None], torch.zeros_like(S), S)
         theta = torch.where(start, torch.zeros_like(theta), theta)
-        k_prev = torch.where(start, torch.zeros_like(k_prev), k_prev)
-        x_prev = torch.where(start, torch.zeros_like(x_prev), x_prev)
+        k_prev = torch.where(start[..., None], torch.zeros_like(k_prev), k_prev)
+        x_prev = torch.where(start[..., None], torch.zeros_like(x_prev), x_prev)
         theta = torch.remainder(theta + rates[:, t] * dts[:, t, :, None], 2 * math.pi)
-        k, q = rotate_pairs(Bh[:, t], theta), rotate_pairs(Ch[:, t], theta)
+        k, q = rotate_pairs(Bh[:, t], theta[:, None]), rotate_pairs(Ch[:, t], theta[:, None])  # [B,R,H,N]
         alpha = torch.exp(dts[:, t] * Af)  # [B,H]
         prev_w = ((1 - lam[:, t]) * dts[:, t] * alpha)[..., None, None]
         cur_w = (lam[:, t] * dts[:, t])[..., None, None]
-        S = alpha[..., None, None] * S + prev_w * x_prev[..., None] * k_prev[:, :, None] + cur_w * xs[:, t, ..., None] * k[:, :, None]
-        y = (S @ q[..., None]).squeeze(-1)
+        S = (alpha[..., None, None] * S + prev_w * torch.einsum("brhp,brhn->bhpn", x_prev, k_prev)
+             + cur_w * torch.einsum("brhp,brhn->bhpn", xs[:, t], k))  # fmt: skip
+        y = torch.einsum("bhpn,brhn->brhp", S, q)
         if D is not None:
             y = y + D.to(acc)[:, None] * xs[:, t]
         ys.append(y)
         k_prev, x_prev = k, xs[:, t]
-    return torch.stack(ys, dim=1).to(x.dtype)
+    y = torch.stack(ys, dim=1)  # [B,T,R,H,P]
+    return (y if mimo else y[:, :, 0]).to(x.dtype)
 
 
-def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D) -> tuple[int, int, int, int, int, int, int]:  # noqa: ANN001
+def _ranked(x, Bm, Cm, b_bias, c_bias, mimo_x):  # noqa: ANN001, ANN202
+    """The rank form of either layout: B, C [B,T,R,G,N], biases [H,R,N], the rank inputs x_r [B,T,R,H,P]."""
+    if Bm.dim() == 4:
+        return Bm[:, :, None], Cm[:, :, None], b_bias[:, None], c_bias[:, None], x[:, :, None]
+    return Bm, Cm, b_bias, c_bias, x[:, :, None] * mimo_x.transpose(0, 1).to(x.dtype)
+
+
+def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tuple[int, ...]:  # noqa: ANN001
     if x.dim() != 4:
         raise ValueError(f"mamba3 x must be [B,T,H,P], got {list(x.shape)}")
     B, T, H, P = x.shape
-    if Bm.dim() != 4:
-        raise ValueError(f"mamba3 Bm must be [B,T,G,N], got {list(Bm.shape)}")
-    G, N = Bm.shape[2], Bm.shape[3]
+    if Bm.dim() not in (4, 5):
+        raise ValueError(f"mamba3 Bm must be [B,T,G,N] (SISO) or [B,T,R,G,N] (MIMO), got {list(Bm.shape)}")
+    mimo = Bm.dim() == 5
+    R = Bm.shape[2] if mimo else 1
+    G, N = Bm.shape[-2], Bm.shape[-1]
     if H % G:
-        raise ValueError(f"mamba3: the heads H={H} must be a multiple of the groups G={G} (Bm's dim 2)")
+        raise ValueError(f"mamba3: the heads H={H} must be a multiple of the groups G={G} (Bm's dim {Bm.dim() - 2})")
     n_a = angles.shape[-1] if angles.dim() == 4 else -1
-    for name, t, shape in (("dt", dt, (B, T, H)), ("A", A, (H,)), ("Bm", Bm, (B, T, G, N)), ("Cm", Cm, (B, T, G, N)),
-                           ("trap", trap, (B, T, H)), ("angles", angles, (B, T, H, n_a)), ("b_bias", b_bias, (H, N)),
-                           ("c_bias", c_bias, (H, N))):  # fmt: skip
+    ranked = (R,) if mimo else ()
+    for name, t, shape in (("dt", dt, (B, T, H)), ("A", A, (H,)), ("Bm", Bm, (B, T, *ranked, G, N)),
+                           ("Cm", Cm, (B, T, *ranked, G, N)), ("trap", trap, (B, T, H)),
+                           ("angles", angles, (B, T, H, n_a)), ("b_bias", b_bias, (H, *ranked, N)),
+                           ("c_bias", c_bias, (H, *ranked, N))):  # fmt: skip
         _check(name, t, shape)
     if not 0 <= 2 * n_a <= N:
         raise ValueError(f"mamba3 angles: at most N/2 = {N // 2} rotated pairs per head, got {n_a}")
     if D is not None:
         _check("D", D, (H,))
-    return B, T, H, P, G, N, n_a
+    if mimo:
+        if mimo_x is None:
+            raise ValueError("mamba3 mimo_x: MIMO (Bm [B,T,R,G,N]) needs the rank inputs' scale mimo_x [H,R,P]")
+        _check("mimo_x", mimo_x, (H, R, P))
+    elif mimo_x is not None:
+        raise ValueError("mamba3 mimo_x is MIMO's (Bm [B,T,R,G,N]); SISO's Bm [B,T,G,N] takes none")
+    return B, T, H, P, G, N, n_a, R
+
+
+def _angles(angles: torch.Tensor, dt: torch.Tensor, start: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """theta [B,T,H,N_a]: the angle increments' cumulative sum, restarted at every document start, in fp64 (a long
+    document's sum would lose the angle's low bits in fp32), then taken mod 2 pi as the step loop does."""
+    T = dt.shape[1]
+    inc = (torch.tanh(angles.double()) * math.pi) * dt.double()[..., None]
+    total = torch.cumsum(inc, dim=1)
+    before = total - inc  # the sum before each token
+    first = torch.cummax(torch.where(start, torch.arange(T, device=dt.device), 0), dim=1).values  # [B,T]
+    base = torch.gather(before, 1, first[:, :, None, None].expand_as(before))
+    return torch.remainder(total - base, 2 * math.pi).to(acc)
 
 
 def mamba3_scan(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, trap: torch.Tensor,
     angles: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, D: torch.Tensor | None = None, *,
-    cu_seqlens: torch.Tensor | None = None, ctx: PackedContext | None = None, chunk: int = 64, kernel: str = "auto",
+    mimo_x: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, ctx: PackedContext | None = None,
+    chunk: int = 64, kernel: str = "auto",
 ) -> torch.Tensor:  # fmt: skip
-    """The SISO Mamba-3 scan over packed rows, y [B,T,H,P] in x's dtype, through the SSD scan (module
-    docstring). The documents: ctx (the batch's PackedContext), or bare cu_seqlens, or neither (one document per
-    row). kernel: "triton" (the lab's SSD Triton op), "chunked" (plain torch, compilable), "reference" (the step
-    loop), "auto" (Triton on CUDA, chunked elsewhere)."""
+    """The Mamba-3 scan over packed rows, SISO or MIMO (B and C with a rank dim, and mimo_x), y in x's dtype
+    ([B,T,H,P], MIMO [B,T,R,H,P]), through the SSD scan (module docstring). The documents: ctx (the batch's
+    PackedContext), or bare cu_seqlens, or neither (one document per row). kernel: "triton" (the lab's SSD
+    Triton op), "chunked" (plain torch, compilable), "reference" (the step loop), "auto" (Triton on CUDA,
+    chunked elsewhere). chunk counts SSD tokens: MIMO's chunk covers chunk / R steps."""
     if kernel not in KERNELS:
         raise ValueError(f"mamba3 kernel must be one of {KERNELS}, got {kernel!r}")
     if ctx is not None:
@@ -134,29 +179,39 @@ def mamba3_scan(
             raise ValueError("mamba3: give ctx or cu_seqlens, not both")
         cu_seqlens = ctx.cu_seqlens
     if kernel == "reference":
-        return mamba3_scan_reference(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, cu_seqlens)
-    B, T, H, P, G, N, n_a = _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D)
+        return mamba3_scan_reference(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, cu_seqlens, mimo_x=mimo_x)
+    B, T, H, P, G, N, n_a, R = _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x)
+    if ctx is not None:
+        if ctx.shape != (B, T):
+            raise ValueError(f"mamba3: ctx is for [B,T] = {ctx.shape}, x is {tuple(x.shape)}")
+    elif cu_seqlens is not None:  # bare boundaries: checked here, against the tokens, not the sub-tokens
+        check_cu_seqlens(cu_seqlens, B * T, device=x.device, row_len=T)
+    mimo = Bm.dim() == 5
+    Bm, Cm, b_bias, c_bias, xr = _ranked(x, Bm, Cm, b_bias, c_bias, mimo_x)
     acc = torch.promote_types(x.dtype, torch.float32)
     start = doc_start_mask(cu_seqlens, B, T, x.device)  # [B,T]
     dts, lam = dt.to(acc), torch.sigmoid(trap.to(acc))
-    # the angles: a cumulative sum that restarts at every document start, in fp64 (a long document's sum
-    # would lose the angle's low bits in fp32), then taken mod 2 pi as the step loop does at every step
-    inc = (torch.tanh(angles.double()) * math.pi) * dt.double()[..., None]  # [B,T,H,n_a]
-    total = torch.cumsum(inc, dim=1)
-    before = total - inc  # the sum before each token
-    first = torch.cummax(torch.where(start, torch.arange(T, device=x.device), 0), dim=1).values  # [B,T]
-    base = torch.gather(before, 1, first[:, :, None, None].expand_as(before))
-    theta = torch.remainder(total - base, 2 * math.pi).to(acc)
+    theta = _angles(angles, dt, start, acc)[:, :, None]  # [B,T,1,H,N_a]: shared by the ranks
     per_head = H // G
-    k = rotate_pairs(Bm.to(acc).repeat_interleave(per_head, dim=2) + b_bias.to(acc), theta)  # [B,T,H,N]
-    q = rotate_pairs(Cm.to(acc).repeat_interleave(per_head, dim=2) + c_bias.to(acc), theta)
+    k = rotate_pairs(Bm.to(acc).repeat_interleave(per_head, dim=3) + b_bias.transpose(0, 1).to(acc), theta)
+    q = rotate_pairs(Cm.to(acc).repeat_interleave(per_head, dim=3) + c_bias.transpose(0, 1).to(acc), theta)
     # delta_next: the next token's previous-input weight, zero where the next token starts a document (or past the row)
     continues = torch.cat((~start[:, 1:], torch.zeros_like(start[:, :1])), dim=1)
     delta_next = torch.cat((((1 - lam) * dts)[:, 1:], torch.zeros_like(dts[:, :1])), dim=1) * continues[..., None]
-    scale = lam + delta_next / dts  # w / dt, w = gamma + delta_next
-    y = ssd_scan((x.to(acc) * scale[..., None]).to(x.dtype), dt, A, k.to(x.dtype), q.to(x.dtype),
-                 cu_seqlens=cu_seqlens, chunk=chunk, kernel=kernel)  # fmt: skip
-    y = y.to(acc) - (delta_next * (q * k).sum(-1))[..., None] * x.to(acc)
+    gamma = lam * dts
+    weight = gamma + delta_next  # [B,T,H]
+    # the SSD over T*R sub-tokens (t, r): rank 0 carries the step's decay, the others decay by 1
+    sub = lambda t: t.reshape(B, T * R, *t.shape[3:])  # noqa: E731  [B,T,R,...] -> [B,T*R,...]
+    dt_sub = torch.cat((dt[:, :, None], torch.zeros_like(dt[:, :, None]).expand(B, T, R - 1, H)), dim=2)
+    w_sub = weight[:, :, None].expand(B, T, R, H)
+    cu_sub = None if cu_seqlens is None else cu_seqlens * R
+    y = ssd_scan(sub(xr), sub(dt_sub), A, sub(k.to(x.dtype)), sub(q.to(x.dtype)), cu_seqlens=cu_sub, chunk=chunk,
+                 kernel=kernel, x_weight=sub(w_sub), checked=True).view(B, T, R, H, P).to(acc)  # fmt: skip
+    # the same step's exact weights: gamma for every rank (the SSD gave w to ranks r <= r' and none to r > r')
+    later = torch.ones(R, R, dtype=torch.bool, device=x.device).triu(1)  # [r', r]: r > r'
+    coef = torch.where(later, gamma[..., None, None], -delta_next[..., None, None])  # [B,T,H,R',R]
+    qk = torch.einsum("btihn,btjhn->bthij", q, k)
+    y = y + torch.einsum("bthij,btjhp->btihp", qk * coef, xr.to(acc))
     if D is not None:
-        y = y + D.to(acc)[:, None] * x.to(acc)
-    return y.to(x.dtype)
+        y = y + D.to(acc)[:, None] * xr.to(acc)
+    return (y if mimo else y[:, :, 0]).to(x.dtype)

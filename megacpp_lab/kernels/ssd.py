@@ -7,6 +7,10 @@ Per head h, with state S [P, N] (fp32), decay a_t = exp(dt_t * A_h) and a group 
 
 S is zero before every document start. The D skip and the gate are the layer's job, not the scan's.
 
+An optional input weight w [B,T,H] (fp32) replaces dt as the input's scale, S_t = a_t S_{t-1} + w_t x_t (x) B_t,
+with the decay still exp(dt_t A): Mamba-3's trapezoid weights its inputs apart from its decay, and its MIMO form
+runs the scan over rank sub-tokens whose decay is 1 (dt = 0) but whose weight is not (kernels/mamba3.py).
+
 Layout: x [B,T,H,P]; dt [B,T,H] (already softplus'd, > 0); A [H] (< 0, fp32 contract);
 Bm, Cm [B,T,G,N] with G dividing H (Mamba-2's n_groups: head h reads group h // (H // G); G = H
 is one B/C per head); y [B,T,H,P] in x's dtype.
@@ -31,6 +35,8 @@ Three implementations, one contract:
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -76,7 +82,7 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 def validate_ssd_inputs(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor | None, *, validated: bool = False,
+    cu_seqlens: torch.Tensor | None, *, validated: bool = False, x_weight: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Fail closed, naming the argument. cu_seqlens are checked by varlen.check_cu_seqlens: their structure
     always, their values unless `validated` (a PackedContext's, checked when it was built)."""
@@ -93,6 +99,8 @@ def validate_ssd_inputs(
     _check("A", A, (H,))
     _check("Bm", Bm, (B, T, G, N))
     _check("Cm", Cm, (B, T, G, N))
+    if x_weight is not None:
+        _check("x_weight", x_weight, (B, T, H))
     if cu_seqlens is not None and not validated:
         check_cu_seqlens(cu_seqlens, B * T, device=x.device, row_len=T)
 
@@ -108,9 +116,10 @@ def _per_head(t: torch.Tensor, H: int) -> torch.Tensor:
 @torch.compiler.disable
 def ssd_scan_reference(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, *, x_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The step loop: fp32 state (fp64 for gradcheck), explicit resets. Returns y [B,T,H,P] in x's dtype.
+    x_weight: the input's weight per token (module docstring), dt when None.
 
     Disabled for torch.compile: dynamo would unroll the T steps into one enormous graph."""
     B, T, H, P = x.shape
@@ -118,12 +127,13 @@ def ssd_scan_reference(
     reset = doc_start_mask(cu_seqlens, B, T, x.device)
     Bh, Ch = _per_head(Bm, H).to(acc), _per_head(Cm, H).to(acc)
     xs, dts, Af = x.to(acc), dt.to(acc), A.to(acc)
+    ws = dts if x_weight is None else x_weight.to(acc)
     S = torch.zeros((B, H, P, Bm.shape[-1]), dtype=acc, device=x.device)
     ys = []
     for t in range(T):
         S = torch.where(reset[:, t].view(B, 1, 1, 1), torch.zeros_like(S), S)
         a = torch.exp(dts[:, t] * Af).view(B, H, 1, 1)
-        S = a * S + (dts[:, t, :, None] * xs[:, t])[..., None] * Bh[:, t, :, None, :]
+        S = a * S + (ws[:, t, :, None] * xs[:, t])[..., None] * Bh[:, t, :, None, :]
         ys.append((S @ Ch[:, t, :, :, None]).squeeze(-1))
     return torch.stack(ys, dim=1).to(x.dtype)
 
@@ -140,9 +150,10 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
 
 def ssd_chunked_torch(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor | None = None, *, chunk: int = 64,
+    cu_seqlens: torch.Tensor | None = None, *, chunk: int = 64, x_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Chunked SSD in plain torch, loop-free across chunks (inductor compiles it). y [B,T,H,P] in x's dtype.
+    x_weight: the input's weight per token (module docstring), dt when None.
 
     Mamba-2's ssd_minimal over each row, with the log-decay set to -inf at document starts."""
     B, T, H, P = x.shape
@@ -151,7 +162,7 @@ def ssd_chunked_torch(
     pad = (-T) % chunk
     reset = doc_start_mask(cu_seqlens, B, T, x.device)
     loga = torch.where(reset[..., None], float("-inf"), dt.to(acc) * A.to(acc))  # [B,T,H]
-    u = x.to(acc) * dt.to(acc)[..., None]
+    u = x.to(acc) * (dt if x_weight is None else x_weight).to(acc)[..., None]
     Bh, Ch = _per_head(Bm, H).to(acc), _per_head(Cm, H).to(acc)
     if pad:  # zero tail tokens: no input, decay 1, read by no real token
         u, loga = torch.nn.functional.pad(u, (0, 0, 0, 0, 0, pad)), torch.nn.functional.pad(loga, (0, 0, 0, pad))
@@ -208,6 +219,14 @@ def _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _input_weight(w_ptr, t, m, hd, H, dt, HAS_W: tl.constexpr):
+    """The input's weight per token: w (fp32, 0 past the chunk's end) when given, else dt."""
+    if HAS_W:
+        return tl.load(w_ptr + t * H + hd, mask=m, other=0.0).to(tl.float32)
+    return dt
+
+
+@triton.jit
 def _decay_mask(cs, rl):
     """L[i, j] = exp(cs_i - cs_j) for i >= j, else 0 (the exponent is masked before exp: no overflow)."""
     causal = rl[:, None] >= rl[None, :]
@@ -232,14 +251,14 @@ def _state_program(cu_ptr, a_ptr, H, G, P: tl.constexpr, BP: tl.constexpr, BN: t
 
 @triton.jit
 def _ssd_fwd_state_kernel(
-    x_ptr, dt_ptr, a_ptr, b_ptr, cu_ptr, st_ptr,
+    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, cu_ptr, st_ptr,
     H, G,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr,
 ):  # fmt: skip
     """Pass 1 (sequential over one document's chunks, one [BP, BN] block of the state per program):
-    store the fp32 state entering every chunk; S' = exp(cs_last) S + (u * w)^T B, u = dt x,
-    w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset."""
+    store the fp32 state entering every chunk; S' = exp(cs_last) S + (u * w)^T B, u = dt x (or x times the
+    input weight), w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset."""
     hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
     S = tl.zeros((BP, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(end - start, CHUNK)):
@@ -247,18 +266,19 @@ def _ssd_fwd_state_kernel(
         t = start + k * CHUNK + rl
         m = t < end
         dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
         Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0)
-        uw = (x.to(tl.float32) * (tl.exp(cs_last - cs) * dt)[:, None]).to(DOT)
+        uw = (x.to(tl.float32) * (tl.exp(cs_last - cs) * xw)[:, None]).to(DOT)
         S = tl.exp(cs_last) * S + tl.dot(tl.trans(uw), Bc.to(DOT), input_precision=PRECISION)
 
 
 @triton.jit
 def _ssd_fwd_output_kernel(
-    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr,
+    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr,
     H, G, D,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, HAS_W: tl.constexpr,
 ):  # fmt: skip
     """Pass 2 (every chunk at once): y = (C B^T * L) u + exp(cs) * (C S^T), S the saved entering state."""
     slot = tl.program_id(0)
@@ -278,7 +298,7 @@ def _ssd_fwd_output_kernel(
         Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
         S = tl.load(st_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
         CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION) * _decay_mask(cs, rl)
-        u = (x.to(tl.float32) * dt[:, None]).to(DOT)
+        u = (x.to(tl.float32) * _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)[:, None]).to(DOT)
         y = tl.dot(CB.to(DOT), u, input_precision=PRECISION)
         # the state term in fp32 operands (tf32 tensor cores for 16-bit inputs): the state is kept at fp32
         y += tl.exp(cs)[:, None] * tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)
@@ -311,13 +331,14 @@ def _ssd_bwd_state_kernel(
 
 @triton.jit
 def _ssd_bwd_chunk_kernel(
-    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
-    dx_ptr, ddt_ptr, da_ptr, db_ptr, dc_ptr,
+    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
+    dx_ptr, ddt_ptr, dw_ptr, da_ptr, db_ptr, dc_ptr,
     H, G, D,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, HAS_W: tl.constexpr,
 ):  # fmt: skip
-    """Backward pass 2 (every chunk at once, all of P; N in blocks of BN, twice). Per chunk, with u = dt x,
+    """Backward pass 2 (every chunk at once, all of P; N in blocks of BN, twice). Per chunk, with u = dt x
+    (u = w x given an input weight w: then dt reaches only the decay, and dw = du . x),
     L the decay mask, S the entering state, dS' the leaving state's gradient, w_j = exp(cs_last - cs_j):
         y = (C B^T * L) u + exp(cs) * (C S^T);   S' = exp(cs_last) S + (u * w)^T B
     dB and dC go to [B,T,H,N] (fp32 when G < H: the launcher sums each group's heads)."""
@@ -336,7 +357,8 @@ def _ssd_bwd_chunk_kernel(
         dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        u = x * dt[:, None]
+        xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
+        u = x * xw[:, None]
         w = tl.exp(cs_last - cs)
         ecs = tl.exp(cs)
         st_at = st_ptr + (slot * H + hd) * P * N
@@ -368,9 +390,14 @@ def _ssd_bwd_chunk_kernel(
         to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
         # cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every real token
         dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
-        ddt = tl.sum(du * x, axis=1) + dloga * A_h
+        dxw = tl.sum(du * x, axis=1)
+        if HAS_W:
+            ddt = dloga * A_h
+            tl.store(dw_ptr + t * H + hd, dxw.to(dw_ptr.dtype.element_ty), mask=m)
+        else:
+            ddt = dxw + dloga * A_h
         tl.store(da_ptr + slot * H + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
-        tl.store(dx_ptr + (t[:, None] * H + hd) * P + rp[None, :], (du * dt[:, None]).to(dx_ptr.dtype.element_ty),
+        tl.store(dx_ptr + (t[:, None] * H + hd) * P + rp[None, :], (du * xw[:, None]).to(dx_ptr.dtype.element_ty),
                  mask=m[:, None])  # fmt: skip
         tl.store(ddt_ptr + t * H + hd, ddt.to(ddt_ptr.dtype.element_ty), mask=m)
         # second sweep over N: dC = (L * dy u^T) B + exp(cs) dy S;  dB = (L * dy u^T)^T C + w u dS'
@@ -430,11 +457,12 @@ def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int, int], i
 @torch.library.custom_op("megacpp::ssd_scan_fwd", mutates_args=())
 def ssd_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor, chunk: int, save: bool,
+    cu_seqlens: torch.Tensor, chunk: int, save: bool, x_weight: Optional[torch.Tensor] = None,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T,H,P] and the fp32 state entering every chunk of every document, by slot (empty unless save).
 
-    Inputs contiguous, validated by the caller; cu_seqlens [D+1] int32 covers the flattened B*T tokens."""
+    Inputs contiguous, validated by the caller; cu_seqlens [D+1] int32 covers the flattened B*T tokens.
+    x_weight (fp32, [B,T,H]): the input's weight per token, dt when None (the module docstring)."""
     B, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
@@ -442,21 +470,23 @@ def ssd_scan_fwd(
     dots = _dot_types(x.dtype)
     states = torch.empty((n_slots, H, P, N), device=x.device, dtype=torch.float32)
     grid, bp, bn = _state_grid(D, H, P, N)
+    has_w = x_weight is not None
+    w = x_weight if has_w else dt  # a placeholder pointer the kernels never read
     _ssd_fwd_state_kernel[grid](
-        x, dt, A, Bm, cu_seqlens, states, H, G,
-        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, num_warps=STATE_WARPS,
+        x, dt, w, A, Bm, cu_seqlens, states, H, G,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, num_warps=STATE_WARPS,
     )  # fmt: skip
     y = torch.empty_like(x)
     bp = min(OUT_BLOCK_P, P)
     _ssd_fwd_output_kernel[(n_slots, H, P // bp)](
-        x, dt, A, Bm, Cm, cu_seqlens, states, y, H, G, D,
-        P=P, N=N, BP=bp, CHUNK=chunk, **dots, num_warps=OUT_WARPS,
+        x, dt, w, A, Bm, Cm, cu_seqlens, states, y, H, G, D,
+        P=P, N=N, BP=bp, CHUNK=chunk, **dots, HAS_W=has_w, num_warps=OUT_WARPS,
     )  # fmt: skip
     return y, states if save else states.new_empty((0, H, P, N))
 
 
 @ssd_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, cu_seqlens, chunk, save):
+def _(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight=None):
     B, T, H, P = x.shape
     n_slots = _n_slots(B * T, chunk, cu_seqlens.shape[0] - 1)
     return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
@@ -465,9 +495,10 @@ def _(x, dt, A, Bm, Cm, cu_seqlens, chunk, save):
 @torch.library.custom_op("megacpp::ssd_scan_bwd", mutates_args=())
 def ssd_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Gradients for x, dt, A, Bm and Cm, from the forward's saved chunk states."""
+    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, x_weight: Optional[torch.Tensor] = None,  # noqa: UP045
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Gradients for x, dt, A, Bm, Cm and x_weight (empty when it is None), from the forward's saved chunk
+    states."""
     B, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
@@ -481,6 +512,8 @@ def ssd_scan_bwd(
         P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, num_warps=STATE_WARPS,
     )  # fmt: skip
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
+    has_w = x_weight is not None
+    dw = torch.empty_like(x_weight) if has_w else dt.new_empty((0,))
     dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
     if G == H:  # one head per group: the kernel writes the gradients in their own dtype
         dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
@@ -488,32 +521,34 @@ def ssd_scan_bwd(
         dB = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
         dC = torch.empty_like(dB)
     _ssd_bwd_chunk_kernel[(n_slots, H)](
-        x, dt, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dA, dB, dC, H, G, D,
-        P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dots, num_warps=BWD_WARPS, num_stages=BWD_STAGES,
+        x, dt, x_weight if has_w else dt, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dw if has_w else ddt,
+        dA, dB, dC, H, G, D, P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dots, HAS_W=has_w,
+        num_warps=BWD_WARPS, num_stages=BWD_STAGES,
     )  # fmt: skip
     if G != H:
         dB, dC = (t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype) for t in (dB, dC))
-    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC
+    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, dw
 
 
 @ssd_scan_bwd.register_fake
-def _(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk):
-    return torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(Bm), torch.empty_like(Cm)
+def _(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk, x_weight=None):
+    dw = torch.empty_like(x_weight) if x_weight is not None else dt.new_empty((0,))
+    return torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(Bm), torch.empty_like(Cm), dw
 
 
 def _setup_context(ctx, inputs, output):
-    x, dt, A, Bm, Cm, cu_seqlens, chunk, save = inputs
-    ctx.save_for_backward(x, dt, A, Bm, Cm, cu_seqlens, output[1])
+    x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight = inputs
+    ctx.save_for_backward(x, dt, A, Bm, Cm, cu_seqlens, output[1], x_weight)
     ctx.chunk = chunk
     ctx.set_materialize_grads(False)  # else autograd allocates zeros the size of the states for their unused grad
 
 
 def _backward(ctx, dy, _dstates):
-    x, dt, A, Bm, Cm, cu_seqlens, states = ctx.saved_tensors
+    x, dt, A, Bm, Cm, cu_seqlens, states, x_weight = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("ssd_scan_fwd ran with save=False; its output cannot be differentiated")
-    dx, ddt, dA, dB, dC = ssd_scan_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, ctx.chunk)
-    return dx, ddt, dA, dB, dC, None, None, None
+    dx, ddt, dA, dB, dC, dw = ssd_scan_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, ctx.chunk, x_weight)
+    return dx, ddt, dA, dB, dC, None, None, None, (dw if x_weight is not None else None)
 
 
 ssd_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -532,9 +567,11 @@ def _pow2_at_least_16(name: str, n: int) -> None:
 def ssd_scan(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     *, cu_seqlens: torch.Tensor | None = None, ctx: PackedContext | None = None, chunk: int = 64,
-    kernel: str = "auto",
+    kernel: str = "auto", x_weight: torch.Tensor | None = None, checked: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """The SSD scan over packed rows; returns y [B,T,H,P] in x's dtype (see the module docstring).
+    """The SSD scan over packed rows; returns y [B,T,H,P] in x's dtype (see the module docstring). x_weight
+    [B,T,H]: the input's weight per token in place of dt (the Triton op takes it in fp32). checked: the caller
+    checked bare cu_seqlens' values already (kernels/mamba3 hands over its rank sub-tokens' boundaries).
 
     The documents: ctx, the batch's PackedContext (its cu_seqlens, validated when it was built: nothing is
     checked or read back here), or bare cu_seqlens (checked here, varlen.check_cu_seqlens), or neither (each
@@ -548,7 +585,7 @@ def ssd_scan(
         if ctx.shape != tuple(x.shape[:2]):
             raise ValueError(f"ctx is for [B,T] = {ctx.shape}, x is {tuple(x.shape)}")
         cu_seqlens = ctx.cu_seqlens
-    validate_ssd_inputs(x, dt, A, Bm, Cm, cu_seqlens, validated=ctx is not None)
+    validate_ssd_inputs(x, dt, A, Bm, Cm, cu_seqlens, validated=ctx is not None or checked, x_weight=x_weight)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if not isinstance(chunk, int) or chunk < 1:
@@ -556,9 +593,9 @@ def ssd_scan(
     if kernel == "auto":
         kernel = "triton" if x.device.type == "cuda" else "chunked"
     if kernel == "reference":
-        return ssd_scan_reference(x, dt, A, Bm, Cm, cu_seqlens)
+        return ssd_scan_reference(x, dt, A, Bm, Cm, cu_seqlens, x_weight=x_weight)
     if kernel == "chunked":
-        return ssd_chunked_torch(x, dt, A, Bm, Cm, cu_seqlens, chunk=chunk)
+        return ssd_chunked_torch(x, dt, A, Bm, Cm, cu_seqlens, chunk=chunk, x_weight=x_weight)
     B, T, H, P = x.shape
     N, n_docs = Bm.shape[-1], (B if cu_seqlens is None else cu_seqlens.shape[0] - 1)
     elements = max(_n_slots(B * T, chunk, n_docs) * H * P * N, B * T * H * max(P, N))
@@ -577,8 +614,12 @@ def ssd_scan(
     # no generator expression: dynamo cannot trace one under fullgraph
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
+        or (x_weight is not None and x_weight.requires_grad)
     )
+    if x_weight is not None:
+        x_weight = x_weight.float().contiguous()
     y, _ = ssd_scan_fwd(
-        x.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(), Cm.contiguous(), cu_seqlens, chunk, needs_grad
+        x.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(), Cm.contiguous(), cu_seqlens, chunk, needs_grad,
+        x_weight,
     )
     return y
