@@ -281,9 +281,9 @@ def _layer(**overrides):
     return Mamba3(cfg).double()
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "reference"])
-def test_the_layers_decode_step_equals_its_forward_at_every_position(kernel):
-    layer = _layer(kernel=kernel)
+@pytest.mark.parametrize("kernel, rank", [("chunked", 1), ("reference", 1), ("chunked", 2), ("reference", 4)])
+def test_the_layers_decode_step_equals_its_forward_at_every_position(kernel, rank):
+    layer = _layer(kernel=kernel, mimo_rank=rank)
     x = torch.randn(2, 20, 32, dtype=torch.float64)
     with torch.no_grad():
         full = layer(x)
@@ -295,10 +295,15 @@ def test_the_layers_decode_step_equals_its_forward_at_every_position(kernel):
     torch.testing.assert_close(steps, full, atol=1e-6, rtol=1e-5)
 
 
-def test_the_layer_on_packed_rows_equals_each_document_alone_and_passes_the_leak_harness():
+@pytest.mark.parametrize("rank", [1, 2])
+def test_the_layer_on_packed_rows_equals_each_document_alone_and_passes_the_leak_harness(rank):
     from megacpp_lab.testing import with_doc_ids
 
-    layer = _layer()
+    layer = _layer(mimo_rank=rank)
+    if rank > 1:  # away from the initialisation's symmetric ranks, so that a rank mix-up would show
+        with torch.no_grad():
+            for p in (layer.mimo_x, layer.mimo_z, layer.mimo_o):
+                p.add_(0.3 * torch.randn_like(p))
     cu = _cu(2, 40, 5, seed=2)
     doc_ids = doc_ids_from_cu_seqlens(cu, 2, 40)
     x = torch.randn(2, 40, 32, dtype=torch.float64)
@@ -313,7 +318,18 @@ def test_the_layer_on_packed_rows_equals_each_document_alone_and_passes_the_leak
     ("rope_pairs", 9, r"Mamba3Config.rope_pairs must be an int in \[0, state_dim / 2 = 8\]"),
     ("n_groups", 3, r"Mamba3Config.n_groups must be a divisor of n_heads=4"),
     ("kernel", "fast", r"Mamba3Config.kernel must be one of"),
+    ("mimo_rank", 3, r"Mamba3Config.mimo_rank must be one of \(1, 2, 4, 8\)"),
 ])  # fmt: skip
 def test_the_layers_config_fails_closed_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         _layer(**{field: value})
+
+
+def test_the_mimo_layer_has_rank_parameters_and_at_its_initialisation_mixes_ranks_evenly():
+    siso, mimo = _layer(), _layer(mimo_rank=4)
+    assert not hasattr(siso, "mimo_x") and siso.b_bias.shape == (4, 16)
+    assert mimo.b_bias.shape == (4, 4, 16) and mimo.mimo_o.shape == (4, 4, 8)
+    assert mimo.in_proj.out_features - siso.in_proj.out_features == 2 * 3 * 2 * 16  # B and C: 3 more ranks of G*N
+    x = torch.randn(1, 12, 32, dtype=torch.float64)
+    y = mimo(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()

@@ -1,17 +1,19 @@
-"""Mamba-3's mixer (SISO) over packed rows: the layer the M block will take as variant="mamba3" (issue 29).
+"""Mamba-3's mixer over packed rows, SISO or MIMO: the M block's layer for m_block="mamba3" (model/config.py).
 
-    x -> in_proj -> [z (gate) | x | B | C | dt | trap | angles]
-      -> B, C: RMSNorm over N, + a learnable bias per head (Mamba-3's B/C norm and bias)
+    x -> in_proj -> [z (gate) | x | B | C | dt | trap | angles]        (B and C: R ranks each under MIMO)
+      -> B, C: RMSNorm over N, + a learnable bias per head (and rank) (Mamba-3's B/C norm and bias)
       -> dt = softplus(dt + dt_bias), A = -exp(A_log) (fp32); trap: the trapezoid's logits; angles: the
          rotary angle rates, shared by the heads
       -> the Mamba-3 scan (megacpp_lab.kernels.mamba3: SSD's Triton op on a GPU, its chunked torch form on a
-         CPU; the step loop by name)
-      -> + x * D -> * SiLU(z) -> RMSNorm -> out_proj
+         CPU; the step loop by name), + D x
+      SISO:  -> * SiLU(z) -> RMSNorm -> out_proj
+      MIMO:  the scan reads R inputs x * mimo_x[r] and gives R outputs y_r; each is gated by SiLU(z * mimo_z[r])
+             and RMS-normed, then sum_r mimo_o[r] * y_r -> out_proj (mamba_ssm's MIMO module, with SiLU gating)
 
 No short convolution: the trapezoid's previous-input term takes its place. A is per head, as in Mamba-2
 (mamba_ssm's module makes it data-dependent; the scan would take that as a per-token decay). The decode `step`
-keeps the scan's state (S, the angles, the previous key and input) and equals the forward at every position.
-Not yet: MIMO, and the M block's variant flag that puts this layer in the model.
+keeps the scan's state (S, the angles, the previous keys and inputs of every rank) and equals the forward at
+every position.
 """
 
 from __future__ import annotations
@@ -32,21 +34,27 @@ from megacpp_lab.nn.primitives import init_decay_params
 from megacpp_lab.nn.ssm import StateSpaceFields
 from megacpp_lab.varlen import PackedContext, context_positions
 
-__all__ = ["Mamba3", "Mamba3Config", "Mamba3State"]
+__all__ = ["MIMO_RANKS", "Mamba3", "Mamba3Config", "Mamba3State"]
 
 _fail = functools.partial(config_error, "Mamba3Config")
+
+MIMO_RANKS = (1, 2, 4, 8)  # 1 is SISO
 
 
 @dataclass(frozen=True)
 class Mamba3Config(StateSpaceFields):
-    """Mamba-3 layer settings (StateSpaceFields's, and the rotated pairs); build it with Mamba3Config.build."""
+    """Mamba-3 layer settings (StateSpaceFields's, the rotated pairs and the MIMO rank); build it with
+    Mamba3Config.build. chunk counts the scan's SSD tokens: under MIMO a chunk covers chunk / mimo_rank steps."""
 
     rope_pairs: int = 32  # rotated (B, C) pairs per head: at most state_dim / 2
+    mimo_rank: int = 1  # inputs and outputs per head and step: 1 is SISO
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not is_int(self.rope_pairs) or not 0 <= 2 * self.rope_pairs <= self.state_dim:
             raise _fail("rope_pairs", f"an int in [0, state_dim / 2 = {self.state_dim // 2}]", self.rope_pairs)
+        if self.mimo_rank not in MIMO_RANKS or isinstance(self.mimo_rank, bool):
+            raise _fail("mimo_rank", f"one of {MIMO_RANKS} (1 is SISO)", self.mimo_rank)
 
     @classmethod
     def build(cls, source: Any = None, **overrides: Any) -> Mamba3Config:
@@ -58,7 +66,8 @@ class Mamba3Config(StateSpaceFields):
 @dataclass
 class Mamba3State:
     """One layer's decode state: S [B,H,P,N] (fp32), the angles theta [B,H,rope_pairs] (fp32), and the previous
-    token's rotated key [B,H,N] and input [B,H,P] (the trapezoid's previous term): all zero at a document start."""
+    token's rotated keys [B,R,H,N] and rank inputs [B,R,H,P] (the trapezoid's previous term; R = 1 for SISO):
+    all zero at a document start."""
 
     h: torch.Tensor
     theta: torch.Tensor
@@ -67,7 +76,7 @@ class Mamba3State:
 
 
 class Mamba3(nn.Module):
-    """[B,T,d_model] -> [B,T,d_model] Mamba-3 (SISO) mixer with document resets."""
+    """[B,T,d_model] -> [B,T,d_model] Mamba-3 mixer (SISO, or MIMO of rank mimo_rank) with document resets."""
 
     _fp32_params = ("A_log", "dt_bias", "D")
 
@@ -76,13 +85,19 @@ class Mamba3(nn.Module):
         if not isinstance(config, Mamba3Config):
             raise TypeError(f"Mamba3 needs a Mamba3Config, got {type(config).__name__}")
         self.config = c = config
-        H, P, G, N = c.n_heads, c.head_dim, c.n_groups, c.state_dim
-        self.splits = [H * P, H * P, G * N, G * N, H, H, c.rope_pairs]  # z, x, B, C, dt, trap, angles
+        H, P, G, N, R = c.n_heads, c.head_dim, c.n_groups, c.state_dim, c.mimo_rank
+        self.mimo = R > 1
+        self.splits = [H * P, H * P, R * G * N, R * G * N, H, H, c.rope_pairs]  # z, x, B, C, dt, trap, angles
         self.in_proj = nn.Linear(c.d_model, sum(self.splits), bias=False)
         self.A_log, self.dt_bias = init_decay_params(H, c)
         self.D = nn.Parameter(torch.ones(H))
-        self.b_bias = nn.Parameter(torch.ones(H, N))  # mamba_ssm initialises both biases at 1
-        self.c_bias = nn.Parameter(torch.ones(H, N))
+        bias_shape = (H, R, N) if self.mimo else (H, N)
+        self.b_bias = nn.Parameter(torch.ones(bias_shape))  # mamba_ssm initialises both biases at 1
+        self.c_bias = nn.Parameter(torch.ones(bias_shape))
+        if self.mimo:  # mamba_ssm's initialisation: the inputs and outputs averaged over the ranks, the gates at 1
+            self.mimo_x = nn.Parameter(torch.full((H, R, P), 1.0 / R))
+            self.mimo_z = nn.Parameter(torch.ones(H, R, P))
+            self.mimo_o = nn.Parameter(torch.full((H, R, P), 1.0 / R))
         self.norm = nn.RMSNorm(H * P, eps=c.eps)
         self.out_proj = nn.Linear(H * P, c.d_model, bias=False)
 
@@ -90,9 +105,10 @@ class Mamba3(nn.Module):
         c = self.config
         B, T, _ = x.shape
         H, P, G, N = c.n_heads, c.head_dim, c.n_groups, c.state_dim
+        ranked = (c.mimo_rank,) if self.mimo else ()
         z, xs, Bm, Cm, dt, trap, angles = self.in_proj(x).split(self.splits, dim=-1)
-        Bm = F.rms_norm(Bm.reshape(B, T, G, N), (N,), eps=c.eps)
-        Cm = F.rms_norm(Cm.reshape(B, T, G, N), (N,), eps=c.eps)
+        Bm = F.rms_norm(Bm.reshape(B, T, *ranked, G, N), (N,), eps=c.eps)
+        Cm = F.rms_norm(Cm.reshape(B, T, *ranked, G, N), (N,), eps=c.eps)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         angles = angles.float()[:, :, None, :].expand(B, T, H, c.rope_pairs)
         return z, xs.reshape(B, T, H, P), Bm, Cm, dt, trap.float(), angles
@@ -105,39 +121,55 @@ class Mamba3(nn.Module):
         context_positions(ctx, tuple(x.shape))  # a context of another batch shape fails here, by name
         z, xs, Bm, Cm, dt, trap, angles = self._inputs(x)
         A = -torch.exp(self.A_log.float())
-        y = mamba3_scan(xs, dt, A, Bm, Cm, trap, angles, self.b_bias, self.c_bias, ctx=ctx, chunk=c.chunk,
+        y = mamba3_scan(xs, dt, A, Bm, Cm, trap, angles, self.b_bias, self.c_bias, self.D,
+                        mimo_x=self.mimo_x if self.mimo else None, ctx=ctx, chunk=c.chunk,
                         kernel=kernel or c.kernel)  # fmt: skip
-        return self._output(y, xs, z)
+        return self._output(y, z)
 
-    def _output(self, y: torch.Tensor, xs: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        y = y + xs * self.D.to(xs.dtype)[:, None]
-        y = y.reshape(*y.shape[:2], -1) * F.silu(z)
-        return self.out_proj(self.norm(y))
+    def _output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The scan's output (D x included) [B,T,H,P] (MIMO [B,T,R,H,P]) and the gate's input z [B,T,H*P]."""
+        if not self.mimo:
+            return self.out_proj(self.norm(y.reshape(*y.shape[:2], -1) * F.silu(z)))
+        B, T, R, H, P = y.shape
+        gate = F.silu(z.view(B, T, 1, H, P) * self.mimo_z.transpose(0, 1).to(z.dtype))
+        y = self.norm((y * gate).reshape(B, T, R, H * P)).view(B, T, R, H, P)
+        return self.out_proj((y * self.mimo_o.transpose(0, 1).to(y.dtype)).sum(2).reshape(B, T, H * P))
 
     # -- decode: the scan's step
 
-    def init_state(self, batch: int, device: torch.device | str | None = None) -> Mamba3State:
-        """The state at a document start: every part zero, fp32."""
+    def init_state(self, batch: int, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> Mamba3State:  # fmt: skip
+        """The state at a document start: every part zero, fp32 (dtype, the activations', is not used: the
+        state is kept in fp32 as the scan keeps it)."""
         c = self.config
-        H, P, N = c.n_heads, c.head_dim, c.state_dim
+        H, P, N, R = c.n_heads, c.head_dim, c.state_dim, c.mimo_rank
         zeros = functools.partial(torch.zeros, device=device)
-        return Mamba3State(zeros(batch, H, P, N), zeros(batch, H, c.rope_pairs), zeros(batch, H, N), zeros(batch, H, P))
+        return Mamba3State(zeros(batch, H, P, N), zeros(batch, H, c.rope_pairs), zeros(batch, R, H, N),
+                           zeros(batch, R, H, P))  # fmt: skip
 
     def step(self, x: torch.Tensor, state: Mamba3State) -> torch.Tensor:
         """One token x [B,1,d_model] -> [B,1,d_model]; advances `state` in place (kernels/mamba3's recurrence)."""
         c = self.config
         H = c.n_heads
         z, xs, Bm, Cm, dt, trap, angles = self._inputs(x)
+        if not self.mimo:  # the rank form: one rank
+            Bm, Cm, b_bias, c_bias = Bm[:, :, None], Cm[:, :, None], self.b_bias[:, None], self.c_bias[:, None]
+            xr = xs[:, 0, None]  # [B,1,H,P]
+        else:
+            b_bias, c_bias = self.b_bias, self.c_bias
+            xr = xs[:, 0, None] * self.mimo_x.transpose(0, 1).to(xs.dtype)  # [B,R,H,P]
         per_head = H // c.n_groups
         acc = torch.promote_types(xs.dtype, torch.float32)  # the scan's accumulation dtype
-        dt, lam, x0 = dt[:, 0].to(acc), torch.sigmoid(trap[:, 0].to(acc)), xs[:, 0].to(acc)  # [B,H], [B,H], [B,H,P]
+        dt, lam, xr = dt[:, 0].to(acc), torch.sigmoid(trap[:, 0].to(acc)), xr.to(acc)  # [B,H], [B,H], [B,R,H,P]
         state.theta = torch.remainder(state.theta + torch.tanh(angles[:, 0].to(acc)) * math.pi * dt[..., None], 2 * math.pi)
-        k = rotate_pairs(Bm[:, 0].to(acc).repeat_interleave(per_head, dim=1) + self.b_bias.to(acc), state.theta)
-        q = rotate_pairs(Cm[:, 0].to(acc).repeat_interleave(per_head, dim=1) + self.c_bias.to(acc), state.theta)
+        theta = state.theta[:, None]  # shared by the ranks
+        k = rotate_pairs(Bm[:, 0].to(acc).repeat_interleave(per_head, dim=2) + b_bias.transpose(0, 1).to(acc), theta)
+        q = rotate_pairs(Cm[:, 0].to(acc).repeat_interleave(per_head, dim=2) + c_bias.transpose(0, 1).to(acc), theta)
         alpha = torch.exp(dt * -torch.exp(self.A_log.float()).to(acc))  # A as the forward makes it
         prev_w, cur_w = ((1 - lam) * dt * alpha)[..., None, None], (lam * dt)[..., None, None]
-        state.h = (alpha[..., None, None] * state.h + prev_w * state.x_prev[..., None] * state.k_prev[:, :, None]
-                   + cur_w * x0[..., None] * k[:, :, None])  # fmt: skip
-        state.k_prev, state.x_prev = k, x0
-        y = (state.h @ q[..., None]).squeeze(-1)  # [B,H,P]
-        return self._output(y[:, None].to(xs.dtype), xs, z)
+        state.h = (alpha[..., None, None] * state.h + prev_w * torch.einsum("brhp,brhn->bhpn", state.x_prev, state.k_prev)
+                   + cur_w * torch.einsum("brhp,brhn->bhpn", xr, k))  # fmt: skip
+        state.k_prev, state.x_prev = k, xr
+        y = torch.einsum("bhpn,brhn->brhp", state.h, q) + self.D.to(acc)[:, None] * xr  # [B,R,H,P]
+        y = y[:, None].to(xs.dtype)  # [B,1,R,H,P]
+        return self._output(y if self.mimo else y[:, :, 0], z)
