@@ -123,7 +123,7 @@ def test_misuse_is_refused():
         apply_ac(_model(), {"A": "full"})
 
 
-TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
+TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), mamba3=dict(kernel="triton"))
 
 
 def test_the_budget_reaches_the_partitioner():

@@ -105,6 +105,23 @@ def test_presets_are_sized_as_named():
     assert {"A", "M", "R", "embedding", "lm_head", "engram"} <= set(counts)
 
 
+def test_the_m_block_is_mamba3_by_default_and_mamba2_one_flag_away():
+    from megacpp_lab.nn.mamba3 import Mamba3
+    from megacpp_lab.nn.ssm import SSD
+
+    for preset in ("tiny", "small", "base"):
+        assert hybrid_preset(preset).m_block == "mamba3"
+    assert type(HybridLM(tiny()).blocks[1].mixer) is Mamba3
+    assert type(HybridLM(tiny(m_block="mamba2")).blocks[1].mixer) is SSD
+    mimo = HybridLM(tiny(mamba3=dict(mimo_rank=4)))
+    assert mimo.blocks[1].mixer.mimo_x.shape == (4, 4, 16)
+    # the state update and readout: R times the FLOPs of one rank, per M layer
+    extra = lambda m: m.flops_per_token(64)["M"] - 6 * m.num_parameters()["M"]  # noqa: E731
+    assert extra(mimo) == 4 * extra(HybridLM(tiny()))
+    with pytest.raises(ValueError, match=r"HybridConfig.m_block must be one of \('mamba3', 'mamba2'\)"):
+        tiny(m_block="mamba4")
+
+
 def test_flops_per_token_by_block_kind():
     model = HybridLM(tiny(cblock_layers=(3,)))
     f1, f2 = model.flops_per_token(256), model.flops_per_token(512)
@@ -149,6 +166,8 @@ def test_loss_decreases_over_a_few_steps(window):
 LEAK_CASES = {
     "A": dict(pattern="A", n_layers=2, engram_layers=()),
     "M": dict(pattern="M", n_layers=2, engram_layers=()),
+    "M-mimo": dict(pattern="M", n_layers=2, engram_layers=(), mamba3=dict(mimo_rank=2)),
+    "M-mamba2": dict(pattern="M", n_layers=2, engram_layers=(), m_block="mamba2"),
     "R": dict(pattern="R", n_layers=2, engram_layers=()),
     "engram": dict(pattern="AMR", n_layers=3, engram_layers=(0, 2)),
     "ngram": dict(pattern="MR", n_layers=2, engram_layers=(), ngram_layers=(1,)),
@@ -165,11 +184,11 @@ def test_whole_model_keeps_documents_apart_and_is_causal(window, case):
     assert report.passed, str(report)
 
 
-@pytest.mark.parametrize("kind", ["A", "M", "R"])
-def test_a_planted_leak_fails_the_whole_model_check(window, kind):
+@pytest.mark.parametrize("kind, m_block", [("A", "mamba3"), ("M", "mamba3"), ("M", "mamba2"), ("R", "mamba3")])
+def test_a_planted_leak_fails_the_whole_model_check(window, kind, m_block):
     """One mixer that drops ctx (so sees the packed row as one document) makes the model leak."""
     tokens, doc_ids = window
-    model = _model(pattern=kind, n_layers=2, engram_layers=())
+    model = _model(pattern=kind, n_layers=2, engram_layers=(), m_block=m_block)
     mixer = model.blocks[1].mixer
     forward = mixer.forward
     mixer.forward = lambda x, ctx=None, **kw: forward(x)  # the planted bug: ctx dropped
@@ -228,7 +247,8 @@ def test_small_model_on_gpu_keeps_documents_apart_with_triton_scans(compiled, fe
         structures = block_structures(HybridLM(config))
         stats = compile_stats()
         assert stats.graphs == len(structures) and stats.graph_breaks == 0, (stats, structures)
-    assert (config.ssd.kernel, config.m2rnn.kernel, config.d_model, config.n_layers) == ("triton", "triton", 384, 12)
+    assert (config.mamba3.kernel, config.m2rnn.kernel, config.d_model, config.n_layers) == ("triton", "triton", 384, 12)
+    assert config.m_block == "mamba3"
     assert config.mhc == features and bool(config.cblock_layers) == features
     assert report.passed, str(report)
     assert report.n_docs_perturbed >= 4 and report.dependence.weakest > 10 * report.tol

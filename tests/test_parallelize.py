@@ -17,7 +17,7 @@ from megacpp_lab.model.parallelize import apply_compile, block_structures, compi
 from megacpp_lab.varlen import build_context
 
 # the scans by name: Triton (the interpreter on a CPU), never the reference loop, which no graph may hold
-TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
+TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), mamba3=dict(kernel="triton"))
 # the tiny tests run where the kernels can: the GPU when there is one (its Triton kernels are not built for
 # the interpreter there), else the CPU under TRITON_INTERPRET (tests/conftest.py)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -20,7 +20,7 @@ from megacpp_lab.model.precompile import heaviest_block, precompile, precompile_
 from megacpp_lab.varlen import build_context
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
+TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), mamba3=dict(kernel="triton"))
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 

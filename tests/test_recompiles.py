@@ -31,7 +31,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # one head per scan: the interpreter's time grows with the programs launched (documents x heads), and the
 # guards do not depend on the head count (a static size). The structures are the tiny preset's: A, M with
 # Engram, R, M.
-SCANS = dict(ssd=dict(kernel="triton", n_heads=1), m2rnn=dict(kernel="triton", n_heads=1))
+SCANS = dict(ssd=dict(kernel="triton", n_heads=1), mamba3=dict(kernel="triton", n_heads=1),
+             m2rnn=dict(kernel="triton", n_heads=1))
 T = 64  # one row of 64 tokens holds 1 to 64 documents
 COUNTS = (1, 2, 3, 17, 64)  # documents in all (B=1)
 FIRST = 5  # the first batch of each grad mode, a count not in COUNTS

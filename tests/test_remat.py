@@ -18,7 +18,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    model = HybridLM(model_config("tiny", DEV, m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))).to(DEV)
+    model = HybridLM(model_config("tiny", DEV, m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), mamba3=dict(kernel="triton"))).to(DEV)
     tokens, doc_ids, _ = make_batch(ModelShape("tiny", 2, 32, 3), 512, DEV)
     x = model.embed(tokens).detach().requires_grad_()
     return model, x, tokens, build_context(doc_ids)

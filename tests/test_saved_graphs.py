@@ -15,7 +15,7 @@ from megacpp_lab.model.parallelize import ParallelConfig, block_structures, comp
 from megacpp_lab.model.saved_graphs import SavedForward, saved_graphs_dir, unmarked
 from megacpp_lab.varlen import build_context
 
-TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
+TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), mamba3=dict(kernel="triton"))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 

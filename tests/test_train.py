@@ -91,7 +91,7 @@ def test_tensorboard_scalars(tmp_path):
 def test_checkpoint_loads_into_a_model_that_reproduces_the_val_loss(runs):
     s = runs["straight"]
     model, config = load_checkpoint_model(s.checkpoint)
-    assert config.vocab_size == 32768 and config.ssd.kernel == "chunked"  # the CPU's kernels, named
+    assert config.vocab_size == 32768 and config.mamba3.kernel == "chunked"  # the CPU's kernels, named
     trained = {k: v.float() for k, v in s.model.state_dict().items()}
     assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
 

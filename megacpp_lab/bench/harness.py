@@ -11,6 +11,8 @@ workers on its first call when the model is regionally compiled).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +24,12 @@ from megacpp_lab.model.config import HybridConfig, model_config
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import ParallelConfig, parallelize
 from megacpp_lab.model.precompile import Precompile, precompile
-from megacpp_lab.profiling import LABEL_SEP
+from megacpp_lab.profiling import LABEL_SEP, peak_extra_mib, sync, time_ms
 from megacpp_lab.varlen import PackedContext, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
 __all__ = ["FORWARD_ONLY", "FULL_SHAPE", "OTHER_NOTE", "SMALL_COMPILE_SHAPE", "SMALL_SHAPE", "ModelShape", "TrainingStep",
-           "build_model", "fresh_dynamo", "leak_features", "make_batch", "profile_labels", "triton_config"]
+           "build_model", "fresh_dynamo", "leak_features", "make_batch", "measure_fwd_bwd", "profile_labels", "timed_call",
+           "triton_config"]
 
 
 @dataclass(frozen=True)
@@ -135,3 +138,29 @@ class TrainingStep:
     def forward_only(self) -> torch.Tensor:
         with torch.no_grad():
             return self.model(self.tokens, self.ctx, self.targets).loss
+
+
+# ----------------------------------------------------------------------------- kernel timing (the scan benchmarks)
+
+
+def measure_fwd_bwd(fwd: Callable[[], object], fwd_bwd: Callable[[], object] | None, *, device: str,
+                    rep: int) -> dict[str, float]:  # fmt: skip
+    """fwd_ms (no_grad), ms (fwd+bwd), bwd_ms and, on a GPU, peak_mib of fwd+bwd; the callers have warmed up
+    (rep=1: a --small smoke run, one timed call and no warm-up)."""
+    warmup = 0 if rep == 1 else 2
+    out = {"fwd_ms": time_ms(fwd, warmup=warmup, rep=rep, device=device)}
+    if fwd_bwd is not None:
+        if device == "cuda":
+            out["peak_mib"] = peak_extra_mib(fwd_bwd)
+        out["ms"] = time_ms(fwd_bwd, warmup=warmup, rep=rep, device=device)
+        out["bwd_ms"] = out["ms"] - out["fwd_ms"]
+    return out
+
+
+def timed_call(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
+    """fn's result and the seconds of this one call (for first calls: JIT, autotuning, torch.compile)."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from megacpp_lab.bench import bench_device, output_root, require_triton_interpreter
+from megacpp_lab.bench.harness import measure_fwd_bwd, timed_call
 from megacpp_lab.kernels.ssd import ssd_chunked_torch, ssd_scan, ssd_scan_reference
-from megacpp_lab.profiling import peak_extra_mib, profile_trace, sync, time_ms
+from megacpp_lab.profiling import profile_trace
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import PackedContext, build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
@@ -101,30 +102,8 @@ def _grad_errors(grads, grads_ref) -> dict[str, dict[str, float]]:
     }
 
 
-def _measure(fwd: Callable[[], object], fwd_bwd: Callable[[], object] | None, *, device: str,
-             rep: int) -> dict[str, float]:  # fmt: skip
-    """fwd_ms (no_grad), ms (fwd+bwd), bwd_ms and, on a GPU, peak_mib of fwd+bwd; the callers have warmed up."""
-    warmup = 0 if rep == 1 else 2
-    out = {"fwd_ms": time_ms(fwd, warmup=warmup, rep=rep, device=device)}
-    if fwd_bwd is not None:
-        if device == "cuda":
-            out["peak_mib"] = peak_extra_mib(fwd_bwd)
-        out["ms"] = time_ms(fwd_bwd, warmup=warmup, rep=rep, device=device)
-        out["bwd_ms"] = out["ms"] - out["fwd_ms"]
-    return out
-
-
-def _timed(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
-    """fn's result and the seconds of this one call (for first calls: JIT, autotuning, torch.compile)."""
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - t0
-
-
 def _first_call_s(fn: Callable[[], object], device: str) -> float:
-    return _timed(fn, device)[1]
+    return timed_call(fn, device)[1]
 
 
 def _scan_fns(scan: Callable[..., torch.Tensor], inputs: list[torch.Tensor], cu: torch.Tensor, dy: torch.Tensor):
@@ -220,7 +199,7 @@ def _fla_rows(chunk_simple_gla, inputs, cu, dy, y_ref, grads_ref, *, device: str
             return call(*mapped)
 
     fwd_bwd = lambda: torch.autograd.grad(call(*mapped), mapped, do)  # noqa: E731
-    o, first = _timed(fwd, device)
+    o, first = timed_call(fwd, device)
     row: dict[str, Any] = {"contender": FLA, "first_call_s": first, "max_abs_err": _err(o.reshape(B, T, H, P), y_ref)}
     try:
         row["first_call_s"] += _first_call_s(fwd_bwd, device)
@@ -229,9 +208,9 @@ def _fla_rows(chunk_simple_gla, inputs, cu, dy, y_ref, grads_ref, *, device: str
         status = "refused by fla" if "incorrect results" in str(exc) else "error"
         row |= {"bwd": f"{status}: {msg}"}
         refused.append({"contender": FLA, "metric": "ms (fwd+bwd)", "status": status, "error": msg})
-        row |= _measure(fwd, None, device=device, rep=rep)
+        row |= measure_fwd_bwd(fwd, None, device=device, rep=rep)
     else:
-        row |= _measure(fwd, fwd_bwd, device=device, rep=rep)
+        row |= measure_fwd_bwd(fwd, fwd_bwd, device=device, rep=rep)
         leaves = [t.detach().requires_grad_() for t in inputs]
         o = call(*_fla_args(leaves, H)).reshape(B, T, H, P)
         row |= _grad_errors(torch.autograd.grad(o, leaves, dy), grads_ref)
@@ -253,9 +232,9 @@ def _fla_rows(chunk_simple_gla, inputs, cu, dy, y_ref, grads_ref, *, device: str
         msg = f"{type(exc).__name__}: {exc}"
         row["bwd"] = f"error: {msg}"
         refused.append({"contender": FLA_GAMMA, "metric": "ms (fwd+bwd)", "status": "error", "error": msg})
-        row |= _measure(fwd_g, None, device=device, rep=rep)
+        row |= measure_fwd_bwd(fwd_g, None, device=device, rep=rep)
     else:
-        row |= _measure(fwd_g, fwd_bwd_g, device=device, rep=rep)
+        row |= measure_fwd_bwd(fwd_g, fwd_bwd_g, device=device, rep=rep)
     rows.append(row)
     return rows, refused
 
@@ -278,10 +257,10 @@ def bench_ssd(shape: SSDShape = FULL_SHAPE, ref_shape: SSDShape = FULL_REF_SHAPE
 
     # the lab's Triton op
     fwd, fwd_bwd = _scan_fns(lab_triton(shape.chunk, ctx), inputs, cu, dy)
-    (y, t_fwd), (grads, t_fwd_bwd) = _timed(fwd, device), _timed(fwd_bwd, device)
+    (y, t_fwd), (grads, t_fwd_bwd) = timed_call(fwd, device), timed_call(fwd_bwd, device)
     lab: dict[str, Any] = {"contender": "triton", "first_call_s": t_fwd + t_fwd_bwd, "max_abs_err": _err(y, y_ref)}
     lab |= _grad_errors(grads, grads_ref)
-    lab |= _measure(fwd, fwd_bwd, device=device, rep=rep)
+    lab |= measure_fwd_bwd(fwd, fwd_bwd, device=device, rep=rep)
     results.append(lab)
     bar.update()
 
@@ -297,7 +276,7 @@ def bench_ssd(shape: SSDShape = FULL_SHAPE, ref_shape: SSDShape = FULL_REF_SHAPE
             fwd()
     chunked["max_abs_err"] = _err(fwd(), y_ref)
     chunked |= _grad_errors(fwd_bwd(), grads_ref)
-    chunked |= _measure(fwd, fwd_bwd, device=device, rep=rep)
+    chunked |= measure_fwd_bwd(fwd, fwd_bwd, device=device, rep=rep)
     results.append(chunked)
     if not compile:
         not_measured.append({
@@ -331,7 +310,7 @@ def bench_ssd(shape: SSDShape = FULL_SHAPE, ref_shape: SSDShape = FULL_REF_SHAPE
         fwd, fwd_bwd = _scan_fns(fn, r_inputs, r_cu, r_dy)
         row = {"contender": contender, "shape": asdict(ref_shape), "max_abs_err": _err(fwd(), r_y_ref)}
         row |= _grad_errors(fwd_bwd(), r_grads_ref)
-        row |= _measure(fwd, fwd_bwd, device=device, rep=min(rep, 5))
+        row |= measure_fwd_bwd(fwd, fwd_bwd, device=device, rep=min(rep, 5))
         results.append(row)
     results[-2]["speedup_of_triton"] = results[-2]["ms"] / results[-1]["ms"]
     bar.update()
@@ -421,7 +400,7 @@ def bench_ssd_sweep(shape: SSDShape = FULL_SHAPE, seq_lens: tuple[int, ...] = FU
             row["max_abs_err"] = _err(fwd(), y_ref)  # the first call of the Triton op (JIT) when rep > 1
             if rep > 1:
                 fwd_bwd()
-            row |= _measure(fwd, fwd_bwd, device=device, rep=rep)
+            row |= measure_fwd_bwd(fwd, fwd_bwd, device=device, rep=rep)
             rows.append(row)
         rows[0]["speedup"] = rows[1]["ms"] / rows[0]["ms"]
         rows[0]["fwd_speedup"] = rows[1]["fwd_ms"] / rows[0]["fwd_ms"]
@@ -531,6 +510,11 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
                                 rep=SMALL_REP if small else 10)  # fmt: skip
     written.append(write_receipt(sweep, root))
     written.append(save_figure(_plot_sweep(sweep), written[-1].with_suffix(".png")))
+    from megacpp_lab.bench.mamba3 import mamba3_receipt, plot_mamba3
+
+    mamba3 = mamba3_receipt(device, small=small)
+    written.append(write_receipt(mamba3, root))
+    written.append(save_figure(plot_mamba3(mamba3), written[-1].with_suffix(".png")))
     if trace:
         inputs, cu = make_inputs(shape, dtype, device)
         dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)

@@ -30,14 +30,18 @@ from megacpp_lab.nn.engram import EngramConfig
 from megacpp_lab.nn.hyper_connections import HyperConnectionConfig
 from megacpp_lab.nn.lm_head import LMHeadConfig
 from megacpp_lab.nn.m2rnn import M2RNNConfig
+from megacpp_lab.nn.mamba3 import Mamba3Config
 from megacpp_lab.nn.mla import MLAConfig
 from megacpp_lab.nn.ngram_hash import NgramHashConfig
 from megacpp_lab.nn.ssm import SSDConfig
 
-__all__ = ["BLOCK_KINDS", "HYBRID_PRESETS", "HybridConfig", "device_kernels", "hybrid_preset", "model_config"]
+__all__ = ["BLOCK_KINDS", "HYBRID_PRESETS", "M_BLOCKS", "HybridConfig", "device_kernels", "hybrid_preset", "model_config"]
 
-# block letters of the layer pattern: A = MLA + MLP, M = SSD + MLP, R = M2RNN + MLP
+# block letters of the layer pattern: A = MLA + MLP, M = Mamba-3 (or Mamba-2's SSD) + MLP, R = M2RNN + MLP
 BLOCK_KINDS = ("A", "M", "R")
+# the M block's mixer (HybridConfig.m_block): Mamba-3 (nn/mamba3.py, SISO or MIMO by mamba3.mimo_rank), or
+# Mamba-2's SSD (nn/ssm.py), kept as the baseline one flag away
+M_BLOCKS = ("mamba3", "mamba2")
 
 _fail = functools.partial(config_error, "HybridConfig")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -103,9 +107,15 @@ def _ssd_defaults(d: int) -> dict[str, Any]:
     return dict(n_heads=max(1, 2 * d // head), head_dim=head, state_dim=128 if d >= 512 else 32)
 
 
+def _mamba3_defaults(d: int) -> dict[str, Any]:
+    ssd = _ssd_defaults(d)
+    return dict(ssd, rope_pairs=ssd["state_dim"] // 4)  # mamba_ssm's rope_fraction 0.5: a quarter of N in pairs
+
+
 _SUBCONFIGS: dict[str, tuple[type, Any]] = {
     "mla": (MLAConfig, _mla_defaults),
     "ssd": (SSDConfig, _ssd_defaults),
+    "mamba3": (Mamba3Config, _mamba3_defaults),
     "m2rnn": (M2RNNConfig, lambda d: dict(n_heads=max(1, d // 64))),  # per-head state 64 x 16 (K x V)
     "engram": (EngramConfig, lambda d: dict(bottleneck=max(1, d // 4))),
     "ngram": (NgramHashConfig, lambda d: {}),
@@ -121,12 +131,13 @@ class HybridConfig:
     naming the field. Build it with HybridConfig.build, or from a preset with hybrid_preset(name, **overrides).
 
     pattern: block letters tiled across n_layers (layer i is pattern[i % len(pattern)]): A = MLA + SwiGLU MLP,
-    M = SSD + MLP, R = M2RNN + MLP. engram_layers / ngram_layers / cblock_layers: explicit layer indices
+    M = the m_block mixer + MLP, R = M2RNN + MLP. m_block: "mamba3" (Mamba-3, its `mamba3` config: SISO, or MIMO
+    by mamba3.mimo_rank) or "mamba2" (Mamba-2's SSD, its `ssd` config). engram_layers / ngram_layers / cblock_layers: explicit layer indices
     (tuple, '0,2' or 'all'); mhc: multi-stream hyper-connections over the Engram layers (the tripwire: mhc
     without engram_layers means all layers, with a warning; an explicitly empty list fails: mHC over no layer
     was a silent no-op).
 
-    The per-layer configs (mla, ssd, m2rnn, engram, ngram, concept, hyper, lm_head) are built through each
+    The per-layer configs (mla, ssd, mamba3, m2rnn, engram, ngram, concept, hyper, lm_head) are built through each
     layer's own build(): leave one None for the defaults derived from d_model (and vocab_size / pad_id),
     give a dict of overrides, or a finished config (its d_model must match). All are built even when no
     layer uses them, so a bad field fails here, not at the first forward.
@@ -136,6 +147,7 @@ class HybridConfig:
     d_model: int
     n_layers: int
     pattern: str = "AMRM"
+    m_block: str = "mamba3"
     engram_layers: tuple[int, ...] | None = None
     mhc: bool = False
     ngram_layers: tuple[int, ...] = ()
@@ -145,6 +157,7 @@ class HybridConfig:
     pad_id: int = 2  # the tokenizer's pad id (the BPE's); the n-gram memory hashes tokens before a doc start as it
     mla: MLAConfig | Mapping[str, Any] | None = None
     ssd: SSDConfig | Mapping[str, Any] | None = None
+    mamba3: Mamba3Config | Mapping[str, Any] | None = None
     m2rnn: M2RNNConfig | Mapping[str, Any] | None = None
     engram: EngramConfig | Mapping[str, Any] | None = None
     ngram: NgramHashConfig | Mapping[str, Any] | None = None
@@ -161,6 +174,8 @@ class HybridConfig:
         ):
             raise _fail("pattern", f"a non-empty string of block letters from {BLOCK_KINDS}", self.pattern)
         object.__setattr__(self, "pattern", self.pattern.strip().upper())
+        if self.m_block not in M_BLOCKS:
+            raise _fail("m_block", f"one of {M_BLOCKS}", self.m_block)
         object.__setattr__(self, "engram_layers", _engram_layers(self.engram_layers, self.mhc, self.n_layers, _fail))
         for name in ("ngram_layers", "cblock_layers"):
             object.__setattr__(self, name, _layer_list(name, getattr(self, name), self.n_layers, _fail))
@@ -216,6 +231,7 @@ HYBRID_PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=512, d_model=64, n_layers=4, pattern="AMRM", engram_layers=(1,),
         mla=dict(n_heads=2, q_lora_rank=32, kv_lora_rank=32, d_nope=16, d_rope=16, d_v=16, max_positions=1024),
         ssd=dict(n_heads=4, head_dim=16, state_dim=16, chunk=16),
+        mamba3=dict(n_heads=4, head_dim=16, state_dim=16, chunk=16, rope_pairs=4),
         m2rnn=dict(n_heads=2, k_head_dim=16, v_head_dim=16, chunk=16),
         engram=dict(bottleneck=16),
         ngram=dict(max_ngram=3, heads_per_order=2, table_size=61, head_dim=8),
@@ -247,11 +263,11 @@ def model_config(preset: str, device: str, *, compiled: bool = False, **override
 
 def device_kernels(device: str, compiled: bool = False) -> dict[str, dict[str, str]]:
     """HybridConfig overrides that name the scans' and the loss's kernels for a device: Triton on a GPU; on a
-    CPU the chunked SSD, the M2RNN reference loop and the eager chunked loss, but the scans' Triton kernels
-    (under the interpreter) when the model is compiled, since a compiled graph holds the scans' custom ops and
-    never the reference loops. The one place that rule is written."""
-    if device == "cuda":
-        return dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), lm_head=dict(loss_impl="triton"))
-    if compiled:
-        return dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), lm_head=dict(loss_impl="eager"))
-    return dict(m2rnn=dict(kernel="reference"), ssd=dict(kernel="chunked"), lm_head=dict(loss_impl="eager"))
+    CPU the chunked SSD and Mamba-3 scans, the M2RNN reference loop and the eager chunked loss, but the scans'
+    Triton kernels (under the interpreter) when the model is compiled, since a compiled graph holds the scans'
+    custom ops and never the reference loops. The one place that rule is written."""
+    if device == "cuda" or compiled:
+        scans = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), mamba3=dict(kernel="triton"))
+        return dict(scans, lm_head=dict(loss_impl="triton" if device == "cuda" else "eager"))
+    return dict(m2rnn=dict(kernel="reference"), ssd=dict(kernel="chunked"), mamba3=dict(kernel="chunked"),
+                lm_head=dict(loss_impl="eager"))  # fmt: skip

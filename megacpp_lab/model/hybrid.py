@@ -2,8 +2,8 @@
 
     tokens [B,T] -> embedding -> n_layers blocks -> RMSNorm -> LMHead (fused linear cross-entropy)
 
-Block i has the kind HybridConfig.blocks[i] (the pattern tiled across the layers): A = MLA, M = SSD,
-R = M2RNN, each followed by a SwiGLU MLP. A block is a list of residual branches, each x -> x + f(x):
+Block i has the kind HybridConfig.blocks[i] (the pattern tiled across the layers): A = MLA, M = Mamba-3
+(SISO or MIMO; Mamba-2's SSD with m_block="mamba2"), R = M2RNN, each followed by a SwiGLU MLP. A block is a list of residual branches, each x -> x + f(x):
 
     engram   x + EngramBranch(x, ctx=ctx)                 at engram_layers   (normalises x itself)
     ngram    x + NgramHashMemory(x, tokens, ctx=ctx)      at ngram_layers    (normalises x itself)
@@ -32,7 +32,8 @@ FLOPs per token (flops_per_token, forward + backward = 3 x forward):
             norm weights and biases are counted too (a small overcount)
     A:      + 3 * 2 * H * (d_nope + d_rope + d_v) * T / 2   (QK^T and AV over the causal T/2 average;
             document masking only lowers it, so this is an upper bound)
-    M:      + 3 * 4 * H * P * N                               (state update B x^T and readout C h)
+    M:      + 3 * 4 * H * P * N * R                           (state update B x^T and readout C h; R: Mamba-3's
+                                                              MIMO rank, 1 for SISO and Mamba-2)
     R:      + 3 * H * (2 K V^2 + 4 K V)                       (h W, k (x) v, gate mix, q h)
     cblock: + 3 * 4 * H * Dh * n_concepts                     (scores and values over the bank)
 """
@@ -52,6 +53,7 @@ from megacpp_lab.nn.engram import EngramBranch, EngramState
 from megacpp_lab.nn.hyper_connections import HyperConnection, collapse_streams, expand_streams
 from megacpp_lab.nn.lm_head import LMHead, LMHeadOutput
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNState
+from megacpp_lab.nn.mamba3 import Mamba3, Mamba3State
 from megacpp_lab.nn.mla import MLAKVCache, MultiLatentAttention
 from megacpp_lab.nn.ngram_hash import NgramHashMemory, NgramHashState
 from megacpp_lab.nn.ssm import SSD, SSDState
@@ -81,18 +83,18 @@ def _mixer(config: HybridConfig, kind: str) -> nn.Module:
     if kind == "A":
         return MultiLatentAttention(config.mla)
     if kind == "M":
-        return SSD(config.ssd)
+        return Mamba3(config.mamba3) if config.m_block == "mamba3" else SSD(config.ssd)
     return M2RNN(config.m2rnn)
 
 
 @dataclass
 class BlockState:
     """One layer's decode state: its Engram / n-gram windows (None where the layer has no such branch) and its
-    mixer's state: SSD / M2RNN state, or for an A layer the shared MLAKVCache and this layer's index in it."""
+    mixer's state: Mamba-3 / SSD / M2RNN state, or for an A layer the shared MLAKVCache and this layer's index in it."""
 
     engram: EngramState | None
     ngram: NgramHashState | None
-    mixer: SSDState | M2RNNState | None
+    mixer: Mamba3State | SSDState | M2RNNState | None
     kv_cache: MLAKVCache | None
     kv_layer: int
 
@@ -259,8 +261,9 @@ class HybridLM(nn.Module):
                 a = c.mla
                 extra = 3 * 2 * a.n_heads * (a.d_nope + a.d_rope + a.d_v) * seq_len // 2
             elif kind == "M":
-                s = c.ssd
-                extra = 3 * 4 * s.n_heads * s.head_dim * s.state_dim
+                s = c.mamba3 if c.m_block == "mamba3" else c.ssd
+                rank = c.mamba3.mimo_rank if c.m_block == "mamba3" else 1
+                extra = 3 * 4 * s.n_heads * s.head_dim * s.state_dim * rank
             else:
                 r = c.m2rnn
                 extra = 3 * r.n_heads * (2 * r.k_head_dim * r.v_head_dim**2 + 4 * r.k_head_dim * r.v_head_dim)

@@ -44,6 +44,8 @@ class TrainConfig:
     d_model: int | None = option(None, "model width", shown="the preset's")
     n_layers: int | None = option(None, "layers", shown="the preset's")
     engram_layers: str | None = option(None, "Engram layers, e.g. 1,5,9, or none", shown="the preset's")
+    m_block: str | None = option(None, "the M block's mixer: mamba3 or mamba2 (Mamba-2's SSD)", shown="the preset's")
+    mimo_rank: int | None = option(None, "Mamba-3's MIMO rank: 1 (SISO), 2, 4 or 8", shown="the preset's")
     # data
     corpus: str | None = option(None, "directory of C++ files", shown="the installed torch's headers")
     max_files: int | None = option(None, "read at most this many files of the corpus", shown="all")
@@ -84,10 +86,15 @@ class TrainConfig:
         def is_num(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        from megacpp_lab.model.config import HYBRID_PRESETS
+        from megacpp_lab.model.config import HYBRID_PRESETS, M_BLOCKS
+        from megacpp_lab.nn.mamba3 import MIMO_RANKS
 
         if self.preset not in HYBRID_PRESETS:
             raise fail("preset", f"one of {tuple(HYBRID_PRESETS)}")
+        if self.m_block is not None and self.m_block not in M_BLOCKS:
+            raise fail("m_block", f"one of {M_BLOCKS} or None")
+        if self.mimo_rank is not None and (isinstance(self.mimo_rank, bool) or self.mimo_rank not in MIMO_RANKS):
+            raise fail("mimo_rank", f"one of {MIMO_RANKS} or None")
         for name in ("d_model", "n_layers", "max_files"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):
@@ -167,9 +174,11 @@ class TrainConfig:
         from megacpp_lab.model.config import model_config
 
         overrides: dict[str, Any] = {"vocab_size": vocab_size}
-        for name in ("pattern", "d_model", "n_layers"):
+        for name in ("pattern", "d_model", "n_layers", "m_block"):
             if getattr(self, name) is not None:
                 overrides[name] = getattr(self, name)
+        if self.mimo_rank is not None:
+            overrides["mamba3"] = dict(mimo_rank=self.mimo_rank)
         if self.engram_layers is not None:
             overrides["engram_layers"] = "" if self.engram_layers.strip().lower() == "none" else self.engram_layers
         return model_config(self.preset, device, compiled=self.parallel.compile, **overrides)
