@@ -90,6 +90,19 @@ def _chunked_equals_the_step_loop(a, cu, chunk, dy):
         torch.testing.assert_close(g, g_ref, atol=1e-9, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
 
 
+def test_long_documents_keep_their_angles_in_fp32():
+    """Angle sums of hundreds of radians (dt ~ 2, T = 700, 3 documents; the scan sums the angles in fp32, see
+    kernels/mamba3._angles): the fp32 chunked scan against the fp64 step loop on the same values."""
+    a = _inputs(B=1, T=700, H=2, G=1, P=4, N=8, n_a=4, dtype=torch.float64, seed=4)
+    a["dt"] = a["dt"] * 4 + 1.0
+    a["A"] = a["A"] * 0.05  # slow decay: the early tokens' rotations still count late in a document
+    cu = torch.tensor([0, 37, 450, 700], dtype=torch.int32)
+    ref = mamba3_scan_reference(**a, cu_seqlens=cu)
+    got = mamba3_scan(**{k: v.float() for k, v in a.items()}, cu_seqlens=cu, chunk=64, kernel="chunked")
+    rel = ((got.double() - ref).norm() / ref.norm()).item()
+    assert rel < 2e-5, rel
+
+
 def test_the_triton_ssd_path_equals_the_step_loop_under_the_interpreter():
     a = _inputs(B=1, T=40, H=2, G=1, P=16, N=16, n_a=2, dtype=torch.float32)
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)

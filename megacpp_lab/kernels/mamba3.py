@@ -150,15 +150,18 @@ def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tupl
 
 
 def _angles(angles: torch.Tensor, dt: torch.Tensor, start: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """theta [B,T,H,N_a]: the angle increments' cumulative sum, restarted at every document start, in fp64 (a long
-    document's sum would lose the angle's low bits in fp32), then taken mod 2 pi as the step loop does."""
+    """theta [B,T,H,N_a]: the angle increments' cumulative sum restarted at every document start, mod 2 pi (as the
+    step loop takes it at every step), in the accumulation dtype. fp32 for 16- and 32-bit inputs, not fp64:
+    inductor's Triton codegen fails on an fp64 scan this long (torch 2.11, a [8,4096,16,32] cumsum), and the fp32
+    sum's error, about 1e-4 rad where a document's sum reaches hundreds of radians, is far below the bf16
+    rounding of the rotated keys (4e-3 relative). tests/test_mamba3.py bounds it on a long document."""
     T = dt.shape[1]
-    inc = (torch.tanh(angles.double()) * math.pi) * dt.double()[..., None]
+    inc = torch.tanh(angles.to(acc)) * math.pi * dt.to(acc)[..., None]  # [B,T,H,n_a]
     total = torch.cumsum(inc, dim=1)
     before = total - inc  # the sum before each token
     first = torch.cummax(torch.where(start, torch.arange(T, device=dt.device), 0), dim=1).values  # [B,T]
     base = torch.gather(before, 1, first[:, :, None, None].expand_as(before))
-    return torch.remainder(total - base, 2 * math.pi).to(acc)
+    return torch.remainder(total - base, 2 * math.pi)
 
 
 def mamba3_scan(

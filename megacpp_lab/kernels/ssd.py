@@ -66,9 +66,11 @@ def doc_start_mask(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torc
         reset = torch.zeros((B, T), dtype=torch.bool, device=device)
         reset[:, 0] = True
         return reset
-    reset = torch.zeros(B * T, dtype=torch.bool, device=device)
-    reset[cu_seqlens[:-1].long()] = True
-    return reset.view(B, T)
+    # every entry, the final B*T included (one slot past the tokens): indexing with cu_seqlens[:-1] made dynamo
+    # specialise on a single document (an index of size 1) and compile again for one document against several
+    reset = torch.zeros(B * T + 1, dtype=torch.bool, device=device)
+    reset[cu_seqlens.long()] = True
+    return reset[: B * T].view(B, T)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
