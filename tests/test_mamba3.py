@@ -6,6 +6,7 @@ field. CPU, fp64 and fp32."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -91,8 +92,8 @@ def _chunked_equals_the_step_loop(a, cu, chunk, dy):
 
 
 def test_long_documents_keep_their_angles_in_fp32():
-    """Angle sums of hundreds of radians (dt ~ 2, T = 700, 3 documents; the scan sums the angles in fp32, see
-    kernels/mamba3._angles): the fp32 chunked scan against the fp64 step loop on the same values."""
+    """Angle sums of hundreds of radians (dt ~ 2, T = 700, 3 documents; the scan sums them in fp64,
+    kernels/mamba3.doc_angle_sum): the fp32 chunked scan against the fp64 step loop on the same values."""
     a = _inputs(B=1, T=700, H=2, G=1, P=4, N=8, n_a=4, dtype=torch.float64, seed=4)
     a["dt"] = a["dt"] * 4 + 1.0
     a["A"] = a["A"] * 0.05  # slow decay: the early tokens' rotations still count late in a document
@@ -101,6 +102,21 @@ def test_long_documents_keep_their_angles_in_fp32():
     got = mamba3_scan(**{k: v.float() for k, v in a.items()}, cu_seqlens=cu, chunk=64, kernel="chunked")
     rel = ((got.double() - ref).norm() / ref.norm()).item()
     assert rel < 2e-5, rel
+
+
+def test_the_document_angle_sum_and_its_gradient_against_a_per_document_loop():
+    from megacpp_lab.kernels.mamba3 import doc_angle_sum
+    from megacpp_lab.kernels.ssd import doc_start_mask
+
+    g = torch.Generator().manual_seed(6)
+    inc = torch.rand(2, 30, 3, generator=g, dtype=torch.float64).requires_grad_()
+    cu = torch.tensor([0, 4, 5, 30, 41, 60], dtype=torch.int32)
+    out = doc_angle_sum(inc, doc_start_mask(cu, 2, 30, "cpu"))
+    flat, want = inc.view(60, 3), []
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        want.append(torch.remainder(torch.cumsum(flat[lo:hi], 0), 2 * math.pi))
+    torch.testing.assert_close(out.view(60, 3), torch.cat(want), atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(lambda x: doc_angle_sum(x, doc_start_mask(cu, 2, 30, "cpu")), (inc,))
 
 
 def test_the_triton_ssd_path_equals_the_step_loop_under_the_interpreter():

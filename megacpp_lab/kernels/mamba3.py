@@ -149,19 +149,56 @@ def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tupl
     return B, T, H, P, G, N, n_a, R
 
 
+@torch.library.custom_op("megacpp::doc_angle_sum", mutates_args=())
+def doc_angle_sum(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """theta [B,T,...]: the increments inc [B,T,...] summed along T from each document start (start [B,T] bool),
+    in fp64, mod 2 pi, returned in inc's dtype. An opaque op: inductor's Triton codegen fails on this long scan
+    over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen at [8,4096,16,32]), and an
+    fp32 sum would lose the low bits of a long document's angle (hundreds of radians)."""
+    x = inc.double()
+    total = torch.cumsum(x, dim=1)
+    base = torch.gather(total - x, 1, _first_of_document(start, x.shape))
+    return torch.remainder(total - base, 2 * math.pi).to(inc.dtype)
+
+
+@doc_angle_sum.register_fake
+def _(inc, start):  # noqa: ANN001, ANN202
+    return torch.empty_like(inc)
+
+
+def _first_of_document(start: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The index of each token's document start, [B,T] broadcast to `shape` for a gather along dim 1."""
+    T = start.shape[1]
+    first = torch.cummax(torch.where(start, torch.arange(T, device=start.device), 0), dim=1).values
+    return first.view(*first.shape, *([1] * (len(shape) - 2))).expand(shape)
+
+
+def _doc_angle_sum_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
+    """d inc_s = the sum of grad_t over t >= s in s's document (mod 2 pi has derivative 1): a suffix sum that
+    stops at the next document start."""
+    (start,) = ctx.saved_tensors
+    g = grad.double()
+    T = g.shape[1]
+    suffix = torch.flip(torch.cumsum(torch.flip(g, (1,)), dim=1), (1,))  # S_t = sum_{s >= t} g_s
+    suffix = torch.cat((suffix, torch.zeros_like(suffix[:, :1])), dim=1)  # S_T = 0
+    # the next document start after each token (T past the last one): a reverse running minimum
+    starts_after = torch.where(torch.cat((start[:, 1:], torch.ones_like(start[:, :1])), dim=1),
+                               torch.arange(1, T + 1, device=g.device), T)  # fmt: skip
+    nxt = torch.flip(torch.cummin(torch.flip(starts_after, (1,)), dim=1).values, (1,))
+    end = nxt.view(*nxt.shape, *([1] * (g.dim() - 2))).expand(g.shape)
+    return (suffix[:, :T] - torch.gather(suffix, 1, end)).to(grad.dtype), None
+
+
+doc_angle_sum.register_autograd(
+    _doc_angle_sum_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[1])
+)
+
+
 def _angles(angles: torch.Tensor, dt: torch.Tensor, start: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """theta [B,T,H,N_a]: the angle increments' cumulative sum restarted at every document start, mod 2 pi (as the
-    step loop takes it at every step), in the accumulation dtype. fp32 for 16- and 32-bit inputs, not fp64:
-    inductor's Triton codegen fails on an fp64 scan this long (torch 2.11, a [8,4096,16,32] cumsum), and the fp32
-    sum's error, about 1e-4 rad where a document's sum reaches hundreds of radians, is far below the bf16
-    rounding of the rotated keys (4e-3 relative). tests/test_mamba3.py bounds it on a long document."""
-    T = dt.shape[1]
+    """theta [B,T,H,N_a] in the accumulation dtype: the increments pi tanh(angles) dt summed from each document
+    start, mod 2 pi (doc_angle_sum)."""
     inc = torch.tanh(angles.to(acc)) * math.pi * dt.to(acc)[..., None]  # [B,T,H,n_a]
-    total = torch.cumsum(inc, dim=1)
-    before = total - inc  # the sum before each token
-    first = torch.cummax(torch.where(start, torch.arange(T, device=dt.device), 0), dim=1).values  # [B,T]
-    base = torch.gather(before, 1, first[:, :, None, None].expand_as(before))
-    return torch.remainder(total - base, 2 * math.pi)
+    return doc_angle_sum(inc, start)
 
 
 def mamba3_scan(
