@@ -194,19 +194,33 @@ def _mimo_rows(s: Mamba3Shape, *, dtype: torch.dtype, device: str, rep: int, ora
 
 
 def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.dtype = torch.bfloat16,
-                 device: str = "cuda", rep: int = 20, peer: bool = True, progress: bool = True) -> dict[str, Any]:  # fmt: skip
-    """Every contender at every shape, then MIMO at the main shape; the bars at the end."""
+                 device: str = "cuda", rep: int = 20, peer: bool = True, progress: bool = True,
+                 partial: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Every contender at every shape, then MIMO at the main shape; the bars at the end. partial: a JSON file the
+    rows so far are written to after each stage (a run stopped at its time limit still leaves them)."""
+    import json
+
     from tqdm.auto import tqdm
 
     t_start = time.perf_counter()
     scan_peer, why = find_peer() if peer and device == "cuda" else (None, "skipped: the peer's kernels need a GPU")
     results: list[dict[str, Any]] = []
-    for label, s in tqdm(shapes.items(), desc="mamba3 shapes", disable=not progress):
-        if progress:
-            print(f"mamba3 bench: shape {label} {asdict(s)} (first calls compile; the peer autotunes once)", flush=True)
-        results += _shape_rows(label, s, scan_peer, dtype=dtype, device=device, rep=rep, oracle=label == "main",
-                               eager=label == "main")  # fmt: skip
-    results += _mimo_rows(shapes["main"], dtype=dtype, device=device, rep=rep, oracle=True)
+
+    def stage_done() -> None:
+        if partial is not None:
+            partial.write_text(json.dumps(results, indent=1))
+
+    # every shape and grad mode compiles the scan once more: past dynamo's default limit of 8
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch._dynamo.config.patch(**{limit: 64}):
+        for label, s in tqdm(shapes.items(), desc="mamba3 shapes", disable=not progress):
+            if progress:
+                print(f"mamba3 bench: shape {label} {asdict(s)} (first calls compile; the peer autotunes once)", flush=True)
+            results += _shape_rows(label, s, scan_peer, dtype=dtype, device=device, rep=rep, oracle=label == "main",
+                                   eager=label == "main")  # fmt: skip
+            stage_done()
+        results += _mimo_rows(shapes["main"], dtype=dtype, device=device, rep=rep, oracle=True)
+        stage_done()
     summary = _summary(results, shapes, why)
     return make_receipt(
         "mamba3_fwd_bwd", "ssd", shape=asdict(shapes["main"]), dtype=dtype, results=results, device=device,
@@ -235,7 +249,10 @@ def _summary(results: list[dict[str, Any]], shapes: dict[str, Mamba3Shape], why:
     bar: dict[str, bool] = {}
     not_measured: dict[str, str] = {}
     ratios: dict[str, dict[str, float]] = {}
-    for label in shapes:
+    for label in FULL_SHAPES:
+        if label not in shapes:
+            not_measured[f"SISO at {label}"] = "this run measured fewer shapes than FULL_SHAPES"
+            continue
         lab, peer, m2 = find(LAB, label), find(PEER, label), find(MAMBA2, label)
         ratios[label] = {"lab_over_mamba2_ms": lab["ms"] / m2["ms"]}
         keys = (f"SISO fwd+bwd at {label} <= 1.0 x mamba_ssm", f"SISO forward at {label} <= 1.1 x mamba_ssm")
