@@ -203,7 +203,12 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
     from tqdm.auto import tqdm
 
     t_start = time.perf_counter()
-    scan_peer, why = find_peer() if peer and device == "cuda" else (None, "skipped: the peer's kernels need a GPU")
+    if not peer:
+        scan_peer, why = None, "skipped: this run was asked for without the peer (peer=False)"
+    elif device != "cuda":
+        scan_peer, why = None, "skipped: the peer's kernels need a GPU"
+    else:
+        scan_peer, why = find_peer()
     results: list[dict[str, Any]] = []
 
     def stage_done() -> None:
