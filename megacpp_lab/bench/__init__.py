@@ -103,8 +103,14 @@ error against ssd_chunked_torch in fp32, and pass/fail against the bar: Triton f
 fla's, forward+backward at least 3x faster than the compiled chunked path, at most half its peak
 memory. Sweep, Triton vs compiled chunked: T = 1024, 2048, 4096, 8192 at B*T fixed, 1 and 64
 documents per row, G=1.
+Mamba-3 (bench/mamba3.py), same run: the lab's mamba3_scan (SISO; compiled whole, and eager at the main
+shape) against mamba_ssm's mamba3_siso_combined (found through $MEGACPP_MAMBA3_PEER or
+../shared/peers/mamba3; its first call autotunes for minutes) and the lab's Mamba-2 SSD, at the shape
+above, at B=4 H=32 G=1 and at B=2 T=16384; MIMO R=2, 4 at the main shape. Errors against the fp32 chunked
+scan; bars in summary.bar: SISO fwd+bwd at most 1.0x mamba_ssm and forward at most 1.1x at each shape,
+MIMO R=4 at most 1.6x SISO, first call at most 30 s.
 Receipts under <out>/<device-slug>/ssd/: ssd_fwd_bwd.json/.png, ssd_seq_sweep.json/.png,
-ssd_triton.*.pt.trace.json.
+mamba3_fwd_bwd.json/.png, ssd_triton.*.pt.trace.json.
 Run time on an H100: about six and a half minutes (the committed receipts: 295 s for the contenders,
 82 s for the sweep), mostly first calls: torch.compile of the chunked path (again for each new B, T or
 G) and fla's autotuning. The receipts record elapsed_s, every compile_s and first_call_s.

@@ -220,7 +220,8 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
     with torch._dynamo.config.patch(**{limit: 64}):
         for label, s in tqdm(shapes.items(), desc="mamba3 shapes", disable=not progress):
             if progress:
-                print(f"mamba3 bench: shape {label} {asdict(s)} (first calls compile; the peer autotunes once)", flush=True)
+                print(f"mamba3 bench: shape {label} {asdict(s)} (first calls compile; the peer autotunes once)",
+                      file=sys.stderr, flush=True)
             results += _shape_rows(label, s, scan_peer, dtype=dtype, device=device, rep=rep, oracle=label == "main",
                                    eager=label == "main")  # fmt: skip
             stage_done()
