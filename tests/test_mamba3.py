@@ -117,6 +117,11 @@ def test_the_document_angle_sum_and_its_gradient_against_a_per_document_loop():
         want.append(torch.remainder(torch.cumsum(flat[lo:hi], 0), 2 * math.pi))
     torch.testing.assert_close(out.view(60, 3), torch.cat(want), atol=1e-12, rtol=0)
     assert torch.autograd.gradcheck(lambda x: doc_angle_sum(x, doc_start_mask(cu, 2, 30, "cpu")), (inc,))
+    # exactly no dependence across documents, rounding included: another first document, the same others
+    other = inc.detach().clone()
+    other.view(60, 3)[:4] *= 1e3
+    again = doc_angle_sum(other, doc_start_mask(cu, 2, 30, "cpu"))
+    assert torch.equal(again.view(60, 3)[4:], out.detach().view(60, 3)[4:])
 
 
 def test_the_triton_ssd_path_equals_the_step_loop_under_the_interpreter():
