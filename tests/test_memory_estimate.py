@@ -66,6 +66,19 @@ def test_feature_fields_are_what_a_branch_adds():
 
 
 @cpu_only
+def test_the_m_block_variants_are_traced_as_built():
+    """The estimator traces whichever M block the config builds: MIMO's rank inputs and outputs hold more than
+    SISO's, and Mamba-2's SSD differs from both."""
+    def m_bytes(**overrides):
+        config = _config("tiny", "cpu", **overrides)
+        est = estimate_memory(config, batch=1, seq_len=32, docs=2, device="cpu")
+        return est.activations_by_kind["M"]
+
+    siso, mimo, mamba2 = m_bytes(), m_bytes(mamba3=dict(mimo_rank=4)), m_bytes(m_block="mamba2")
+    assert mimo > siso > 0 and mamba2 > 0 and mamba2 != siso, (siso, mimo, mamba2)
+
+
+@cpu_only
 def test_a_trace_cache_is_shared_across_policies():
     cache: dict = {}
     first = _estimate(CheckpointingPolicy.uniform(0.0), True, trace_cache=cache)

@@ -78,3 +78,20 @@ def test_bad_budget_and_no_backward_are_refused(tiny):
     finally:
         for p in model.blocks[0].parameters():
             p.requires_grad_(True)
+
+
+@pytest.mark.parametrize("m_block", [dict(m_block="mamba2"), dict(mamba3=dict(mimo_rank=2))], ids=["mamba2", "mamba3-mimo2"])
+def test_every_m_block_variant_has_a_remat_plan(m_block):
+    """The explorer partitions whichever M block the config builds: Mamba-2's SSD, Mamba-3 MIMO (the default SISO
+    is layer 1 above), and the scan's custom op is among what the backward reads at full budget."""
+    torch.manual_seed(0)
+    kernels = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"))
+    config = model_config("tiny", DEV, **kernels, **{**m_block, "mamba3": dict(kernel="triton", **m_block.get("mamba3", {}))})
+    model = HybridLM(config).to(DEV)
+    tokens, doc_ids, _ = make_batch(ModelShape("tiny", 2, 32, 3), 512, DEV)
+    x = model.embed(tokens).detach().requires_grad_()
+    block, ctx = model.blocks[3], build_context(doc_ids)  # an M block without Engram
+    full = remat_plan(block, x, tokens, ctx, budget=1.0)
+    low = remat_plan(block, x, tokens, ctx, budget=0.0)
+    assert low.activation_bytes < full.activation_bytes
+    assert any("megacpp" in s["op"] for s in full.saved), {s["op"] for s in full.saved}
