@@ -183,11 +183,11 @@ Run time on an H100: under a minute (the sequence sweep took 6 s in the committe
             "megacpp_lab.bench.model",
             "HybridLM: the eager training step, its share per block kind, the whole-model leak check",
             """\
-HybridLM (the hybrid of MLA, SSD and M2RNN blocks), its eager training step: the baseline that regional
+HybridLM (the hybrid of MLA, Mamba-3 and M2RNN blocks), its eager training step: the baseline that regional
 compile and the activation-memory policies improve.
 
 Shape: the base preset (12 layers, d=1024, pattern AMRM, Engram at layers 1, 5, 9, vocab 32768), B=4,
-T=4096, 8 documents of seeded-random lengths per row, bf16 under apply_mixed_precision, the SSD and
+T=4096, 8 documents of seeded-random lengths per row, bf16 under apply_mixed_precision, the Mamba-3 and
 M2RNN scans on their Triton kernels. Contenders: eager fwd+bwd (zero_grad, forward to the fused
 LM-head loss, backward), eager forward alone (no_grad), fwd+bwd + a fused AdamW step, and the
 per-batch build_context; median step time over 10 steps (CUDA events), tokens/s, TFLOP/s from
@@ -196,13 +196,14 @@ step: every GPU kernel goes to the labelled module (block, Engram branch, final 
 backward; embedding, LM head: forward) that launched it, as a share of the unprofiled step. Sweep: B = 1, 2, 4, 8 at T=4096; T = 2048, 8192 at B*T fixed; 1 and
 64 documents per row; fwd+bwd and forward alone. Leak check: the small preset on real packed BPE rows
 (2 x 512 tokens of the committed sample), eager, bf16, Triton scans, with and without mHC, the n-gram
-memory and a CBlock.
+memory and a CBlock. M blocks: the same eager step with the M block as Mamba-3 SISO, Mamba-3 MIMO R=2
+and Mamba-2's SSD (HybridConfig.m_block), time and peak memory side by side, ratios to Mamba-2.
 Receipts under <out>/<device-slug>/model/: model_step.json/.png, model_sweep.json/.png,
-model_leaks.json, model_step.*.pt.trace.json.
+model_m_blocks.json, model_leaks.json, model_step.*.pt.trace.json.
 Run time on an H200: about two minutes (a trial run: 32 s for the step and its profile, most of it
 the first call's Triton autotuning, 25 s for the first five sweep points); each receipt records its
 elapsed_s.
---small (CPU, the tiny preset at B=2, T=64, the chunked SSD and the M2RNN reference loop by name):
+--small (CPU, the tiny preset at B=2, T=64, the chunked scans and the M2RNN reference loop by name):
 about 20 s.""",
             triton_on_cpu=False,
         ),

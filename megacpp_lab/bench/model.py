@@ -117,7 +117,8 @@ def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", wa
         results=results, device=device, **extra,
         config={"pattern": config.pattern, "blocks": config.blocks, "n_layers": config.n_layers,
                 "d_model": config.d_model, "vocab_size": config.vocab_size, "engram_layers": list(config.engram_layers),
-                "attn_impl": config.mla.attn_impl, "ssd_kernel": config.ssd.kernel, "m2rnn_kernel": config.m2rnn.kernel,
+                "attn_impl": config.mla.attn_impl, "m_block": config.m_block, "mamba3_kernel": config.mamba3.kernel,
+                "mimo_rank": config.mamba3.mimo_rank, "ssd_kernel": config.ssd.kernel, "m2rnn_kernel": config.m2rnn.kernel,
                 "documents": int(ctx.n_seqs)},  # fmt: skip
         parameters=params, flops_per_token=flops,
         notes=(
@@ -161,6 +162,52 @@ def bench_model_sweep(shapes: tuple[ModelShape, ...] = FULL_SWEEP, *, device: st
     return make_receipt("model_sweep", "model", shape={"preset": shapes[0].preset, "points": len(shapes)},
                         dtype="bfloat16" if device == "cuda" else "float32", results=results, device=device,
                         notes="as model_step's rows, at each shape (rows carry their own shape)")  # fmt: skip
+
+
+# the M block's variants, side by side in one run: Mamba-3 (the presets' default, SISO and MIMO R=2) and Mamba-2's SSD
+M_BLOCK_VARIANTS = {
+    "mamba3 SISO": dict(m_block="mamba3"),
+    "mamba3 MIMO R=2": dict(m_block="mamba3", mamba3=dict(mimo_rank=2)),
+    "mamba2 SSD": dict(m_block="mamba2"),
+}
+
+
+def bench_m_blocks(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", warmup: int = 3, steps: int = 10,
+                   progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """The eager training step (fwd+bwd) of the preset with each M block variant, on the same batch: time, peak
+    memory, parameters and FLOPs side by side, and each variant's ratios to Mamba-2's."""
+    from tqdm.auto import tqdm
+
+    results = []
+    for name, overrides in tqdm(M_BLOCK_VARIANTS.items(), desc=f"M blocks {shape.preset}", disable=not progress):
+        config = model_config(shape.preset, device, **overrides)
+        model = build_model(config, device)
+        tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=config.lm_head.ignore_index)
+        step = TrainingStep(model, tokens, build_context(doc_ids), targets)
+        flops = model.flops_per_token(shape.T)
+        row = _timed_row(f"eager fwd+bwd, M = {name}", step, step.release, shape.B * shape.T, flops["total"],
+                         device=device, warmup=warmup, steps=steps)  # fmt: skip
+        row |= {"variant": name, "parameters": model.num_parameters()["total"], "flops_per_token": flops["total"],
+                "m_parameters": model.num_parameters().get("M", 0)}  # fmt: skip
+        results.append(row)
+        del model, step
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    base = next(r for r in results if r["variant"] == "mamba2 SSD")
+    for r in results:
+        r["ms_over_mamba2"] = r["ms"] / base["ms"]
+        if "peak_mib" in r and "peak_mib" in base:
+            r["peak_over_mamba2"] = r["peak_mib"] / base["peak_mib"]
+    return make_receipt(
+        "model_m_blocks", "model", shape=asdict(shape), dtype="bfloat16" if device == "cuda" else "float32",
+        results=results, device=device, variants={k: {kk: str(vv) for kk, vv in v.items()} for k, v in M_BLOCK_VARIANTS.items()},
+        notes=(
+            "The eager training step (zero_grad, forward to the fused loss, backward) of the preset with each M block "
+            "variant (HybridConfig.m_block, mamba3.mimo_rank), everything else equal, on one seeded packed batch. ms: "
+            "median of `steps` steps (CUDA events after warm-up), with min and max; peak_mib: the step's peak beyond "
+            "parameters and batch; ms_over_mamba2 / peak_over_mamba2: against the Mamba-2 SSD row of this run."
+        ),
+    )  # fmt: skip
 
 
 def leak_windows(device: str, length: int = LEAK_LEN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,6 +317,10 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     sweep["elapsed_s"] = time.perf_counter() - start
     written.append(write_receipt(sweep, root))
     written.append(save_figure(_plot_sweep(sweep), written[-1].with_suffix(".png")))
+    start = time.perf_counter()
+    m_blocks = bench_m_blocks(shape, device=device, warmup=1 if small else 3, steps=2 if small else 10)
+    m_blocks["elapsed_s"] = time.perf_counter() - start
+    written.append(write_receipt(m_blocks, root))
     start = time.perf_counter()
     leaks = bench_model_leaks("tiny" if small else "small", device=device, length=48 if small else LEAK_LEN)
     leaks["elapsed_s"] = time.perf_counter() - start
