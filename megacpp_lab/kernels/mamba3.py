@@ -44,7 +44,7 @@ import torch
 from megacpp_lab.kernels.ssd import doc_start_mask, ssd_scan
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
-__all__ = ["KERNELS", "doc_angle_sum", "mamba3_scan", "mamba3_scan_reference", "rotate_pairs", "segmented_cumsum"]
+__all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "mamba3_scan", "mamba3_scan_reference", "rotate_pairs"]
 
 KERNELS = ("auto", "triton", "chunked", "reference")
 
@@ -149,27 +149,21 @@ def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tupl
     return B, T, H, P, G, N, n_a, R
 
 
-def segmented_cumsum(x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """The inclusive cumulative sum of x [B,T,...] along T, restarted at every True of start [B,T]: a log-depth
-    (Hillis-Steele) segmented scan. Each sum adds terms of its own segment only, so a token's value depends on no
-    other document, not even in its rounding (a cumsum minus the sum before the document start would)."""
-    flag = start.view(*start.shape, *([1] * (x.dim() - 2)))
-    step = 1
-    while step < x.shape[1]:
-        carry = torch.where(flag[:, step:], torch.zeros_like(x[:, step:]), x[:, :-step])
-        x = torch.cat((x[:, :step], x[:, step:] + carry), dim=1)
-        flag = torch.cat((flag[:, :step], flag[:, step:] | flag[:, :-step]), dim=1)
-        step *= 2
-    return x
+ANGLE_FIXED_POINT = 2.0**40  # the angle sums' fixed-point scale: steps of 9e-13 rad, room for 2**23 tokens a row
 
 
 @torch.library.custom_op("megacpp::doc_angle_sum", mutates_args=())
 def doc_angle_sum(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """theta [B,T,...]: the increments inc [B,T,...] summed along T from each document start (start [B,T] bool),
-    in fp64, mod 2 pi, returned in inc's dtype. An opaque op: inductor's Triton codegen fails on a long cumsum
-    over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen at [8,4096,16,32]), and an
-    fp32 sum would lose the low bits of a long document's angle (hundreds of radians)."""
-    return torch.remainder(segmented_cumsum(inc.double(), start), 2 * math.pi).to(inc.dtype)
+    mod 2 pi, in inc's dtype. The sum runs in int64 fixed point (each increment first taken mod 2 pi): integer
+    sums are exact, so a document's angle is its running sum minus the sum before its start with no rounding
+    from any other document, and a long document keeps its low bits, where an fp32 sum would lose them (hundreds
+    of radians). An opaque op: inductor's Triton codegen fails on this long scan over a middle dim (torch 2.11:
+    `list indices must be integers` in SplitScan codegen, at [8,4096,16,32] on the H200)."""
+    steps = torch.round(torch.remainder(inc.double(), 2 * math.pi) * ANGLE_FIXED_POINT).to(torch.int64)
+    total = torch.cumsum(steps, dim=1)
+    own = total - torch.gather(total - steps, 1, _first_of_document(start, steps.shape))
+    return torch.remainder(own.double() / ANGLE_FIXED_POINT, 2 * math.pi).to(inc.dtype)
 
 
 @doc_angle_sum.register_fake
@@ -177,13 +171,27 @@ def _(inc, start):  # noqa: ANN001, ANN202
     return torch.empty_like(inc)
 
 
+def _first_of_document(start: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The index of each token's document start, [B,T] broadcast to `shape` for a gather along dim 1."""
+    T = start.shape[1]
+    first = torch.cummax(torch.where(start, torch.arange(T, device=start.device), 0), dim=1).values
+    return first.view(*first.shape, *([1] * (len(shape) - 2))).expand(shape)
+
+
 def _doc_angle_sum_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
-    """d inc_s = the sum of grad_t over t >= s in s's document (mod 2 pi has derivative 1): the same segmented
-    scan run backwards in time, its segments starting at each document's last token."""
+    """d inc_s = the sum of grad_t over t >= s in s's document (the mods have derivative 1): a suffix sum in fp64,
+    less the suffix sum from the next document start."""
     (start,) = ctx.saved_tensors
-    last = torch.cat((start[:, 1:], torch.ones_like(start[:, :1])), dim=1)  # the next token starts a document
-    suffix = segmented_cumsum(torch.flip(grad.double(), (1,)), torch.flip(last, (1,)))
-    return torch.flip(suffix, (1,)).to(grad.dtype), None
+    g = grad.double()
+    T = g.shape[1]
+    suffix = torch.flip(torch.cumsum(torch.flip(g, (1,)), dim=1), (1,))  # S_t = sum_{s >= t} g_s
+    suffix = torch.cat((suffix, torch.zeros_like(suffix[:, :1])), dim=1)  # S_T = 0
+    # the next document start after each token (T past the last one): a reverse running minimum
+    starts_after = torch.where(torch.cat((start[:, 1:], torch.ones_like(start[:, :1])), dim=1),
+                               torch.arange(1, T + 1, device=g.device), T)  # fmt: skip
+    nxt = torch.flip(torch.cummin(torch.flip(starts_after, (1,)), dim=1).values, (1,))
+    end = nxt.view(*nxt.shape, *([1] * (g.dim() - 2))).expand(g.shape)
+    return (suffix[:, :T] - torch.gather(suffix, 1, end)).to(grad.dtype), None
 
 
 doc_angle_sum.register_autograd(
@@ -247,10 +255,12 @@ def mamba3_scan(
     y = ssd_scan(sub(xr), sub(dt_sub), A, sub(k), sub(q), cu_seqlens=cu_sub, chunk=chunk,
                  kernel=kernel, x_weight=sub(w_sub), checked=True).view(B, T, R, H, P).to(acc)  # fmt: skip
     # the same step's exact weights: gamma for every rank (the SSD gave w to ranks r <= r' and none to r > r')
-    later = torch.ones(R, R, dtype=torch.bool, device=x.device).triu(1)  # [r', r]: r > r'
-    coef = torch.where(later, gamma[..., None, None], -delta_next[..., None, None])  # [B,T,H,R',R]
-    qk = torch.einsum("btihn,btjhn->bthij", q, k)
-    y = y + torch.einsum("bthij,btjhp->btihp", qk * coef, xr.to(acc))
+    # Products and sums, not einsum: an einsum over R x R per token becomes a batched matmul of [R, N] x [N, R]
+    # blocks, one per token and head (half a million 1 x 1 products at R = 1), where inductor fuses these.
+    later = torch.ones(R, R, dtype=torch.bool, device=x.device).triu(1)[:, :, None]  # [r', r, 1]: r > r'
+    coef = torch.where(later, gamma[:, :, None, None], -delta_next[:, :, None, None])  # [B,T,R',R,H]
+    qk = (q[:, :, :, None] * k[:, :, None]).sum(-1)  # [B,T,R',R,H]
+    y = y + ((qk * coef)[..., None] * xr.to(acc)[:, :, None]).sum(3)
     if D is not None:
         y = y + D.to(acc)[:, None] * xr.to(acc)
     return (y if mimo else y[:, :, 0]).to(x.dtype)
