@@ -171,10 +171,20 @@ def test_mismatched_checkpoints_name_the_field(runs, tmp_path):
     ("device", "tpu", "device must be 'auto', 'cpu' or 'cuda'"),
     ("val_fraction", 1.0, "val_fraction must be a number in"),
     ("parallel", "fast", "parallel must be a ParallelConfig"),
+    ("m_block", "mamba4", r"m_block must be one of \('mamba3', 'mamba2'\) or None"),
+    ("mimo_rank", 3, r"mimo_rank must be one of \(1, 2, 4, 8\) or None"),
 ])  # fmt: skip
 def test_bad_config_values_fail_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=f"TrainConfig.{message}"):
         TrainConfig(**{**TINY, field: value})
+
+
+def test_the_m_block_flags_reach_the_model_config():
+    default = TrainConfig(**TINY).hybrid_config("cpu", 512)
+    assert default.m_block == "mamba3" and default.mamba3.mimo_rank == 1
+    mimo = TrainConfig(**{**TINY, "mimo_rank": 2}).hybrid_config("cpu", 512)
+    assert mimo.m_block == "mamba3" and mimo.mamba3.mimo_rank == 2
+    assert TrainConfig(**{**TINY, "m_block": "mamba2"}).hybrid_config("cpu", 512).m_block == "mamba2"
 
 
 @pytest.mark.parametrize("field, value, message", [
