@@ -202,6 +202,9 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
 
     from tqdm.auto import tqdm
 
+    if "main" not in shapes or any(label not in FULL_SHAPES for label in shapes):
+        raise ValueError(f"bench_mamba3 shapes: labels from {tuple(FULL_SHAPES)}, 'main' among them (MIMO and the "
+                         f"bars are taken there), got {tuple(shapes)}")  # fmt: skip
     t_start = time.perf_counter()
     if not peer:
         scan_peer, why = None, "skipped: this run was asked for without the peer (peer=False)"
