@@ -101,11 +101,12 @@ def find_peer() -> tuple[Callable[..., Any] | None, str | None]:
     return module.mamba3_siso_combined, None
 
 
-def _lab(chunk: int, ctx: PackedContext, *, compiled: bool) -> Callable[..., torch.Tensor]:
+def _lab(chunk: int, ctx: PackedContext, *, backend: str | None) -> Callable[..., torch.Tensor]:
+    """The lab's scan as the model calls it, compiled whole with `backend` (fullgraph), or eager (None)."""
     def scan(**a: torch.Tensor) -> torch.Tensor:
         return mamba3_scan(**a, ctx=ctx, chunk=chunk, kernel="triton")
 
-    return torch.compile(scan, fullgraph=True) if compiled else scan
+    return torch.compile(scan, fullgraph=True, backend=backend) if backend else scan
 
 
 def _peer_call(peer: Callable[..., Any], cu: torch.Tensor, chunk: int) -> Callable[..., torch.Tensor]:
@@ -162,15 +163,15 @@ def _row(contender: str, scan: Callable[..., torch.Tensor], a: dict[str, torch.T
 
 
 def _shape_rows(label: str, s: Mamba3Shape, peer: Callable[..., Any] | None, *, dtype: torch.dtype, device: str,
-                rep: int, oracle: bool, eager: bool) -> list[dict[str, Any]]:  # fmt: skip
+                rep: int, oracle: bool, eager: bool, backend: str) -> list[dict[str, Any]]:  # fmt: skip
     a, cu = make_inputs(s, dtype, device)
     ctx = build_context(doc_ids_from_cu_seqlens(cu, s.B, s.T), cu_seqlens=cu)
     dy = torch.randn(a["x"].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     ref = _oracle(a, cu, dy, s.chunk, GRADS) if oracle else None
     tag = {"shape": label, **asdict(s)}
-    rows = [{**tag, **_row(LAB, _lab(s.chunk, ctx, compiled=True), a, dy, ref, GRADS, device=device, rep=rep)}]
+    rows = [{**tag, "backend": backend, **_row(LAB, _lab(s.chunk, ctx, backend=backend), a, dy, ref, GRADS, device=device, rep=rep)}]
     if eager:
-        rows.append({**tag, **_row(LAB_EAGER, _lab(s.chunk, ctx, compiled=False), a, dy, ref, GRADS, device=device, rep=rep)})
+        rows.append({**tag, **_row(LAB_EAGER, _lab(s.chunk, ctx, backend=None), a, dy, ref, GRADS, device=device, rep=rep)})
     if peer is not None:
         rows.append({**tag, **_row(PEER, _peer_call(peer, cu, s.chunk), a, dy, ref, GRADS, device=device, rep=rep)})
     # Mamba-2's SSD on the same x, dt, A, B, C: the M block's baseline (its own gradients, no oracle here)
@@ -179,7 +180,8 @@ def _shape_rows(label: str, s: Mamba3Shape, peer: Callable[..., Any] | None, *, 
     return rows
 
 
-def _mimo_rows(s: Mamba3Shape, *, dtype: torch.dtype, device: str, rep: int, oracle: bool) -> list[dict[str, Any]]:
+def _mimo_rows(s: Mamba3Shape, *, dtype: torch.dtype, device: str, rep: int, oracle: bool,
+               backend: str) -> list[dict[str, Any]]:  # fmt: skip
     rows = []
     for rank in MIMO_RANKS:
         a, cu = make_inputs(s, dtype, device, rank=rank)
@@ -187,17 +189,19 @@ def _mimo_rows(s: Mamba3Shape, *, dtype: torch.dtype, device: str, rep: int, ora
         dy = torch.randn(s.B, s.T, rank, s.H, s.P, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         names = (*GRADS, "mimo_x")
         ref = _oracle(a, cu, dy, s.chunk, names) if oracle else None
-        row = _row(f"lab mamba3 MIMO R={rank} (torch.compile, Triton SSD op)", _lab(s.chunk, ctx, compiled=True),
+        row = _row(f"lab mamba3 MIMO R={rank} (torch.compile, Triton SSD op)", _lab(s.chunk, ctx, backend=backend),
                    a, dy, ref, names, device=device, rep=rep)  # fmt: skip
-        rows.append({"shape": "main", **asdict(s), "rank": rank, **row})
+        rows.append({"shape": "main", **asdict(s), "rank": rank, "backend": backend, **row})
     return rows
 
 
 def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.dtype = torch.bfloat16,
                  device: str = "cuda", rep: int = 20, peer: bool = True, progress: bool = True,
-                 partial: Path | None = None) -> dict[str, Any]:  # fmt: skip
+                 partial: Path | None = None, backend: str = "inductor") -> dict[str, Any]:  # fmt: skip
     """Every contender at every shape, then MIMO at the main shape; the bars at the end. partial: a JSON file the
-    rows so far are written to after each stage (a run stopped at its time limit still leaves them)."""
+    rows so far are written to after each stage (a run stopped at its time limit still leaves them). backend: what
+    torch.compile hands the lab's traced scan to (a --small run: "eager", dynamo's trace without inductor's
+    codegen, which takes minutes on a CPU)."""
     import json
 
     from tqdm.auto import tqdm
@@ -226,9 +230,9 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
                 print(f"mamba3 bench: shape {label} {asdict(s)} (first calls compile; the peer autotunes once)",
                       file=sys.stderr, flush=True)
             results += _shape_rows(label, s, scan_peer, dtype=dtype, device=device, rep=rep, oracle=label == "main",
-                                   eager=label == "main")  # fmt: skip
+                                   eager=label == "main", backend=backend)  # fmt: skip
             stage_done()
-        results += _mimo_rows(shapes["main"], dtype=dtype, device=device, rep=rep, oracle=True)
+        results += _mimo_rows(shapes["main"], dtype=dtype, device=device, rep=rep, oracle=True, backend=backend)
         stage_done()
     summary = _summary(results, shapes, why)
     return make_receipt(
@@ -240,7 +244,8 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
             "RMS-normed), dt, A, the trapezoid and angle logits, the biases and D in fp32. fwd_ms: forward under "
             "no_grad; ms: forward + backward (the gradients of x, B, C, trap, angles, both biases and D, the inputs "
             "both the lab and the peer take; MIMO adds mimo_x); medians of do_bench after warm-up; peak_mib: peak "
-            "extra CUDA memory of one forward+backward; first_call_s: the first forward+backward and forward calls "
+            "extra CUDA memory of one forward+backward; backend: what torch.compile handed the lab's scan to (inductor "
+            "on a GPU; a --small run, 'eager'); first_call_s: the first forward+backward and forward calls "
             "(torch.compile, Triton JIT, the peer's autotuning). The lab's rows call mamba3_scan(kernel='triton') "
             "with the batch's PackedContext, compiled whole (fullgraph: the elementwise work around the SSD op fused "
             "by inductor) as the model runs it, and eager beside it at the main shape. The peer: "
@@ -286,7 +291,7 @@ def mamba3_receipt(device: str, *, small: bool) -> dict[str, Any]:
     peer): bench/ssd.py's run writes it beside the SSD receipts."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     return bench_mamba3(SMALL_SHAPES if small else FULL_SHAPES, dtype=dtype, device=device, rep=1 if small else 20,
-                        peer=not small)  # fmt: skip
+                        peer=not small, backend="eager" if small else "inductor")  # fmt: skip
 
 
 def plot_mamba3(receipt: dict[str, Any]) -> Any:

@@ -1,4 +1,4 @@
-"""The M block's mixer: a Mamba-2-style SSD layer over packed rows (state resets at every document start).
+"""Mamba-2's SSD layer over packed rows (state resets at every document start): the M block with m_block="mamba2".
 
     x -> in_proj -> [z (gate) | x B C | dt]
       -> doc-masked causal depthwise conv + SiLU over x, B, C
