@@ -110,7 +110,9 @@ above, at B=4 H=32 G=1 and at B=2 T=16384; MIMO R=2, 4 at the main shape. Errors
 scan; bars in summary.bar: SISO fwd+bwd at most 1.0x mamba_ssm and forward at most 1.1x at each shape,
 MIMO R=4 at most 1.6x SISO, first call at most 30 s.
 Receipts under <out>/<device-slug>/ssd/: ssd_fwd_bwd.json/.png, ssd_seq_sweep.json/.png,
-mamba3_fwd_bwd.json/.png, ssd_triton.*.pt.trace.json.
+mamba3_fwd_bwd.json/.png, ssd_triton.*.pt.trace.json. MEGACPP_BENCH_SSD_PARTS=ssd or =mamba3 runs one part
+(default both): on an H200 the Mamba-3 part took about 500 s, most of it mamba_ssm's autotuning, more than
+a ten-minute call holds beside the SSD part.
 Run time on an H100: about six and a half minutes (the committed receipts: 295 s for the contenders,
 82 s for the sweep), mostly first calls: torch.compile of the chunked path (again for each new B, T or
 G) and fla's autotuning. The receipts record elapsed_s, every compile_s and first_call_s.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -484,6 +485,20 @@ def _plot_sweep(receipt: dict[str, Any]) -> Any:
     return axes[0]
 
 
+PARTS_ENV = "MEGACPP_BENCH_SSD_PARTS"  # "ssd", "mamba3" or both (the default): a run that must fit a time limit
+PARTS = ("ssd", "mamba3")
+
+
+def run_parts() -> tuple[str, ...]:
+    """The parts a run measures: $MEGACPP_BENCH_SSD_PARTS (comma-separated, from PARTS), else all. Fails closed on
+    a name it does not know."""
+    text = os.environ.get(PARTS_ENV, ",".join(PARTS))
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not parts or any(p not in PARTS for p in parts):
+        raise ValueError(f"{PARTS_ENV}={text!r}: a comma-separated list of {PARTS}")
+    return parts
+
+
 def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool = True) -> list[Path]:
     import matplotlib
 
@@ -498,6 +513,23 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     compile = device == "cuda" and not small
     root = output_root(out_root, small)
     written: list[Path] = []
+    parts = run_parts()
+    if "ssd" in parts:
+        written += _run_ssd(root, device, shape, ref_shape, dtype, compile, small=small, trace=trace)
+    if "mamba3" in parts:
+        from megacpp_lab.bench.mamba3 import mamba3_receipt, plot_mamba3
+
+        mamba3 = mamba3_receipt(device, small=small)
+        written.append(write_receipt(mamba3, root))
+        written.append(save_figure(plot_mamba3(mamba3), written[-1].with_suffix(".png")))
+    return written
+
+
+def _run_ssd(root: Path, device: str, shape: SSDShape, ref_shape: SSDShape, dtype: torch.dtype, compile: bool, *,
+             small: bool, trace: bool) -> list[Path]:  # fmt: skip
+    from megacpp_lab.plots import save_figure
+
+    written: list[Path] = []
     # the compiled chunked path compiles once per (B, T, G) and grad mode: more than dynamo's default limit of 8
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     with torch._dynamo.config.patch(**{limit: 64}):
@@ -510,11 +542,6 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
                                 rep=SMALL_REP if small else 10)  # fmt: skip
     written.append(write_receipt(sweep, root))
     written.append(save_figure(_plot_sweep(sweep), written[-1].with_suffix(".png")))
-    from megacpp_lab.bench.mamba3 import mamba3_receipt, plot_mamba3
-
-    mamba3 = mamba3_receipt(device, small=small)
-    written.append(write_receipt(mamba3, root))
-    written.append(save_figure(plot_mamba3(mamba3), written[-1].with_suffix(".png")))
     if trace:
         inputs, cu = make_inputs(shape, dtype, device)
         dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
