@@ -112,7 +112,8 @@ MIMO R=4 at most 1.6x SISO, first call at most 30 s.
 Receipts under <out>/<device-slug>/ssd/: ssd_fwd_bwd.json/.png, ssd_seq_sweep.json/.png,
 mamba3_fwd_bwd.json/.png, ssd_triton.*.pt.trace.json. MEGACPP_BENCH_SSD_PARTS=ssd or =mamba3 runs one part
 (default both): on an H200 the Mamba-3 part took about 500 s, most of it mamba_ssm's autotuning, more than
-a ten-minute call holds beside the SSD part.
+a ten-minute call holds beside the SSD part. With MEGACPP_BENCH_DEADLINE_S set, the Mamba-3 part begins no
+further shape that would end past it (the receipt lists the shape as not measured, with the reason).
 Run time on an H100: about six and a half minutes (the committed receipts: 295 s for the contenders,
 82 s for the sweep), mostly first calls: torch.compile of the chunked path (again for each new B, T or
 G) and fla's autotuning. The receipts record elapsed_s, every compile_s and first_call_s.

@@ -197,11 +197,13 @@ def _mimo_rows(s: Mamba3Shape, *, dtype: torch.dtype, device: str, rep: int, ora
 
 def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.dtype = torch.bfloat16,
                  device: str = "cuda", rep: int = 20, peer: bool = True, progress: bool = True,
-                 partial: Path | None = None, backend: str = "inductor") -> dict[str, Any]:  # fmt: skip
-    """Every contender at every shape, then MIMO at the main shape; the bars at the end. partial: a JSON file the
-    rows so far are written to after each stage (a run stopped at its time limit still leaves them). backend: what
-    torch.compile hands the lab's traced scan to (a --small run: "eager", dynamo's trace without inductor's
-    codegen, which takes minutes on a CPU)."""
+                 partial: Path | None = None, backend: str = "inductor",
+                 deadline_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Every contender at the main shape, MIMO there, then the other shapes; the bars at the end. partial: a JSON
+    file the rows so far are written to after each stage. deadline_s: seconds from the start after which no
+    further shape begins when the slowest shape so far would not end by then (the receipt lists it as not
+    measured, with that reason). backend: what torch.compile hands the lab's traced scan to (a --small run:
+    "eager", dynamo's trace without inductor's codegen, which takes minutes on a CPU)."""
     import json
 
     from tqdm.auto import tqdm
@@ -224,17 +226,27 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
 
     # every shape and grad mode compiles the scan once more: past dynamo's default limit of 8
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    skipped: dict[str, str] = {}
+    slowest = 0.0  # the slowest shape after the first (the first pays the peer's autotuning)
     with torch._dynamo.config.patch(**{limit: 64}):
-        for label, s in tqdm(shapes.items(), desc="mamba3 shapes", disable=not progress):
+        for i, (label, s) in enumerate(tqdm(shapes.items(), desc="mamba3 shapes", disable=not progress)):
+            elapsed = time.perf_counter() - t_start
+            if i > 0 and deadline_s is not None and elapsed + slowest > deadline_s:
+                skipped[label] = (f"not begun: {elapsed:.0f} s had passed and the slowest shape took {slowest:.0f} s, "
+                                  f"past the run's deadline of {deadline_s:.0f} s")  # fmt: skip
+                continue
             if progress:
                 print(f"mamba3 bench: shape {label} {asdict(s)} (first calls compile; the peer autotunes once)",
                       file=sys.stderr, flush=True)
+            t_shape = time.perf_counter()
             results += _shape_rows(label, s, scan_peer, dtype=dtype, device=device, rep=rep, oracle=label == "main",
                                    eager=label == "main", backend=backend)  # fmt: skip
+            if label == "main":
+                results += _mimo_rows(s, dtype=dtype, device=device, rep=rep, oracle=True, backend=backend)
+            else:
+                slowest = max(slowest, time.perf_counter() - t_shape)
             stage_done()
-        results += _mimo_rows(shapes["main"], dtype=dtype, device=device, rep=rep, oracle=True, backend=backend)
-        stage_done()
-    summary = _summary(results, shapes, why)
+    summary = _summary(results, {k: v for k, v in shapes.items() if k not in skipped}, why, skipped)
     return make_receipt(
         "mamba3_fwd_bwd", "ssd", shape=asdict(shapes["main"]), dtype=dtype, results=results, device=device,
         summary=summary, elapsed_s=time.perf_counter() - t_start,
@@ -258,14 +270,15 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
     )  # fmt: skip
 
 
-def _summary(results: list[dict[str, Any]], shapes: dict[str, Mamba3Shape], why: str | None) -> dict[str, Any]:
+def _summary(results: list[dict[str, Any]], shapes: dict[str, Mamba3Shape], why: str | None,
+             skipped: dict[str, str]) -> dict[str, Any]:  # fmt: skip
     find = lambda contender, shape: next((r for r in results if r["contender"] == contender and r["shape"] == shape), None)  # noqa: E731
     bar: dict[str, bool] = {}
     not_measured: dict[str, str] = {}
     ratios: dict[str, dict[str, float]] = {}
     for label in FULL_SHAPES:
         if label not in shapes:
-            not_measured[f"SISO at {label}"] = "this run measured fewer shapes than FULL_SHAPES"
+            not_measured[f"SISO at {label}"] = skipped.get(label, "this run measured fewer shapes than FULL_SHAPES")
             continue
         lab, peer, m2 = find(LAB, label), find(PEER, label), find(MAMBA2, label)
         ratios[label] = {"lab_over_mamba2_ms": lab["ms"] / m2["ms"]}
@@ -288,10 +301,12 @@ def _summary(results: list[dict[str, Any]], shapes: dict[str, Mamba3Shape], why:
 
 def mamba3_receipt(device: str, *, small: bool) -> dict[str, Any]:
     """The receipt at the full shapes (bf16), or a --small smoke run's (fp32, the interpreter on a CPU, no
-    peer): bench/ssd.py's run writes it beside the SSD receipts."""
+    peer): bench/ssd.py's run writes it beside the SSD receipts. $MEGACPP_BENCH_DEADLINE_S, where set, is the
+    run's deadline (a device call's time limit)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    deadline = float(os.environ["MEGACPP_BENCH_DEADLINE_S"]) if "MEGACPP_BENCH_DEADLINE_S" in os.environ else None
     return bench_mamba3(SMALL_SHAPES if small else FULL_SHAPES, dtype=dtype, device=device, rep=1 if small else 20,
-                        peer=not small, backend="eager" if small else "inductor")  # fmt: skip
+                        peer=not small, backend="eager" if small else "inductor", deadline_s=deadline)  # fmt: skip
 
 
 def plot_mamba3(receipt: dict[str, Any]) -> Any:
