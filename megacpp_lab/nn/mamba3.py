@@ -78,7 +78,8 @@ class Mamba3State:
 class Mamba3(nn.Module):
     """[B,T,d_model] -> [B,T,d_model] Mamba-3 mixer (SISO, or MIMO of rank mimo_rank) with document resets."""
 
-    _fp32_params = ("A_log", "dt_bias", "D")
+    # the decay path, and the B/C biases (fp32 as mamba_ssm keeps them: one bf16 rounding less on every key)
+    _fp32_params = ("A_log", "dt_bias", "D", "b_bias", "c_bias")
 
     def __init__(self, config: Mamba3Config) -> None:
         super().__init__()
