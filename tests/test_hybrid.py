@@ -309,3 +309,7 @@ def test_device_kernels_is_the_one_rule_for_the_scans_kernels():
     config = model_config("tiny", "cpu", compiled=True)
     assert (config.ssd.kernel, config.m2rnn.kernel) == ("triton", "triton")
     assert model_config("tiny", "cpu", compiled=True, ssd=dict(kernel="chunked")).ssd.kernel == "chunked"  # an override wins
+    # a layer override without a kernel keeps the device's kernel for that layer (it once fell back to "auto")
+    for device, compiled, kernel in (("cuda", False, "triton"), ("cpu", True, "triton"), ("cpu", False, "chunked")):
+        config = model_config("tiny", device, compiled=compiled, mamba3=dict(mimo_rank=2))
+        assert (config.mamba3.kernel, config.mamba3.mimo_rank) == (kernel, 2), (device, compiled)

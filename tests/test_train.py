@@ -179,6 +179,11 @@ def test_bad_config_values_fail_naming_the_field(field, value, message):
         TrainConfig(**{**TINY, field: value})
 
 
+def test_a_mimo_rank_with_the_mamba2_m_block_fails_naming_the_field():
+    with pytest.raises(ValueError, match=r"TrainConfig.mimo_rank must be 1 or None with m_block='mamba2'"):
+        TrainConfig(**{**TINY, "m_block": "mamba2", "mimo_rank": 4})
+
+
 def test_the_m_block_flags_reach_the_model_config():
     default = TrainConfig(**TINY).hybrid_config("cpu", 512)
     assert default.m_block == "mamba3" and default.mamba3.mimo_rank == 1

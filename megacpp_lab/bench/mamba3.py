@@ -227,7 +227,7 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
     # every shape and grad mode compiles the scan once more: past dynamo's default limit of 8
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     skipped: dict[str, str] = {}
-    slowest = 0.0  # the slowest shape after the first (the first pays the peer's autotuning)
+    slowest = 0.0  # the slowest shape so far, the main one without its first calls (which pay the peer's autotuning)
     with torch._dynamo.config.patch(**{limit: 64}):
         for i, (label, s) in enumerate(tqdm(shapes.items(), desc="mamba3 shapes", disable=not progress)):
             elapsed = time.perf_counter() - t_start
@@ -242,6 +242,9 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
             results += _shape_rows(label, s, scan_peer, dtype=dtype, device=device, rep=rep, oracle=label == "main",
                                    eager=label == "main", backend=backend)  # fmt: skip
             if label == "main":
+                # the next shapes' estimate: this one's timing without its first calls (the peer's autotuning)
+                firsts = sum(r.get("first_call_s", 0.0) for r in results if r["shape"] == "main")
+                slowest = max(0.0, time.perf_counter() - t_shape - firsts)
                 results += _mimo_rows(s, dtype=dtype, device=device, rep=rep, oracle=True, backend=backend)
             else:
                 slowest = max(slowest, time.perf_counter() - t_shape)
@@ -302,11 +305,13 @@ def _summary(results: list[dict[str, Any]], shapes: dict[str, Mamba3Shape], why:
 def mamba3_receipt(device: str, *, small: bool) -> dict[str, Any]:
     """The receipt at the full shapes (bf16), or a --small smoke run's (fp32, the interpreter on a CPU, no
     peer): bench/ssd.py's run writes it beside the SSD receipts. $MEGACPP_BENCH_DEADLINE_S, where set, is the
-    run's deadline (a device call's time limit)."""
+    run's deadline (a device call's time limit); $MEGACPP_BENCH_PARTIAL, a JSON file for the rows so far."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     deadline = float(os.environ["MEGACPP_BENCH_DEADLINE_S"]) if "MEGACPP_BENCH_DEADLINE_S" in os.environ else None
+    partial = Path(os.environ["MEGACPP_BENCH_PARTIAL"]) if "MEGACPP_BENCH_PARTIAL" in os.environ else None
     return bench_mamba3(SMALL_SHAPES if small else FULL_SHAPES, dtype=dtype, device=device, rep=1 if small else 20,
-                        peer=not small, backend="eager" if small else "inductor", deadline_s=deadline)  # fmt: skip
+                        peer=not small, backend="eager" if small else "inductor", deadline_s=deadline,
+                        partial=partial)  # fmt: skip
 
 
 def plot_mamba3(receipt: dict[str, Any]) -> Any:

@@ -258,7 +258,11 @@ def hybrid_preset(name: str, **overrides: Any) -> HybridConfig:
 def model_config(preset: str, device: str, *, compiled: bool = False, **overrides: Any) -> HybridConfig:
     """The preset with its kernels named explicitly for the device and whether the model is compiled
     (device_kernels), asked for by name so that none falls back, loudly or silently."""
-    return hybrid_preset(preset, **{**device_kernels(device, compiled), **overrides})
+    kernels = device_kernels(device, compiled)
+    # a dict override of a layer config (mamba3=dict(mimo_rank=2)) is merged into the device's kernel choice for it,
+    # not put in its place: the kernel stays named
+    merged = {k: {**kernels[k], **v} if k in kernels and isinstance(v, Mapping) else v for k, v in overrides.items()}
+    return hybrid_preset(preset, **{**kernels, **merged})
 
 
 def device_kernels(device: str, compiled: bool = False) -> dict[str, dict[str, str]]:

@@ -95,6 +95,8 @@ class TrainConfig:
             raise fail("m_block", f"one of {M_BLOCKS} or None")
         if self.mimo_rank is not None and (isinstance(self.mimo_rank, bool) or self.mimo_rank not in MIMO_RANKS):
             raise fail("mimo_rank", f"one of {MIMO_RANKS} or None")
+        if self.mimo_rank not in (None, 1) and self.m_block == "mamba2":
+            raise fail("mimo_rank", "1 or None with m_block='mamba2' (MIMO is Mamba-3's; Mamba-2's SSD has no rank)")
         for name in ("d_model", "n_layers", "max_files"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):
