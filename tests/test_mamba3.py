@@ -124,6 +124,26 @@ def test_the_document_angle_sum_and_its_gradient_against_a_per_document_loop():
     assert torch.equal(again.view(60, 3)[4:], out.detach().view(60, 3)[4:])
 
 
+def test_bf16_outputs_do_not_carry_the_next_tokens_weight():
+    """Token t's SSD input carries the next token's trapezoid weight, taken back out of y afterwards: from a bf16 y
+    that left token t+1's dt and trapezoid in y_t at up to 17 bf16 ulps. The SSD's y now comes back in fp32:
+    changing token t+1's dt (x20) or trapezoid moves no earlier output by a bf16 ulp."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    B, T, H, G, P, N = 1, 64, 2, 2, 16, 32
+    a = dict(x=r(B, T, H, P).bfloat16(), dt=torch.nn.functional.softplus(r(B, T, H)), A=-torch.rand(H, generator=g) * 4 - 0.5,
+             Bm=torch.nn.functional.rms_norm(r(B, T, G, N), (N,)).bfloat16(), Cm=torch.nn.functional.rms_norm(r(B, T, G, N), (N,)).bfloat16(),
+             trap=r(B, T, H) - 3, angles=r(B, T, H, 4), b_bias=1 + 0.1 * r(H, N), c_bias=1 + 0.1 * r(H, N))  # fmt: skip
+    y0 = mamba3_scan(**a, chunk=16, kernel="chunked").float()
+    t = 30
+    for field, value in (("dt", a["dt"][:, t + 1] * 20), ("trap", torch.full_like(a["trap"][:, t + 1], 8.0))):
+        b = {k: v.clone() for k, v in a.items()}
+        b[field][:, t + 1] = value
+        y1 = mamba3_scan(**b, chunk=16, kernel="chunked").float()
+        ulp = y0[:, t].abs().max() * 2**-8
+        assert (y1[:, : t + 1] - y0[:, : t + 1]).abs().max() < ulp, field
+
+
 def test_the_triton_ssd_path_equals_the_step_loop_under_the_interpreter():
     a = _inputs(B=1, T=40, H=2, G=1, P=16, N=16, n_a=2, dtype=torch.float32)
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)

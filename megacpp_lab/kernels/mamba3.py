@@ -254,9 +254,11 @@ def mamba3_scan(
     w_sub = weight[:, :, None].expand(B, T, R, H)
     cu_sub = None if cu_seqlens is None else cu_seqlens * R
     # k and q go to the SSD in fp32 (its dots still take x's dtype): the SSD returns dk and dq in their dtype, and
-    # the angles' gradient, dk . dk/dtheta over a pair, cancels: with dk rounded to bf16 it was 8-17% off
+    # the angles' gradient, dk . dk/dtheta over a pair, cancels: with dk rounded to bf16 it was 8-17% off. y comes
+    # back in fp32 too: the correction below takes the next token's weight back out of it, and from a bf16 y that
+    # left the next token's dt in this token's output at up to 17 bf16 ulps
     y = ssd_scan(sub(xr), sub(dt_sub), A, sub(k), sub(q), cu_seqlens=cu_sub, chunk=chunk,
-                 kernel=kernel, x_weight=sub(w_sub), checked=True).view(B, T, R, H, P).to(acc)  # fmt: skip
+                 kernel=kernel, x_weight=sub(w_sub), checked=True, y_fp32=True).view(B, T, R, H, P).to(acc)  # fmt: skip
     # the same step's exact weights: gamma for every rank (the SSD gave w to ranks r <= r' and none to r > r')
     # Products and sums, not einsum: an einsum over R x R per token becomes a batched matmul of [R, N] x [N, R]
     # blocks, one per token and head (half a million 1 x 1 products at R = 1), where inductor fuses these.

@@ -118,10 +118,10 @@ def _per_head(t: torch.Tensor, H: int) -> torch.Tensor:
 @torch.compiler.disable
 def ssd_scan_reference(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor | None = None, *, x_weight: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, *, x_weight: torch.Tensor | None = None, y_fp32: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """The step loop: fp32 state (fp64 for gradcheck), explicit resets. Returns y [B,T,H,P] in x's dtype.
-    x_weight: the input's weight per token (module docstring), dt when None.
+    """The step loop: fp32 state (fp64 for gradcheck), explicit resets. Returns y [B,T,H,P] in x's dtype (at least
+    fp32 with y_fp32). x_weight: the input's weight per token (module docstring), dt when None.
 
     Disabled for torch.compile: dynamo would unroll the T steps into one enormous graph."""
     B, T, H, P = x.shape
@@ -137,7 +137,7 @@ def ssd_scan_reference(
         a = torch.exp(dts[:, t] * Af).view(B, H, 1, 1)
         S = a * S + (ws[:, t, :, None] * xs[:, t])[..., None] * Bh[:, t, :, None, :]
         ys.append((S @ Ch[:, t, :, :, None]).squeeze(-1))
-    return torch.stack(ys, dim=1).to(x.dtype)
+    return torch.stack(ys, dim=1).to(acc if y_fp32 else x.dtype)
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:
@@ -153,6 +153,7 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
 def ssd_chunked_torch(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None, *, chunk: int = 64, x_weight: torch.Tensor | None = None,
+    y_fp32: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Chunked SSD in plain torch, loop-free across chunks (inductor compiles it). y [B,T,H,P] in x's dtype.
     x_weight: the input's weight per token (module docstring), dt when None.
@@ -184,7 +185,7 @@ def ssd_chunked_torch(
     states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)[:, :-1]
     # 4. the state entering each chunk, read by C with the decay from the chunk start
     y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Ch, states, a_cum.exp())
-    return y.reshape(B, nc * chunk, H, P)[:, :T].to(x.dtype)
+    return y.reshape(B, nc * chunk, H, P)[:, :T].to(acc if y_fp32 else x.dtype)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -460,11 +461,13 @@ def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int, int], i
 def ssd_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     cu_seqlens: torch.Tensor, chunk: int, save: bool, x_weight: Optional[torch.Tensor] = None,  # noqa: UP045
+    y_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T,H,P] and the fp32 state entering every chunk of every document, by slot (empty unless save).
 
     Inputs contiguous, validated by the caller; cu_seqlens [D+1] int32 covers the flattened B*T tokens.
-    x_weight (fp32, [B,T,H]): the input's weight per token, dt when None (the module docstring)."""
+    x_weight (fp32, [B,T,H]): the input's weight per token, dt when None (the module docstring). y_fp32: y in
+    fp32, not x's dtype (the kernels accumulate in fp32 and store in y's dtype)."""
     B, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
@@ -478,7 +481,7 @@ def ssd_scan_fwd(
         x, dt, w, A, Bm, cu_seqlens, states, H, G,
         P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, num_warps=STATE_WARPS,
     )  # fmt: skip
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=torch.float32 if y_fp32 else x.dtype)
     bp = min(OUT_BLOCK_P, P)
     _ssd_fwd_output_kernel[(n_slots, H, P // bp)](
         x, dt, w, A, Bm, Cm, cu_seqlens, states, y, H, G, D,
@@ -488,10 +491,10 @@ def ssd_scan_fwd(
 
 
 @ssd_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight=None):
+def _(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight=None, y_fp32=False):
     B, T, H, P = x.shape
     n_slots = _n_slots(B * T, chunk, cu_seqlens.shape[0] - 1)
-    return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
+    return torch.empty_like(x, dtype=torch.float32 if y_fp32 else x.dtype), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("megacpp::ssd_scan_bwd", mutates_args=())
@@ -539,7 +542,7 @@ def _(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk, x_weight=None):
 
 
 def _setup_context(ctx, inputs, output):
-    x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight = inputs
+    x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight, _y_fp32 = inputs
     ctx.save_for_backward(x, dt, A, Bm, Cm, cu_seqlens, output[1], x_weight)
     ctx.chunk = chunk
     ctx.set_materialize_grads(False)  # else autograd allocates zeros the size of the states for their unused grad
@@ -550,7 +553,7 @@ def _backward(ctx, dy, _dstates):
     if states.numel() == 0:
         raise RuntimeError("ssd_scan_fwd ran with save=False; its output cannot be differentiated")
     dx, ddt, dA, dB, dC, dw = ssd_scan_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, ctx.chunk, x_weight)
-    return dx, ddt, dA, dB, dC, None, None, None, (dw if x_weight is not None else None)
+    return dx, ddt, dA, dB, dC, None, None, None, (dw if x_weight is not None else None), None
 
 
 ssd_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -569,11 +572,12 @@ def _pow2_at_least_16(name: str, n: int) -> None:
 def ssd_scan(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     *, cu_seqlens: torch.Tensor | None = None, ctx: PackedContext | None = None, chunk: int = 64,
-    kernel: str = "auto", x_weight: torch.Tensor | None = None, checked: bool = False,
+    kernel: str = "auto", x_weight: torch.Tensor | None = None, checked: bool = False, y_fp32: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The SSD scan over packed rows; returns y [B,T,H,P] in x's dtype (see the module docstring). x_weight
     [B,T,H]: the input's weight per token in place of dt (the Triton op takes it in fp32). checked: the caller
-    checked bare cu_seqlens' values already (kernels/mamba3 hands over its rank sub-tokens' boundaries).
+    checked bare cu_seqlens' values already (kernels/mamba3 hands over its rank sub-tokens' boundaries). y_fp32: y in
+    fp32 (at least), not x's dtype (Mamba-3 subtracts a term from it that a bf16 y would have rounded).
 
     The documents: ctx, the batch's PackedContext (its cu_seqlens, validated when it was built: nothing is
     checked or read back here), or bare cu_seqlens (checked here, varlen.check_cu_seqlens), or neither (each
@@ -595,9 +599,9 @@ def ssd_scan(
     if kernel == "auto":
         kernel = "triton" if x.device.type == "cuda" else "chunked"
     if kernel == "reference":
-        return ssd_scan_reference(x, dt, A, Bm, Cm, cu_seqlens, x_weight=x_weight)
+        return ssd_scan_reference(x, dt, A, Bm, Cm, cu_seqlens, x_weight=x_weight, y_fp32=y_fp32)
     if kernel == "chunked":
-        return ssd_chunked_torch(x, dt, A, Bm, Cm, cu_seqlens, chunk=chunk, x_weight=x_weight)
+        return ssd_chunked_torch(x, dt, A, Bm, Cm, cu_seqlens, chunk=chunk, x_weight=x_weight, y_fp32=y_fp32)
     B, T, H, P = x.shape
     N, n_docs = Bm.shape[-1], (B if cu_seqlens is None else cu_seqlens.shape[0] - 1)
     elements = max(_n_slots(B * T, chunk, n_docs) * H * P * N, B * T * H * max(P, N))
@@ -622,6 +626,6 @@ def ssd_scan(
         x_weight = x_weight.float().contiguous()
     y, _ = ssd_scan_fwd(
         x.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(), Cm.contiguous(), cu_seqlens, chunk, needs_grad,
-        x_weight,
+        x_weight, y_fp32,
     )
     return y
