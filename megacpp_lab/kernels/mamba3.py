@@ -44,7 +44,8 @@ import torch
 from megacpp_lab.kernels.ssd import doc_start_mask, ssd_scan
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
-__all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "mamba3_scan", "mamba3_scan_reference", "rotate_pairs"]
+__all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "mamba3_scan", "mamba3_scan_reference", "mamba3_step",
+           "rotate_pairs"]
 
 KERNELS = ("auto", "triton", "chunked", "reference")
 
@@ -95,20 +96,33 @@ def mamba3_scan_reference(
         theta = torch.where(start, torch.zeros_like(theta), theta)
         k_prev = torch.where(start[..., None], torch.zeros_like(k_prev), k_prev)
         x_prev = torch.where(start[..., None], torch.zeros_like(x_prev), x_prev)
-        theta = torch.remainder(theta + rates[:, t] * dts[:, t, :, None], 2 * math.pi)
-        k, q = rotate_pairs(Bh[:, t], theta[:, None]), rotate_pairs(Ch[:, t], theta[:, None])  # [B,R,H,N]
-        alpha = torch.exp(dts[:, t] * Af)  # [B,H]
-        prev_w = ((1 - lam[:, t]) * dts[:, t] * alpha)[..., None, None]
-        cur_w = (lam[:, t] * dts[:, t])[..., None, None]
-        S = (alpha[..., None, None] * S + prev_w * torch.einsum("brhp,brhn->bhpn", x_prev, k_prev)
-             + cur_w * torch.einsum("brhp,brhn->bhpn", xs[:, t], k))  # fmt: skip
-        y = torch.einsum("bhpn,brhn->brhp", S, q)
-        if D is not None:
-            y = y + D.to(acc)[:, None] * xs[:, t]
+        y, S, theta, k_prev, x_prev = mamba3_step(S, theta, k_prev, x_prev, xs[:, t], dts[:, t], Af, lam[:, t],
+                                                  rates[:, t], Bh[:, t], Ch[:, t], D)  # fmt: skip
         ys.append(y)
-        k_prev, x_prev = k, xs[:, t]
     y = torch.stack(ys, dim=1)  # [B,T,R,H,P]
     return (y if mimo else y[:, :, 0]).to(x.dtype)
+
+
+def mamba3_step(
+    S: torch.Tensor, theta: torch.Tensor, k_prev: torch.Tensor, x_prev: torch.Tensor, x_r: torch.Tensor,
+    dt: torch.Tensor, A: torch.Tensor, lam: torch.Tensor, rate: torch.Tensor, B_h: torch.Tensor, C_h: torch.Tensor,
+    D: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """One step of the recurrence (module docstring), in the dtype of its fp32 (or fp64) inputs: the state S
+    [B,H,P,N], angles theta [B,H,N_a], previous keys [B,R,H,N] and rank inputs [B,R,H,P]; this token's rank
+    inputs x_r [B,R,H,P], dt and lam = sigmoid(trap) [B,H], A [H], angle rate pi tanh(angles) [B,H,N_a], biased
+    B_h and C_h [B,R,H,N]. Returns y [B,R,H,P] and the new S, theta, k_prev, x_prev. The step loop's body and the
+    layer's decode step."""
+    theta = torch.remainder(theta + rate * dt[..., None], 2 * math.pi)
+    k, q = rotate_pairs(B_h, theta[:, None]), rotate_pairs(C_h, theta[:, None])  # [B,R,H,N]: angles shared by ranks
+    alpha = torch.exp(dt * A)  # [B,H]
+    prev_w, cur_w = ((1 - lam) * dt * alpha)[..., None, None], (lam * dt)[..., None, None]
+    S = (alpha[..., None, None] * S + prev_w * torch.einsum("brhp,brhn->bhpn", x_prev, k_prev)
+         + cur_w * torch.einsum("brhp,brhn->bhpn", x_r, k))  # fmt: skip
+    y = torch.einsum("bhpn,brhn->brhp", S, q)
+    if D is not None:
+        y = y + D.to(y.dtype)[:, None] * x_r
+    return y, S, theta, k, x_r
 
 
 def _ranked(x, Bm, Cm, b_bias, c_bias, mimo_x):  # noqa: ANN001, ANN202

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.checks import config_error, is_int
-from megacpp_lab.kernels.mamba3 import mamba3_scan, rotate_pairs
+from megacpp_lab.kernels.mamba3 import mamba3_scan, mamba3_step
 from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import init_decay_params
 from megacpp_lab.nn.ssm import StateSpaceFields
@@ -161,16 +161,11 @@ class Mamba3(nn.Module):
             xr = xs[:, 0, None] * self.mimo_x.transpose(0, 1).to(xs.dtype)  # [B,R,H,P]
         per_head = H // c.n_groups
         acc = torch.promote_types(xs.dtype, torch.float32)  # the scan's accumulation dtype
-        dt, lam, xr = dt[:, 0].to(acc), torch.sigmoid(trap[:, 0].to(acc)), xr.to(acc)  # [B,H], [B,H], [B,R,H,P]
-        state.theta = torch.remainder(state.theta + torch.tanh(angles[:, 0].to(acc)) * math.pi * dt[..., None], 2 * math.pi)
-        theta = state.theta[:, None]  # shared by the ranks
-        k = rotate_pairs(Bm[:, 0].to(acc).repeat_interleave(per_head, dim=2) + b_bias.transpose(0, 1).to(acc), theta)
-        q = rotate_pairs(Cm[:, 0].to(acc).repeat_interleave(per_head, dim=2) + c_bias.transpose(0, 1).to(acc), theta)
-        alpha = torch.exp(dt * -torch.exp(self.A_log.float()).to(acc))  # A as the forward makes it
-        prev_w, cur_w = ((1 - lam) * dt * alpha)[..., None, None], (lam * dt)[..., None, None]
-        state.h = (alpha[..., None, None] * state.h + prev_w * torch.einsum("brhp,brhn->bhpn", state.x_prev, state.k_prev)
-                   + cur_w * torch.einsum("brhp,brhn->bhpn", xr, k))  # fmt: skip
-        state.k_prev, state.x_prev = k, xr
-        y = torch.einsum("bhpn,brhn->brhp", state.h, q) + self.D.to(acc)[:, None] * xr  # [B,R,H,P]
+        B_h = Bm[:, 0].to(acc).repeat_interleave(per_head, dim=2) + b_bias.transpose(0, 1).to(acc)
+        C_h = Cm[:, 0].to(acc).repeat_interleave(per_head, dim=2) + c_bias.transpose(0, 1).to(acc)
+        y, state.h, state.theta, state.k_prev, state.x_prev = mamba3_step(
+            state.h, state.theta, state.k_prev, state.x_prev, xr.to(acc), dt[:, 0].to(acc),
+            -torch.exp(self.A_log.float()).to(acc), torch.sigmoid(trap[:, 0].to(acc)),
+            torch.tanh(angles[:, 0].to(acc)) * math.pi, B_h, C_h, self.D)  # A as the forward makes it  # fmt: skip
         y = y[:, None].to(xs.dtype)  # [B,1,R,H,P]
         return self._output(y if self.mimo else y[:, :, 0], z)
