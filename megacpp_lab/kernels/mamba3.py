@@ -40,11 +40,16 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
-from megacpp_lab.kernels.ssd import doc_start_mask, ssd_scan
+from megacpp_lab.kernels import TRITON_INTERPRET
+from megacpp_lab.kernels.ssd import (Mamba3Operands, doc_start_mask, launch_ssd_bwd, launch_ssd_fwd,
+                                     ssd_scan)
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
-__all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "mamba3_scan", "mamba3_scan_reference", "mamba3_step",
+__all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "doc_angle_sum_torch", "doc_angle_sum_triton",
+           "doc_suffix_sum_torch", "doc_suffix_sum_triton", "mamba3_scan", "mamba3_scan_reference", "mamba3_step",
            "rotate_pairs"]
 
 KERNELS = ("auto", "triton", "chunked", "reference")
@@ -172,10 +177,19 @@ ANGLE_FIXED_POINT = 2.0**36
 def doc_angle_sum(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """theta [B,T,...]: the increments inc [B,T,...] summed along T from each document start (start [B,T] bool),
     mod 2 pi, in inc's dtype. The sum runs in int64 fixed point (each increment first taken mod 2 pi): integer
-    sums are exact, so a document's angle is its running sum minus the sum before its start with no rounding
-    from any other document, and a long document keeps its low bits, where an fp32 sum would lose them (hundreds
-    of radians). An opaque op: inductor's Triton codegen fails on this long scan over a middle dim (torch 2.11:
-    `list indices must be integers` in SplitScan codegen, at [8,4096,16,32] on the H200)."""
+    sums are exact, so a document's angle takes no rounding from any other document, and a long document keeps
+    its low bits, where an fp32 sum would lose them (hundreds of radians). On CUDA a Triton segmented scan
+    (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`); tests/test_mamba3.py holds the two
+    equal. An opaque op: inductor's Triton codegen fails on this long scan over a middle dim (torch 2.11:
+    `list indices must be integers` in SplitScan codegen, at [8,4096,16,32] on the H200), and torch's own int64
+    scan over a middle dim took 1.6 ms there, a fifth of the whole Mamba-3 scan's forward and backward."""
+    if inc.is_cuda:
+        return doc_angle_sum_triton(inc, start)
+    return doc_angle_sum_torch(inc, start)
+
+
+def doc_angle_sum_torch(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """doc_angle_sum in plain torch: a cumsum over the whole row less the sum before each document's start."""
     steps = torch.round(torch.remainder(inc.double(), 2 * math.pi) * ANGLE_FIXED_POINT).to(torch.int64)
     total = torch.cumsum(steps, dim=1)
     own = total - torch.gather(total - steps, 1, _first_of_document(start, steps.shape))
@@ -195,10 +209,18 @@ def _first_of_document(start: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def _doc_angle_sum_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
-    """d inc_s = the sum of grad_t over t >= s in s's document (the mods have derivative 1): a suffix sum in fp64,
-    less the suffix sum from the next document start. A difference, unlike the forward's integer sums: a later
-    document's gradients reach an earlier one's in fp64 rounding (1e-16 relative), never in value."""
+    """d inc_s = the sum of grad_t over t >= s in s's document (the mods have derivative 1): a suffix sum within
+    each document, in fp64."""
     (start,) = ctx.saved_tensors
+    if grad.is_cuda:
+        return doc_suffix_sum_triton(grad, start), None
+    return doc_suffix_sum_torch(grad, start), None
+
+
+def doc_suffix_sum_torch(grad: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """The angle sums' backward in plain torch: a suffix sum over the whole row in fp64, less the suffix sum from
+    the next document start. A difference: a later document's gradients reach an earlier one's in fp64 rounding
+    (1e-16 relative), never in value (the Triton scan resets exactly)."""
     g = grad.double()
     T = g.shape[1]
     suffix = torch.flip(torch.cumsum(torch.flip(g, (1,)), dim=1), (1,))  # S_t = sum_{s >= t} g_s
@@ -208,12 +230,184 @@ def _doc_angle_sum_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
                                torch.arange(1, T + 1, device=g.device), T)  # fmt: skip
     nxt = torch.flip(torch.cummin(torch.flip(starts_after, (1,)), dim=1).values, (1,))
     end = nxt.view(*nxt.shape, *([1] * (g.dim() - 2))).expand(g.shape)
-    return (suffix[:, :T] - torch.gather(suffix, 1, end)).to(grad.dtype), None
+    return (suffix[:, :T] - torch.gather(suffix, 1, end)).to(grad.dtype)
 
 
 doc_angle_sum.register_autograd(
     _doc_angle_sum_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[1])
 )
+
+
+# ----------------------------------------------------------------------------- the angle sums in Triton
+
+
+@triton.jit
+def _segmented_add(v_a, f_a, v_b, f_b):
+    """The combine of a segmented sum: b's flag (a document boundary at or before b) drops a's running value."""
+    return tl.where(f_b, v_b, v_a + v_b), f_a | f_b
+
+
+@triton.jit
+def _doc_scan_kernel(v_ptr, flag_ptr, out_ptr, T, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
+                     REVERSE: tl.constexpr):  # fmt: skip
+    """One program per (row, BC columns): walks the row's T tokens in blocks of BT (backwards if REVERSE), a
+    segmented scan within each block (tl.associative_scan) plus the running value carried from the last, reset
+    at every flagged token. ANGLES: the forward's sum of increments mod 2 pi in int64 fixed point, out mod 2 pi;
+    else the backward's suffix sum in fp64. flag: document starts (forward) or ends (REVERSE)."""
+    row = tl.program_id(0)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = rc < C
+    carry = tl.zeros((BC,), dtype=tl.int64 if ANGLES else tl.float64)
+    for i in range(0, tl.cdiv(T, BT)):
+        rt = i * BT + tl.arange(0, BT)
+        if REVERSE:
+            rt = T - 1 - rt
+        mt = (rt >= 0) & (rt < T)
+        at = (row * T + rt)[:, None] * C + rc[None, :]
+        m = mt[:, None] & mc[None, :]
+        v = tl.load(v_ptr + at, mask=m, other=0.0).to(tl.float64)
+        two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
+        if ANGLES:
+            v = tl.floor((v - two_pi * tl.floor(v / two_pi)) * 68719476736.0 + 0.5).to(tl.int64)  # 2**36
+        flag = tl.broadcast_to((tl.load(flag_ptr + row * T + rt, mask=mt, other=0) != 0)[:, None], (BT, BC))
+        run, seen = tl.associative_scan((v, flag), 0, _segmented_add)
+        run = run + tl.where(seen, 0, carry[None, :])
+        carry = tl.sum(tl.where((tl.arange(0, BT) == BT - 1)[:, None], run, 0), axis=0)
+        if ANGLES:
+            out = run.to(tl.float64) / 68719476736.0
+            out = out - two_pi * tl.floor(out / two_pi)
+        else:
+            out = run
+        tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _doc_scan(v: torch.Tensor, flag: torch.Tensor, *, angles: bool, reverse: bool) -> torch.Tensor:
+    B, T = v.shape[:2]
+    v = v.contiguous()
+    C = v[0, 0].numel()
+    out = torch.empty_like(v)
+    bc = min(128, triton.next_power_of_2(max(C, 1)))
+    _doc_scan_kernel[(B, triton.cdiv(C, bc))](v, flag.contiguous(), out, T, C, BT=32, BC=bc, ANGLES=angles,
+                                              REVERSE=reverse, num_warps=4)  # fmt: skip
+    return out
+
+
+def doc_angle_sum_triton(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """doc_angle_sum as one Triton segmented scan (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    if ANGLE_FIXED_POINT != 2.0**36:
+        raise AssertionError("_doc_scan_kernel hard-codes the fixed point 2**36")
+    return _doc_scan(inc, start, angles=True, reverse=False)
+
+
+def doc_suffix_sum_triton(grad: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """The angle sums' backward as one Triton segmented scan, backwards, reset at every document end."""
+    ends = torch.cat((start[:, 1:], torch.ones_like(start[:, :1])), dim=1)
+    return _doc_scan(grad, ends, angles=False, reverse=True)
+
+
+# ----------------------------------------------------------------------------- the Triton op: the SSD kernels in Mamba-3 mode
+
+
+@torch.library.custom_op("megacpp::mamba3_scan_fwd", mutates_args=())
+def mamba3_scan_fwd(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, theta: torch.Tensor,
+    b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, cu_seqlens: torch.Tensor,
+    chunk: int, rank: int, save: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """y [B,T*R,H,P] (no D x) over rank sub-tokens and the saved chunk states: kernels/ssd.py's kernels in Mamba-3
+    mode, keys and queries biased and rotated on load, a step's own inputs weighted by gamma and every later
+    step's by weight. x [B,T*R,H,P], dt (rank 0's, the others 0), weight and gamma [B,T*R,H] fp32; B and C
+    [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the sub-tokens. Contiguous,
+    validated by mamba3_scan."""
+    m3 = Mamba3Operands(theta, b_bias, c_bias, gamma, rank)
+    return launch_ssd_fwd(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, weight, x.dtype, m3)
+
+
+@mamba3_scan_fwd.register_fake
+def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
+    B, T, H, P = x.shape
+    n_slots = B * T // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
+    return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("megacpp::mamba3_scan_bwd", mutates_args=())
+def mamba3_scan_bwd(
+    dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
+    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:  # fmt: skip
+    """dx, ddt, dA, the gradients of the biased B and C per head [B,T*R,H,N] fp32, d theta per sub-token
+    [B,T*R,H,n_a] fp32, d weight, d gamma: the autograd formula sums the groups, ranks and biases."""
+    m3 = Mamba3Operands(theta, b_bias, c_bias, gamma, rank)
+    dx, ddt, dA, dB, dC, dw, dth, dgam = launch_ssd_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk, weight, m3)
+    return dx, ddt, dA, dB, dC, dth, dw, dgam
+
+
+@mamba3_scan_bwd.register_fake
+def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
+    B, T, H, _ = x.shape
+    per_head = x.new_empty((B, T, H, Bm.shape[-1]), dtype=torch.float32)
+    return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), per_head, torch.empty_like(per_head),
+            x.new_empty((B, T, H, theta.shape[-1]), dtype=torch.float32), torch.empty_like(weight),
+            torch.empty_like(gamma))  # fmt: skip
+
+
+def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk, rank, _save = inputs
+    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, output[1])
+    ctx.chunk, ctx.rank = chunk, rank
+    ctx.set_materialize_grads(False)
+
+
+def _mamba3_backward(ctx, dy, _dstates):  # noqa: ANN001, ANN202
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states = ctx.saved_tensors
+    if states.numel() == 0:
+        raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
+    dx, ddt, dA, dBh, dCh, dth, dw, dgam = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma,
+                                                           cu_seqlens, states, ctx.chunk, ctx.rank)  # fmt: skip
+    B, TR, G, N = Bm.shape
+    H, R = x.shape[2], ctx.rank
+    # traced into the backward graph: inductor fuses these sums over the groups' heads, the tokens and the ranks
+    group = lambda t, like: t.view(B, TR, G, H // G, N).sum(3).to(like.dtype)  # noqa: E731
+    bias = lambda t: t.view(B, TR // R, R, H, N).sum((0, 1)).transpose(0, 1)  # noqa: E731  [H,R,N]
+    d_theta = dth.view(B, TR // R, R, H, -1).sum(2)
+    return (dx, ddt, dA, group(dBh, Bm), group(dCh, Cm), d_theta, bias(dBh), bias(dCh), dw, dgam, None, None, None,
+            None)  # fmt: skip
+
+
+mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
+
+
+def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk):  # noqa: ANN001, ANN202
+    """The Triton op on the rank form (_ranked's): y [B,T,R,H,P] without D x."""
+    B, T, R, H, P = xr.shape
+    if chunk % R:
+        raise ValueError(f"mamba3: the Triton scan's chunk ({chunk} sub-tokens) must hold whole steps of R={R} ranks")
+    for name, n in (("chunk", chunk), ("P (x's head dim)", P), ("N (Bm's state dim)", Bm.shape[-1])):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"the Triton Mamba-3 scan needs {name} a power of two >= 16 (tl.dot tiles), got {n}")
+    if not (xr.device.type == "cuda" or (xr.device.type == "cpu" and TRITON_INTERPRET)):
+        raise RuntimeError(f"kernel='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); x is on {xr.device}")
+    if xr.dtype == torch.float64:
+        raise ValueError("the Triton Mamba-3 scan takes float32, bfloat16 or float16 x; float64 is for the torch paths")
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, B * T + 1, T, device=xr.device, dtype=torch.int32)
+    sub = lambda t: t.reshape(B, T * R, *t.shape[3:]).contiguous()  # noqa: E731  [B,T,R,...] -> [B,T*R,...]
+    fp32_sub = lambda t: sub(t[:, :, None].expand(B, T, R, H).float())  # noqa: E731
+    dt_sub = torch.cat((dt[:, :, None].float(), dt.new_zeros((B, T, R - 1, H), dtype=torch.float32)), dim=2)
+    # no generator expression: dynamo cannot trace one under fullgraph
+    needs_grad = torch.is_grad_enabled() and (
+        xr.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
+        or theta.requires_grad or b_bias.requires_grad or c_bias.requires_grad or weight.requires_grad
+        or gamma.requires_grad
+    )
+    y, _ = mamba3_scan_fwd(
+        sub(xr), sub(dt_sub), A.float().contiguous(), sub(Bm), sub(Cm), theta.float().contiguous(),
+        b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma),
+        (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
+    )  # fmt: skip
+    return y.view(B, T, R, H, P)
 
 
 def _angles(angles: torch.Tensor, dt: torch.Tensor, start: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -253,33 +447,49 @@ def mamba3_scan(
     acc = torch.promote_types(x.dtype, torch.float32)
     start = doc_start_mask(cu_seqlens, B, T, x.device)  # [B,T]
     dts, lam = dt.to(acc), torch.sigmoid(trap.to(acc))
-    theta = _angles(angles, dt, start, acc)[:, :, None]  # [B,T,1,H,N_a]: shared by the ranks
-    per_head = H // G
-    k = rotate_pairs(Bm.to(acc).repeat_interleave(per_head, dim=3) + b_bias.transpose(0, 1).to(acc), theta)
-    q = rotate_pairs(Cm.to(acc).repeat_interleave(per_head, dim=3) + c_bias.transpose(0, 1).to(acc), theta)
+    theta = _angles(angles, dt, start, acc)  # [B,T,H,N_a]: shared by the ranks
     # delta_next: the next token's previous-input weight, zero where the next token starts a document (or past the row)
     continues = torch.cat((~start[:, 1:], torch.zeros_like(start[:, :1])), dim=1)
     delta_next = torch.cat((((1 - lam) * dts)[:, 1:], torch.zeros_like(dts[:, :1])), dim=1) * continues[..., None]
     gamma = lam * dts
     weight = gamma + delta_next  # [B,T,H]
+    if kernel == "auto":
+        kernel = "triton" if x.device.type == "cuda" else "chunked"
+    if kernel == "triton":  # one op: keys and queries biased and rotated in the kernels, the diagonal exact
+        y = _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk).to(acc)
+    else:
+        y = _mamba3_chunked(xr, dts, A, Bm, Cm, theta[:, :, None], b_bias, c_bias, weight, gamma, delta_next,
+                            cu_seqlens, chunk)  # fmt: skip
+    if D is not None:
+        y = y + D.to(acc)[:, None] * xr.to(acc)
+    return (y if mimo else y[:, :, 0]).to(x.dtype)
+
+
+def _mamba3_chunked(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, delta_next, cu_seqlens, chunk):  # noqa: ANN001, ANN202
+    """The scan through the SSD's chunked torch form (the CPU path, compilable): the rank form's keys and queries
+    rotated in fp32, the SSD with weight w over the rank sub-tokens, then the same step's exact weights by an
+    R x R correction (module docstring). y [B,T,R,H,P] in fp32 (fp64 for fp64 inputs), without D x."""
+    B, T, R, H, P = xr.shape
+    G = Bm.shape[3]
+    acc = theta.dtype
+    per_head = H // G
+    k = rotate_pairs(Bm.to(acc).repeat_interleave(per_head, dim=3) + b_bias.transpose(0, 1).to(acc), theta)
+    q = rotate_pairs(Cm.to(acc).repeat_interleave(per_head, dim=3) + c_bias.transpose(0, 1).to(acc), theta)
     # the SSD over T*R sub-tokens (t, r): rank 0 carries the step's decay, the others decay by 1
     sub = lambda t: t.reshape(B, T * R, *t.shape[3:])  # noqa: E731  [B,T,R,...] -> [B,T*R,...]
     dt_sub = torch.cat((dt[:, :, None], torch.zeros_like(dt[:, :, None]).expand(B, T, R - 1, H)), dim=2)
     w_sub = weight[:, :, None].expand(B, T, R, H)
     cu_sub = None if cu_seqlens is None else cu_seqlens * R
-    # k and q go to the SSD in fp32 (its dots still take x's dtype): the SSD returns dk and dq in their dtype, and
-    # the angles' gradient, dk . dk/dtheta over a pair, cancels: with dk rounded to bf16 it was 8-17% off. y comes
-    # back in fp32 too: the correction below takes the next token's weight back out of it, and from a bf16 y that
-    # left the next token's dt in this token's output at up to 17 bf16 ulps
+    # k and q go to the SSD in fp32: the SSD returns dk and dq in their dtype, and the angles' gradient, dk .
+    # dk/dtheta over a pair, cancels (with dk rounded to bf16 it was 8-17% off). y comes back in fp32 too: the
+    # correction below takes the next token's weight back out of it, and from a bf16 y that left the next token's
+    # dt in this token's output at up to 17 bf16 ulps
     y = ssd_scan(sub(xr), sub(dt_sub), A, sub(k), sub(q), cu_seqlens=cu_sub, chunk=chunk,
-                 kernel=kernel, x_weight=sub(w_sub), checked=True, y_fp32=True).view(B, T, R, H, P).to(acc)  # fmt: skip
+                 kernel="chunked", x_weight=sub(w_sub), checked=True, y_fp32=True).view(B, T, R, H, P).to(acc)  # fmt: skip
     # the same step's exact weights: gamma for every rank (the SSD gave w to ranks r <= r' and none to r > r')
     # Products and sums, not einsum: an einsum over R x R per token becomes a batched matmul of [R, N] x [N, R]
     # blocks, one per token and head (half a million 1 x 1 products at R = 1), where inductor fuses these.
-    later = torch.ones(R, R, dtype=torch.bool, device=x.device).triu(1)[:, :, None]  # [r', r, 1]: r > r'
+    later = torch.ones(R, R, dtype=torch.bool, device=xr.device).triu(1)[:, :, None]  # [r', r, 1]: r > r'
     coef = torch.where(later, gamma[:, :, None, None], -delta_next[:, :, None, None])  # [B,T,R',R,H]
     qk = (q[:, :, :, None] * k[:, :, None]).sum(-1)  # [B,T,R',R,H]
-    y = y + ((qk * coef)[..., None] * xr.to(acc)[:, :, None]).sum(3)
-    if D is not None:
-        y = y + D.to(acc)[:, None] * xr.to(acc)
-    return (y if mimo else y[:, :, 0]).to(x.dtype)
+    return y + ((qk * coef)[..., None] * xr.to(acc)[:, :, None]).sum(3)

@@ -36,7 +36,7 @@ Three implementations, one contract:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -47,7 +47,10 @@ from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = [
     "KERNELS",
+    "Mamba3Operands",
     "doc_start_mask",
+    "launch_ssd_bwd",
+    "launch_ssd_fwd",
     "ssd_chunked_torch",
     "ssd_scan",
     "ssd_scan_bwd",
@@ -230,10 +233,60 @@ def _input_weight(w_ptr, t, m, hd, H, dt, HAS_W: tl.constexpr):
 
 
 @triton.jit
-def _decay_mask(cs, rl):
-    """L[i, j] = exp(cs_i - cs_j) for i >= j, else 0 (the exponent is masked before exp: no overflow)."""
-    causal = rl[:, None] >= rl[None, :]
+def _decay_mask(cs, step):
+    """L[i, j] = exp(cs_i - cs_j) for step_i >= step_j, else 0 (the exponent is masked before exp: no overflow).
+    step: the chunk's token index (Mamba-3's MIMO: its step, token // RANK, so a step's ranks see each other)."""
+    causal = step[:, None] >= step[None, :]
     return tl.where(causal, tl.exp(tl.where(causal, cs[:, None] - cs[None, :], 0.0)), 0.0)
+
+
+# Mamba-3 mode (M3, kernels/mamba3.py): the scan's B and C are its keys and queries before their bias and rotation.
+# Each tile is biased per (head, rank) and rotated per (step, head) on load, in fp32: k = rot(B + b_bias, theta).
+# Tokens are rank sub-tokens t = step * RANK + r (RANK = 1: SISO); theta [steps, H, n_a] rotates the first n_a
+# interleaved pairs (v[2i], v[2i+1]).
+
+
+@triton.jit
+def _rotate(v, cos, sin, ROWS: tl.constexpr, BN: tl.constexpr):
+    """Rotate the interleaved pairs of v [ROWS, BN] by the angles whose cos and sin are [ROWS, BN // 2]."""
+    re, im = tl.split(tl.reshape(v, (ROWS, BN // 2, 2)))
+    return tl.reshape(tl.join(re * cos - im * sin, re * sin + im * cos), (ROWS, BN))
+
+
+@triton.jit
+def _angle_grad(g, v, ROWS: tl.constexpr, BN: tl.constexpr):
+    """d theta [ROWS, BN // 2] of a rotated tile v from its gradient g: d rot(u, theta) / d theta = (-v_im, v_re)."""
+    g_re, g_im = tl.split(tl.reshape(g, (ROWS, BN // 2, 2)))
+    v_re, v_im = tl.split(tl.reshape(v, (ROWS, BN // 2, 2)))
+    return g_im * v_re - g_re * v_im
+
+
+@triton.jit
+def _pairs(rn, BN: tl.constexpr):
+    """The pair index of each interleaved pair of columns rn [BN] (contiguous, even first): [BN // 2]."""
+    return tl.split(tl.reshape(rn // 2, (BN // 2, 2)))[0]
+
+
+@triton.jit
+def _angles(th_ptr, t, m, hd, H, n_a, rn, RANK: tl.constexpr, BN: tl.constexpr):
+    """cos and sin [rows, BN // 2] of the step angles of sub-tokens t for the pairs of columns rn (0 past n_a: no
+    rotation)."""
+    pr = _pairs(rn, BN)
+    th = tl.load(th_ptr + ((t // RANK) * H + hd)[:, None] * n_a + pr[None, :], mask=m[:, None] & (pr < n_a)[None, :],
+                 other=0.0)  # fmt: skip
+    return tl.cos(th), tl.sin(th)
+
+
+@triton.jit
+def _key_tile(ptr, bc_at, rn, t, m, hd, H, bias_ptr, th_ptr, n_a, N: tl.constexpr, M3: tl.constexpr,
+              RANK: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """B or C at rows bc_at, columns rn: as stored (Mamba-2), or Mamba-3's key/query (biased, rotated; fp32)."""
+    v = tl.load(ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0)
+    if M3:
+        v = v.to(tl.float32) + tl.load(bias_ptr + ((hd * RANK + t % RANK) * N)[:, None] + rn[None, :])
+        cos, sin = _angles(th_ptr, t, m, hd, H, n_a, rn, RANK, BN)
+        v = tl.where(m[:, None], _rotate(v, cos, sin, ROWS, BN), 0.0)
+    return v
 
 
 @triton.jit
@@ -254,10 +307,10 @@ def _state_program(cu_ptr, a_ptr, H, G, P: tl.constexpr, BP: tl.constexpr, BN: t
 
 @triton.jit
 def _ssd_fwd_state_kernel(
-    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, cu_ptr, st_ptr,
-    H, G,
+    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, cu_ptr, st_ptr, bb_ptr, th_ptr,
+    H, G, n_a,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """Pass 1 (sequential over one document's chunks, one [BP, BN] block of the state per program):
     store the fp32 state entering every chunk; S' = exp(cs_last) S + (u * w)^T B, u = dt x (or x times the
@@ -271,19 +324,21 @@ def _ssd_fwd_state_kernel(
         dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
-        Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0)
+        Bc = _key_tile(b_ptr, (t[:, None] * G + g) * N, rn, t, m, hd, H, bb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, BN)
         uw = (x.to(tl.float32) * (tl.exp(cs_last - cs) * xw)[:, None]).to(DOT)
         S = tl.exp(cs_last) * S + tl.dot(tl.trans(uw), Bc.to(DOT), input_precision=PRECISION)
 
 
 @triton.jit
 def _ssd_fwd_output_kernel(
-    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr,
-    H, G, D,
+    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr, bb_ptr, cb_ptr, th_ptr, gam_ptr,
+    H, G, D, n_a,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, HAS_W: tl.constexpr,
+    DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
-    """Pass 2 (every chunk at once): y = (C B^T * L) u + exp(cs) * (C S^T), S the saved entering state."""
+    """Pass 2 (every chunk at once): y = (C B^T * L) u + exp(cs) * (C S^T), S the saved entering state.
+    M3: the same step's tokens take the weight gamma, not w: y = (C B^T * L * W) x + ..., W[i, j] = w_j for an
+    earlier step j, gamma_j for the same step (the trapezoid's exact diagonal)."""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     rp = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -297,12 +352,20 @@ def _ssd_fwd_output_kernel(
         m = t < end
         dt, cs, _ = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
-        Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
-        Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+        bc_at = (t[:, None] * G + g) * N
+        Bc = _key_tile(b_ptr, bc_at, rn, t, m, hd, H, bb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, N).to(DOT)
+        Cc = _key_tile(c_ptr, bc_at, rn, t, m, hd, H, cb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, N).to(DOT)
         S = tl.load(st_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
-        CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION) * _decay_mask(cs, rl)
-        u = (x.to(tl.float32) * _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)[:, None]).to(DOT)
-        y = tl.dot(CB.to(DOT), u, input_precision=PRECISION)
+        step = rl // RANK
+        CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION) * _decay_mask(cs, step)
+        xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
+        if M3:
+            gam = tl.load(gam_ptr + t * H + hd, mask=m, other=0.0)
+            CB = CB * tl.where(step[:, None] > step[None, :], xw[None, :], gam[None, :])
+            y = tl.dot(CB.to(DOT), x.to(DOT), input_precision=PRECISION)
+        else:
+            u = (x.to(tl.float32) * xw[:, None]).to(DOT)
+            y = tl.dot(CB.to(DOT), u, input_precision=PRECISION)
         # the state term in fp32 operands (tf32 tensor cores for 16-bit inputs): the state is kept at fp32
         y += tl.exp(cs)[:, None] * tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)
         tl.store(y_ptr + (t[:, None] * H + hd) * P + rp[None, :], y.to(y_ptr.dtype.element_ty), mask=m[:, None])
@@ -310,10 +373,10 @@ def _ssd_fwd_output_kernel(
 
 @triton.jit
 def _ssd_bwd_state_kernel(
-    dy_ptr, dt_ptr, a_ptr, c_ptr, cu_ptr, dst_ptr,
-    H, G,
+    dy_ptr, dt_ptr, a_ptr, c_ptr, cu_ptr, dst_ptr, cb_ptr, th_ptr,
+    H, G, n_a,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """Backward pass 1 (sequential, chunks in reverse): store dS', the gradient of the state leaving every
     chunk; the gradient of the entering state is exp(cs_last) dS' + sum_i exp(cs_i) dy_i C_i^T."""
@@ -327,7 +390,8 @@ def _ssd_bwd_state_kernel(
         m = t < end
         dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
-        Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+        Cc = _key_tile(c_ptr, (t[:, None] * G + g) * N, rn, t, m, hd, H, cb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK,
+                       BN).to(DOT)  # fmt: skip
         dye = (dy.to(tl.float32) * tl.exp(cs)[:, None]).to(DOT)
         dS = tl.exp(cs_last) * dS + tl.dot(tl.trans(dye), Cc, input_precision=PRECISION)
 
@@ -336,15 +400,18 @@ def _ssd_bwd_state_kernel(
 def _ssd_bwd_chunk_kernel(
     x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
     dx_ptr, ddt_ptr, dw_ptr, da_ptr, db_ptr, dc_ptr,
-    H, G, D,
+    bb_ptr, cb_ptr, th_ptr, gam_ptr, dth_ptr, dgam_ptr,
+    H, G, D, n_a,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, HAS_W: tl.constexpr,
+    DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """Backward pass 2 (every chunk at once, all of P; N in blocks of BN, twice). Per chunk, with u = dt x
     (u = w x given an input weight w: then dt reaches only the decay, and dw = du . x),
     L the decay mask, S the entering state, dS' the leaving state's gradient, w_j = exp(cs_last - cs_j):
         y = (C B^T * L) u + exp(cs) * (C S^T);   S' = exp(cs_last) S + (u * w)^T B
-    dB and dC go to [B,T,H,N] (fp32 when G < H: the launcher sums each group's heads)."""
+    dB and dC go to [B,T,H,N] (fp32 when G < H: the launcher sums each group's heads).
+    M3 (the forward output kernel's W): the gradients of w and gamma, and dB and dC taken back through the
+    rotation (fp32, per head) with the angles' gradient d theta per sub-token [B*T*R, H, n_a]."""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     first, end = _slot_chunk(cu_ptr, slot, D, CHUNK)
@@ -357,6 +424,7 @@ def _ssd_bwd_chunk_kernel(
         rp = tl.arange(0, P)
         t = first + rl
         m = t < end
+        step = rl // RANK
         dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
@@ -374,47 +442,67 @@ def _ssd_bwd_chunk_kernel(
         SdS = tl.zeros((P,), dtype=tl.float32)
         for nb in tl.static_range(N // BN):
             rn = nb * BN + tl.arange(0, BN)
-            Bc = tl.load(b_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0)
-            Cc = tl.load(c_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0)
+            Bc = _key_tile(b_ptr, bc_at, rn, t, m, hd, H, bb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, BN)
+            Cc = _key_tile(c_ptr, bc_at, rn, t, m, hd, H, cb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, BN)
             S = tl.load(st_at + rp[:, None] * N + rn[None, :])
             dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
             CB += tl.dot(Cc.to(DOT), tl.trans(Bc.to(DOT)), input_precision=PRECISION)
             Q += tl.dot(Bc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)
             CS += tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)
             SdS += tl.sum(dS * S, axis=1)
-        Lm = _decay_mask(cs, rl)
-        dYU = tl.dot(dy.to(DOT), tl.trans(u.to(DOT)), input_precision=PRECISION)  # [i, j] = dy_i . u_j
-        du = tl.dot(tl.trans((CB * Lm).to(DOT)), dy.to(DOT), input_precision=PRECISION) + w[:, None] * Q
-        LdYU = Lm * dYU
+        Lm = _decay_mask(cs, step)
+        xQ = tl.sum(x * Q, axis=1)
+        if M3:  # y = (CB * L * W) x: W[i, j] = w_j for an earlier step, gamma_j for the same one
+            gam = tl.load(gam_ptr + t * H + hd, mask=m, other=0.0)
+            earlier = step[:, None] > step[None, :]
+            W = tl.where(earlier, xw[None, :], gam[None, :])
+            dYX = tl.dot(dy.to(DOT), tl.trans(x.to(DOT)), input_precision=PRECISION)  # [i, j] = dy_i . x_j
+            LdYU = Lm * dYX * W
+            CBL = CB * Lm
+            dx = tl.dot(tl.trans((CBL * W).to(DOT)), dy.to(DOT), input_precision=PRECISION) + (xw * w)[:, None] * Q
+            dW = CBL * dYX  # the gradient of every W[i, j]
+            dxw = tl.sum(tl.where(earlier, dW, 0.0), axis=0) + w * xQ
+            tl.store(dgam_ptr + t * H + hd, tl.sum(tl.where(earlier, 0.0, dW), axis=0), mask=m)
+        else:
+            dYU = tl.dot(dy.to(DOT), tl.trans(u.to(DOT)), input_precision=PRECISION)  # [i, j] = dy_i . u_j
+            du = tl.dot(tl.trans((CB * Lm).to(DOT)), dy.to(DOT), input_precision=PRECISION) + w[:, None] * Q
+            LdYU = Lm * dYU
+            dxw = tl.sum(du * x, axis=1)
+            dx = du * xw[:, None]
         # gradient of the cumulative log-decay: +/- each exp(cs_i - cs_j), then the state terms
         Sm = LdYU * CB
-        R = w * tl.sum(u * Q, axis=1)
+        R = w * xw * xQ
         dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) + ecs * tl.sum(dy * CS, axis=1) - R
         to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
         # cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every real token
         dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
-        dxw = tl.sum(du * x, axis=1)
         if HAS_W:
             ddt = dloga * A_h
             tl.store(dw_ptr + t * H + hd, dxw.to(dw_ptr.dtype.element_ty), mask=m)
         else:
             ddt = dxw + dloga * A_h
         tl.store(da_ptr + slot * H + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
-        tl.store(dx_ptr + (t[:, None] * H + hd) * P + rp[None, :], (du * xw[:, None]).to(dx_ptr.dtype.element_ty),
-                 mask=m[:, None])  # fmt: skip
+        tl.store(dx_ptr + (t[:, None] * H + hd) * P + rp[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m[:, None])
         tl.store(ddt_ptr + t * H + hd, ddt.to(ddt_ptr.dtype.element_ty), mask=m)
         # second sweep over N: dC = (L * dy u^T) B + exp(cs) dy S;  dB = (L * dy u^T)^T C + w u dS'
         LdYU_lo = LdYU.to(DOT)
         dye, uw = dy * ecs[:, None], u * w[:, None]
         for nb in tl.static_range(N // BN):
             rn = nb * BN + tl.arange(0, BN)
-            Bc = tl.load(b_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
-            Cc = tl.load(c_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+            Bc = _key_tile(b_ptr, bc_at, rn, t, m, hd, H, bb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, BN)
+            Cc = _key_tile(c_ptr, bc_at, rn, t, m, hd, H, cb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, BN)
             S = tl.load(st_at + rp[:, None] * N + rn[None, :])
             dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
-            dC = tl.dot(LdYU_lo, Bc, input_precision=PRECISION) + tl.dot(dye, S, input_precision=PRECISION)
-            dB = tl.dot(tl.trans(LdYU_lo), Cc, input_precision=PRECISION) + tl.dot(uw, dS, input_precision=PRECISION)
+            dC = tl.dot(LdYU_lo, Bc.to(DOT), input_precision=PRECISION) + tl.dot(dye, S, input_precision=PRECISION)
+            dB = tl.dot(tl.trans(LdYU_lo), Cc.to(DOT), input_precision=PRECISION) + tl.dot(uw, dS, input_precision=PRECISION)
             out_at = (t[:, None] * H + hd) * N + rn[None, :]
+            if M3:  # back through the rotation, and the angles' gradient from both rotated tiles (fp32)
+                dth = _angle_grad(dB, Bc, CHUNK, BN) + _angle_grad(dC, Cc, CHUNK, BN)
+                pr = _pairs(rn, BN)
+                tl.store(dth_ptr + (t[:, None] * H + hd) * n_a + pr[None, :], dth,
+                         mask=m[:, None] & (pr < n_a)[None, :])  # fmt: skip
+                cos, sin = _angles(th_ptr, t, m, hd, H, n_a, rn, RANK, BN)
+                dB, dC = _rotate(dB, cos, -sin, CHUNK, BN), _rotate(dC, cos, -sin, CHUNK, BN)
             tl.store(db_ptr + out_at, dB.to(db_ptr.dtype.element_ty), mask=m[:, None])
             tl.store(dc_ptr + out_at, dC.to(dc_ptr.dtype.element_ty), mask=m[:, None])
 
@@ -457,6 +545,102 @@ def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int, int], i
     return (D, H, (P // bp) * (N // bn)), bp, bn
 
 
+class Mamba3Operands(NamedTuple):
+    """The kernels' Mamba-3 mode (kernels/mamba3.py's op): the scan's tokens are rank sub-tokens (step, r), B and
+    C are the keys and queries before their bias and rotation. theta [B*T steps, H, n_a] fp32 (rotates the first
+    n_a pairs), the biases [H, R, N] fp32, gamma [B, T*R, H] fp32 (the weight of a step's own inputs; x_weight is
+    every later step's), and the rank R."""
+
+    theta: torch.Tensor
+    b_bias: torch.Tensor
+    c_bias: torch.Tensor
+    gamma: torch.Tensor
+    rank: int
+
+
+def _m3_args(m3: Mamba3Operands | None) -> dict[str, object]:
+    if m3 is None:
+        return {"M3": False, "RANK": 1, "n_a": 0}
+    return {"M3": True, "RANK": m3.rank, "n_a": m3.theta.shape[-1]}
+
+
+def launch_ssd_fwd(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, cu_seqlens: torch.Tensor,
+    chunk: int, save: bool, x_weight: torch.Tensor | None, y_dtype: torch.dtype, m3: Mamba3Operands | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The forward kernels (the SSD op's, and kernels/mamba3's in Mamba-3 mode): y in y_dtype and the fp32 state
+    entering every chunk of every document, by slot (empty unless save). Inputs contiguous and validated."""
+    B, T, H, P = x.shape
+    G, N = Bm.shape[2], Bm.shape[3]
+    D = cu_seqlens.numel() - 1
+    n_slots = _n_slots(B * T, chunk, D)
+    dots = _dot_types(x.dtype)
+    states = torch.empty((n_slots, H, P, N), device=x.device, dtype=torch.float32)
+    grid, bp, bn = _state_grid(D, H, P, N)
+    has_w = x_weight is not None
+    w = x_weight if has_w else dt  # a placeholder pointer the kernels never read
+    flags = _m3_args(m3)
+    th, bb, cb, gam = (m3.theta, m3.b_bias, m3.c_bias, m3.gamma) if m3 is not None else (dt, dt, dt, dt)
+    _ssd_fwd_state_kernel[grid](
+        x, dt, w, A, Bm, cu_seqlens, states, bb, th, H, G,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, **flags, num_warps=STATE_WARPS,
+    )  # fmt: skip
+    y = torch.empty_like(x, dtype=y_dtype)
+    bp = min(OUT_BLOCK_P, P)
+    _ssd_fwd_output_kernel[(n_slots, H, P // bp)](
+        x, dt, w, A, Bm, Cm, cu_seqlens, states, y, bb, cb, th, gam, H, G, D,
+        P=P, N=N, BP=bp, CHUNK=chunk, **dots, HAS_W=has_w, **flags, num_warps=OUT_WARPS,
+    )  # fmt: skip
+    return y, states if save else states.new_empty((0, H, P, N))
+
+
+def launch_ssd_bwd(
+    dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, x_weight: torch.Tensor | None,
+    m3: Mamba3Operands | None = None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The backward kernels: dx, ddt, dA, dB, dC, dw (empty without x_weight), and in Mamba-3 mode d theta per
+    sub-token [B,T*R,H,n_a] and d gamma (else empty). dB and dC: per group in Bm's dtype; in Mamba-3 mode the
+    gradients of the biased B and C per head [B,T,H,N] in fp32 (the caller sums the groups and the biases)."""
+    B, T, H, P = x.shape
+    G, N = Bm.shape[2], Bm.shape[3]
+    D = cu_seqlens.numel() - 1
+    n_slots = states.shape[0]
+    dots = _dot_types(x.dtype)
+    dy = dy.contiguous()
+    dstates = torch.empty_like(states)
+    flags = _m3_args(m3)
+    th, bb, cb, gam = (m3.theta, m3.b_bias, m3.c_bias, m3.gamma) if m3 is not None else (dt, dt, dt, dt)
+    grid, bp, bn = _state_grid(D, H, P, N)
+    _ssd_bwd_state_kernel[grid](
+        dy, dt, A, Cm, cu_seqlens, dstates, cb, th, H, G,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, **flags, num_warps=STATE_WARPS,
+    )  # fmt: skip
+    dx, ddt = torch.empty_like(x), torch.empty_like(dt)
+    has_w = x_weight is not None
+    dw = torch.empty_like(x_weight) if has_w else dt.new_empty((0,))
+    dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
+    if G == H and m3 is None:  # one head per group: the kernel writes the gradients in their own dtype
+        dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
+    else:
+        dB = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
+        dC = torch.empty_like(dB)
+    if m3 is not None:
+        dth = torch.empty((B, T, H, m3.theta.shape[-1]), device=x.device, dtype=torch.float32)
+        dgam = torch.empty_like(m3.gamma)
+    else:
+        dth = dgam = dt.new_empty((0,))
+    _ssd_bwd_chunk_kernel[(n_slots, H)](
+        x, dt, x_weight if has_w else dt, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dw if has_w else ddt,
+        dA, dB, dC, bb, cb, th, gam, dth if m3 is not None else ddt, dgam if m3 is not None else ddt, H, G, D,
+        P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dots, HAS_W=has_w, **flags,
+        num_warps=BWD_WARPS, num_stages=BWD_STAGES,
+    )  # fmt: skip
+    if G != H and m3 is None:
+        dB, dC = (t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype) for t in (dB, dC))
+    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, dw, dth, dgam
+
+
 @torch.library.custom_op("megacpp::ssd_scan_fwd", mutates_args=())
 def ssd_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
@@ -468,26 +652,8 @@ def ssd_scan_fwd(
     Inputs contiguous, validated by the caller; cu_seqlens [D+1] int32 covers the flattened B*T tokens.
     x_weight (fp32, [B,T,H]): the input's weight per token, dt when None (the module docstring). y_fp32: y in
     fp32, not x's dtype (the kernels accumulate in fp32 and store in y's dtype)."""
-    B, T, H, P = x.shape
-    G, N = Bm.shape[2], Bm.shape[3]
-    D = cu_seqlens.numel() - 1
-    n_slots = _n_slots(B * T, chunk, D)
-    dots = _dot_types(x.dtype)
-    states = torch.empty((n_slots, H, P, N), device=x.device, dtype=torch.float32)
-    grid, bp, bn = _state_grid(D, H, P, N)
-    has_w = x_weight is not None
-    w = x_weight if has_w else dt  # a placeholder pointer the kernels never read
-    _ssd_fwd_state_kernel[grid](
-        x, dt, w, A, Bm, cu_seqlens, states, H, G,
-        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, num_warps=STATE_WARPS,
-    )  # fmt: skip
-    y = torch.empty_like(x, dtype=torch.float32 if y_fp32 else x.dtype)
-    bp = min(OUT_BLOCK_P, P)
-    _ssd_fwd_output_kernel[(n_slots, H, P // bp)](
-        x, dt, w, A, Bm, Cm, cu_seqlens, states, y, H, G, D,
-        P=P, N=N, BP=bp, CHUNK=chunk, **dots, HAS_W=has_w, num_warps=OUT_WARPS,
-    )  # fmt: skip
-    return y, states if save else states.new_empty((0, H, P, N))
+    return launch_ssd_fwd(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight,
+                          torch.float32 if y_fp32 else x.dtype)  # fmt: skip
 
 
 @ssd_scan_fwd.register_fake
@@ -504,35 +670,7 @@ def ssd_scan_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients for x, dt, A, Bm, Cm and x_weight (empty when it is None), from the forward's saved chunk
     states."""
-    B, T, H, P = x.shape
-    G, N = Bm.shape[2], Bm.shape[3]
-    D = cu_seqlens.numel() - 1
-    n_slots = states.shape[0]
-    dots = _dot_types(x.dtype)
-    dy = dy.contiguous()
-    dstates = torch.empty_like(states)
-    grid, bp, bn = _state_grid(D, H, P, N)
-    _ssd_bwd_state_kernel[grid](
-        dy, dt, A, Cm, cu_seqlens, dstates, H, G,
-        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, num_warps=STATE_WARPS,
-    )  # fmt: skip
-    dx, ddt = torch.empty_like(x), torch.empty_like(dt)
-    has_w = x_weight is not None
-    dw = torch.empty_like(x_weight) if has_w else dt.new_empty((0,))
-    dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
-    if G == H:  # one head per group: the kernel writes the gradients in their own dtype
-        dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
-    else:
-        dB = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
-        dC = torch.empty_like(dB)
-    _ssd_bwd_chunk_kernel[(n_slots, H)](
-        x, dt, x_weight if has_w else dt, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dw if has_w else ddt,
-        dA, dB, dC, H, G, D, P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dots, HAS_W=has_w,
-        num_warps=BWD_WARPS, num_stages=BWD_STAGES,
-    )  # fmt: skip
-    if G != H:
-        dB, dC = (t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype) for t in (dB, dC))
-    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, dw
+    return launch_ssd_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk, x_weight)[:6]
 
 
 @ssd_scan_bwd.register_fake
