@@ -64,15 +64,16 @@ def test_one_graph_per_block_structure_with_the_scans_as_opaque_ops():
     assert stats.graphs == len(structures) == len(capture.graphs) and stats.graph_breaks == 0, stats
     torch.testing.assert_close(compiled, eager)
     kinds = [k for k, _ in sorted(structures.items(), key=lambda kv: kv[0])]
-    scans = {"M": "megacpp.ssd_scan_fwd", "R": "megacpp.m2rnn_scan_fwd"}
+    # the M block's scan (Mamba-3's op, or Mamba-2's SSD op) and the R block's
+    scans = {"megacpp.mamba3_scan_fwd", "megacpp.ssd_scan_fwd", "megacpp.m2rnn_scan_fwd"}
     rope = {"megacpp.mla_rope_q_", "megacpp.mla_rope_kv_fwd"}  # A graphs on a GPU: the RoPE kernels' ops
     angles = {"megacpp.doc_angle_sum"}  # Mamba-3's document angle sums, beside its SSD op
     for gm in capture.graphs:
         ops = [op.split(".default")[0] for op in _ops(gm)]
         # every M or R graph holds its scan as one custom op call; an unrolled step loop would hold none
-        assert sum(op in scans.values() for op in ops) <= 1 and set(ops) <= set(scans.values()) | rope | angles, ops
-    with_scan = sum(1 for gm in capture.graphs if any(op.split(".default")[0] in scans.values() for op in _ops(gm)))
-    assert with_scan == sum(1 for k in kinds if k[0] in scans)
+        assert sum(op in scans for op in ops) <= 1 and set(ops) <= scans | rope | angles, ops
+    with_scan = sum(1 for gm in capture.graphs if any(op.split(".default")[0] in scans for op in _ops(gm)))
+    assert with_scan == sum(1 for k in kinds if k[0] in "MR")
 
 
 def test_twenty_training_steps_with_different_document_counts_add_no_graph():

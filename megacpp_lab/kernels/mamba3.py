@@ -27,7 +27,13 @@ op) runs with the input weight w = gamma + delta_next apart from the decay. For 
 sub-tokens (t, r): rank 0 carries the step's decay, ranks r > 0 have dt = 0 (decay 1) and the same weight. The
 SSD output at (t, r') then holds the same step's ranks r <= r' at weight w; the exact same-step term is gamma for
 every rank, so y_{t,r'} += sum_r c_{r'r} (q_{t,r'} . k_{t,r}) x_{t,r} with c = gamma where r > r' and -delta_next
-where r <= r' (for SISO, the diagonal -delta_next (q . k) x). `mamba3_scan` is that; the step loop is its oracle.
+where r <= r' (for SISO, the diagonal -delta_next (q . k) x). That is the chunked torch path (the CPU's).
+
+**The Triton op** (`megacpp::mamba3_scan_fwd`, kernel="triton", the GPU's) needs no correction: kernels/ssd.py's
+kernels run in a Mamba-3 mode where a step's own inputs take gamma and every earlier step's take w (the decay mask
+and the weights by step, so a step's ranks see each other), which makes the diagonal exact and each output free
+of the next token's dt and trapezoid. The keys and queries reach it rotated, per head, in fp32; the angle sums
+run as one Triton segmented scan. The step loop is every path's oracle.
 
 Shapes follow kernels/ssd.py: x [B,T,H,P], dt [B,T,H], A [H], the trapezoid logits trap [B,T,H], the angle
 rates angles [B,T,H,N_a] with N_a <= N/2 (the pairs past N_a are not rotated), D [H]. SISO: B and C [B,T,G,N]
@@ -209,12 +215,24 @@ def _first_of_document(start: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def _doc_angle_sum_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
-    """d inc_s = the sum of grad_t over t >= s in s's document (the mods have derivative 1): a suffix sum within
-    each document, in fp64."""
+    """d inc_s = the sum of grad_t over t >= s in s's document (the mods have derivative 1)."""
     (start,) = ctx.saved_tensors
+    return doc_suffix_sum(grad, start), None
+
+
+@torch.library.custom_op("megacpp::doc_suffix_sum", mutates_args=())
+def doc_suffix_sum(grad: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """The angle sums' backward: grad [B,T,...] summed over t >= s within s's document (start [B,T] bool), in fp64,
+    out in grad's dtype. On CUDA a Triton segmented scan (`doc_suffix_sum_triton`), elsewhere plain torch
+    (`doc_suffix_sum_torch`). An opaque op, as the forward is: the backward graph would trace into the kernel."""
     if grad.is_cuda:
-        return doc_suffix_sum_triton(grad, start), None
-    return doc_suffix_sum_torch(grad, start), None
+        return doc_suffix_sum_triton(grad, start)
+    return doc_suffix_sum_torch(grad, start)
+
+
+@doc_suffix_sum.register_fake
+def _(grad, start):  # noqa: ANN001, ANN202
+    return grad.new_empty(grad.shape)
 
 
 def doc_suffix_sum_torch(grad: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -282,14 +300,22 @@ def _doc_scan_kernel(v_ptr, flag_ptr, out_ptr, T, C, BT: tl.constexpr, BC: tl.co
 
 
 def _doc_scan(v: torch.Tensor, flag: torch.Tensor, *, angles: bool, reverse: bool) -> torch.Tensor:
+    """One program per (row, column block), each walking its row: the column blocks narrow until the programs fill
+    the GPU twice over (at [8,4096,16,32] 16-wide blocks give 256 programs; 128-wide ones gave 32, and the scan
+    took 1.1 ms where it now takes a tenth of that)."""
     B, T = v.shape[:2]
     v = v.contiguous()
     C = v[0, 0].numel()
     out = torch.empty_like(v)
     bc = min(128, triton.next_power_of_2(max(C, 1)))
-    _doc_scan_kernel[(B, triton.cdiv(C, bc))](v, flag.contiguous(), out, T, C, BT=32, BC=bc, ANGLES=angles,
-                                              REVERSE=reverse, num_warps=4)  # fmt: skip
+    while bc > 8 and B * triton.cdiv(C, bc) < SCAN_PROGRAMS:
+        bc //= 2
+    _doc_scan_kernel[(B, triton.cdiv(C, bc))](v, flag.contiguous(), out, T, C, BT=64, BC=bc, ANGLES=angles,
+                                              REVERSE=reverse, num_warps=2)  # fmt: skip
     return out
+
+
+SCAN_PROGRAMS = 264  # twice an H100's or H200's 132 SMs
 
 
 def doc_angle_sum_triton(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -310,73 +336,65 @@ def doc_suffix_sum_triton(grad: torch.Tensor, start: torch.Tensor) -> torch.Tens
 
 @torch.library.custom_op("megacpp::mamba3_scan_fwd", mutates_args=())
 def mamba3_scan_fwd(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, theta: torch.Tensor,
-    b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, cu_seqlens: torch.Tensor,
-    chunk: int, rank: int, save: bool,
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, k: torch.Tensor, q: torch.Tensor, weight: torch.Tensor,
+    gamma: torch.Tensor, cu_seqlens: torch.Tensor, chunk: int, rank: int, save: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T*R,H,P] (no D x) over rank sub-tokens and the saved chunk states: kernels/ssd.py's kernels in Mamba-3
-    mode, keys and queries biased and rotated on load, a step's own inputs weighted by gamma and every later
-    step's by weight. x [B,T*R,H,P], dt (rank 0's, the others 0), weight and gamma [B,T*R,H] fp32; B and C
-    [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the sub-tokens. Contiguous,
-    validated by mamba3_scan."""
-    m3 = Mamba3Operands(theta, b_bias, c_bias, gamma, rank)
-    return launch_ssd_fwd(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, weight, x.dtype, m3)
+    mode, a step's own inputs weighted by gamma and every later step's by weight (the trapezoid's exact
+    diagonal; a step's ranks see each other). x [B,T*R,H,P], dt (rank 0's, the others 0), weight and gamma
+    [B,T*R,H] fp32; the rotated keys and queries per head k, q [B,T*R,H,N]; cu_seqlens over the sub-tokens.
+    Contiguous, validated by mamba3_scan."""
+    return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype, Mamba3Operands(gamma, rank))
 
 
 @mamba3_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
+def _(x, dt, A, k, q, weight, gamma, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
     B, T, H, P = x.shape
     n_slots = B * T // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
-    return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
+    return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, k.shape[-1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("megacpp::mamba3_scan_bwd", mutates_args=())
 def mamba3_scan_bwd(
-    dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
-    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:  # fmt: skip
-    """dx, ddt, dA, the gradients of the biased B and C per head [B,T*R,H,N] fp32, d theta per sub-token
-    [B,T*R,H,n_a] fp32, d weight, d gamma: the autograd formula sums the groups, ranks and biases."""
-    m3 = Mamba3Operands(theta, b_bias, c_bias, gamma, rank)
-    dx, ddt, dA, dB, dC, dw, dth, dgam = launch_ssd_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk, weight, m3)
-    return dx, ddt, dA, dB, dC, dth, dw, dgam
+    dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, k: torch.Tensor, q: torch.Tensor,
+    weight: torch.Tensor, gamma: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx, ddt, dA, dk, dq (in k's and q's dtype), d weight, d gamma."""
+    return launch_ssd_bwd(dy, x, dt, A, k, q, cu_seqlens, states, chunk, weight, Mamba3Operands(gamma, rank))
 
 
 @mamba3_scan_bwd.register_fake
-def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
-    B, T, H, _ = x.shape
-    per_head = x.new_empty((B, T, H, Bm.shape[-1]), dtype=torch.float32)
-    return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), per_head, torch.empty_like(per_head),
-            x.new_empty((B, T, H, theta.shape[-1]), dtype=torch.float32), torch.empty_like(weight),
-            torch.empty_like(gamma))  # fmt: skip
+def _(dy, x, dt, A, k, q, weight, gamma, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
+    return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(k), torch.empty_like(q),
+            torch.empty_like(weight), torch.empty_like(gamma))  # fmt: skip
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk, rank, _save = inputs
-    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, output[1])
+    x, dt, A, k, q, weight, gamma, cu_seqlens, chunk, rank, _save = inputs
+    ctx.save_for_backward(x, dt, A, k, q, weight, gamma, cu_seqlens, output[1])
     ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
 
 
 def _mamba3_backward(ctx, dy, _dstates):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states = ctx.saved_tensors
+    x, dt, A, k, q, weight, gamma, cu_seqlens, states = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
-    dx, ddt, dA, dBh, dCh, dth, dw, dgam = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma,
-                                                           cu_seqlens, states, ctx.chunk, ctx.rank)  # fmt: skip
-    B, TR, G, N = Bm.shape
-    H, R = x.shape[2], ctx.rank
-    # traced into the backward graph: inductor fuses these sums over the groups' heads, the tokens and the ranks
-    group = lambda t, like: t.view(B, TR, G, H // G, N).sum(3).to(like.dtype)  # noqa: E731
-    bias = lambda t: t.view(B, TR // R, R, H, N).sum((0, 1)).transpose(0, 1)  # noqa: E731  [H,R,N]
-    d_theta = dth.view(B, TR // R, R, H, -1).sum(2)
-    return (dx, ddt, dA, group(dBh, Bm), group(dCh, Cm), d_theta, bias(dBh), bias(dCh), dw, dgam, None, None, None,
-            None)  # fmt: skip
+    dx, ddt, dA, dk, dq, dw, dgam = mamba3_scan_bwd(dy, x, dt, A, k, q, weight, gamma, cu_seqlens, states, ctx.chunk,
+                                                    ctx.rank)  # fmt: skip
+    return dx, ddt, dA, dk, dq, dw, dgam, None, None, None, None
 
 
 mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
+
+
+def _keys(Bm: torch.Tensor, bias: torch.Tensor, theta: torch.Tensor, H: int) -> torch.Tensor:
+    """The rotated keys (or queries) per head in fp32 (fp64 for fp64 inputs), [B,T,R,H,N]: B [B,T,R,G,N] read by
+    each head of its group, plus the bias [H,R,N], rotated by theta [B,T,1,H,N_a]. fp32: the op hands their
+    gradients back in this dtype, and the angles' gradient, dk . dk/dtheta over a pair, cancels (with dk rounded
+    to bf16 it was 8-17% off)."""
+    acc = theta.dtype
+    return rotate_pairs(Bm.to(acc).repeat_interleave(H // Bm.shape[3], dim=3) + bias.transpose(0, 1).to(acc), theta)
 
 
 def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk):  # noqa: ANN001, ANN202
@@ -396,19 +414,15 @@ def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_s
     sub = lambda t: t.reshape(B, T * R, *t.shape[3:]).contiguous()  # noqa: E731  [B,T,R,...] -> [B,T*R,...]
     fp32_sub = lambda t: sub(t[:, :, None].expand(B, T, R, H).float())  # noqa: E731
     dt_sub = torch.cat((dt[:, :, None].float(), dt.new_zeros((B, T, R - 1, H), dtype=torch.float32)), dim=2)
+    k, q = _keys(Bm, b_bias, theta[:, :, None], H), _keys(Cm, c_bias, theta[:, :, None], H)
     # no generator expression: dynamo cannot trace one under fullgraph
     needs_grad = torch.is_grad_enabled() and (
-        xr.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
-        or theta.requires_grad or b_bias.requires_grad or c_bias.requires_grad or weight.requires_grad
-        or gamma.requires_grad
-    )
-    y, _ = mamba3_scan_fwd(
-        sub(xr), sub(dt_sub), A.float().contiguous(), sub(Bm), sub(Cm), theta.float().contiguous(),
-        b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma),
-        (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
+        xr.requires_grad or dt.requires_grad or A.requires_grad or k.requires_grad or q.requires_grad
+        or weight.requires_grad or gamma.requires_grad
     )  # fmt: skip
+    y, _ = mamba3_scan_fwd(sub(xr), sub(dt_sub), A.float().contiguous(), sub(k), sub(q), fp32_sub(weight),
+                           fp32_sub(gamma), (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad)  # fmt: skip
     return y.view(B, T, R, H, P)
-
 
 def _angles(angles: torch.Tensor, dt: torch.Tensor, start: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """theta [B,T,H,N_a] in the accumulation dtype: the increments pi tanh(angles) dt summed from each document
@@ -470,20 +484,15 @@ def _mamba3_chunked(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, del
     rotated in fp32, the SSD with weight w over the rank sub-tokens, then the same step's exact weights by an
     R x R correction (module docstring). y [B,T,R,H,P] in fp32 (fp64 for fp64 inputs), without D x."""
     B, T, R, H, P = xr.shape
-    G = Bm.shape[3]
     acc = theta.dtype
-    per_head = H // G
-    k = rotate_pairs(Bm.to(acc).repeat_interleave(per_head, dim=3) + b_bias.transpose(0, 1).to(acc), theta)
-    q = rotate_pairs(Cm.to(acc).repeat_interleave(per_head, dim=3) + c_bias.transpose(0, 1).to(acc), theta)
+    k, q = _keys(Bm, b_bias, theta, H), _keys(Cm, c_bias, theta, H)
     # the SSD over T*R sub-tokens (t, r): rank 0 carries the step's decay, the others decay by 1
     sub = lambda t: t.reshape(B, T * R, *t.shape[3:])  # noqa: E731  [B,T,R,...] -> [B,T*R,...]
     dt_sub = torch.cat((dt[:, :, None], torch.zeros_like(dt[:, :, None]).expand(B, T, R - 1, H)), dim=2)
     w_sub = weight[:, :, None].expand(B, T, R, H)
     cu_sub = None if cu_seqlens is None else cu_seqlens * R
-    # k and q go to the SSD in fp32: the SSD returns dk and dq in their dtype, and the angles' gradient, dk .
-    # dk/dtheta over a pair, cancels (with dk rounded to bf16 it was 8-17% off). y comes back in fp32 too: the
-    # correction below takes the next token's weight back out of it, and from a bf16 y that left the next token's
-    # dt in this token's output at up to 17 bf16 ulps
+    # y comes back in fp32: the correction below takes the next token's weight back out of it, and from a bf16 y
+    # that left the next token's dt in this token's output at up to 17 bf16 ulps
     y = ssd_scan(sub(xr), sub(dt_sub), A, sub(k), sub(q), cu_seqlens=cu_sub, chunk=chunk,
                  kernel="chunked", x_weight=sub(w_sub), checked=True, y_fp32=True).view(B, T, R, H, P).to(acc)  # fmt: skip
     # the same step's exact weights: gamma for every rank (the SSD gave w to ranks r <= r' and none to r > r')

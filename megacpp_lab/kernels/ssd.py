@@ -240,53 +240,9 @@ def _decay_mask(cs, step):
     return tl.where(causal, tl.exp(tl.where(causal, cs[:, None] - cs[None, :], 0.0)), 0.0)
 
 
-# Mamba-3 mode (M3, kernels/mamba3.py): the scan's B and C are its keys and queries before their bias and rotation.
-# Each tile is biased per (head, rank) and rotated per (step, head) on load, in fp32: k = rot(B + b_bias, theta).
-# Tokens are rank sub-tokens t = step * RANK + r (RANK = 1: SISO); theta [steps, H, n_a] rotates the first n_a
-# interleaved pairs (v[2i], v[2i+1]).
-
-
-@triton.jit
-def _rotate(v, cos, sin, ROWS: tl.constexpr, BN: tl.constexpr):
-    """Rotate the interleaved pairs of v [ROWS, BN] by the angles whose cos and sin are [ROWS, BN // 2]."""
-    re, im = tl.split(tl.reshape(v, (ROWS, BN // 2, 2)))
-    return tl.reshape(tl.join(re * cos - im * sin, re * sin + im * cos), (ROWS, BN))
-
-
-@triton.jit
-def _angle_grad(g, v, ROWS: tl.constexpr, BN: tl.constexpr):
-    """d theta [ROWS, BN // 2] of a rotated tile v from its gradient g: d rot(u, theta) / d theta = (-v_im, v_re)."""
-    g_re, g_im = tl.split(tl.reshape(g, (ROWS, BN // 2, 2)))
-    v_re, v_im = tl.split(tl.reshape(v, (ROWS, BN // 2, 2)))
-    return g_im * v_re - g_re * v_im
-
-
-@triton.jit
-def _pairs(rn, BN: tl.constexpr):
-    """The pair index of each interleaved pair of columns rn [BN] (contiguous, even first): [BN // 2]."""
-    return tl.split(tl.reshape(rn // 2, (BN // 2, 2)))[0]
-
-
-@triton.jit
-def _angles(th_ptr, t, m, hd, H, n_a, rn, RANK: tl.constexpr, BN: tl.constexpr):
-    """cos and sin [rows, BN // 2] of the step angles of sub-tokens t for the pairs of columns rn (0 past n_a: no
-    rotation)."""
-    pr = _pairs(rn, BN)
-    th = tl.load(th_ptr + ((t // RANK) * H + hd)[:, None] * n_a + pr[None, :], mask=m[:, None] & (pr < n_a)[None, :],
-                 other=0.0)  # fmt: skip
-    return tl.cos(th), tl.sin(th)
-
-
-@triton.jit
-def _key_tile(ptr, bc_at, rn, t, m, hd, H, bias_ptr, th_ptr, n_a, N: tl.constexpr, M3: tl.constexpr,
-              RANK: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):  # fmt: skip
-    """B or C at rows bc_at, columns rn: as stored (Mamba-2), or Mamba-3's key/query (biased, rotated; fp32)."""
-    v = tl.load(ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0)
-    if M3:
-        v = v.to(tl.float32) + tl.load(bias_ptr + ((hd * RANK + t % RANK) * N)[:, None] + rn[None, :])
-        cos, sin = _angles(th_ptr, t, m, hd, H, n_a, rn, RANK, BN)
-        v = tl.where(m[:, None], _rotate(v, cos, sin, ROWS, BN), 0.0)
-    return v
+# Mamba-3 mode (M3, kernels/mamba3.py): tokens are rank sub-tokens t = step * RANK + r (RANK = 1: SISO), a step's
+# ranks see each other (the decay mask by step), and a step's own inputs take the weight gamma where every later
+# step takes x_weight (the trapezoid's exact diagonal). B and C come in as the rotated keys and queries per head.
 
 
 @triton.jit
@@ -307,10 +263,10 @@ def _state_program(cu_ptr, a_ptr, H, G, P: tl.constexpr, BP: tl.constexpr, BN: t
 
 @triton.jit
 def _ssd_fwd_state_kernel(
-    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, cu_ptr, st_ptr, bb_ptr, th_ptr,
-    H, G, n_a,
+    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, cu_ptr, st_ptr,
+    H, G,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr,
 ):  # fmt: skip
     """Pass 1 (sequential over one document's chunks, one [BP, BN] block of the state per program):
     store the fp32 state entering every chunk; S' = exp(cs_last) S + (u * w)^T B, u = dt x (or x times the
@@ -324,15 +280,15 @@ def _ssd_fwd_state_kernel(
         dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
-        Bc = _key_tile(b_ptr, (t[:, None] * G + g) * N, rn, t, m, hd, H, bb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, BN)
+        Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0)
         uw = (x.to(tl.float32) * (tl.exp(cs_last - cs) * xw)[:, None]).to(DOT)
         S = tl.exp(cs_last) * S + tl.dot(tl.trans(uw), Bc.to(DOT), input_precision=PRECISION)
 
 
 @triton.jit
 def _ssd_fwd_output_kernel(
-    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr, bb_ptr, cb_ptr, th_ptr, gam_ptr,
-    H, G, D, n_a,
+    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr, gam_ptr,
+    H, G, D,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
@@ -352,9 +308,8 @@ def _ssd_fwd_output_kernel(
         m = t < end
         dt, cs, _ = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
-        bc_at = (t[:, None] * G + g) * N
-        Bc = _key_tile(b_ptr, bc_at, rn, t, m, hd, H, bb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, N).to(DOT)
-        Cc = _key_tile(c_ptr, bc_at, rn, t, m, hd, H, cb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, N).to(DOT)
+        Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+        Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
         S = tl.load(st_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
         step = rl // RANK
         CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION) * _decay_mask(cs, step)
@@ -373,10 +328,10 @@ def _ssd_fwd_output_kernel(
 
 @triton.jit
 def _ssd_bwd_state_kernel(
-    dy_ptr, dt_ptr, a_ptr, c_ptr, cu_ptr, dst_ptr, cb_ptr, th_ptr,
-    H, G, n_a,
+    dy_ptr, dt_ptr, a_ptr, c_ptr, cu_ptr, dst_ptr,
+    H, G,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, DOT: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """Backward pass 1 (sequential, chunks in reverse): store dS', the gradient of the state leaving every
     chunk; the gradient of the entering state is exp(cs_last) dS' + sum_i exp(cs_i) dy_i C_i^T."""
@@ -390,8 +345,7 @@ def _ssd_bwd_state_kernel(
         m = t < end
         dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
-        Cc = _key_tile(c_ptr, (t[:, None] * G + g) * N, rn, t, m, hd, H, cb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK,
-                       BN).to(DOT)  # fmt: skip
+        Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
         dye = (dy.to(tl.float32) * tl.exp(cs)[:, None]).to(DOT)
         dS = tl.exp(cs_last) * dS + tl.dot(tl.trans(dye), Cc, input_precision=PRECISION)
 
@@ -400,8 +354,8 @@ def _ssd_bwd_state_kernel(
 def _ssd_bwd_chunk_kernel(
     x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
     dx_ptr, ddt_ptr, dw_ptr, da_ptr, db_ptr, dc_ptr,
-    bb_ptr, cb_ptr, th_ptr, gam_ptr, dth_ptr, dgam_ptr,
-    H, G, D, n_a,
+    gam_ptr, dgam_ptr,
+    H, G, D,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
@@ -410,8 +364,7 @@ def _ssd_bwd_chunk_kernel(
     L the decay mask, S the entering state, dS' the leaving state's gradient, w_j = exp(cs_last - cs_j):
         y = (C B^T * L) u + exp(cs) * (C S^T);   S' = exp(cs_last) S + (u * w)^T B
     dB and dC go to [B,T,H,N] (fp32 when G < H: the launcher sums each group's heads).
-    M3 (the forward output kernel's W): the gradients of w and gamma, and dB and dC taken back through the
-    rotation (fp32, per head) with the angles' gradient d theta per sub-token [B*T*R, H, n_a]."""
+    M3 (the forward output kernel's W): the gradients of w and gamma."""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     first, end = _slot_chunk(cu_ptr, slot, D, CHUNK)
@@ -442,8 +395,8 @@ def _ssd_bwd_chunk_kernel(
         SdS = tl.zeros((P,), dtype=tl.float32)
         for nb in tl.static_range(N // BN):
             rn = nb * BN + tl.arange(0, BN)
-            Bc = _key_tile(b_ptr, bc_at, rn, t, m, hd, H, bb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, BN)
-            Cc = _key_tile(c_ptr, bc_at, rn, t, m, hd, H, cb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, BN)
+            Bc = tl.load(b_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0)
+            Cc = tl.load(c_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0)
             S = tl.load(st_at + rp[:, None] * N + rn[None, :])
             dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
             CB += tl.dot(Cc.to(DOT), tl.trans(Bc.to(DOT)), input_precision=PRECISION)
@@ -489,20 +442,13 @@ def _ssd_bwd_chunk_kernel(
         dye, uw = dy * ecs[:, None], u * w[:, None]
         for nb in tl.static_range(N // BN):
             rn = nb * BN + tl.arange(0, BN)
-            Bc = _key_tile(b_ptr, bc_at, rn, t, m, hd, H, bb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, BN)
-            Cc = _key_tile(c_ptr, bc_at, rn, t, m, hd, H, cb_ptr, th_ptr, n_a, N, M3, RANK, CHUNK, BN)
+            Bc = tl.load(b_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+            Cc = tl.load(c_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
             S = tl.load(st_at + rp[:, None] * N + rn[None, :])
             dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
-            dC = tl.dot(LdYU_lo, Bc.to(DOT), input_precision=PRECISION) + tl.dot(dye, S, input_precision=PRECISION)
-            dB = tl.dot(tl.trans(LdYU_lo), Cc.to(DOT), input_precision=PRECISION) + tl.dot(uw, dS, input_precision=PRECISION)
+            dC = tl.dot(LdYU_lo, Bc, input_precision=PRECISION) + tl.dot(dye, S, input_precision=PRECISION)
+            dB = tl.dot(tl.trans(LdYU_lo), Cc, input_precision=PRECISION) + tl.dot(uw, dS, input_precision=PRECISION)
             out_at = (t[:, None] * H + hd) * N + rn[None, :]
-            if M3:  # back through the rotation, and the angles' gradient from both rotated tiles (fp32)
-                dth = _angle_grad(dB, Bc, CHUNK, BN) + _angle_grad(dC, Cc, CHUNK, BN)
-                pr = _pairs(rn, BN)
-                tl.store(dth_ptr + (t[:, None] * H + hd) * n_a + pr[None, :], dth,
-                         mask=m[:, None] & (pr < n_a)[None, :])  # fmt: skip
-                cos, sin = _angles(th_ptr, t, m, hd, H, n_a, rn, RANK, BN)
-                dB, dC = _rotate(dB, cos, -sin, CHUNK, BN), _rotate(dC, cos, -sin, CHUNK, BN)
             tl.store(db_ptr + out_at, dB.to(db_ptr.dtype.element_ty), mask=m[:, None])
             tl.store(dc_ptr + out_at, dC.to(dc_ptr.dtype.element_ty), mask=m[:, None])
 
@@ -546,22 +492,15 @@ def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int, int], i
 
 
 class Mamba3Operands(NamedTuple):
-    """The kernels' Mamba-3 mode (kernels/mamba3.py's op): the scan's tokens are rank sub-tokens (step, r), B and
-    C are the keys and queries before their bias and rotation. theta [B*T steps, H, n_a] fp32 (rotates the first
-    n_a pairs), the biases [H, R, N] fp32, gamma [B, T*R, H] fp32 (the weight of a step's own inputs; x_weight is
-    every later step's), and the rank R."""
+    """The kernels' Mamba-3 mode (kernels/mamba3.py's op): the scan's tokens are rank sub-tokens (step, r);
+    gamma [B, T*R, H] fp32 weights a step's own inputs (x_weight every later step's); the rank R."""
 
-    theta: torch.Tensor
-    b_bias: torch.Tensor
-    c_bias: torch.Tensor
     gamma: torch.Tensor
     rank: int
 
 
 def _m3_args(m3: Mamba3Operands | None) -> dict[str, object]:
-    if m3 is None:
-        return {"M3": False, "RANK": 1, "n_a": 0}
-    return {"M3": True, "RANK": m3.rank, "n_a": m3.theta.shape[-1]}
+    return {"M3": m3 is not None, "RANK": 1 if m3 is None else m3.rank}
 
 
 def launch_ssd_fwd(
@@ -580,15 +519,15 @@ def launch_ssd_fwd(
     has_w = x_weight is not None
     w = x_weight if has_w else dt  # a placeholder pointer the kernels never read
     flags = _m3_args(m3)
-    th, bb, cb, gam = (m3.theta, m3.b_bias, m3.c_bias, m3.gamma) if m3 is not None else (dt, dt, dt, dt)
+    gam = m3.gamma if m3 is not None else dt
     _ssd_fwd_state_kernel[grid](
-        x, dt, w, A, Bm, cu_seqlens, states, bb, th, H, G,
-        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, **flags, num_warps=STATE_WARPS,
+        x, dt, w, A, Bm, cu_seqlens, states, H, G,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, num_warps=STATE_WARPS,
     )  # fmt: skip
     y = torch.empty_like(x, dtype=y_dtype)
     bp = min(OUT_BLOCK_P, P)
     _ssd_fwd_output_kernel[(n_slots, H, P // bp)](
-        x, dt, w, A, Bm, Cm, cu_seqlens, states, y, bb, cb, th, gam, H, G, D,
+        x, dt, w, A, Bm, Cm, cu_seqlens, states, y, gam, H, G, D,
         P=P, N=N, BP=bp, CHUNK=chunk, **dots, HAS_W=has_w, **flags, num_warps=OUT_WARPS,
     )  # fmt: skip
     return y, states if save else states.new_empty((0, H, P, N))
@@ -599,9 +538,8 @@ def launch_ssd_bwd(
     cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, x_weight: torch.Tensor | None,
     m3: Mamba3Operands | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """The backward kernels: dx, ddt, dA, dB, dC, dw (empty without x_weight), and in Mamba-3 mode d theta per
-    sub-token [B,T*R,H,n_a] and d gamma (else empty). dB and dC: per group in Bm's dtype; in Mamba-3 mode the
-    gradients of the biased B and C per head [B,T,H,N] in fp32 (the caller sums the groups and the biases)."""
+    """The backward kernels: dx, ddt, dA, dB, dC, dw (empty without x_weight), and in Mamba-3 mode d gamma (else
+    empty)."""
     B, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
@@ -610,35 +548,31 @@ def launch_ssd_bwd(
     dy = dy.contiguous()
     dstates = torch.empty_like(states)
     flags = _m3_args(m3)
-    th, bb, cb, gam = (m3.theta, m3.b_bias, m3.c_bias, m3.gamma) if m3 is not None else (dt, dt, dt, dt)
+    gam = m3.gamma if m3 is not None else dt
     grid, bp, bn = _state_grid(D, H, P, N)
     _ssd_bwd_state_kernel[grid](
-        dy, dt, A, Cm, cu_seqlens, dstates, cb, th, H, G,
-        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, **flags, num_warps=STATE_WARPS,
+        dy, dt, A, Cm, cu_seqlens, dstates, H, G,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, num_warps=STATE_WARPS,
     )  # fmt: skip
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
     has_w = x_weight is not None
     dw = torch.empty_like(x_weight) if has_w else dt.new_empty((0,))
     dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
-    if G == H and m3 is None:  # one head per group: the kernel writes the gradients in their own dtype
+    if G == H:  # one head per group: the kernel writes the gradients in their own dtype
         dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
     else:
         dB = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
         dC = torch.empty_like(dB)
-    if m3 is not None:
-        dth = torch.empty((B, T, H, m3.theta.shape[-1]), device=x.device, dtype=torch.float32)
-        dgam = torch.empty_like(m3.gamma)
-    else:
-        dth = dgam = dt.new_empty((0,))
+    dgam = torch.empty_like(m3.gamma) if m3 is not None else dt.new_empty((0,))
     _ssd_bwd_chunk_kernel[(n_slots, H)](
         x, dt, x_weight if has_w else dt, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dw if has_w else ddt,
-        dA, dB, dC, bb, cb, th, gam, dth if m3 is not None else ddt, dgam if m3 is not None else ddt, H, G, D,
+        dA, dB, dC, gam, dgam if m3 is not None else ddt, H, G, D,
         P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dots, HAS_W=has_w, **flags,
         num_warps=BWD_WARPS, num_stages=BWD_STAGES,
     )  # fmt: skip
-    if G != H and m3 is None:
+    if G != H:
         dB, dC = (t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype) for t in (dB, dC))
-    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, dw, dth, dgam
+    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, dw, dgam
 
 
 @torch.library.custom_op("megacpp::ssd_scan_fwd", mutates_args=())
