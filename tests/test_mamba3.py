@@ -196,10 +196,15 @@ def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dots are fp32: this isolates the gradients' storage")
-def test_bf16_inputs_keep_the_angles_gradient_under_the_interpreter():
-    """bf16 x, B and C through the Triton SSD op: the rotated keys and queries reach it in fp32, so their gradients
-    come back unrounded and the angles' gradient (a cancelling sum over each pair) stays accurate; with dk and
-    dq rounded to bf16 it was 8% off at this shape."""
+def test_bf16_inputs_hold_every_gradient_within_the_keys_rounding_under_the_interpreter():
+    """bf16 x, B and C through the Triton op, whose rotated keys and queries are stored in bf16 (as mamba_ssm
+    stores them) and whose dk and dq come back from the SSD kernels in fp32 into the angles' gradient, a cross
+    product over each pair. Against the fp32 chunked scan: every gradient within bf16's rounding (1e-2), the
+    angles' within 10%. The angles' gradient is ill-conditioned by nature: a rotation of a whole document changes
+    nothing (q_t . k_s depends on theta_t - theta_s), so a document's angle gradients sum to exactly zero and each
+    suffix sum is a difference of near-equal sums, which the keys' rounding moves by a few percent here (4%; 8%
+    with dk and dq rounded to bf16 as well, before they came back in fp32). The GPU test and the bench measure it
+    at real shapes, mamba_ssm's beside it."""
     from megacpp_lab.bench.mamba3 import GRADS, Mamba3Shape, make_inputs
 
     s = Mamba3Shape(B=1, T=128, H=2, N=32, P=16, G=2, docs=2, chunk=32, rope_pairs=8)
@@ -210,9 +215,9 @@ def test_bf16_inputs_keep_the_angles_gradient_under_the_interpreter():
     leaves = {k: v.detach().float().requires_grad_() for k, v in a.items()}
     ref = mamba3_scan(**leaves, cu_seqlens=cu, chunk=s.chunk, kernel="chunked")
     want = dict(zip(GRADS, torch.autograd.grad(ref, [leaves[n] for n in GRADS], dy.float())))
-    for name in ("angles", "trap", "b_bias", "c_bias"):
+    for name in GRADS:
         rel = ((grads[name].float() - want[name]).norm() / want[name].norm()).item()
-        assert rel < 1e-4, f"d{name}: relative error {rel:.2e}"
+        assert rel < (0.1 if name == "angles" else 1e-2), f"d{name}: relative error {rel:.2e}"
 
 
 @pytest.mark.parametrize("kernel", ["reference", "chunked"])

@@ -334,65 +334,181 @@ def doc_suffix_sum_triton(grad: torch.Tensor, start: torch.Tensor) -> torch.Tens
 # ----------------------------------------------------------------------------- the Triton op: the SSD kernels in Mamba-3 mode
 
 
+@triton.jit
+def _rotate(v, cos, sin, ROWS: tl.constexpr, N: tl.constexpr):
+    """Rotate the interleaved pairs (v[2i], v[2i+1]) of v [ROWS, N] by angles whose cos and sin are [ROWS, N // 2]."""
+    re, im = tl.split(tl.reshape(v, (ROWS, N // 2, 2)))
+    return tl.reshape(tl.join(re * cos - im * sin, re * sin + im * cos), (ROWS, N))
+
+
+@triton.jit
+def _key_program(th_ptr, H, n_a, RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):
+    """A key program's sub-tokens t [BT] (over the flattened B*T*R), their mask, the group g, the columns and the
+    pair index of each column pair, the sub-token's rank, and the theta offsets of its step."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    rn = tl.arange(0, N)
+    pair = tl.arange(0, N // 2)
+    return t, tl.program_id(1), rn, pair, t % RANK, (t // RANK) * H
+
+
+@triton.jit
+def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G, n_a,
+                 RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """k = rot(B + b_bias, theta) and q = rot(C + c_bias, theta) per head, in k's dtype: one program per BT
+    sub-tokens and group, B and C loaded once for the group's heads. fp32 arithmetic."""
+    t, g, rn, pair, r, th_row = _key_program(th_ptr, H, n_a, RANK, BT, N)
+    m = t < TOTAL
+    Bg = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    Cg = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    for j in range(0, H // G):
+        hd = g * (H // G) + j
+        th = tl.load(th_ptr + (th_row + hd)[:, None] * n_a + pair[None, :], mask=m[:, None] & (pair < n_a)[None, :],
+                     other=0.0)  # fmt: skip
+        cos, sin = tl.cos(th), tl.sin(th)
+        bias_at = ((hd * RANK + r) * N)[:, None] + rn[None, :]
+        k = _rotate(Bg + tl.load(bb_ptr + bias_at), cos, sin, BT, N)
+        q = _rotate(Cg + tl.load(cb_ptr + bias_at), cos, sin, BT, N)
+        out_at = (t[:, None] * H + hd) * N + rn[None, :]
+        tl.store(k_ptr + out_at, k.to(k_ptr.dtype.element_ty), mask=m[:, None])
+        tl.store(q_ptr + out_at, q.to(q_ptr.dtype.element_ty), mask=m[:, None])
+
+
+@triton.jit
+def _keys_bwd_kernel(dk_ptr, dq_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, db_ptr, dc_ptr, dth_ptr, dbb_ptr, dcb_ptr,
+                     TOTAL, H, G, n_a, RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """_keys_kernel's backward from dk, dq per head (fp32): dB and dC summed over the group's heads (in B's dtype),
+    d theta per sub-token [B*T*R, H, n_a] (d rot(u, theta)/d theta = (-k_im, k_re), from the keys recomputed in
+    fp32), and the biases' gradients summed over this program's sub-tokens, per rank: [programs, H, RANK, N]."""
+    t, g, rn, pair, r, th_row = _key_program(th_ptr, H, n_a, RANK, BT, N)
+    m = t < TOTAL
+    Bg = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    Cg = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    dBg = tl.zeros((BT, N), dtype=tl.float32)
+    dCg = tl.zeros((BT, N), dtype=tl.float32)
+    for j in range(0, H // G):
+        hd = g * (H // G) + j
+        th = tl.load(th_ptr + (th_row + hd)[:, None] * n_a + pair[None, :], mask=m[:, None] & (pair < n_a)[None, :],
+                     other=0.0)  # fmt: skip
+        cos, sin = tl.cos(th), tl.sin(th)
+        bias_at = ((hd * RANK + r) * N)[:, None] + rn[None, :]
+        k = _rotate(Bg + tl.load(bb_ptr + bias_at), cos, sin, BT, N)
+        q = _rotate(Cg + tl.load(cb_ptr + bias_at), cos, sin, BT, N)
+        at = (t[:, None] * H + hd) * N + rn[None, :]
+        dk = tl.load(dk_ptr + at, mask=m[:, None], other=0.0)
+        dq = tl.load(dq_ptr + at, mask=m[:, None], other=0.0)
+        dk_re, dk_im = tl.split(tl.reshape(dk, (BT, N // 2, 2)))
+        dq_re, dq_im = tl.split(tl.reshape(dq, (BT, N // 2, 2)))
+        k_re, k_im = tl.split(tl.reshape(k, (BT, N // 2, 2)))
+        q_re, q_im = tl.split(tl.reshape(q, (BT, N // 2, 2)))
+        dth = dk_im * k_re - dk_re * k_im + dq_im * q_re - dq_re * q_im
+        tl.store(dth_ptr + (t[:, None] * H + hd) * n_a + pair[None, :], dth, mask=m[:, None] & (pair < n_a)[None, :])
+        dB = _rotate(dk, cos, -sin, BT, N)  # the rotation's transpose
+        dC = _rotate(dq, cos, -sin, BT, N)
+        dBg += dB
+        dCg += dC
+        for rr in range(0, RANK):
+            part_at = ((tl.program_id(0) * H + hd) * RANK + rr) * N + rn
+            tl.store(dbb_ptr + part_at, tl.sum(tl.where((r == rr)[:, None], dB, 0.0), axis=0))
+            tl.store(dcb_ptr + part_at, tl.sum(tl.where((r == rr)[:, None], dC, 0.0), axis=0))
+    out_at = (t[:, None] * G + g) * N + rn[None, :]
+    tl.store(db_ptr + out_at, dBg.to(db_ptr.dtype.element_ty), mask=m[:, None])
+    tl.store(dc_ptr + out_at, dCg.to(dc_ptr.dtype.element_ty), mask=m[:, None])
+
+
+KEYS_BLOCK_T = 32  # sub-tokens per key program
+
+
+def _keys_grid(total: int, G: int) -> tuple[int, int]:
+    return (triton.cdiv(total, KEYS_BLOCK_T), G)
+
+
+def _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, rank, dtype):  # noqa: ANN001, ANN202
+    B, TR, G, N = Bm.shape
+    k = torch.empty((B, TR, H, N), device=Bm.device, dtype=dtype)
+    q = torch.empty_like(k)
+    _keys_kernel[_keys_grid(B * TR, G)](Bm, Cm, b_bias, c_bias, theta, k, q, B * TR, H, G, theta.shape[-1],
+                                        RANK=rank, BT=KEYS_BLOCK_T, N=N, num_warps=4)  # fmt: skip
+    return k, q
+
+
 @torch.library.custom_op("megacpp::mamba3_scan_fwd", mutates_args=())
 def mamba3_scan_fwd(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, k: torch.Tensor, q: torch.Tensor, weight: torch.Tensor,
-    gamma: torch.Tensor, cu_seqlens: torch.Tensor, chunk: int, rank: int, save: bool,
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, theta: torch.Tensor,
+    b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, cu_seqlens: torch.Tensor,
+    chunk: int, rank: int, save: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """y [B,T*R,H,P] (no D x) over rank sub-tokens and the saved chunk states: kernels/ssd.py's kernels in Mamba-3
-    mode, a step's own inputs weighted by gamma and every later step's by weight (the trapezoid's exact
-    diagonal; a step's ranks see each other). x [B,T*R,H,P], dt (rank 0's, the others 0), weight and gamma
-    [B,T*R,H] fp32; the rotated keys and queries per head k, q [B,T*R,H,N]; cu_seqlens over the sub-tokens.
-    Contiguous, validated by mamba3_scan."""
+    """y [B,T*R,H,P] (no D x) over rank sub-tokens and the saved chunk states. The keys and queries per head, k =
+    rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels in Mamba-3 mode: a step's
+    own inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal; a step's ranks see
+    each other). x [B,T*R,H,P]; dt (rank 0's, the others 0), weight and gamma [B,T*R,H] fp32; B and C
+    [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the sub-tokens. Contiguous,
+    validated by mamba3_scan."""
+    k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, x.shape[2], rank, x.dtype)
     return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype, Mamba3Operands(gamma, rank))
 
 
 @mamba3_scan_fwd.register_fake
-def _(x, dt, A, k, q, weight, gamma, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
+def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
     B, T, H, P = x.shape
     n_slots = B * T // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
-    return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, k.shape[-1]), dtype=torch.float32)
+    return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("megacpp::mamba3_scan_bwd", mutates_args=())
 def mamba3_scan_bwd(
-    dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, k: torch.Tensor, q: torch.Tensor,
-    weight: torch.Tensor, gamma: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dx, ddt, dA, dk, dq (in k's and q's dtype), d weight, d gamma."""
-    return launch_ssd_bwd(dy, x, dt, A, k, q, cu_seqlens, states, chunk, weight, Mamba3Operands(gamma, rank))
+    dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
+    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """dx, ddt, dA, dB, dC (B's dtype), d theta [B,T,H,n_a] fp32, the biases' gradients [H,R,N], d weight, d gamma.
+    The keys are recomputed (not saved: per head they are H / G times B's size); the SSD kernels hand back their
+    gradients in fp32, and the angles' gradient, a cross product over each pair, takes them unrounded."""
+    B, TR, G, N = Bm.shape
+    H, R, n_a = x.shape[2], rank, theta.shape[-1]
+    k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
+    dx, ddt, dA, dk, dq, dw, dgam = launch_ssd_bwd(dy, x, dt, A, k, q, cu_seqlens, states, chunk, weight,
+                                                   Mamba3Operands(gamma, rank))  # fmt: skip
+    grid = _keys_grid(B * TR, G)
+    dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
+    dth = torch.empty((B, TR, H, n_a), device=x.device, dtype=torch.float32)
+    dbb = torch.empty((grid[0], H, R, N), device=x.device, dtype=torch.float32)
+    dcb = torch.empty_like(dbb)
+    _keys_bwd_kernel[grid](dk, dq, Bm, Cm, b_bias, c_bias, theta, dB, dC, dth, dbb, dcb, B * TR, H, G, n_a,
+                           RANK=R, BT=KEYS_BLOCK_T, N=N, num_warps=4)  # fmt: skip
+    d_theta = dth.view(B, TR // R, R, H, n_a).sum(2) if R > 1 else dth
+    return dx, ddt, dA, dB, dC, d_theta, dbb.sum(0), dcb.sum(0), dw, dgam
 
 
 @mamba3_scan_bwd.register_fake
-def _(dy, x, dt, A, k, q, weight, gamma, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
-    return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(k), torch.empty_like(q),
-            torch.empty_like(weight), torch.empty_like(gamma))  # fmt: skip
+def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
+    return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(Bm), torch.empty_like(Cm),
+            torch.empty_like(theta), torch.empty_like(b_bias), torch.empty_like(c_bias), torch.empty_like(weight),
+            torch.empty_like(gamma))  # fmt: skip
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
-    x, dt, A, k, q, weight, gamma, cu_seqlens, chunk, rank, _save = inputs
-    ctx.save_for_backward(x, dt, A, k, q, weight, gamma, cu_seqlens, output[1])
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk, rank, _save = inputs
+    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, output[1])
     ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
 
 
 def _mamba3_backward(ctx, dy, _dstates):  # noqa: ANN001, ANN202
-    x, dt, A, k, q, weight, gamma, cu_seqlens, states = ctx.saved_tensors
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
-    dx, ddt, dA, dk, dq, dw, dgam = mamba3_scan_bwd(dy, x, dt, A, k, q, weight, gamma, cu_seqlens, states, ctx.chunk,
-                                                    ctx.rank)  # fmt: skip
-    return dx, ddt, dA, dk, dq, dw, dgam, None, None, None, None
+    grads = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states, ctx.chunk,
+                            ctx.rank)  # fmt: skip
+    return (*grads, None, None, None, None)
 
 
 mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
 
 
 def _keys(Bm: torch.Tensor, bias: torch.Tensor, theta: torch.Tensor, H: int) -> torch.Tensor:
-    """The rotated keys (or queries) per head in fp32 (fp64 for fp64 inputs), [B,T,R,H,N]: B [B,T,R,G,N] read by
-    each head of its group, plus the bias [H,R,N], rotated by theta [B,T,1,H,N_a]. fp32: the op hands their
-    gradients back in this dtype, and the angles' gradient, dk . dk/dtheta over a pair, cancels (with dk rounded
-    to bf16 it was 8-17% off)."""
+    """The rotated keys (or queries) per head in theta's dtype, [B,T,R,H,N] (the chunked path): B [B,T,R,G,N] read
+    by each head of its group, plus the bias [H,R,N], rotated by theta [B,T,1,H,N_a]."""
     acc = theta.dtype
     return rotate_pairs(Bm.to(acc).repeat_interleave(H // Bm.shape[3], dim=3) + bias.transpose(0, 1).to(acc), theta)
 
@@ -414,15 +530,19 @@ def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_s
     sub = lambda t: t.reshape(B, T * R, *t.shape[3:]).contiguous()  # noqa: E731  [B,T,R,...] -> [B,T*R,...]
     fp32_sub = lambda t: sub(t[:, :, None].expand(B, T, R, H).float())  # noqa: E731
     dt_sub = torch.cat((dt[:, :, None].float(), dt.new_zeros((B, T, R - 1, H), dtype=torch.float32)), dim=2)
-    k, q = _keys(Bm, b_bias, theta[:, :, None], H), _keys(Cm, c_bias, theta[:, :, None], H)
     # no generator expression: dynamo cannot trace one under fullgraph
     needs_grad = torch.is_grad_enabled() and (
-        xr.requires_grad or dt.requires_grad or A.requires_grad or k.requires_grad or q.requires_grad
-        or weight.requires_grad or gamma.requires_grad
+        xr.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
+        or theta.requires_grad or b_bias.requires_grad or c_bias.requires_grad or weight.requires_grad
+        or gamma.requires_grad
     )  # fmt: skip
-    y, _ = mamba3_scan_fwd(sub(xr), sub(dt_sub), A.float().contiguous(), sub(k), sub(q), fp32_sub(weight),
-                           fp32_sub(gamma), (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad)  # fmt: skip
+    y, _ = mamba3_scan_fwd(
+        sub(xr), sub(dt_sub), A.float().contiguous(), sub(Bm), sub(Cm), theta.float().contiguous(),
+        b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma),
+        (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
+    )  # fmt: skip
     return y.view(B, T, R, H, P)
+
 
 def _angles(angles: torch.Tensor, dt: torch.Tensor, start: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """theta [B,T,H,N_a] in the accumulation dtype: the increments pi tanh(angles) dt summed from each document

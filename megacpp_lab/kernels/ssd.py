@@ -242,7 +242,8 @@ def _decay_mask(cs, step):
 
 # Mamba-3 mode (M3, kernels/mamba3.py): tokens are rank sub-tokens t = step * RANK + r (RANK = 1: SISO), a step's
 # ranks see each other (the decay mask by step), and a step's own inputs take the weight gamma where every later
-# step takes x_weight (the trapezoid's exact diagonal). B and C come in as the rotated keys and queries per head.
+# step takes x_weight (the trapezoid's exact diagonal). B and C come in as the rotated keys and queries per head,
+# their gradients go out in fp32.
 
 
 @triton.jit
@@ -539,7 +540,7 @@ def launch_ssd_bwd(
     m3: Mamba3Operands | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The backward kernels: dx, ddt, dA, dB, dC, dw (empty without x_weight), and in Mamba-3 mode d gamma (else
-    empty)."""
+    empty). dB and dC in Bm's dtype; in Mamba-3 mode in fp32 (the caller takes them back through its rotation)."""
     B, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
@@ -558,7 +559,7 @@ def launch_ssd_bwd(
     has_w = x_weight is not None
     dw = torch.empty_like(x_weight) if has_w else dt.new_empty((0,))
     dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
-    if G == H:  # one head per group: the kernel writes the gradients in their own dtype
+    if G == H and m3 is None:  # one head per group: the kernel writes the gradients in their own dtype
         dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
     else:
         dB = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
@@ -570,7 +571,7 @@ def launch_ssd_bwd(
         P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dots, HAS_W=has_w, **flags,
         num_warps=BWD_WARPS, num_stages=BWD_STAGES,
     )  # fmt: skip
-    if G != H:
+    if G != H:  # (Mamba-3 mode: the caller's keys are per head, G == H, and it takes them back in fp32)
         dB, dC = (t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype) for t in (dB, dC))
     return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, dw, dgam
 
