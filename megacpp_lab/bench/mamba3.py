@@ -28,8 +28,8 @@ from megacpp_lab.varlen import PackedContext, build_context, doc_ids_from_cu_seq
 __all__ = ["FULL_SHAPES", "Mamba3Shape", "bench_mamba3", "find_peer", "make_inputs", "mamba3_receipt", "plot_mamba3"]
 
 PEER_ENV = "MEGACPP_MAMBA3_PEER"  # a checkout of mamba_ssm holding ops/triton/mamba3 (../shared/peers/mamba3)
-LAB = "lab mamba3 SISO (torch.compile, Triton SSD op)"
-LAB_EAGER = "lab mamba3 SISO (eager, Triton SSD op)"
+LAB = "lab mamba3 SISO (torch.compile, Triton op)"
+LAB_EAGER = "lab mamba3 SISO (eager, Triton op)"
 PEER = "mamba_ssm mamba3_siso_combined"
 MAMBA2 = "lab mamba2 SSD (Triton op)"
 FIRST_CALL_BAR_S = 30.0
@@ -189,7 +189,7 @@ def _mimo_rows(s: Mamba3Shape, *, dtype: torch.dtype, device: str, rep: int, ora
         dy = torch.randn(s.B, s.T, rank, s.H, s.P, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         names = (*GRADS, "mimo_x")
         ref = _oracle(a, cu, dy, s.chunk, names) if oracle else None
-        row = _row(f"lab mamba3 MIMO R={rank} (torch.compile, Triton SSD op)", _lab(s.chunk, ctx, backend=backend),
+        row = _row(f"lab mamba3 MIMO R={rank} (torch.compile, Triton op)", _lab(s.chunk, ctx, backend=backend),
                    a, dy, ref, names, device=device, rep=rep)  # fmt: skip
         rows.append({"shape": "main", **asdict(s), "rank": rank, "backend": backend, **row})
     return rows
@@ -262,8 +262,10 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
             "extra CUDA memory of one forward+backward; backend: what torch.compile handed the lab's scan to (inductor "
             "on a GPU; a --small run, 'eager'); first_call_s: the first forward+backward and forward calls "
             "(torch.compile, Triton JIT, the peer's autotuning). The lab's rows call mamba3_scan(kernel='triton') "
-            "with the batch's PackedContext, compiled whole (fullgraph: the elementwise work around the SSD op fused "
-            "by inductor) as the model runs it, and eager beside it at the main shape. The peer: "
+            "with the batch's PackedContext (the op megacpp::mamba3_scan_fwd: the keys rotated by one Triton pass, the "
+            "SSD kernels in Mamba-3 mode; the angle sums a Triton segmented scan), compiled whole (fullgraph: the "
+            "elementwise work around the ops fused by inductor) as the model runs it, and eager beside it at the main "
+            "shape. The peer: "
             "mamba3_siso_combined with the batch flattened to one row (its varlen mode needs batch 1), ADT = dt*A per "
             "token. max_abs_err / rel_err / grad_rel_err (error norm / oracle norm): against the chunked torch scan "
             "in fp32 on the same values, at the main shape. The Mamba-2 rows run the lab's SSD op on the same x, dt, "
