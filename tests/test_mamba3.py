@@ -171,6 +171,22 @@ def _triton_against_the_step_loop(a, cu, dy, *, tol):
         assert rel < tol / 2, f"d{name}: relative error {rel:.2e}"
 
 
+@pytest.mark.parametrize("kernel", ["chunked", "triton", "reference"])
+def test_a_documents_first_angle_rate_has_no_gradient(kernel):
+    """Rotating a whole document changes nothing (q_t . k_s depends on theta_t - theta_s only), and a document's
+    first increment rotates all of it: the angles' gradient at every document start is zero, up to rounding,
+    on every path. The property that makes the angles' gradient ill-conditioned (a document's angle gradients
+    sum to zero), checked where it must be exactly zero."""
+    device = "cuda" if torch.cuda.is_available() and kernel == "triton" else "cpu"
+    a = {k: v.float().to(device).requires_grad_() for k, v in _inputs(B=2, T=48, H=2, G=1, P=16, N=16, n_a=4).items()}
+    cu = torch.tensor([0, 5, 30, 48, 61, 96], dtype=torch.int32, device=device)
+    dy = torch.randn(2, 48, 2, 16, generator=torch.Generator().manual_seed(5)).to(device)
+    y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel=kernel)
+    (d_angles,) = torch.autograd.grad(y, [a["angles"]], dy)
+    first = d_angles.view(96, 2, 4)[cu[:-1].long()]
+    assert first.abs().max() < 1e-5 * d_angles.abs().max(), (first.abs().max(), d_angles.abs().max())
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter(reverse):
     """The angle sums (int64 fixed point) and their backward's suffix sums (fp64) as Triton segmented scans: equal
