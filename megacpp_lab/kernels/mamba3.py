@@ -307,6 +307,8 @@ def _doc_scan(v: torch.Tensor, flag: torch.Tensor, *, angles: bool, reverse: boo
     v = v.contiguous()
     C = v[0, 0].numel()
     out = torch.empty_like(v)
+    if out.numel() == 0:  # no rotated pairs (rope_pairs = 0): nothing to scan, and a launch grid may not be empty
+        return out
     bc = min(128, triton.next_power_of_2(max(C, 1)))
     while bc > 8 and B * triton.cdiv(C, bc) < SCAN_PROGRAMS:
         bc //= 2
