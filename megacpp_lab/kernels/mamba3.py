@@ -32,8 +32,10 @@ where r <= r' (for SISO, the diagonal -delta_next (q . k) x). That is the chunke
 **The Triton op** (`megacpp::mamba3_scan_fwd`, kernel="triton", the GPU's) needs no correction: kernels/ssd.py's
 kernels run in a Mamba-3 mode where a step's own inputs take gamma and every earlier step's take w (the decay mask
 and the weights by step, so a step's ranks see each other), which makes the diagonal exact and each output free
-of the next token's dt and trapezoid. The keys and queries reach it rotated, per head, in fp32; the angle sums
-run as one Triton segmented scan. The step loop is every path's oracle.
+of the next token's dt and trapezoid. One Triton pass rotates the keys and queries per head and stores them in x's
+dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
+document's angle gradients stop summing to zero, and the suffix sums carry the difference). The angle sums run as
+one Triton segmented scan. The step loop is every path's oracle.
 
 Shapes follow kernels/ssd.py: x [B,T,H,P], dt [B,T,H], A [H], the trapezoid logits trap [B,T,H], the angle
 rates angles [B,T,H,N_a] with N_a <= N/2 (the pairs past N_a are not rotated), D [H]. SISO: B and C [B,T,G,N]
@@ -196,7 +198,8 @@ def doc_angle_sum(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
 
 def doc_angle_sum_torch(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """doc_angle_sum in plain torch: a cumsum over the whole row less the sum before each document's start."""
-    steps = torch.round(torch.remainder(inc.double(), 2 * math.pi) * ANGLE_FIXED_POINT).to(torch.int64)
+    # ties round up, as the Triton scan rounds them (floor(x + 1/2)): the two stay equal bit for bit
+    steps = torch.floor(torch.remainder(inc.double(), 2 * math.pi) * ANGLE_FIXED_POINT + 0.5).to(torch.int64)
     total = torch.cumsum(steps, dim=1)
     own = total - torch.gather(total - steps, 1, _first_of_document(start, steps.shape))
     return torch.remainder(own.double() / ANGLE_FIXED_POINT, 2 * math.pi).to(inc.dtype)
@@ -346,7 +349,7 @@ def _rotate(v, cos, sin, ROWS: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _key_program(th_ptr, H, n_a, RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):
+def _key_program(H, RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):
     """A key program's sub-tokens t [BT] (over the flattened B*T*R), their mask, the group g, the columns and the
     pair index of each column pair, the sub-token's rank, and the theta offsets of its step."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -360,7 +363,7 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
                  RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
     """k = rot(B + b_bias, theta) and q = rot(C + c_bias, theta) per head, in k's dtype: one program per BT
     sub-tokens and group, B and C loaded once for the group's heads. fp32 arithmetic."""
-    t, g, rn, pair, r, th_row = _key_program(th_ptr, H, n_a, RANK, BT, N)
+    t, g, rn, pair, r, th_row = _key_program(H, RANK, BT, N)
     m = t < TOTAL
     Bg = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
     Cg = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
@@ -379,11 +382,15 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
 
 @triton.jit
 def _keys_bwd_kernel(dk_ptr, dq_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, db_ptr, dc_ptr, dth_ptr, dbb_ptr, dcb_ptr,
-                     TOTAL, H, G, n_a, RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
+                     TOTAL, H, G, n_a, RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr,
+                     KEY_DTYPE: tl.constexpr):  # fmt: skip
     """_keys_kernel's backward from dk, dq per head (fp32): dB and dC summed over the group's heads (in B's dtype),
-    d theta per sub-token [B*T*R, H, n_a] (d rot(u, theta)/d theta = (-k_im, k_re), from the keys recomputed in
-    fp32), and the biases' gradients summed over this program's sub-tokens, per rank: [programs, H, RANK, N]."""
-    t, g, rn, pair, r, th_row = _key_program(th_ptr, H, n_a, RANK, BT, N)
+    d theta per sub-token [B*T*R, H, n_a] (d rot(u, theta)/d theta = (-k_im, k_re)), and the biases' gradients
+    summed over this program's sub-tokens, per rank: [programs, H, RANK, N]. d theta is taken against the keys as
+    the forward stored them (KEY_DTYPE, recomputed and rounded alike): dk is the gradient at those keys, and
+    against the unrounded ones a document's angle gradients stop summing to zero (a whole document's rotation
+    changes nothing), which put the angles' gradient 4-12% off an fp32 oracle under the interpreter, 0.6% now."""
+    t, g, rn, pair, r, th_row = _key_program(H, RANK, BT, N)
     m = t < TOTAL
     Bg = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
     Cg = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
@@ -395,8 +402,8 @@ def _keys_bwd_kernel(dk_ptr, dq_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, db_pt
                      other=0.0)  # fmt: skip
         cos, sin = tl.cos(th), tl.sin(th)
         bias_at = ((hd * RANK + r) * N)[:, None] + rn[None, :]
-        k = _rotate(Bg + tl.load(bb_ptr + bias_at), cos, sin, BT, N)
-        q = _rotate(Cg + tl.load(cb_ptr + bias_at), cos, sin, BT, N)
+        k = _rotate(Bg + tl.load(bb_ptr + bias_at), cos, sin, BT, N).to(KEY_DTYPE).to(tl.float32)
+        q = _rotate(Cg + tl.load(cb_ptr + bias_at), cos, sin, BT, N).to(KEY_DTYPE).to(tl.float32)
         at = (t[:, None] * H + hd) * N + rn[None, :]
         dk = tl.load(dk_ptr + at, mask=m[:, None], other=0.0)
         dq = tl.load(dq_ptr + at, mask=m[:, None], other=0.0)
@@ -423,6 +430,7 @@ def _keys_bwd_kernel(dk_ptr, dq_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, db_pt
 # 210 us forward (32: 302), and 32 551 us backward (16: 579, 64: 1097)
 KEYS_BLOCK_T = 16
 KEYS_BWD_BLOCK_T = 32
+_KEY_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # the keys' storage
 
 
 def _keys_grid(total: int, G: int, block: int) -> tuple[int, int]:
@@ -482,7 +490,7 @@ def mamba3_scan_bwd(
     dbb = torch.empty((grid[0], H, R, N), device=x.device, dtype=torch.float32)
     dcb = torch.empty_like(dbb)
     _keys_bwd_kernel[grid](dk, dq, Bm, Cm, b_bias, c_bias, theta, dB, dC, dth, dbb, dcb, B * TR, H, G, n_a,
-                           RANK=R, BT=KEYS_BWD_BLOCK_T, N=N, num_warps=4)  # fmt: skip
+                           RANK=R, BT=KEYS_BWD_BLOCK_T, N=N, KEY_DTYPE=_KEY_DTYPES[x.dtype], num_warps=4)  # fmt: skip
     d_theta = dth.view(B, TR // R, R, H, n_a).sum(2) if R > 1 else dth
     return dx, ddt, dA, dB, dC, d_theta, dbb.sum(0), dcb.sum(0), dw, dgam
 
@@ -532,6 +540,13 @@ def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_s
         raise RuntimeError(f"kernel='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); x is on {xr.device}")
     if xr.dtype == torch.float64:
         raise ValueError("the Triton Mamba-3 scan takes float32, bfloat16 or float16 x; float64 is for the torch paths")
+    N = Bm.shape[-1]
+    n_docs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    elements = max((B * T * R // chunk + n_docs) * H * P * N, B * T * R * H * max(P, N))
+    if elements >= 2**31:  # the kernels index in int32: the saved states, and the keys per head and sub-token
+        raise ValueError(f"the Triton Mamba-3 scan indexes in int32: x {tuple(xr.shape[:2])} x {R} ranks with H={H}, "
+                         f"P={P}, N={N}, chunk={chunk} and {n_docs} documents needs {elements} elements in one buffer "
+                         f"(limit 2**31); split the batch")  # fmt: skip
     if cu_seqlens is None:
         cu_seqlens = torch.arange(0, B * T + 1, T, device=xr.device, dtype=torch.int32)
     sub = lambda t: t.reshape(B, T * R, *t.shape[3:]).contiguous()  # noqa: E731  [B,T,R,...] -> [B,T*R,...]
