@@ -500,8 +500,11 @@ class Mamba3Operands(NamedTuple):
     rank: int
 
 
-def _m3_args(m3: Mamba3Operands | None) -> dict[str, object]:
-    return {"M3": m3 is not None, "RANK": 1 if m3 is None else m3.rank}
+def _m3_args(m3: Mamba3Operands | None, placeholder: torch.Tensor) -> tuple[dict[str, object], torch.Tensor]:
+    """The kernels' Mamba-3 constexprs and the gamma pointer (a placeholder the kernels never read without M3)."""
+    if m3 is None:
+        return {"M3": False, "RANK": 1}, placeholder
+    return {"M3": True, "RANK": m3.rank}, m3.gamma
 
 
 def launch_ssd_fwd(
@@ -519,8 +522,7 @@ def launch_ssd_fwd(
     grid, bp, bn = _state_grid(D, H, P, N)
     has_w = x_weight is not None
     w = x_weight if has_w else dt  # a placeholder pointer the kernels never read
-    flags = _m3_args(m3)
-    gam = m3.gamma if m3 is not None else dt
+    flags, gam = _m3_args(m3, dt)
     _ssd_fwd_state_kernel[grid](
         x, dt, w, A, Bm, cu_seqlens, states, H, G,
         P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, num_warps=STATE_WARPS,
@@ -548,8 +550,7 @@ def launch_ssd_bwd(
     dots = _dot_types(x.dtype)
     dy = dy.contiguous()
     dstates = torch.empty_like(states)
-    flags = _m3_args(m3)
-    gam = m3.gamma if m3 is not None else dt
+    flags, gam = _m3_args(m3, dt)
     grid, bp, bn = _state_grid(D, H, P, N)
     _ssd_bwd_state_kernel[grid](
         dy, dt, A, Cm, cu_seqlens, dstates, H, G,
