@@ -355,17 +355,16 @@ def _ssd_bwd_state_kernel(
 def _ssd_bwd_chunk_kernel(
     x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
     dx_ptr, ddt_ptr, dw_ptr, da_ptr, db_ptr, dc_ptr,
-    gam_ptr, dgam_ptr,
     H, G, D,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
+    DOT: tl.constexpr, HAS_W: tl.constexpr,
 ):  # fmt: skip
     """Backward pass 2 (every chunk at once, all of P; N in blocks of BN, twice). Per chunk, with u = dt x
     (u = w x given an input weight w: then dt reaches only the decay, and dw = du . x),
     L the decay mask, S the entering state, dS' the leaving state's gradient, w_j = exp(cs_last - cs_j):
         y = (C B^T * L) u + exp(cs) * (C S^T);   S' = exp(cs_last) S + (u * w)^T B
-    dB and dC go to [B,T,H,N] (fp32 when G < H: the launcher sums each group's heads).
-    M3 (the forward output kernel's W): the gradients of w and gamma."""
+    dB and dC go to [B,T,H,N] (fp32 when G < H: the launcher sums each group's heads). Mamba-3 mode has its own
+    kernel (_ssd_bwd_chunk_m3_kernel)."""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     first, end = _slot_chunk(cu_ptr, slot, D, CHUNK)
@@ -378,7 +377,6 @@ def _ssd_bwd_chunk_kernel(
         rp = tl.arange(0, P)
         t = first + rl
         m = t < end
-        step = rl // RANK
         dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
@@ -404,25 +402,13 @@ def _ssd_bwd_chunk_kernel(
             Q += tl.dot(Bc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)
             CS += tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)
             SdS += tl.sum(dS * S, axis=1)
-        Lm = _decay_mask(cs, step)
+        Lm = _decay_mask(cs, rl)
         xQ = tl.sum(x * Q, axis=1)
-        if M3:  # y = (CB * L * W) x: W[i, j] = w_j for an earlier step, gamma_j for the same one
-            gam = tl.load(gam_ptr + t * H + hd, mask=m, other=0.0)
-            earlier = step[:, None] > step[None, :]
-            W = tl.where(earlier, xw[None, :], gam[None, :])
-            dYX = tl.dot(dy.to(DOT), tl.trans(x.to(DOT)), input_precision=PRECISION)  # [i, j] = dy_i . x_j
-            LdYU = Lm * dYX * W
-            CBL = CB * Lm
-            dx = tl.dot(tl.trans((CBL * W).to(DOT)), dy.to(DOT), input_precision=PRECISION) + (xw * w)[:, None] * Q
-            dW = CBL * dYX  # the gradient of every W[i, j]
-            dxw = tl.sum(tl.where(earlier, dW, 0.0), axis=0) + w * xQ
-            tl.store(dgam_ptr + t * H + hd, tl.sum(tl.where(earlier, 0.0, dW), axis=0), mask=m)
-        else:
-            dYU = tl.dot(dy.to(DOT), tl.trans(u.to(DOT)), input_precision=PRECISION)  # [i, j] = dy_i . u_j
-            du = tl.dot(tl.trans((CB * Lm).to(DOT)), dy.to(DOT), input_precision=PRECISION) + w[:, None] * Q
-            LdYU = Lm * dYU
-            dxw = tl.sum(du * x, axis=1)
-            dx = du * xw[:, None]
+        dYU = tl.dot(dy.to(DOT), tl.trans(u.to(DOT)), input_precision=PRECISION)  # [i, j] = dy_i . u_j
+        du = tl.dot(tl.trans((CB * Lm).to(DOT)), dy.to(DOT), input_precision=PRECISION) + w[:, None] * Q
+        LdYU = Lm * dYU
+        dxw = tl.sum(du * x, axis=1)
+        dx = du * xw[:, None]
         # gradient of the cumulative log-decay: +/- each exp(cs_i - cs_j), then the state terms
         Sm = LdYU * CB
         R = w * xw * xQ
@@ -454,6 +440,103 @@ def _ssd_bwd_chunk_kernel(
             tl.store(dc_ptr + out_at, dC.to(dc_ptr.dtype.element_ty), mask=m[:, None])
 
 
+
+@triton.jit
+def _ssd_bwd_chunk_m3_kernel(
+    x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, k_ptr, q_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
+    dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dk_ptr, dq_ptr,
+    H, D,
+    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, RANK: tl.constexpr,
+):  # fmt: skip
+    """Backward pass 2 in Mamba-3 mode (every chunk at once): the forward output kernel's y = (C B^T * L * W) x +
+    exp(cs) (C S^T), W[i, j] = w_j (x_weight) for an earlier step j and gamma_j for the same one, with the keys k
+    and queries q per head (B and C here); their gradients go out in fp32 [B,T,H,N]. The same gradients as
+    _ssd_bwd_chunk_kernel's, in an order that keeps few tiles live at once (the Mamba-2 kernel's order, with W's
+    extra [CHUNK, CHUNK] tiles, held ~250 registers and spilled ~330 more on the H100):
+      1. over N: CB = q k^T and Q = k dS'^T (the leaving state's gradient at each input);
+      2. the chunk's own terms: dx (stored), d weight and d gamma (stored), the log-decay gradient's in-chunk
+         part, and L * (dy x^T) * W kept in the dots' dtype;
+      3. over N twice: dq with the log-decay gradient's state term, then dk with sum(S * dS');
+      4. the log-decay gradient: ddt and this chunk's dA."""
+    slot = tl.program_id(0)
+    hd = tl.program_id(1)
+    first, end = _slot_chunk(cu_ptr, slot, D, CHUNK)
+    if first >= end:
+        tl.store(da_ptr + slot * H + hd, 0.0)  # a gap slot: the launcher sums every slot
+    else:
+        A_h = tl.load(a_ptr + hd).to(tl.float32)
+        rl = tl.arange(0, CHUNK)
+        rp = tl.arange(0, P)
+        t = first + rl
+        m = t < end
+        step = rl // RANK
+        dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        xw = tl.load(w_ptr + t * H + hd, mask=m, other=0.0)
+        gam = tl.load(gam_ptr + t * H + hd, mask=m, other=0.0)
+        w = tl.exp(cs_last - cs)
+        ecs = tl.exp(cs)
+        st_at = st_ptr + (slot * H + hd) * P * N
+        dst_at = dst_ptr + (slot * H + hd) * P * N
+        kq_at = (t[:, None] * H + hd) * N
+        xp_at = (t[:, None] * H + hd) * P + rp[None, :]
+        # 1. the reductions over N (the state's dot in fp32 operands: tf32 for 16-bit inputs)
+        CB = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        Q = tl.zeros((CHUNK, P), dtype=tl.float32)  # [j] = dS' k_j
+        for nb in tl.static_range(N // BN):
+            rn = nb * BN + tl.arange(0, BN)
+            kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+            dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+            CB += tl.dot(qc.to(DOT), tl.trans(kc.to(DOT)), input_precision=PRECISION)
+            Q += tl.dot(kc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)
+        # 2. the chunk's own terms
+        x = tl.load(x_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
+        dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
+        dYX = tl.dot(dy, tl.trans(x), input_precision=PRECISION)  # [i, j] = dy_i . x_j
+        Lm = _decay_mask(cs, step)
+        earlier = step[:, None] > step[None, :]
+        W = tl.where(earlier, xw[None, :], gam[None, :])
+        CBL = CB * Lm
+        dW = CBL * dYX  # the gradient of every W[i, j]
+        tl.store(dgam_ptr + t * H + hd, tl.sum(tl.where(earlier, 0.0, dW), axis=0), mask=m)
+        xQ = tl.sum(x.to(tl.float32) * Q, axis=1)
+        tl.store(dw_ptr + t * H + hd, tl.sum(tl.where(earlier, dW, 0.0), axis=0) + w * xQ, mask=m)
+        Sm = dW * W  # = (L * dy x^T * W) * CB: +/- each exp(cs_i - cs_j) of the log-decay gradient
+        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0)
+        dx = tl.dot(tl.trans((CBL * W).to(DOT)), dy, input_precision=PRECISION) + (xw * w)[:, None] * Q
+        tl.store(dx_ptr + xp_at, dx.to(dx_ptr.dtype.element_ty), mask=m[:, None])
+        LdYU = (Lm * dYX * W).to(DOT)
+        # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S)
+        dye = dy.to(tl.float32) * ecs[:, None]
+        for nb in tl.static_range(N // BN):
+            rn = nb * BN + tl.arange(0, BN)
+            kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+            S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+            dyS = tl.dot(dye, S, input_precision=PRECISION)
+            dcs += tl.sum(dyS * qc.to(tl.float32), axis=1)
+            dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
+            tl.store(dq_ptr + kq_at + rn[None, :], dq, mask=m[:, None])
+        # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
+        uw = x.to(tl.float32) * (xw * w)[:, None]
+        SdS = tl.zeros((P,), dtype=tl.float32)
+        for nb in tl.static_range(N // BN):
+            rn = nb * BN + tl.arange(0, BN)
+            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+            S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+            dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+            dk = tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION) + tl.dot(uw, dS, input_precision=PRECISION)
+            tl.store(dk_ptr + kq_at + rn[None, :], dk, mask=m[:, None])
+            SdS += tl.sum(dS * S, axis=1)
+        # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
+        R = w * xw * xQ
+        dcs -= R
+        to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
+        dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
+        tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
+        tl.store(da_ptr + slot * H + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
+
 # ----------------------------------------------------------------------------- launchers and custom ops
 
 # The sequential passes split the [P, N] state into blocks, one program each: more programs in flight.
@@ -467,6 +550,9 @@ OUT_WARPS = 4
 BWD_BLOCK_N = 64
 BWD_WARPS = 4
 BWD_STAGES = 1
+# the Mamba-3 mode's backward chunk kernel (_ssd_bwd_chunk_m3_kernel): state columns per sweep step, and its warps
+M3_BWD_BLOCK_N = 64
+M3_BWD_WARPS = 4
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -542,7 +628,8 @@ def launch_ssd_bwd(
     m3: Mamba3Operands | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The backward kernels: dx, ddt, dA, dB, dC, dw (empty without x_weight), and in Mamba-3 mode d gamma (else
-    empty). dB and dC in Bm's dtype; in Mamba-3 mode in fp32 (the caller takes them back through its rotation)."""
+    empty). dB and dC in Bm's dtype; in Mamba-3 mode (keys and queries per head, an x_weight) in fp32: the caller
+    takes them back through its rotation."""
     B, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
@@ -550,31 +637,40 @@ def launch_ssd_bwd(
     dots = _dot_types(x.dtype)
     dy = dy.contiguous()
     dstates = torch.empty_like(states)
-    flags, gam = _m3_args(m3, dt)
     grid, bp, bn = _state_grid(D, H, P, N)
     _ssd_bwd_state_kernel[grid](
         dy, dt, A, Cm, cu_seqlens, dstates, H, G,
         P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, num_warps=STATE_WARPS,
     )  # fmt: skip
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
+    dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
+    if m3 is not None:
+        if G != H or x_weight is None:
+            raise ValueError(f"the SSD's Mamba-3 mode takes keys per head (G = H = {H}, got G = {G}) and an x_weight")
+        dk = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
+        dq, dw, dgam = torch.empty_like(dk), torch.empty_like(x_weight), torch.empty_like(m3.gamma)
+        _ssd_bwd_chunk_m3_kernel[(n_slots, H)](
+            x, dt, x_weight, m3.gamma, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dw, dgam, dA, dk, dq, H, D,
+            P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, RANK=m3.rank,
+            num_warps=M3_BWD_WARPS, num_stages=BWD_STAGES,
+        )  # fmt: skip
+        return dx, ddt, dA.sum(0).to(A.dtype), dk, dq, dw, dgam
     has_w = x_weight is not None
     dw = torch.empty_like(x_weight) if has_w else dt.new_empty((0,))
-    dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
-    if G == H and m3 is None:  # one head per group: the kernel writes the gradients in their own dtype
+    if G == H:  # one head per group: the kernel writes the gradients in their own dtype
         dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
     else:
         dB = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
         dC = torch.empty_like(dB)
-    dgam = torch.empty_like(m3.gamma) if m3 is not None else dt.new_empty((0,))
     _ssd_bwd_chunk_kernel[(n_slots, H)](
         x, dt, x_weight if has_w else dt, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dw if has_w else ddt,
-        dA, dB, dC, gam, dgam if m3 is not None else ddt, H, G, D,
-        P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dots, HAS_W=has_w, **flags,
+        dA, dB, dC, H, G, D,
+        P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dots, HAS_W=has_w,
         num_warps=BWD_WARPS, num_stages=BWD_STAGES,
     )  # fmt: skip
-    if G != H:  # (Mamba-3 mode: the caller's keys are per head, G == H, and it takes them back in fp32)
+    if G != H:
         dB, dC = (t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype) for t in (dB, dC))
-    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, dw, dgam
+    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, dw, dt.new_empty((0,))
 
 
 @torch.library.custom_op("megacpp::ssd_scan_fwd", mutates_args=())
