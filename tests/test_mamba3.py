@@ -106,21 +106,20 @@ def test_long_documents_keep_their_angles_in_fp32():
 
 def test_the_document_angle_sum_and_its_gradient_against_a_per_document_loop():
     from megacpp_lab.kernels.mamba3 import doc_angle_sum
-    from megacpp_lab.kernels.ssd import doc_start_mask
 
     g = torch.Generator().manual_seed(6)
     inc = torch.rand(2, 30, 3, generator=g, dtype=torch.float64).requires_grad_()
     cu = torch.tensor([0, 4, 5, 30, 41, 60], dtype=torch.int32)
-    out = doc_angle_sum(inc, doc_start_mask(cu, 2, 30, "cpu"))
+    out = doc_angle_sum(inc, cu)
     flat, want = inc.view(60, 3), []
     for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
         want.append(torch.remainder(torch.cumsum(flat[lo:hi], 0), 2 * math.pi))
     torch.testing.assert_close(out.view(60, 3), torch.cat(want), atol=1e-9, rtol=0)  # fixed point: 1.5e-11 a step
-    assert torch.autograd.gradcheck(lambda x: doc_angle_sum(x, doc_start_mask(cu, 2, 30, "cpu")), (inc,))
+    assert torch.autograd.gradcheck(lambda x: doc_angle_sum(x, cu), (inc,))
     # exactly no dependence across documents, rounding included: another first document, the same others
     other = inc.detach().clone()
     other.view(60, 3)[:4] *= 1e3
-    again = doc_angle_sum(other, doc_start_mask(cu, 2, 30, "cpu"))
+    again = doc_angle_sum(other, cu)
     assert torch.equal(again.view(60, 3)[4:], out.detach().view(60, 3)[4:])
 
 
@@ -193,26 +192,24 @@ def test_a_documents_first_angle_rate_has_no_gradient(kernel):
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter(reverse):
-    """The angle sums (int64 fixed point) and their backward's suffix sums (fp64) as Triton segmented scans: equal
-    to the torch forms, bit for bit, over rows longer than one 128-token block (the carry between blocks) and
-    more columns than one block, documents of one token included."""
+    """The angle sums (int64 fixed point) and their backward's suffix sums (fp64) as Triton scans, one program per
+    document: equal to the torch forms, bit for bit, over documents longer than one 128-token block (the carry
+    between blocks), documents of one token, and more columns than one block."""
     from megacpp_lab.kernels import TRITON_INTERPRET
     from megacpp_lab.kernels.mamba3 import (doc_angle_sum_torch, doc_angle_sum_triton, doc_suffix_sum_torch,
                                             doc_suffix_sum_triton)  # fmt: skip
-    from megacpp_lab.kernels.ssd import doc_start_mask
 
     if not (TRITON_INTERPRET or torch.cuda.is_available()):
         pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(8)
-    B, T = 3, 150
-    cu = torch.tensor([0, 1, 2, 70, 150, 151, 300, 330, 449, 450], dtype=torch.int32)
-    start = doc_start_mask(cu, B, T, "cpu").to(device)
-    v = (torch.randn(B, T, 3, 7, generator=g) * 4).to(device)  # 21 columns: more than one block of 16 at B=3
+    B, T = 3, 300
+    cu = torch.tensor([0, 1, 2, 140, 300, 301, 600, 630, 899, 900], dtype=torch.int32).to(device)
+    v = (torch.randn(B, T, 3, 7, generator=g) * 4).to(device)  # 21 columns: more than one block of 8
     if reverse:
-        torch.testing.assert_close(doc_suffix_sum_triton(v, start), doc_suffix_sum_torch(v, start), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(doc_suffix_sum_triton(v, cu), doc_suffix_sum_torch(v, cu), atol=1e-6, rtol=1e-6)
     else:
-        assert torch.equal(doc_angle_sum_triton(v, start), doc_angle_sum_torch(v, start))
+        assert torch.equal(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dots are fp32: this isolates the gradients' storage")

@@ -35,7 +35,7 @@ and the weights by step, so a step's ranks see each other), which makes the diag
 of the next token's dt and trapezoid. One Triton pass rotates the keys and queries per head and stores them in x's
 dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
 document's angle gradients stop summing to zero, and the suffix sums carry the difference). The angle sums run as
-one Triton segmented scan. The step loop is every path's oracle.
+one Triton program per document. The step loop is every path's oracle.
 
 Shapes follow kernels/ssd.py: x [B,T,H,P], dt [B,T,H], A [H], the trapezoid logits trap [B,T,H], the angle
 rates angles [B,T,H,N_a] with N_a <= N/2 (the pairs past N_a are not rotated), D [H]. SISO: B and C [B,T,G,N]
@@ -182,22 +182,25 @@ ANGLE_FIXED_POINT = 2.0**36
 
 
 @torch.library.custom_op("megacpp::doc_angle_sum", mutates_args=())
-def doc_angle_sum(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """theta [B,T,...]: the increments inc [B,T,...] summed along T from each document start (start [B,T] bool),
-    mod 2 pi, in inc's dtype. The sum runs in int64 fixed point (each increment first taken mod 2 pi): integer
+def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """theta [B,T,...]: the increments inc [B,T,...] summed along T from each document start, mod 2 pi, in inc's
+    dtype; cu_seqlens [D+1] int32 over the flattened B*T tokens (kernels/ssd.py's convention; one document a row
+    is arange(0, B*T + 1, T)). The sum runs in int64 fixed point (each increment first taken mod 2 pi): integer
     sums are exact, so a document's angle takes no rounding from any other document, and a long document keeps
-    its low bits, where an fp32 sum would lose them (hundreds of radians). On CUDA a Triton segmented scan
-    (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`); tests/test_mamba3.py holds the two
-    equal. An opaque op: inductor's Triton codegen fails on this long scan over a middle dim (torch 2.11:
-    `list indices must be integers` in SplitScan codegen, at [8,4096,16,32] on the H200), and torch's own int64
-    scan over a middle dim took 1.6 ms there, a fifth of the whole Mamba-3 scan's forward and backward."""
+    its low bits, where an fp32 sum would lose them (hundreds of radians). On CUDA one Triton program per
+    document and column block (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
+    tests/test_mamba3.py holds the two equal, bit for bit. An opaque op: inductor's Triton codegen fails on this
+    long scan over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen, at
+    [8,4096,16,32] on the H200), and torch's own int64 scan over a middle dim took 1.6 ms there, a fifth of the
+    whole Mamba-3 scan's forward and backward."""
     if inc.is_cuda:
-        return doc_angle_sum_triton(inc, start)
-    return doc_angle_sum_torch(inc, start)
+        return doc_angle_sum_triton(inc, cu_seqlens)
+    return doc_angle_sum_torch(inc, cu_seqlens)
 
 
-def doc_angle_sum_torch(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+def doc_angle_sum_torch(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """doc_angle_sum in plain torch: a cumsum over the whole row less the sum before each document's start."""
+    start = doc_start_mask(cu_seqlens, *inc.shape[:2], inc.device)
     # ties round up, as the Triton scan rounds them (floor(x + 1/2)): the two stay equal bit for bit
     steps = torch.floor(torch.remainder(inc.double(), 2 * math.pi) * ANGLE_FIXED_POINT + 0.5).to(torch.int64)
     total = torch.cumsum(steps, dim=1)
@@ -206,7 +209,7 @@ def doc_angle_sum_torch(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
 
 
 @doc_angle_sum.register_fake
-def _(inc, start):  # noqa: ANN001, ANN202
+def _(inc, cu_seqlens):  # noqa: ANN001, ANN202
     return inc.new_empty(inc.shape)  # contiguous, as the op returns it
 
 
@@ -219,31 +222,33 @@ def _first_of_document(start: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 def _doc_angle_sum_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
     """d inc_s = the sum of grad_t over t >= s in s's document (the mods have derivative 1)."""
-    (start,) = ctx.saved_tensors
-    return doc_suffix_sum(grad, start), None
+    (cu_seqlens,) = ctx.saved_tensors
+    return doc_suffix_sum(grad, cu_seqlens), None
 
 
 @torch.library.custom_op("megacpp::doc_suffix_sum", mutates_args=())
-def doc_suffix_sum(grad: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """The angle sums' backward: grad [B,T,...] summed over t >= s within s's document (start [B,T] bool), in fp64,
-    out in grad's dtype. On CUDA a Triton segmented scan (`doc_suffix_sum_triton`), elsewhere plain torch
-    (`doc_suffix_sum_torch`). An opaque op, as the forward is: the backward graph would trace into the kernel."""
+def doc_suffix_sum(grad: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The angle sums' backward: grad [B,T,...] summed over t >= s within s's document (cu_seqlens as
+    doc_angle_sum's), in fp64, out in grad's dtype. On CUDA the Triton scan walking each document backwards
+    (`doc_suffix_sum_triton`), elsewhere plain torch (`doc_suffix_sum_torch`). An opaque op, as the forward is:
+    the backward graph would trace into the kernel."""
     if grad.is_cuda:
-        return doc_suffix_sum_triton(grad, start)
-    return doc_suffix_sum_torch(grad, start)
+        return doc_suffix_sum_triton(grad, cu_seqlens)
+    return doc_suffix_sum_torch(grad, cu_seqlens)
 
 
 @doc_suffix_sum.register_fake
-def _(grad, start):  # noqa: ANN001, ANN202
+def _(grad, cu_seqlens):  # noqa: ANN001, ANN202
     return grad.new_empty(grad.shape)
 
 
-def doc_suffix_sum_torch(grad: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+def doc_suffix_sum_torch(grad: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The angle sums' backward in plain torch: a suffix sum over the whole row in fp64, less the suffix sum from
     the next document start. A difference: a later document's gradients reach an earlier one's in fp64 rounding
-    (1e-16 relative), never in value (the Triton scan resets exactly)."""
+    (1e-16 relative), never in value (the Triton scan stops exactly at every document end)."""
     g = grad.double()
-    T = g.shape[1]
+    B, T = g.shape[:2]
+    start = doc_start_mask(cu_seqlens, B, T, g.device)
     suffix = torch.flip(torch.cumsum(torch.flip(g, (1,)), dim=1), (1,))  # S_t = sum_{s >= t} g_s
     suffix = torch.cat((suffix, torch.zeros_like(suffix[:, :1])), dim=1)  # S_T = 0
     # the next document start after each token (T past the last one): a reverse running minimum
@@ -263,80 +268,93 @@ doc_angle_sum.register_autograd(
 
 
 @triton.jit
-def _segmented_add(v_a, f_a, v_b, f_b):
-    """The combine of a segmented sum: b's flag (a document boundary at or before b) drops a's running value."""
-    return tl.where(f_b, v_b, v_a + v_b), f_a | f_b
-
-
-@triton.jit
-def _doc_scan_kernel(v_ptr, flag_ptr, out_ptr, T, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
+def _doc_scan_kernel(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
                      REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
-    """One program per (row, BC columns): walks the row's T tokens in blocks of BT (backwards if REVERSE), a
-    segmented scan within each block (tl.associative_scan) plus the running value carried from the last, reset
-    at every flagged token. ANGLES: the forward's sum of increments mod 2 pi in int64 fixed point, out mod 2 pi;
-    else the backward's suffix sum in fp64. flag: document starts (forward) or ends (REVERSE)."""
-    row = tl.program_id(0)
+    """One program per (document, BC columns): walks the document's tokens in blocks of BT (from its end if
+    REVERSE), a cumsum within each block plus the sum carried from the blocks before. ANGLES: the forward's sum
+    of increments mod 2 pi in int64 fixed point, out mod 2 pi; else the backward's suffix sum in fp64. Tokens
+    index the flattened rows (cu_seqlens' convention), so a document is one contiguous run of C-wide rows."""
+    start = tl.load(cu_ptr + tl.program_id(0))
+    end = tl.load(cu_ptr + tl.program_id(0) + 1)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = rc < C
     carry = tl.zeros((BC,), dtype=tl.int64 if ANGLES else tl.float64)
     two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
-    for i in range(0, tl.cdiv(T, BT)):
-        rt = i * BT + tl.arange(0, BT)
+    for i in range(0, tl.cdiv(end - start, BT)):
         if REVERSE:
-            rt = T - 1 - rt
-        mt = (rt >= 0) & (rt < T)
-        at = (row * T + rt)[:, None] * C + rc[None, :]
+            rt = end - (i + 1) * BT + tl.arange(0, BT)
+            mt = rt >= start
+        else:
+            rt = start + i * BT + tl.arange(0, BT)
+            mt = rt < end
+        at = rt[:, None] * C + rc[None, :]
         m = mt[:, None] & mc[None, :]
         v = tl.load(v_ptr + at, mask=m, other=0.0).to(tl.float64)
         if ANGLES:
-            v = tl.floor((v - two_pi * tl.floor(v / two_pi)) * FIXED_POINT + 0.5).to(tl.int64)
-        flag = tl.broadcast_to((tl.load(flag_ptr + row * T + rt, mask=mt, other=0) != 0)[:, None], (BT, BC))
-        run, seen = tl.associative_scan((v, flag), 0, _segmented_add)
-        run = run + tl.where(seen, 0, carry[None, :])
-        carry = tl.sum(tl.where((tl.arange(0, BT) == BT - 1)[:, None], run, 0), axis=0)
+            v = tl.where(m, tl.floor((v - two_pi * tl.floor(v / two_pi)) * FIXED_POINT + 0.5).to(tl.int64), 0)
+        run = tl.cumsum(v, axis=0, reverse=REVERSE) + carry[None, :]
+        carry += tl.sum(v, axis=0)
         if ANGLES:
-            out = run.to(tl.float64) / FIXED_POINT
+            out = run.to(tl.float64) * (1.0 / FIXED_POINT)  # a power of two: exact, and no fp64 division
             out = out - two_pi * tl.floor(out / two_pi)
         else:
             out = run
         tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _doc_scan(v: torch.Tensor, flag: torch.Tensor, *, angles: bool, reverse: bool) -> torch.Tensor:
-    """One program per (row, column block), each walking its row: the column blocks narrow until the programs fill
-    the GPU twice over (at [8,4096,16,32] 16-wide blocks give 256 programs; 128-wide ones gave 32, and the scan
-    took 1.1 ms where it now takes about 0.2 on the H200)."""
-    B, T = v.shape[:2]
+def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, reverse: bool) -> torch.Tensor:
+    """One program per (document, SCAN_BLOCK_C columns), each walking its document."""
     v = v.contiguous()
     C = v[0, 0].numel()
     out = torch.empty_like(v)
     if out.numel() == 0:  # no rotated pairs (rope_pairs = 0): nothing to scan, and a launch grid may not be empty
         return out
-    bc = min(128, triton.next_power_of_2(max(C, 1)))
-    while bc > 8 and B * triton.cdiv(C, bc) < SCAN_PROGRAMS:
-        bc //= 2
-    _doc_scan_kernel[(B, triton.cdiv(C, bc))](v, flag.contiguous(), out, T, C, BT=SCAN_BLOCK_T, BC=bc, ANGLES=angles,
-                                              REVERSE=reverse, FIXED_POINT=ANGLE_FIXED_POINT, num_warps=4)  # fmt: skip
+    _doc_scan_kernel[(cu_seqlens.numel() - 1, triton.cdiv(C, SCAN_BLOCK_C))](
+        v, cu_seqlens, out, C, BT=SCAN_BLOCK_T, BC=SCAN_BLOCK_C, ANGLES=angles, REVERSE=reverse,
+        FIXED_POINT=ANGLE_FIXED_POINT, num_warps=4,
+    )  # fmt: skip
     return out
 
 
-SCAN_PROGRAMS = 264  # twice an H100's or H200's 132 SMs
-# tokens per step of a scan's walk: on the H200 at [8,4096,16,32], 128 (4 warps) took 183 us, 64 (2 warps) 261
+# a scan's tile, tokens x columns: on the H100 at [8,4096,16,32], 8 documents a row, 128 x 8 took 0.18 ms forward and
+# 0.14 backward, 64 x 8 and 32 x 8 within 2% of it; 16 columns took 0.18-0.27, 32 took 0.45-0.64. (The last version,
+# one program per row walking all of it, took the same 0.18 at 16 columns.)
 SCAN_BLOCK_T = 128
+SCAN_BLOCK_C = 8
 
 
-def doc_angle_sum_triton(inc: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """doc_angle_sum as one Triton segmented scan (CUDA, or the CPU under TRITON_INTERPRET=1)."""
-    return _doc_scan(inc, start, angles=True, reverse=False)
+def doc_angle_sum_triton(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """doc_angle_sum as one Triton scan (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    return _doc_scan(inc, cu_seqlens, angles=True, reverse=False)
 
 
-def doc_suffix_sum_triton(grad: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """The angle sums' backward as one Triton segmented scan, backwards, reset at every document end."""
-    ends = torch.cat((start[:, 1:], torch.ones_like(start[:, :1])), dim=1)
-    return _doc_scan(grad, ends, angles=False, reverse=True)
+def doc_suffix_sum_triton(grad: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The angle sums' backward as one Triton scan, each document walked from its end."""
+    return _doc_scan(grad, cu_seqlens, angles=False, reverse=True)
 
 
 # ----------------------------------------------------------------------------- the Triton op: the SSD kernels in Mamba-3 mode
+
+
+_INTERPRETED = tl.constexpr(TRITON_INTERPRET)
+
+
+@triton.jit
+def _cos(x):
+    """cos of an angle in [0, 2 pi) (the document sums' range): the GPU's cos.approx.f32 (about 1e-6 absolute,
+    below a bf16 key's rounding and within the fp32 tests' 1e-5), libdevice's under the interpreter. The keys'
+    exact cos and sin took about half of the key pass's time on the H100 (0.24 ms forward at the issue's shape)."""
+    if _INTERPRETED:
+        return tl.cos(x)
+    return tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _sin(x):
+    """sin as _cos is cos."""
+    if _INTERPRETED:
+        return tl.sin(x)
+    return tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -367,7 +385,7 @@ def _head_keys(Bg, Cg, bb_ptr, cb_ptr, th_ptr, hd, r, th_row, rn, pair, m, n_a, 
     its step angles [BT, N // 2] (pairs past n_a: angle 0, not rotated)."""
     th = tl.load(th_ptr + (th_row + hd)[:, None] * n_a + pair[None, :], mask=m[:, None] & (pair < n_a)[None, :],
                  other=0.0)  # fmt: skip
-    cos, sin = tl.cos(th), tl.sin(th)
+    cos, sin = _cos(th), _sin(th)
     bias_at = ((hd * RANK + r) * N)[:, None] + rn[None, :]
     k = _rotate(Bg + tl.load(bb_ptr + bias_at), cos, sin, BT, N)
     return _rotate(Cg + tl.load(cb_ptr + bias_at), cos, sin, BT, N), k, cos, sin
@@ -566,11 +584,11 @@ def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_s
     return y.view(B, T, R, H, P)
 
 
-def _angles(angles: torch.Tensor, dt: torch.Tensor, start: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+def _angles(angles: torch.Tensor, dt: torch.Tensor, cu_seqlens: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """theta [B,T,H,N_a] in the accumulation dtype: the increments pi tanh(angles) dt summed from each document
     start, mod 2 pi (doc_angle_sum)."""
     inc = torch.tanh(angles.to(acc)) * math.pi * dt.to(acc)[..., None]  # [B,T,H,n_a]
-    return doc_angle_sum(inc, start)
+    return doc_angle_sum(inc, cu_seqlens)
 
 
 def mamba3_scan(
@@ -601,9 +619,11 @@ def mamba3_scan(
     mimo = Bm.dim() == 5
     Bm, Cm, b_bias, c_bias, xr = _ranked(x, Bm, Cm, b_bias, c_bias, mimo_x)
     acc = torch.promote_types(x.dtype, torch.float32)
+    if cu_seqlens is None:  # one document a row
+        cu_seqlens = torch.arange(0, B * T + 1, T, device=x.device, dtype=torch.int32)
     start = doc_start_mask(cu_seqlens, B, T, x.device)  # [B,T]
     dts, lam = dt.to(acc), torch.sigmoid(trap.to(acc))
-    theta = _angles(angles, dt, start, acc)  # [B,T,H,N_a]: shared by the ranks
+    theta = _angles(angles, dt, cu_seqlens, acc)  # [B,T,H,N_a]: shared by the ranks
     # delta_next: the next token's previous-input weight, zero where the next token starts a document (or past the row)
     continues = torch.cat((~start[:, 1:], torch.zeros_like(start[:, :1])), dim=1)
     delta_next = torch.cat((((1 - lam) * dts)[:, 1:], torch.zeros_like(dts[:, :1])), dim=1) * continues[..., None]
