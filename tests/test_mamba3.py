@@ -406,9 +406,9 @@ def test_siso_refuses_mimo_x():
 def test_the_triton_path_on_gpu_at_a_real_shape_bf16(rank):
     """The bench's layout at a real shape (B=2, T=4096, H=16, P=64, N=128, 8 documents a row), bf16 inputs, the
     Triton op: y and every gradient against the chunked scan in fp32 on the same values, within bf16's rounding.
-    The angles' gradient is looser (0.15): it sums a document's later tokens, whose bf16 dots round alike. The
-    bound dates from before the angles' gradient was taken against the keys as stored (the H200 receipt measured
-    0.084 then, mamba_ssm 0.091); the next GPU run tightens it to what it measures now."""
+    The angles' gradient is looser (3e-2): it sums a document's later tokens, whose bf16 dots round alike (the
+    H100 measured 0.010 at rank 1, 0.011 at 2 and 0.016 at 4 at 50324e9; 0.084 before the angles' gradient was
+    taken against the keys as stored)."""
     from dataclasses import replace
 
     from megacpp_lab.bench.mamba3 import GRADS, MAIN, make_inputs
@@ -426,7 +426,7 @@ def test_the_triton_path_on_gpu_at_a_real_shape_bf16(rank):
     rel = lambda u, v: ((u.float() - v).norm() / v.norm()).item()  # noqa: E731
     assert rel(y, ref) < 1e-2, rel(y, ref)
     for name, g, w in zip(names, grads, want):
-        assert rel(g, w) < (0.15 if name == "angles" else 2e-2), f"d{name}: relative error {rel(g, w):.2e}"
+        assert rel(g, w) < (3e-2 if name == "angles" else 2e-2), f"d{name}: relative error {rel(g, w):.2e}"
 
 
 # ----------------------------------------------------------------------------- the layer (nn/mamba3.py)
