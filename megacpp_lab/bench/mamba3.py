@@ -263,7 +263,7 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
             "on a GPU; a --small run, 'eager'); first_call_s: the first forward+backward and forward calls "
             "(torch.compile, Triton JIT, the peer's autotuning). The lab's rows call mamba3_scan(kernel='triton') "
             "with the batch's PackedContext (the op megacpp::mamba3_scan_fwd: the keys rotated by one Triton pass, the "
-            "SSD kernels in Mamba-3 mode; the angle sums a Triton segmented scan), compiled whole (fullgraph: the "
+            "SSD kernels in Mamba-3 mode; the angle sums one Triton program per document), compiled whole (fullgraph: the "
             "elementwise work around the ops fused by inductor) as the model runs it, and eager beside it at the main "
             "shape. The peer: "
             "mamba3_siso_combined with the batch flattened to one row (its varlen mode needs batch 1), ADT = dt*A per "
