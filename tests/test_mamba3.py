@@ -21,6 +21,17 @@ from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "mamba3"
 
 
+@pytest.fixture(params=[False, True], ids=["unrotate_in_keys_pass", "unrotate_in_chunk_pass"])
+def chunk_pass(request, monkeypatch):
+    """Both ways the Triton op's backward takes dk and dq back through the rotation
+    (kernels/mamba3.UNROTATE_IN_CHUNK_PASS), at 16 state columns a sweep step: N = 32 takes two blocks of pairs."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    monkeypatch.setattr(m3, "UNROTATE_IN_CHUNK_PASS", request.param)
+    monkeypatch.setattr(m3, "M3_BWD_BLOCK_N", 16)
+    return request.param
+
+
 def _inputs(B=2, T=48, H=4, G=2, P=8, N=16, n_a=4, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
@@ -149,7 +160,8 @@ def test_bf16_outputs_do_not_carry_the_next_tokens_weight():
     (1, 64, 2, 2, 32, 16, None),  # every pair rotated; one document a row
     (1, 32, 2, 1, 16, 0, [0, 9, 32]),  # no pair rotated (rope_pairs = 0): empty angle scans
 ])  # fmt: skip
-def test_the_triton_op_equals_the_step_loop_in_value_and_every_gradient_under_the_interpreter(B, T, H, G, N, n_a, cu):
+def test_the_triton_op_equals_the_step_loop_in_value_and_every_gradient_under_the_interpreter(B, T, H, G, N, n_a, cu,
+                                                                                              chunk_pass):
     """megacpp::mamba3_scan_fwd/bwd (the SSD's kernels in Mamba-3 mode: the exact same-step weight gamma, no
     correction term) against the fp64-built step loop in fp32, forward and every input's gradient."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -175,7 +187,7 @@ def _triton_against_the_step_loop(a, cu, dy, *, tol):
 
 
 @pytest.mark.parametrize("kernel", ["chunked", "triton", "reference"])
-def test_a_documents_first_angle_rate_has_no_gradient(kernel):
+def test_a_documents_first_angle_rate_has_no_gradient(kernel, chunk_pass):
     """Rotating a whole document changes nothing (q_t . k_s depends on theta_t - theta_s only), and a document's
     first increment rotates all of it: the angles' gradient at every document start is zero, up to rounding,
     on every path (fp32; the bf16 interpreter test checks it with keys stored in bf16). A document's angle
@@ -214,7 +226,7 @@ def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dots are fp32: this isolates the gradients' storage")
 @pytest.mark.parametrize("T, docs", [(128, 2), (256, 1)])
-def test_bf16_inputs_hold_every_gradient_within_the_keys_rounding_under_the_interpreter(T, docs):
+def test_bf16_inputs_hold_every_gradient_within_the_keys_rounding_under_the_interpreter(T, docs, chunk_pass):
     """bf16 x, B and C through the Triton op, whose rotated keys and queries are stored in bf16 (as mamba_ssm
     stores them) and whose dk and dq come back from the SSD kernels in fp32. Against the fp32 chunked scan every
     gradient holds within bf16's rounding (1e-2), the angles' included, and a document's first angle rate keeps a
@@ -373,7 +385,7 @@ def test_mimo_packed_rows_equal_each_document_alone():
 
 
 @pytest.mark.parametrize("R", [2, 4])
-def test_mimo_triton_path_equals_the_step_loop_under_the_interpreter(R):
+def test_mimo_triton_path_equals_the_step_loop_under_the_interpreter(R, chunk_pass):
     """Forward and every gradient of the Triton op over rank sub-tokens (fp32, 16-wide chunks: 16 / R steps): a
     step's ranks see each other in the kernels, with the exact same-step weight."""
     device = "cuda" if torch.cuda.is_available() else "cpu"

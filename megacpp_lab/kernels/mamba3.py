@@ -52,8 +52,8 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import TRITON_INTERPRET
-from megacpp_lab.kernels.ssd import (Mamba3Operands, doc_start_mask, launch_ssd_bwd, launch_ssd_fwd,
-                                     ssd_scan)
+from megacpp_lab.kernels.ssd import (Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask, dot_types,
+                                     launch_ssd_bwd_states, launch_ssd_fwd, slot_chunk, ssd_scan)
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "doc_angle_sum_torch", "doc_angle_sum_triton",
@@ -444,11 +444,168 @@ def _keys_bwd_kernel(dk_ptr, dq_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, db_pt
     tl.store(dc_ptr + out_at, dCg.to(dc_ptr.dtype.element_ty), mask=m[:, None])
 
 
+# ----------------------------------------------------------------------------- the backward's chunk pass
+
+
+@triton.jit
+def _unrotate(d, v, cos, sin, ROWS: tl.constexpr, BN: tl.constexpr):
+    """A gradient d [ROWS, BN] at the rotated keys v (fp32, as stored) back through the rotation by the angles
+    whose cos and sin are [ROWS, BN // 2]: rot(d, -theta) (the rotation's transpose), and each pair's angle
+    gradient d_im v_re - d_re v_im (d rot(u, theta) / d theta = (-v_im, v_re))."""
+    d_re, d_im = tl.split(tl.reshape(d, (ROWS, BN // 2, 2)))
+    v_re, v_im = tl.split(tl.reshape(v, (ROWS, BN // 2, 2)))
+    back = tl.reshape(tl.join(d_re * cos + d_im * sin, d_im * cos - d_re * sin), (ROWS, BN))
+    return back, d_im * v_re - d_re * v_im
+
+
+@triton.jit
+def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, hd, H, n_a, slot, col0, rn, kq_at,
+                   FIRST: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
+                   N: tl.constexpr):  # fmt: skip
+    """One [CHUNK, BN] block of dk (or dq) at the keys v as stored, taken back through the rotation: the gradient
+    of B + b_bias per head into out_ptr; the block's pairs' angle gradients into dth_ptr (FIRST: stored; else added
+    to what the queries' sweep stored); the bias's partial sums over the chunk's sub-tokens, per rank."""
+    pr = col0 // 2 + tl.arange(0, BN // 2)  # the block's pairs (rn = col0 + arange(BN))
+    pm = m[:, None] & (pr < n_a)[None, :]
+    th = tl.load(th_ptr + ((t // RANK) * H + hd)[:, None] * n_a + pr[None, :], mask=pm, other=0.0)
+    back, dth = _unrotate(d, v, _cos(th), _sin(th), CHUNK, BN)
+    tl.store(out_ptr + kq_at + rn[None, :], back.to(out_ptr.dtype.element_ty), mask=m[:, None])
+    th_at = dth_ptr + (t * H + hd)[:, None] * n_a + pr[None, :]
+    if not FIRST:
+        dth += tl.load(th_at, mask=pm, other=0.0)
+    tl.store(th_at, dth, mask=pm)
+    r = t % RANK
+    for rr in tl.static_range(RANK):  # rows past the chunk's end are zero
+        tl.store(bias_ptr + ((slot * H + hd) * RANK + rr) * N + rn, tl.sum(tl.where((r == rr)[:, None], back, 0.0), 0))
+
+
+@triton.jit
+def _m3_bwd_chunk_kernel(
+    x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
+    dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
+    H, D, n_a,
+    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, RANK: tl.constexpr, UNROTATE: tl.constexpr,
+):  # fmt: skip
+    """The backward's parallel pass (every chunk of every document at once, one program per chunk and head) for
+    the forward output kernel's Mamba-3 mode: y = (q k^T * L * W) x + exp(cs) (q S^T), W[i, j] = w_j (the input
+    weight) for an earlier step j and gamma_j for the same one, with the keys k and queries q per head (the
+    SSD's B and C). In an order that keeps few tiles live at once (kernels/ssd.py's Mamba-2 order, with W's extra
+    [CHUNK, CHUNK] tiles, held ~250 registers and spilled ~330 more on the H100):
+      1. over N: CB = q k^T and Q = k dS'^T (the leaving state's gradient at each input);
+      2. the chunk's own terms: dx (stored), d weight and d gamma (stored), the log-decay gradient's in-chunk
+         part, and L * (dy x^T) * W kept in the dots' dtype;
+      3. over N twice: dq with the log-decay gradient's state term, then dk with sum(S * dS');
+      4. the log-decay gradient: ddt and this chunk's dA.
+    dk and dq leave in fp32 per head (UNROTATE=False: _keys_bwd_kernel takes them back through the rotation), or
+    (UNROTATE) are taken back here (_key_grads_out): dB and dC per head in their pointers' dtype, the angles'
+    gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk [slots, H, R, N]."""
+    slot = tl.program_id(0)
+    hd = tl.program_id(1)
+    first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
+    if first >= end:
+        tl.store(da_ptr + slot * H + hd, 0.0)  # a gap slot: the launcher sums every slot
+        if UNROTATE:
+            for rr in tl.static_range(RANK):
+                tl.store(dkb_ptr + ((slot * H + hd) * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
+                tl.store(dqb_ptr + ((slot * H + hd) * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
+    else:
+        A_h = tl.load(a_ptr + hd).to(tl.float32)
+        rl = tl.arange(0, CHUNK)
+        rp = tl.arange(0, P)
+        t = first + rl
+        m = t < end
+        step = rl // RANK
+        dt, cs, cs_last = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        xw = tl.load(w_ptr + t * H + hd, mask=m, other=0.0)
+        gam = tl.load(gam_ptr + t * H + hd, mask=m, other=0.0)
+        w = tl.exp(cs_last - cs)
+        ecs = tl.exp(cs)
+        st_at = st_ptr + (slot * H + hd) * P * N
+        dst_at = dst_ptr + (slot * H + hd) * P * N
+        kq_at = (t[:, None] * H + hd) * N
+        xp_at = (t[:, None] * H + hd) * P + rp[None, :]
+        # 1. the reductions over N (the state's dot in fp32 operands: tf32 for 16-bit inputs)
+        CB = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        Q = tl.zeros((CHUNK, P), dtype=tl.float32)  # [j] = dS' k_j
+        for nb in tl.static_range(N // BN):
+            rn = nb * BN + tl.arange(0, BN)
+            kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+            dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+            CB += tl.dot(qc.to(DOT), tl.trans(kc.to(DOT)), input_precision=PRECISION)
+            Q += tl.dot(kc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)
+        # 2. the chunk's own terms
+        x = tl.load(x_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
+        dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
+        dYX = tl.dot(dy, tl.trans(x), input_precision=PRECISION)  # [i, j] = dy_i . x_j
+        Lm = decay_mask(cs, step)
+        earlier = step[:, None] > step[None, :]
+        W = tl.where(earlier, xw[None, :], gam[None, :])
+        CBL = CB * Lm
+        dW = CBL * dYX  # the gradient of every W[i, j]
+        tl.store(dgam_ptr + t * H + hd, tl.sum(tl.where(earlier, 0.0, dW), axis=0), mask=m)
+        xQ = tl.sum(x.to(tl.float32) * Q, axis=1)
+        tl.store(dw_ptr + t * H + hd, tl.sum(tl.where(earlier, dW, 0.0), axis=0) + w * xQ, mask=m)
+        Sm = dW * W  # = (L * dy x^T * W) * CB: +/- each exp(cs_i - cs_j) of the log-decay gradient
+        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0)
+        dx = tl.dot(tl.trans((CBL * W).to(DOT)), dy, input_precision=PRECISION) + (xw * w)[:, None] * Q
+        tl.store(dx_ptr + xp_at, dx.to(dx_ptr.dtype.element_ty), mask=m[:, None])
+        LdYU = (Lm * dYX * W).to(DOT)
+        # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S)
+        dye = dy.to(tl.float32) * ecs[:, None]
+        for nb in tl.static_range(N // BN):
+            rn = nb * BN + tl.arange(0, BN)
+            kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+            S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+            dyS = tl.dot(dye, S, input_precision=PRECISION)
+            dcs += tl.sum(dyS * qc, axis=1)
+            dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
+            if UNROTATE:
+                _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, hd, H, n_a, slot, nb * BN, rn, kq_at,
+                               True, RANK, CHUNK, BN, N)  # fmt: skip
+            else:
+                tl.store(dq_ptr + kq_at + rn[None, :], dq, mask=m[:, None])
+        if UNROTATE:  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
+            tl.debug_barrier()
+        # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
+        uw = x.to(tl.float32) * (xw * w)[:, None]
+        SdS = tl.zeros((P,), dtype=tl.float32)
+        for nb in tl.static_range(N // BN):
+            rn = nb * BN + tl.arange(0, BN)
+            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+            S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+            dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+            dk = tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION) + tl.dot(uw, dS, input_precision=PRECISION)
+            if UNROTATE:
+                kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+                _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, hd, H, n_a, slot, nb * BN, rn, kq_at,
+                               False, RANK, CHUNK, BN, N)  # fmt: skip
+            else:
+                tl.store(dk_ptr + kq_at + rn[None, :], dk, mask=m[:, None])
+            SdS += tl.sum(dS * S, axis=1)
+        # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
+        R = w * xw * xQ
+        dcs -= R
+        to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
+        dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
+        tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
+        tl.store(da_ptr + slot * H + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
+
+
 # sub-tokens per key program (4 warps), the forward's and the backward's: on the H200 at [8,4096,16,128], 16 took
 # 210 us forward (32: 302), and 32 551 us backward (16: 579, 64: 1097)
 KEYS_BLOCK_T = 16
 KEYS_BWD_BLOCK_T = 32
 _KEY_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # the keys' storage
+# the backward's chunk pass (_m3_bwd_chunk_kernel): state columns per sweep step and warps (on the H100 at the issue's
+# shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06), and whether it takes dk
+# and dq back through the rotation itself (True) or leaves that to _keys_bwd_kernel over fp32 dk and dq (False: the
+# version the H100 receipt at 7f42a4a measured; True is not measured yet)
+M3_BWD_BLOCK_N = 64
+M3_BWD_WARPS = 4
+UNROTATE_IN_CHUNK_PASS = False
 
 
 def _keys_grid(total: int, G: int, block: int) -> tuple[int, int]:
@@ -498,19 +655,39 @@ def mamba3_scan_bwd(
     The keys are recomputed (not saved: per head they are H / G times B's size); the SSD kernels hand back their
     gradients in fp32, and the angles' gradient, a cross product over each pair, takes them unrounded."""
     B, TR, G, N = Bm.shape
-    H, R, n_a = x.shape[2], rank, theta.shape[-1]
+    H, P, R, n_a = x.shape[2], x.shape[3], rank, theta.shape[-1]
     k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
-    dx, ddt, dA, dk, dq, dw, dgam = launch_ssd_bwd(dy, x, dt, A, k, q, cu_seqlens, states, chunk, weight,
-                                                   Mamba3Operands(gamma, rank))  # fmt: skip
-    grid = _keys_grid(B * TR, G, KEYS_BWD_BLOCK_T)
-    dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
+    dy = dy.contiguous()
+    dstates = launch_ssd_bwd_states(dy, dt, A, q, cu_seqlens, states, chunk, x.dtype)
+    n_slots = states.shape[0]
+    dx, ddt, dw, dgam = torch.empty_like(x), torch.empty_like(dt), torch.empty_like(weight), torch.empty_like(gamma)
+    dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
     dth = torch.empty((B, TR, H, n_a), device=x.device, dtype=torch.float32)
-    dbb = torch.empty((grid[0], H, R, N), device=x.device, dtype=torch.float32)
+    if UNROTATE_IN_CHUNK_PASS:  # one head a group: its gradients in B's dtype; else fp32 per head, summed below
+        dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype if G == H else torch.float32)
+        bias_parts = (n_slots, H, R, N)
+    else:  # dk and dq in fp32 per head, then _keys_bwd_kernel
+        dBh = torch.empty((B, TR, H, N), device=x.device, dtype=torch.float32)
+        bias_parts = (triton.cdiv(B * TR, KEYS_BWD_BLOCK_T), H, R, N)
+    dCh = torch.empty_like(dBh)
+    dbb = torch.empty(bias_parts, device=x.device, dtype=torch.float32)
     dcb = torch.empty_like(dbb)
-    _keys_bwd_kernel[grid](dk, dq, Bm, Cm, b_bias, c_bias, theta, dB, dC, dth, dbb, dcb, B * TR, H, G, n_a,
-                           RANK=R, BT=KEYS_BWD_BLOCK_T, N=N, KEY_DTYPE=_KEY_DTYPES[x.dtype], num_warps=4)  # fmt: skip
+    _m3_bwd_chunk_kernel[(n_slots, H)](
+        x, dt, weight, gamma, A, k, q, theta, cu_seqlens, states, dstates, dy,
+        dx, ddt, dw, dgam, dA, dBh, dCh, dth, dbb, dcb, H, cu_seqlens.numel() - 1, n_a,
+        P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dot_types(x.dtype), RANK=R,
+        UNROTATE=UNROTATE_IN_CHUNK_PASS, num_warps=M3_BWD_WARPS, num_stages=1,
+    )  # fmt: skip
+    if UNROTATE_IN_CHUNK_PASS:
+        dB, dC = (t if G == H else t.view(B, TR, G, H // G, N).sum(3).to(Bm.dtype) for t in (dBh, dCh))
+    else:
+        dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
+        _keys_bwd_kernel[_keys_grid(B * TR, G, KEYS_BWD_BLOCK_T)](
+            dBh, dCh, Bm, Cm, b_bias, c_bias, theta, dB, dC, dth, dbb, dcb, B * TR, H, G, n_a,
+            RANK=R, BT=KEYS_BWD_BLOCK_T, N=N, KEY_DTYPE=_KEY_DTYPES[x.dtype], num_warps=4,
+        )  # fmt: skip
     d_theta = dth.view(B, TR // R, R, H, n_a).sum(2) if R > 1 else dth
-    return dx, ddt, dA, dB, dC, d_theta, dbb.sum(0), dcb.sum(0), dw, dgam
+    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, d_theta, dbb.sum(0), dcb.sum(0), dw, dgam
 
 
 @mamba3_scan_bwd.register_fake

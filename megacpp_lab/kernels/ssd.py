@@ -48,9 +48,14 @@ from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 __all__ = [
     "KERNELS",
     "Mamba3Operands",
+    "chunk_log_decay",
+    "decay_mask",
     "doc_start_mask",
+    "dot_types",
     "launch_ssd_bwd",
+    "launch_ssd_bwd_states",
     "launch_ssd_fwd",
+    "slot_chunk",
     "ssd_chunked_torch",
     "ssd_scan",
     "ssd_scan_bwd",
@@ -200,7 +205,7 @@ def ssd_chunked_torch(
 
 
 @triton.jit
-def _slot_chunk(cu_ptr, slot, D, CHUNK: tl.constexpr):
+def slot_chunk(cu_ptr, slot, D, CHUNK: tl.constexpr):
     """(first token, end token) of the chunk in `slot`; first >= end for a gap slot. Binary search over
     documents for the last d whose first slot cu[d] // CHUNK + d is <= slot."""
     lo = slot * 0
@@ -216,7 +221,7 @@ def _slot_chunk(cu_ptr, slot, D, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK: tl.constexpr):
+def chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK: tl.constexpr):
     """dt (fp32, 0 past the chunk's end), the in-chunk cumulative log-decay cs, and cs at the chunk's last
     token (dt is 0 past the end, so the last row holds it; not a min, since dt*A may be > 0)."""
     dt = tl.load(dt_ptr + t * H + hd, mask=m, other=0.0).to(tl.float32)
@@ -233,7 +238,7 @@ def _input_weight(w_ptr, t, m, hd, H, dt, HAS_W: tl.constexpr):
 
 
 @triton.jit
-def _decay_mask(cs, step):
+def decay_mask(cs, step):
     """L[i, j] = exp(cs_i - cs_j) for step_i >= step_j, else 0 (the exponent is masked before exp: no overflow).
     step: the chunk's token index (Mamba-3's MIMO: its step, token // RANK, so a step's ranks see each other)."""
     causal = step[:, None] >= step[None, :]
@@ -242,8 +247,8 @@ def _decay_mask(cs, step):
 
 # Mamba-3 mode (M3, kernels/mamba3.py): tokens are rank sub-tokens t = step * RANK + r (RANK = 1: SISO), a step's
 # ranks see each other (the decay mask by step), and a step's own inputs take the weight gamma where every later
-# step takes x_weight (the trapezoid's exact diagonal). B and C come in as the rotated keys and queries per head,
-# their gradients go out in fp32.
+# step takes x_weight (the trapezoid's exact diagonal). B and C come in as the rotated keys and queries per head. The
+# forward's kernels below take that mode; the backward's chunk pass for it is kernels/mamba3's _m3_bwd_chunk_kernel.
 
 
 @triton.jit
@@ -278,7 +283,7 @@ def _ssd_fwd_state_kernel(
         tl.store(st_ptr + (((slot0 + k) * H + hd) * P + rp[:, None]) * N + rn[None, :], S)
         t = start + k * CHUNK + rl
         m = t < end
-        dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        dt, cs, cs_last = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
         Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0)
@@ -299,7 +304,7 @@ def _ssd_fwd_output_kernel(
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     rp = tl.program_id(2) * BP + tl.arange(0, BP)
-    first, end = _slot_chunk(cu_ptr, slot, D, CHUNK)
+    first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
     if first < end:
         g = hd // (H // G)
         A_h = tl.load(a_ptr + hd).to(tl.float32)
@@ -307,13 +312,13 @@ def _ssd_fwd_output_kernel(
         rn = tl.arange(0, N)
         t = first + rl
         m = t < end
-        dt, cs, _ = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        dt, cs, _ = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
         Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
         Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
         S = tl.load(st_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
         step = rl // RANK
-        CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION) * _decay_mask(cs, step)
+        CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION) * decay_mask(cs, step)
         xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
         if M3:
             gam = tl.load(gam_ptr + t * H + hd, mask=m, other=0.0)
@@ -344,7 +349,7 @@ def _ssd_bwd_state_kernel(
         tl.store(dst_ptr + (((slot0 + k) * H + hd) * P + rp[:, None]) * N + rn[None, :], dS)
         t = start + k * CHUNK + rl
         m = t < end
-        dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        dt, cs, cs_last = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
         Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
         dye = (dy.to(tl.float32) * tl.exp(cs)[:, None]).to(DOT)
@@ -363,11 +368,11 @@ def _ssd_bwd_chunk_kernel(
     (u = w x given an input weight w: then dt reaches only the decay, and dw = du . x),
     L the decay mask, S the entering state, dS' the leaving state's gradient, w_j = exp(cs_last - cs_j):
         y = (C B^T * L) u + exp(cs) * (C S^T);   S' = exp(cs_last) S + (u * w)^T B
-    dB and dC go to [B,T,H,N] (fp32 when G < H: the launcher sums each group's heads). Mamba-3 mode has its own
-    kernel (_ssd_bwd_chunk_m3_kernel)."""
+    dB and dC go to [B,T,H,N] (fp32 when G < H: the launcher sums each group's heads). Mamba-3 mode's backward
+    chunk pass is kernels/mamba3's own (_m3_bwd_chunk_kernel)."""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
-    first, end = _slot_chunk(cu_ptr, slot, D, CHUNK)
+    first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
     if first >= end:
         tl.store(da_ptr + slot * H + hd, 0.0)  # a gap slot: the launcher sums every slot
     else:
@@ -377,7 +382,7 @@ def _ssd_bwd_chunk_kernel(
         rp = tl.arange(0, P)
         t = first + rl
         m = t < end
-        dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+        dt, cs, cs_last = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
@@ -402,7 +407,7 @@ def _ssd_bwd_chunk_kernel(
             Q += tl.dot(Bc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)
             CS += tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)
             SdS += tl.sum(dS * S, axis=1)
-        Lm = _decay_mask(cs, rl)
+        Lm = decay_mask(cs, rl)
         xQ = tl.sum(x * Q, axis=1)
         dYU = tl.dot(dy.to(DOT), tl.trans(u.to(DOT)), input_precision=PRECISION)  # [i, j] = dy_i . u_j
         du = tl.dot(tl.trans((CB * Lm).to(DOT)), dy.to(DOT), input_precision=PRECISION) + w[:, None] * Q
@@ -441,102 +446,6 @@ def _ssd_bwd_chunk_kernel(
 
 
 
-@triton.jit
-def _ssd_bwd_chunk_m3_kernel(
-    x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, k_ptr, q_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
-    dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dk_ptr, dq_ptr,
-    H, D,
-    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, RANK: tl.constexpr,
-):  # fmt: skip
-    """Backward pass 2 in Mamba-3 mode (every chunk at once): the forward output kernel's y = (C B^T * L * W) x +
-    exp(cs) (C S^T), W[i, j] = w_j (x_weight) for an earlier step j and gamma_j for the same one, with the keys k
-    and queries q per head (B and C here); their gradients go out in fp32 [B,T,H,N]. The same gradients as
-    _ssd_bwd_chunk_kernel's, in an order that keeps few tiles live at once (the Mamba-2 kernel's order, with W's
-    extra [CHUNK, CHUNK] tiles, held ~250 registers and spilled ~330 more on the H100):
-      1. over N: CB = q k^T and Q = k dS'^T (the leaving state's gradient at each input);
-      2. the chunk's own terms: dx (stored), d weight and d gamma (stored), the log-decay gradient's in-chunk
-         part, and L * (dy x^T) * W kept in the dots' dtype;
-      3. over N twice: dq with the log-decay gradient's state term, then dk with sum(S * dS');
-      4. the log-decay gradient: ddt and this chunk's dA."""
-    slot = tl.program_id(0)
-    hd = tl.program_id(1)
-    first, end = _slot_chunk(cu_ptr, slot, D, CHUNK)
-    if first >= end:
-        tl.store(da_ptr + slot * H + hd, 0.0)  # a gap slot: the launcher sums every slot
-    else:
-        A_h = tl.load(a_ptr + hd).to(tl.float32)
-        rl = tl.arange(0, CHUNK)
-        rp = tl.arange(0, P)
-        t = first + rl
-        m = t < end
-        step = rl // RANK
-        dt, cs, cs_last = _chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
-        xw = tl.load(w_ptr + t * H + hd, mask=m, other=0.0)
-        gam = tl.load(gam_ptr + t * H + hd, mask=m, other=0.0)
-        w = tl.exp(cs_last - cs)
-        ecs = tl.exp(cs)
-        st_at = st_ptr + (slot * H + hd) * P * N
-        dst_at = dst_ptr + (slot * H + hd) * P * N
-        kq_at = (t[:, None] * H + hd) * N
-        xp_at = (t[:, None] * H + hd) * P + rp[None, :]
-        # 1. the reductions over N (the state's dot in fp32 operands: tf32 for 16-bit inputs)
-        CB = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
-        Q = tl.zeros((CHUNK, P), dtype=tl.float32)  # [j] = dS' k_j
-        for nb in tl.static_range(N // BN):
-            rn = nb * BN + tl.arange(0, BN)
-            kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-            dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
-            CB += tl.dot(qc.to(DOT), tl.trans(kc.to(DOT)), input_precision=PRECISION)
-            Q += tl.dot(kc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)
-        # 2. the chunk's own terms
-        x = tl.load(x_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
-        dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
-        dYX = tl.dot(dy, tl.trans(x), input_precision=PRECISION)  # [i, j] = dy_i . x_j
-        Lm = _decay_mask(cs, step)
-        earlier = step[:, None] > step[None, :]
-        W = tl.where(earlier, xw[None, :], gam[None, :])
-        CBL = CB * Lm
-        dW = CBL * dYX  # the gradient of every W[i, j]
-        tl.store(dgam_ptr + t * H + hd, tl.sum(tl.where(earlier, 0.0, dW), axis=0), mask=m)
-        xQ = tl.sum(x.to(tl.float32) * Q, axis=1)
-        tl.store(dw_ptr + t * H + hd, tl.sum(tl.where(earlier, dW, 0.0), axis=0) + w * xQ, mask=m)
-        Sm = dW * W  # = (L * dy x^T * W) * CB: +/- each exp(cs_i - cs_j) of the log-decay gradient
-        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0)
-        dx = tl.dot(tl.trans((CBL * W).to(DOT)), dy, input_precision=PRECISION) + (xw * w)[:, None] * Q
-        tl.store(dx_ptr + xp_at, dx.to(dx_ptr.dtype.element_ty), mask=m[:, None])
-        LdYU = (Lm * dYX * W).to(DOT)
-        # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S)
-        dye = dy.to(tl.float32) * ecs[:, None]
-        for nb in tl.static_range(N // BN):
-            rn = nb * BN + tl.arange(0, BN)
-            kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-            S = tl.load(st_at + rp[:, None] * N + rn[None, :])
-            dyS = tl.dot(dye, S, input_precision=PRECISION)
-            dcs += tl.sum(dyS * qc.to(tl.float32), axis=1)
-            dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
-            tl.store(dq_ptr + kq_at + rn[None, :], dq, mask=m[:, None])
-        # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
-        uw = x.to(tl.float32) * (xw * w)[:, None]
-        SdS = tl.zeros((P,), dtype=tl.float32)
-        for nb in tl.static_range(N // BN):
-            rn = nb * BN + tl.arange(0, BN)
-            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-            S = tl.load(st_at + rp[:, None] * N + rn[None, :])
-            dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
-            dk = tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION) + tl.dot(uw, dS, input_precision=PRECISION)
-            tl.store(dk_ptr + kq_at + rn[None, :], dk, mask=m[:, None])
-            SdS += tl.sum(dS * S, axis=1)
-        # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
-        R = w * xw * xQ
-        dcs -= R
-        to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
-        dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
-        tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
-        tl.store(da_ptr + slot * H + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
-
 # ----------------------------------------------------------------------------- launchers and custom ops
 
 # The sequential passes split the [P, N] state into blocks, one program each: more programs in flight.
@@ -550,15 +459,12 @@ OUT_WARPS = 4
 BWD_BLOCK_N = 64
 BWD_WARPS = 4
 BWD_STAGES = 1
-# the Mamba-3 mode's backward chunk kernel (_ssd_bwd_chunk_m3_kernel): state columns per sweep step, and its warps
-M3_BWD_BLOCK_N = 64
-M3_BWD_WARPS = 4
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _dot_types(dtype: torch.dtype) -> dict[str, object]:
+def dot_types(dtype: torch.dtype) -> dict[str, object]:
     """fp32 inputs: IEEE fp32 dots. 16-bit inputs: the dots take the inputs' own dtype (fp32 accumulation),
     and the dots against the fp32 state run on TF32 tensor cores (finer than the inputs' rounding). The
     Triton interpreter multiplies bf16 operands as raw integers, so under it every dot takes fp32 operands."""
@@ -603,7 +509,7 @@ def launch_ssd_fwd(
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
     n_slots = _n_slots(B * T, chunk, D)
-    dots = _dot_types(x.dtype)
+    dots = dot_types(x.dtype)
     states = torch.empty((n_slots, H, P, N), device=x.device, dtype=torch.float32)
     grid, bp, bn = _state_grid(D, H, P, N)
     has_w = x_weight is not None
@@ -622,39 +528,35 @@ def launch_ssd_fwd(
     return y, states if save else states.new_empty((0, H, P, N))
 
 
+def launch_ssd_bwd_states(dy: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Cm: torch.Tensor,
+                          cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """Backward pass 1 (the SSD op's, and kernels/mamba3's): the fp32 gradient of the state leaving every chunk of
+    every document, by slot, [n_slots, H, P, N] like the forward's saved states. dy contiguous [B,T,H,P]; dtype:
+    x's, which sets the dots' (dot_types)."""
+    H, P, N = states.shape[1:]
+    G = Cm.shape[2]
+    dstates = torch.empty_like(states)
+    grid, bp, bn = _state_grid(cu_seqlens.numel() - 1, H, P, N)
+    _ssd_bwd_state_kernel[grid](
+        dy, dt, A, Cm, cu_seqlens, dstates, H, G,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dot_types(dtype), num_warps=STATE_WARPS,
+    )  # fmt: skip
+    return dstates
+
+
 def launch_ssd_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, x_weight: torch.Tensor | None,
-    m3: Mamba3Operands | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """The backward kernels: dx, ddt, dA, dB, dC, dw (empty without x_weight), and in Mamba-3 mode d gamma (else
-    empty). dB and dC in Bm's dtype; in Mamba-3 mode (keys and queries per head, an x_weight) in fp32: the caller
-    takes them back through its rotation."""
+    """The SSD op's backward kernels: dx, ddt, dA, dB, dC (in Bm's dtype) and dw (empty without x_weight)."""
     B, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
     n_slots = states.shape[0]
-    dots = _dot_types(x.dtype)
     dy = dy.contiguous()
-    dstates = torch.empty_like(states)
-    grid, bp, bn = _state_grid(D, H, P, N)
-    _ssd_bwd_state_kernel[grid](
-        dy, dt, A, Cm, cu_seqlens, dstates, H, G,
-        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, num_warps=STATE_WARPS,
-    )  # fmt: skip
+    dstates = launch_ssd_bwd_states(dy, dt, A, Cm, cu_seqlens, states, chunk, x.dtype)
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
     dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
-    if m3 is not None:
-        if G != H or x_weight is None:
-            raise ValueError(f"the SSD's Mamba-3 mode takes keys per head (G = H = {H}, got G = {G}) and an x_weight")
-        dk = torch.empty((B, T, H, N), device=x.device, dtype=torch.float32)
-        dq, dw, dgam = torch.empty_like(dk), torch.empty_like(x_weight), torch.empty_like(m3.gamma)
-        _ssd_bwd_chunk_m3_kernel[(n_slots, H)](
-            x, dt, x_weight, m3.gamma, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dw, dgam, dA, dk, dq, H, D,
-            P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, RANK=m3.rank,
-            num_warps=M3_BWD_WARPS, num_stages=BWD_STAGES,
-        )  # fmt: skip
-        return dx, ddt, dA.sum(0).to(A.dtype), dk, dq, dw, dgam
     has_w = x_weight is not None
     dw = torch.empty_like(x_weight) if has_w else dt.new_empty((0,))
     if G == H:  # one head per group: the kernel writes the gradients in their own dtype
@@ -665,12 +567,12 @@ def launch_ssd_bwd(
     _ssd_bwd_chunk_kernel[(n_slots, H)](
         x, dt, x_weight if has_w else dt, A, Bm, Cm, cu_seqlens, states, dstates, dy, dx, ddt, dw if has_w else ddt,
         dA, dB, dC, H, G, D,
-        P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dots, HAS_W=has_w,
+        P=P, N=N, BN=min(BWD_BLOCK_N, N), CHUNK=chunk, **dot_types(x.dtype), HAS_W=has_w,
         num_warps=BWD_WARPS, num_stages=BWD_STAGES,
     )  # fmt: skip
     if G != H:
         dB, dC = (t.view(B, T, G, H // G, N).sum(3).to(Bm.dtype) for t in (dB, dC))
-    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, dw, dt.new_empty((0,))
+    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, dw
 
 
 @torch.library.custom_op("megacpp::ssd_scan_fwd", mutates_args=())
@@ -702,7 +604,7 @@ def ssd_scan_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients for x, dt, A, Bm, Cm and x_weight (empty when it is None), from the forward's saved chunk
     states."""
-    return launch_ssd_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk, x_weight)[:6]
+    return launch_ssd_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk, x_weight)
 
 
 @ssd_scan_bwd.register_fake
