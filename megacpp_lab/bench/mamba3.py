@@ -26,8 +26,8 @@ from megacpp_lab.kernels.ssd import ssd_scan
 from megacpp_lab.receipts import make_receipt
 from megacpp_lab.varlen import PackedContext, build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
-__all__ = ["FULL_SHAPES", "Mamba3Shape", "bench_mamba3", "find_peer", "lab_unrotate", "make_inputs", "mamba3_receipt",
-           "plot_mamba3"]
+__all__ = ["FULL_SHAPES", "VARIANTS", "Mamba3Shape", "bench_mamba3", "find_peer", "lab_variant", "make_inputs",
+           "mamba3_receipt", "plot_mamba3"]
 
 PEER_ENV = "MEGACPP_MAMBA3_PEER"  # a checkout of mamba_ssm holding ops/triton/mamba3 (../shared/peers/mamba3)
 LAB = "lab mamba3 SISO (torch.compile, Triton op)"
@@ -36,9 +36,13 @@ PEER = "mamba_ssm mamba3_siso_combined"
 MAMBA2 = "lab mamba2 SSD (Triton op)"
 
 
-def lab_unrotate(on: bool) -> str:
-    """The compiled lab row's name with UNROTATE_IN_CHUNK_PASS set to `on` (the main shape measures both)."""
-    return f"lab mamba3 SISO (torch.compile, Triton op, UNROTATE_IN_CHUNK_PASS={on})"
+# kernels/mamba3's switches of the backward's chunk pass: the main shape measures each set against its default
+VARIANTS = ("UNROTATE_IN_CHUNK_PASS", "STATE_DOTS_IN_INPUT_DTYPE")
+
+
+def lab_variant(flag: str, value: bool) -> str:
+    """The compiled lab row's name with kernels/mamba3's switch `flag` set to `value` (VARIANTS)."""
+    return f"lab mamba3 SISO (torch.compile, Triton op, {flag}={value})"
 FIRST_CALL_BAR_S = 30.0
 MIMO_BAR = 1.6
 
@@ -179,14 +183,16 @@ def _shape_rows(label: str, s: Mamba3Shape, peer: Callable[..., Any] | None, *, 
     rows = [{**tag, "backend": backend, **_row(LAB, _lab(s.chunk, ctx, backend=backend), a, dy, ref, GRADS, device=device, rep=rep)}]
     if eager:
         rows.append({**tag, **_row(LAB_EAGER, _lab(s.chunk, ctx, backend=None), a, dy, ref, GRADS, device=device, rep=rep)})
-        # the backward's other way back through the rotation (kernels/mamba3.UNROTATE_IN_CHUNK_PASS), compiled anew
-        other = not m3_kernels.UNROTATE_IN_CHUNK_PASS
-        try:
-            m3_kernels.UNROTATE_IN_CHUNK_PASS = other
-            row = _row(lab_unrotate(other), _lab(s.chunk, ctx, backend=backend), a, dy, ref, GRADS, device=device, rep=rep)
-        finally:
-            m3_kernels.UNROTATE_IN_CHUNK_PASS = not other
-        rows.append({**tag, "backend": backend, **row})
+        # the backward's switches (VARIANTS), each set the other way from its default, alone: compiled anew
+        for flag in VARIANTS:
+            default = getattr(m3_kernels, flag)
+            try:
+                setattr(m3_kernels, flag, not default)
+                row = _row(lab_variant(flag, not default), _lab(s.chunk, ctx, backend=backend), a, dy, ref, GRADS,
+                           device=device, rep=rep)  # fmt: skip
+            finally:
+                setattr(m3_kernels, flag, default)
+            rows.append({**tag, "backend": backend, **row})
     if peer is not None:
         rows.append({**tag, **_row(PEER, _peer_call(peer, cu, s.chunk), a, dy, ref, GRADS, device=device, rep=rep)})
     # Mamba-2's SSD on the same x, dt, A, B, C: the M block's baseline (its own gradients, no oracle here)
@@ -280,9 +286,10 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
             "with the batch's PackedContext (the op megacpp::mamba3_scan_fwd: the keys rotated by one Triton pass, the "
             "SSD kernels in Mamba-3 mode; the angle sums one Triton program per document), compiled whole (fullgraph: the "
             "elementwise work around the ops fused by inductor) as the model runs it, and at the main shape eager "
-            "beside it, and compiled with the backward's other way back through the rotation "
-            "(kernels/mamba3.UNROTATE_IN_CHUNK_PASS: dk and dq taken back in the chunk pass, or by a pass of their "
-            "own over fp32 dk and dq; the row's name says which; the bars take the default's row). The peer: "
+            "beside it, and compiled with each of the backward's switches (kernels/mamba3: UNROTATE_IN_CHUNK_PASS, dk "
+            "and dq taken back through the rotation in the chunk pass or by a pass of their own; "
+            "STATE_DOTS_IN_INPUT_DTYPE, the chunk pass's dots against the state in bf16 or TF32) set the other way "
+            "from its default, one at a time (the row's name says which; the bars take the default row). The peer: "
             "mamba3_siso_combined with the batch flattened to one row (its varlen mode needs batch 1), ADT = dt*A per "
             "token. max_abs_err / rel_err / grad_rel_err (error norm / oracle norm): against the chunked torch scan "
             "in fp32 on the same values, at the main shape. The Mamba-2 rows run the lab's SSD op on the same x, dt, "
@@ -340,7 +347,7 @@ def plot_mamba3(receipt: dict[str, Any]) -> Any:
 
     rows = receipt["results"]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    named = (LAB, lab_unrotate(False), lab_unrotate(True), LAB_EAGER, PEER, MAMBA2)
+    named = (LAB, *(lab_variant(f, v) for f in VARIANTS for v in (False, True)), LAB_EAGER, PEER, MAMBA2)
     contenders = [c for c in named if any(r["contender"] == c for r in rows)]
     fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(11, 3.8))
     width = 0.8 / len(contenders)

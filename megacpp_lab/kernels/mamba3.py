@@ -485,7 +485,7 @@ def _m3_bwd_chunk_kernel(
     dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
     H, D, n_a,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, RANK: tl.constexpr, UNROTATE: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, UNROTATE: tl.constexpr,
 ):  # fmt: skip
     """The backward's parallel pass (every chunk of every document at once, one program per chunk and head) for
     the forward output kernel's Mamba-3 mode: y = (q k^T * L * W) x + exp(cs) (q S^T), W[i, j] = w_j (the input
@@ -497,6 +497,7 @@ def _m3_bwd_chunk_kernel(
          part, and L * (dy x^T) * W kept in the dots' dtype;
       3. over N twice: dq with the log-decay gradient's state term, then dk with sum(S * dS');
       4. the log-decay gradient: ddt and this chunk's dA.
+    SDOT: the operands' dtype of the four dots against the state S and its gradient dS' (fp32, or DOT).
     dk and dq leave in fp32 per head (UNROTATE=False: _keys_bwd_kernel takes them back through the rotation), or
     (UNROTATE) are taken back here (_key_grads_out): dB and dC per head in their pointers' dtype, the angles'
     gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk [slots, H, R, N]."""
@@ -525,7 +526,7 @@ def _m3_bwd_chunk_kernel(
         dst_at = dst_ptr + (slot * H + hd) * P * N
         kq_at = (t[:, None] * H + hd) * N
         xp_at = (t[:, None] * H + hd) * P + rp[None, :]
-        # 1. the reductions over N (the state's dot in fp32 operands: tf32 for 16-bit inputs)
+        # 1. the reductions over N (SDOT: the state dots' operands, fp32 (tf32 for 16-bit inputs) or the inputs' dtype)
         CB = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
         Q = tl.zeros((CHUNK, P), dtype=tl.float32)  # [j] = dS' k_j
         for nb in tl.static_range(N // BN):
@@ -534,7 +535,7 @@ def _m3_bwd_chunk_kernel(
             qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
             dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
             CB += tl.dot(qc.to(DOT), tl.trans(kc.to(DOT)), input_precision=PRECISION)
-            Q += tl.dot(kc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)
+            Q += tl.dot(kc.to(SDOT), tl.trans(dS.to(SDOT)), input_precision=PRECISION)
         # 2. the chunk's own terms
         x = tl.load(x_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
         dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
@@ -553,13 +554,13 @@ def _m3_bwd_chunk_kernel(
         tl.store(dx_ptr + xp_at, dx.to(dx_ptr.dtype.element_ty), mask=m[:, None])
         LdYU = (Lm * dYX * W).to(DOT)
         # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S)
-        dye = dy.to(tl.float32) * ecs[:, None]
+        dye = (dy.to(tl.float32) * ecs[:, None]).to(SDOT)
         for nb in tl.static_range(N // BN):
             rn = nb * BN + tl.arange(0, BN)
             kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
             qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
             S = tl.load(st_at + rp[:, None] * N + rn[None, :])
-            dyS = tl.dot(dye, S, input_precision=PRECISION)
+            dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
             dcs += tl.sum(dyS * qc, axis=1)
             dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
             if UNROTATE:
@@ -570,14 +571,15 @@ def _m3_bwd_chunk_kernel(
         if UNROTATE:  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
             tl.debug_barrier()
         # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
-        uw = x.to(tl.float32) * (xw * w)[:, None]
+        uw = (x.to(tl.float32) * (xw * w)[:, None]).to(SDOT)
         SdS = tl.zeros((P,), dtype=tl.float32)
         for nb in tl.static_range(N // BN):
             rn = nb * BN + tl.arange(0, BN)
             qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
             S = tl.load(st_at + rp[:, None] * N + rn[None, :])
             dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
-            dk = tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION) + tl.dot(uw, dS, input_precision=PRECISION)
+            dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
+                  + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
             if UNROTATE:
                 kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
                 _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, hd, H, n_a, slot, nb * BN, rn, kq_at,
@@ -606,6 +608,10 @@ _KEY_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.flo
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
 UNROTATE_IN_CHUNK_PASS = False
+# the chunk pass's dots against the fp32 state and its gradient: fp32 operands (TF32 for 16-bit inputs: False, the
+# measured version), or the inputs' own dtype (True: mamba_ssm's choice, half the registers and twice the MMA rate;
+# not measured yet). fp32 inputs take fp32 either way, as does the interpreter.
+STATE_DOTS_IN_INPUT_DTYPE = False
 
 
 def _keys_grid(total: int, G: int, block: int) -> tuple[int, int]:
@@ -652,13 +658,16 @@ def mamba3_scan_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """dx, ddt, dA, dB, dC (B's dtype), d theta [B,T,H,n_a] fp32, the biases' gradients [H,R,N], d weight, d gamma.
-    The keys are recomputed (not saved: per head they are H / G times B's size); the SSD kernels hand back their
-    gradients in fp32, and the angles' gradient, a cross product over each pair, takes them unrounded."""
+    The keys are recomputed (not saved: per head they are H / G times B's size); SSD's sequential state pass, then
+    the chunk pass (_m3_bwd_chunk_kernel), whose dk and dq go back through the rotation in fp32, unrounded (by the
+    key pass _keys_bwd_kernel, or in the chunk pass itself with UNROTATE_IN_CHUNK_PASS)."""
     B, TR, G, N = Bm.shape
     H, P, R, n_a = x.shape[2], x.shape[3], rank, theta.shape[-1]
     k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
     dy = dy.contiguous()
     dstates = launch_ssd_bwd_states(dy, dt, A, q, cu_seqlens, states, chunk, x.dtype)
+    dots = dot_types(x.dtype)
+    sdot = dots["DOT"] if STATE_DOTS_IN_INPUT_DTYPE else tl.float32
     n_slots = states.shape[0]
     dx, ddt, dw, dgam = torch.empty_like(x), torch.empty_like(dt), torch.empty_like(weight), torch.empty_like(gamma)
     dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
@@ -675,8 +684,8 @@ def mamba3_scan_bwd(
     _m3_bwd_chunk_kernel[(n_slots, H)](
         x, dt, weight, gamma, A, k, q, theta, cu_seqlens, states, dstates, dy,
         dx, ddt, dw, dgam, dA, dBh, dCh, dth, dbb, dcb, H, cu_seqlens.numel() - 1, n_a,
-        P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dot_types(x.dtype), RANK=R,
-        UNROTATE=UNROTATE_IN_CHUNK_PASS, num_warps=M3_BWD_WARPS, num_stages=1,
+        P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R, UNROTATE=UNROTATE_IN_CHUNK_PASS,
+        num_warps=M3_BWD_WARPS, num_stages=1,
     )  # fmt: skip
     if UNROTATE_IN_CHUNK_PASS:
         dB, dC = (t if G == H else t.view(B, TR, G, H // G, N).sum(3).to(Bm.dtype) for t in (dBh, dCh))
