@@ -295,9 +295,15 @@ def test_a_sharded_checkpoint_loads_whole_into_one_process(runs):
     sharded, single = load_checkpoint(root / "two" / "checkpoint.dcp"), load_checkpoint(root / "single" / "checkpoint.pt")
     assert sharded["step"] == single["step"] == 6
     assert sharded["model"].keys() == single["model"].keys()
-    for name, t in single["model"].items():  # 6 AdamW steps of lr 1e-3 from gradients equal to ~1e-5: the
-        # update's normalisation lifts the reduction-order difference of near-zero gradients to ~6e-6 at most
-        torch.testing.assert_close(sharded["model"][name], t, rtol=1e-4, atol=2e-5)
+    for name, t in single["model"].items():
+        # 6 AdamW steps of lr 1e-3: the update's normalisation lifts the reduction-order difference of a near-zero
+        # gradient to a visible share of a whole update (one element of blocks.0.mlp.w_down moved 3.7e-5 on torch
+        # 2.13's CPU build, every other below 3e-6), and an element moves at most about lr a step. So elementwise
+        # the two runs agree within 6 updates, and as tensors within rounding (a shard loaded into the wrong place
+        # moves whole rows by the weights' own size, 1e4 times past this bound).
+        d = sharded["model"][name].float() - t.float()
+        assert d.abs().max() <= 6 * 1e-3, (name, d.abs().max().item())
+        assert d.norm() <= 1e-4 * t.float().norm(), (name, (d.norm() / t.float().norm()).item())
     assert sharded["optimizer"]["state"].keys() == single["optimizer"]["state"].keys()
     model, _ = load_checkpoint_model(root / "two" / "checkpoint.dcp")
     assert sum(p.numel() for p in model.parameters()) > 0
