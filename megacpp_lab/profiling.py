@@ -47,6 +47,27 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 3, rep: int = 20, device:
     return statistics.median(samples)
 
 
+def kernel_ms(fn: Callable[[], object], *, calls: int = 5) -> float:
+    """The GPU kernels' time of one call of fn in ms: the durations of every kernel, memcpy and memset the profiler
+    records over `calls` calls (after one untimed call), summed and divided by `calls`; no host time. Beside a
+    wall-clock time (time_ms) it tells where the GPU waited on the host: a launch-bound contender's wall time is
+    well above its kernel time. Kernels on concurrent streams would count twice; CUDA only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("kernel_ms reads CUDA kernel times: it needs a CUDA device")
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total_us / 1e3 / calls
+
+
 def step_times_ms(fn: Callable[[], object], *, warmup: int = 2, steps: int = 10,
                   device: torch.device | str | None = None) -> list[float]:  # fmt: skip
     """Milliseconds of each of `steps` calls of fn after `warmup`, one CUDA event pair per call on a GPU.

@@ -249,6 +249,33 @@ def test_peak_extra_mib_counts_a_new_allocation():
 
 
 @pytest.mark.cuda
+def test_kernel_ms_counts_the_gpus_time_and_not_the_hosts():
+    """A call that sleeps on the host before its matmul takes the same kernel time as the bare matmul, far below its
+    wall time: kernel_ms is the GPU's time alone, so a launch-bound contender shows as wall time past it."""
+    import time
+
+    from megacpp_lab.profiling import kernel_ms
+
+    x = torch.randn(4096, 4096, device="cuda")
+    bare = kernel_ms(lambda: x @ x)
+
+    def slow():
+        time.sleep(0.02)
+        return x @ x
+
+    assert 0 < bare < 20
+    assert kernel_ms(slow) < 2 * bare + 0.1 < time_ms(slow) / 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_kernel_ms_refuses_without_cuda():
+    from megacpp_lab.profiling import kernel_ms
+
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        kernel_ms(lambda: None)
+
+
+@pytest.mark.cuda
 def test_receipt_on_gpu_names_the_gpu(tmp_path):
     x = torch.randn(1024, 1024, device="cuda")
     ms = time_ms(lambda: x @ x)

@@ -23,6 +23,7 @@ from megacpp_lab.bench.harness import measure_fwd_bwd, timed_call
 from megacpp_lab.kernels import mamba3 as m3_kernels
 from megacpp_lab.kernels.mamba3 import mamba3_scan
 from megacpp_lab.kernels.ssd import ssd_scan
+from megacpp_lab.profiling import kernel_ms
 from megacpp_lab.receipts import make_receipt
 from megacpp_lab.varlen import PackedContext, build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
@@ -170,7 +171,10 @@ def _row(contender: str, scan: Callable[..., torch.Tensor], a: dict[str, torch.T
     row: dict[str, Any] = {"contender": contender, "first_call_s": t_first_bwd + t_first_fwd}
     if ref is not None:
         row |= _errors(y, grads, ref, names)
-    return row | measure_fwd_bwd(fwd, fwd_bwd, device=device, rep=rep)
+    row |= measure_fwd_bwd(fwd, fwd_bwd, device=device, rep=rep)
+    if device == "cuda":  # the GPU's own time beside the wall clock's: what waits on the host shows as the gap
+        row |= {"fwd_kernel_ms": kernel_ms(fwd), "kernel_ms": kernel_ms(fwd_bwd)}
+    return row
 
 
 def _shape_rows(label: str, s: Mamba3Shape, peer: Callable[..., Any] | None, *, dtype: torch.dtype, device: str,
@@ -279,7 +283,10 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
             "(cu_seqlens over the flattened B*T tokens). Inputs as the layer gives them: x, B, C in the dtype (B and C "
             "RMS-normed), dt, A, the trapezoid and angle logits, the biases and D in fp32. fwd_ms: forward under "
             "no_grad; ms: forward + backward (the gradients of x, B, C, trap, angles, both biases and D, the inputs "
-            "both the lab and the peer take; MIMO adds mimo_x); medians of do_bench after warm-up; peak_mib: peak "
+            "both the lab and the peer take; MIMO adds mimo_x); medians of do_bench after warm-up (wall clock, host "
+            "included: the bars take these); fwd_kernel_ms / kernel_ms: the same calls' GPU kernel time alone "
+            "(profiling.kernel_ms, mean of 5 calls; a contender whose ms is well above its kernel_ms waits on its "
+            "host); peak_mib: peak "
             "extra CUDA memory of one forward+backward; backend: what torch.compile handed the lab's scan to (inductor "
             "on a GPU; a --small run, 'eager'); first_call_s: the first forward+backward and forward calls "
             "(torch.compile, Triton JIT, the peer's autotuning). The lab's rows call mamba3_scan(kernel='triton') "
@@ -316,6 +323,9 @@ def _summary(results: list[dict[str, Any]], shapes: dict[str, Mamba3Shape], why:
             not_measured |= {k: f"mamba_ssm: {why}" for k in keys}
             continue
         ratios[label] |= {"lab_over_peer_ms": lab["ms"] / peer["ms"], "lab_over_peer_fwd_ms": lab["fwd_ms"] / peer["fwd_ms"]}
+        if "kernel_ms" in lab and "kernel_ms" in peer:  # the GPU's time alone (no bar: the bars take the wall clock)
+            ratios[label] |= {"lab_over_peer_kernel_ms": lab["kernel_ms"] / peer["kernel_ms"],
+                              "lab_over_peer_fwd_kernel_ms": lab["fwd_kernel_ms"] / peer["fwd_kernel_ms"]}  # fmt: skip
         bar[keys[0]] = bool(ratios[label]["lab_over_peer_ms"] <= 1.0)
         bar[keys[1]] = bool(ratios[label]["lab_over_peer_fwd_ms"] <= 1.1)
     siso = find(LAB, "main")
