@@ -366,6 +366,17 @@ def _rotate(v, cos, sin, ROWS: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _unrotate(d, v, cos, sin, ROWS: tl.constexpr, BN: tl.constexpr):
+    """A gradient d [ROWS, BN] at the rotated keys v (fp32, as stored) back through the rotation by the angles
+    whose cos and sin are [ROWS, BN // 2]: rot(d, -theta) (the rotation's transpose), and each pair's angle
+    gradient d_im v_re - d_re v_im (d rot(u, theta) / d theta = (-v_im, v_re))."""
+    d_re, d_im = tl.split(tl.reshape(d, (ROWS, BN // 2, 2)))
+    v_re, v_im = tl.split(tl.reshape(v, (ROWS, BN // 2, 2)))
+    back = tl.reshape(tl.join(d_re * cos + d_im * sin, d_im * cos - d_re * sin), (ROWS, BN))
+    return back, d_im * v_re - d_re * v_im
+
+
+@triton.jit
 def _key_program(b_ptr, c_ptr, TOTAL, H, G, RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):
     """A key program's sub-tokens t [BT] (over the flattened B*T*R) and their mask, its group g, the columns and
     the pairs, each sub-token's rank and the row of its step's angles, and the group's B and C (fp32, [BT, N])."""
@@ -424,16 +435,10 @@ def _keys_bwd_kernel(dk_ptr, dq_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, db_pt
         q, k, cos, sin = _head_keys(Bg, Cg, bb_ptr, cb_ptr, th_ptr, hd, r, th_row, rn, pair, m, n_a, RANK, BT, N)
         k, q = k.to(KEY_DTYPE).to(tl.float32), q.to(KEY_DTYPE).to(tl.float32)  # as the forward stored them
         at = (t[:, None] * H + hd) * N + rn[None, :]
-        dk = tl.load(dk_ptr + at, mask=m[:, None], other=0.0)
-        dq = tl.load(dq_ptr + at, mask=m[:, None], other=0.0)
-        dk_re, dk_im = tl.split(tl.reshape(dk, (BT, N // 2, 2)))
-        dq_re, dq_im = tl.split(tl.reshape(dq, (BT, N // 2, 2)))
-        k_re, k_im = tl.split(tl.reshape(k, (BT, N // 2, 2)))
-        q_re, q_im = tl.split(tl.reshape(q, (BT, N // 2, 2)))
-        dth = dk_im * k_re - dk_re * k_im + dq_im * q_re - dq_re * q_im
-        tl.store(dth_ptr + (t[:, None] * H + hd) * n_a + pair[None, :], dth, mask=m[:, None] & (pair < n_a)[None, :])
-        dB = _rotate(dk, cos, -sin, BT, N)  # the rotation's transpose
-        dC = _rotate(dq, cos, -sin, BT, N)
+        dB, dth_k = _unrotate(tl.load(dk_ptr + at, mask=m[:, None], other=0.0), k, cos, sin, BT, N)
+        dC, dth_q = _unrotate(tl.load(dq_ptr + at, mask=m[:, None], other=0.0), q, cos, sin, BT, N)
+        tl.store(dth_ptr + (t[:, None] * H + hd) * n_a + pair[None, :], dth_k + dth_q,
+                 mask=m[:, None] & (pair < n_a)[None, :])  # fmt: skip
         dBg += dB
         dCg += dC
         for rr in range(0, RANK):
@@ -446,17 +451,6 @@ def _keys_bwd_kernel(dk_ptr, dq_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, db_pt
 
 
 # ----------------------------------------------------------------------------- the backward's chunk pass
-
-
-@triton.jit
-def _unrotate(d, v, cos, sin, ROWS: tl.constexpr, BN: tl.constexpr):
-    """A gradient d [ROWS, BN] at the rotated keys v (fp32, as stored) back through the rotation by the angles
-    whose cos and sin are [ROWS, BN // 2]: rot(d, -theta) (the rotation's transpose), and each pair's angle
-    gradient d_im v_re - d_re v_im (d rot(u, theta) / d theta = (-v_im, v_re))."""
-    d_re, d_im = tl.split(tl.reshape(d, (ROWS, BN // 2, 2)))
-    v_re, v_im = tl.split(tl.reshape(v, (ROWS, BN // 2, 2)))
-    back = tl.reshape(tl.join(d_re * cos + d_im * sin, d_im * cos - d_re * sin), (ROWS, BN))
-    return back, d_im * v_re - d_re * v_im
 
 
 @triton.jit
