@@ -522,4 +522,4 @@ def test_the_triton_op_refuses_shapes_past_int32_indexing():
     big = lambda *shape: torch.zeros(1, device=device).expand(*shape)  # noqa: E731
     with pytest.raises(ValueError, match=r"indexes in int32: x \(8, 16384\) x 4 ranks with H=32"):
         _mamba3_triton(big(B, T, R, H, P), big(B, T, H), big(H), big(B, T, R, G, N), big(B, T, R, G, N),
-                       big(B, T, H, 8), big(H, R, N), big(H, R, N), big(B, T, H), big(B, T, H), big(H), None, 64)  # fmt: skip
+                       big(B, T, H, 8), big(H, R, N), big(H, R, N), big(B, T, H), big(B, T, H), None, 64)  # fmt: skip

@@ -32,8 +32,7 @@ where r <= r' (for SISO, the diagonal -delta_next (q . k) x). That is the chunke
 **The Triton op** (`megacpp::mamba3_scan_fwd`, kernel="triton", the GPU's) needs no correction: kernels/ssd.py's
 kernels run in a Mamba-3 mode where a step's own inputs take gamma and every earlier step's take w (the decay mask
 and the weights by step, so a step's ranks see each other), which makes the diagonal exact and each output free
-of the next token's dt and trapezoid; the skip D x is added there too (one rounding of y), and its gradients come
-from the backward's chunk pass. One Triton pass rotates the keys and queries per head and stores them in x's
+of the next token's dt and trapezoid. One Triton pass rotates the keys and queries per head and stores them in x's
 dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
 document's angle gradients stop summing to zero, and the suffix sums carry the difference). The angle sums run as
 one Triton program per document. The step loop is every path's oracle.
@@ -476,14 +475,14 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, hd, H, n_a, s
 
 @triton.jit
 def _m3_bwd_chunk_kernel(
-    x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
-    dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dskip_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
+    x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
+    dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
     H, D, n_a,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, UNROTATE: tl.constexpr,
 ):  # fmt: skip
     """The backward's parallel pass (every chunk of every document at once, one program per chunk and head) for
-    the forward output kernel's Mamba-3 mode: y = (q k^T * L * W) x + exp(cs) (q S^T) + D x, W[i, j] = w_j (the input
+    the forward output kernel's Mamba-3 mode: y = (q k^T * L * W) x + exp(cs) (q S^T), W[i, j] = w_j (the input
     weight) for an earlier step j and gamma_j for the same one, with the keys k and queries q per head (the
     SSD's B and C). In an order that keeps few tiles live at once (kernels/ssd.py's Mamba-2 order, with W's extra
     [CHUNK, CHUNK] tiles, held ~250 registers and spilled ~330 more on the H100):
@@ -501,7 +500,6 @@ def _m3_bwd_chunk_kernel(
     first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
     if first >= end:
         tl.store(da_ptr + slot * H + hd, 0.0)  # a gap slot: the launcher sums every slot
-        tl.store(dskip_ptr + slot * H + hd, 0.0)
         if UNROTATE:
             for rr in tl.static_range(RANK):
                 tl.store(dkb_ptr + ((slot * H + hd) * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
@@ -547,9 +545,7 @@ def _m3_bwd_chunk_kernel(
         Sm = dW * W  # = (L * dy x^T * W) * CB: +/- each exp(cs_i - cs_j) of the log-decay gradient
         dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0)
         dx = tl.dot(tl.trans((CBL * W).to(DOT)), dy, input_precision=PRECISION) + (xw * w)[:, None] * Q
-        dx += tl.load(skip_ptr + hd) * dy.to(tl.float32)  # the skip D x
         tl.store(dx_ptr + xp_at, dx.to(dx_ptr.dtype.element_ty), mask=m[:, None])
-        tl.store(dskip_ptr + slot * H + hd, tl.sum(tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=1), axis=0))
         LdYU = (Lm * dYX * W).to(DOT)
         # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S)
         dye = (dy.to(tl.float32) * ecs[:, None]).to(SDOT)
@@ -628,21 +624,21 @@ def _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, rank, dtype) -> tuple[torch.
 @torch.library.custom_op("megacpp::mamba3_scan_fwd", mutates_args=())
 def mamba3_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, theta: torch.Tensor,
-    b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
-    cu_seqlens: torch.Tensor, chunk: int, rank: int, save: bool,
+    b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, cu_seqlens: torch.Tensor,
+    chunk: int, rank: int, save: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), and the saved chunk states. The keys
-    and queries per head, k = rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels
-    in Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight (the trapezoid's exact
-    diagonal; a step's ranks see each other). x [B,T*R,H,P]; dt (rank 0's, the others 0), weight and gamma [B,T*R,H] fp32; B and C
+    """y [B,T*R,H,P] (no D x) over rank sub-tokens and the saved chunk states. The keys and queries per head, k =
+    rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels in Mamba-3 mode: a step's
+    own inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal; a step's ranks see
+    each other). x [B,T*R,H,P]; dt (rank 0's, the others 0), weight and gamma [B,T*R,H] fp32; B and C
     [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the sub-tokens. Contiguous,
     validated by mamba3_scan."""
     k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, x.shape[2], rank, x.dtype)
-    return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype, Mamba3Operands(gamma, rank, D))
+    return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype, Mamba3Operands(gamma, rank))
 
 
 @mamba3_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
+def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
     B, T, H, P = x.shape
     n_slots = B * T // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
     return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
@@ -652,11 +648,10 @@ def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chu
 def mamba3_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
-    D: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
+    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """dx, ddt, dA, dB, dC (B's dtype), d theta [B,T,H,n_a] fp32, the biases' gradients [H,R,N], d weight, d gamma,
-    dD.
+           torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """dx, ddt, dA, dB, dC (B's dtype), d theta [B,T,H,n_a] fp32, the biases' gradients [H,R,N], d weight, d gamma.
     The keys are recomputed (not saved: per head they are H / G times B's size); SSD's sequential state pass, then
     the chunk pass (_m3_bwd_chunk_kernel), whose dk and dq go back through the rotation in fp32, unrounded (by the
     key pass _keys_bwd_kernel, or in the chunk pass itself with UNROTATE_IN_CHUNK_PASS)."""
@@ -670,7 +665,6 @@ def mamba3_scan_bwd(
     n_slots = states.shape[0]
     dx, ddt, dw, dgam = torch.empty_like(x), torch.empty_like(dt), torch.empty_like(weight), torch.empty_like(gamma)
     dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
-    dD = torch.empty_like(dA)  # per chunk, summed below as dA is
     dth = torch.empty((B, TR, H, n_a), device=x.device, dtype=torch.float32)
     if UNROTATE_IN_CHUNK_PASS:  # one head a group: its gradients in B's dtype; else fp32 per head, summed below
         dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype if G == H else torch.float32)
@@ -682,8 +676,8 @@ def mamba3_scan_bwd(
     dbb = torch.empty(bias_parts, device=x.device, dtype=torch.float32)
     dcb = torch.empty_like(dbb)
     _m3_bwd_chunk_kernel[(n_slots, H)](
-        x, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
-        dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dbb, dcb, H, cu_seqlens.numel() - 1, n_a,
+        x, dt, weight, gamma, A, k, q, theta, cu_seqlens, states, dstates, dy,
+        dx, ddt, dw, dgam, dA, dBh, dCh, dth, dbb, dcb, H, cu_seqlens.numel() - 1, n_a,
         P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R, UNROTATE=UNROTATE_IN_CHUNK_PASS,
         num_warps=M3_BWD_WARPS, num_stages=1,
     )  # fmt: skip
@@ -696,29 +690,29 @@ def mamba3_scan_bwd(
             RANK=R, BT=KEYS_BWD_BLOCK_T, N=N, KEY_DTYPE=_KEY_DTYPES[x.dtype], num_warps=4,
         )  # fmt: skip
     d_theta = dth.view(B, TR // R, R, H, n_a).sum(2) if R > 1 else dth
-    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, d_theta, dbb.sum(0), dcb.sum(0), dw, dgam, dD.sum(0)
+    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, d_theta, dbb.sum(0), dcb.sum(0), dw, dgam
 
 
 @mamba3_scan_bwd.register_fake
-def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
+def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
     return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(Bm), torch.empty_like(Cm),
             torch.empty_like(theta), torch.empty_like(b_bias), torch.empty_like(c_bias), torch.empty_like(weight),
-            torch.empty_like(gamma), torch.empty_like(D))  # fmt: skip
+            torch.empty_like(gamma))  # fmt: skip
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk, rank, _save = inputs
-    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, output[1])
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk, rank, _save = inputs
+    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, output[1])
     ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
 
 
 def _mamba3_backward(ctx, dy, _dstates):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states = ctx.saved_tensors
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
-    grads = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states,
-                            ctx.chunk, ctx.rank)  # fmt: skip
+    grads = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states, ctx.chunk,
+                            ctx.rank)  # fmt: skip
     return (*grads, None, None, None, None)
 
 
@@ -732,8 +726,8 @@ def _keys(Bm: torch.Tensor, bias: torch.Tensor, theta: torch.Tensor, H: int) -> 
     return rotate_pairs(Bm.to(acc).repeat_interleave(H // Bm.shape[3], dim=3) + bias.transpose(0, 1).to(acc), theta)
 
 
-def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk):  # noqa: ANN001, ANN202
-    """The Triton op on the rank form (_ranked's): y [B,T,R,H,P] with D x (D None: no skip)."""
+def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk):  # noqa: ANN001, ANN202
+    """The Triton op on the rank form (_ranked's): y [B,T,R,H,P] without D x."""
     B, T, R, H, P = xr.shape
     if chunk % R:
         raise ValueError(f"mamba3: the Triton scan's chunk ({chunk} sub-tokens) must hold whole steps of R={R} ranks")
@@ -760,12 +754,11 @@ def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, c
     needs_grad = torch.is_grad_enabled() and (
         xr.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
         or theta.requires_grad or b_bias.requires_grad or c_bias.requires_grad or weight.requires_grad
-        or gamma.requires_grad or (D is not None and D.requires_grad)
+        or gamma.requires_grad
     )  # fmt: skip
-    skip = D.float().contiguous() if D is not None else A.new_zeros((H,), dtype=torch.float32)
     y, _ = mamba3_scan_fwd(
         sub(xr), sub(dt_sub), A.float().contiguous(), sub(Bm), sub(Cm), theta.float().contiguous(),
-        b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
+        b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma),
         (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
     )  # fmt: skip
     return y.view(B, T, R, H, P)
@@ -818,13 +811,13 @@ def mamba3_scan(
     weight = gamma + delta_next  # [B,T,H]
     if kernel == "auto":
         kernel = "triton" if x.device.type == "cuda" else "chunked"
-    if kernel == "triton":  # one op: keys and queries biased and rotated in the kernels, the diagonal exact, D x added
-        y = _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk)
+    if kernel == "triton":  # one op: keys and queries biased and rotated in the kernels, the diagonal exact
+        y = _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk).to(acc)
     else:
         y = _mamba3_chunked(xr, dts, A, Bm, Cm, theta[:, :, None], b_bias, c_bias, weight, gamma, delta_next,
                             cu_seqlens, chunk)  # fmt: skip
-        if D is not None:
-            y = y + D.to(acc)[:, None] * xr.to(acc)
+    if D is not None:
+        y = y + D.to(acc)[:, None] * xr.to(acc)
     return (y if mimo else y[:, :, 0]).to(x.dtype)
 
 
