@@ -371,8 +371,7 @@ def _unrotate(d, v, cos, sin, ROWS: tl.constexpr, BN: tl.constexpr):
     gradient d_im v_re - d_re v_im (d rot(u, theta) / d theta = (-v_im, v_re))."""
     d_re, d_im = tl.split(tl.reshape(d, (ROWS, BN // 2, 2)))
     v_re, v_im = tl.split(tl.reshape(v, (ROWS, BN // 2, 2)))
-    back = tl.reshape(tl.join(d_re * cos + d_im * sin, d_im * cos - d_re * sin), (ROWS, BN))
-    return back, d_im * v_re - d_re * v_im
+    return _rotate(d, cos, -sin, ROWS, BN), d_im * v_re - d_re * v_im
 
 
 @triton.jit
