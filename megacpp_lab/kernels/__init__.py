@@ -8,10 +8,12 @@ import warnings
 import torch
 import triton
 
-__all__ = ["AUTOTUNE_CACHE", "TRITON_INTERPRET", "warn_at_caller"]
+__all__ = ["AUTOTUNE_CACHE", "INTERPRETED", "TRITON_INTERPRET", "warn_at_caller"]
 
 # read once at import, for every kernel module: kernels run under the Triton interpreter (CPU tests)
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# the same inside a @triton.jit function (a constexpr global: the branch it guards is compiled out)
+INTERPRETED = triton.language.constexpr(TRITON_INTERPRET)
 
 # the lab's @triton.autotune'd kernels keep their autotuning results on disk, in Triton's cache directory
 # (TRITON_CACHE_DIR), keyed by the kernel's source, its configs and the autotune key: a new process, a kernel

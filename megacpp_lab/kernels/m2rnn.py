@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import TRITON_INTERPRET, warn_at_caller
+from megacpp_lab.kernels import INTERPRETED, TRITON_INTERPRET, warn_at_caller
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "resolve_kernel",
 ]
 
-_INTERPRETED = tl.constexpr(TRITON_INTERPRET)
 
 # ----------------------------------------------------------------------------- reference
 
@@ -104,7 +103,7 @@ L2_AHEAD = tl.constexpr(8)  # steps between the L2 prefetch and the use
 
 @triton.jit
 def _prefetch_l2(ptr):
-    if not _INTERPRETED:
+    if not INTERPRETED:
         tl.inline_asm_elementwise(
             "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
         )
@@ -118,7 +117,7 @@ def _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, hd, H, k0, K: tl.co
     DRAM when the step needs them; prefetched into L2 several steps ahead, they are served from L2.
     Under the interpreter nothing is prefetched, and the address arithmetic is skipped too (about a third
     of an interpreted scan's time on a CPU)."""
-    if not _INTERPRETED:
+    if not INTERPRETED:
         row = t * H + hd
         _prefetch_l2(q_ptr + row * K + k0)
         _prefetch_l2(k_ptr + row * K + k0)

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import TRITON_INTERPRET
+from megacpp_lab.kernels import INTERPRETED, TRITON_INTERPRET
 from megacpp_lab.kernels.ssd import (Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask, dot_types,
                                      launch_ssd_bwd_states, launch_ssd_fwd, slot_chunk, ssd_scan)
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
@@ -336,7 +336,6 @@ def doc_suffix_sum_triton(grad: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
 # ----------------------------------------------------------------------------- the Triton op: the SSD kernels in Mamba-3 mode
 
 
-_INTERPRETED = tl.constexpr(TRITON_INTERPRET)
 
 
 @triton.jit
@@ -344,7 +343,7 @@ def _cos(x):
     """cos of an angle in [0, 2 pi) (the document sums' range): the GPU's cos.approx.f32 (about 1e-6 absolute,
     below a bf16 key's rounding and within the fp32 tests' 1e-5), libdevice's under the interpreter. The keys'
     exact cos and sin took about half of the key pass's time on the H100 (0.24 ms forward at the issue's shape)."""
-    if _INTERPRETED:
+    if INTERPRETED:
         return tl.cos(x)
     return tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
@@ -352,7 +351,7 @@ def _cos(x):
 @triton.jit
 def _sin(x):
     """sin as _cos is cos."""
-    if _INTERPRETED:
+    if INTERPRETED:
         return tl.sin(x)
     return tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
