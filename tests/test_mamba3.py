@@ -21,17 +21,15 @@ from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "mamba3"
 
 
-@pytest.fixture(params=[False, True], ids=["unrotate_in_keys_pass", "unrotate_in_chunk_pass"])
-def chunk_pass(request, monkeypatch):
-    """Both ways the Triton op's backward takes dk and dq back through the rotation
-    (kernels/mamba3.UNROTATE_IN_CHUNK_PASS). Under the interpreter at 16 state columns a sweep step, so N = 32
-    takes two blocks of pairs (on a GPU the launcher's own block: kernels/ssd.py saw narrow blocks miscompile)."""
+@pytest.fixture
+def chunk_pass(monkeypatch):
+    """The backward's chunk pass under the interpreter at 16 state columns a sweep step, so N = 32 takes two blocks
+    of rotated pairs (the angle and bias gradients cross a block's edge; on a GPU the launcher's own block:
+    kernels/ssd.py saw narrow blocks miscompile)."""
     from megacpp_lab.kernels import mamba3 as m3
 
-    monkeypatch.setattr(m3, "UNROTATE_IN_CHUNK_PASS", request.param)
     if not torch.cuda.is_available():
         monkeypatch.setattr(m3, "M3_BWD_BLOCK_N", 16)
-    return request.param
 
 
 def _inputs(B=2, T=48, H=4, G=2, P=8, N=16, n_a=4, dtype=torch.float64, seed=0):
@@ -416,18 +414,19 @@ def test_siso_refuses_mimo_x():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("rank", [1, 2, 4])
-def test_the_triton_path_on_gpu_at_a_real_shape_bf16(rank, chunk_pass):
-    """The bench's layout at a real shape (B=2, T=4096, H=16, P=64, N=128, 8 documents a row), bf16 inputs, the
-    Triton op: y and every gradient against the chunked scan in fp32 on the same values, within bf16's rounding.
+@pytest.mark.parametrize("shape, rank", [("main", 1), ("main", 2), ("main", 4), ("H=32", 1)])
+def test_the_triton_path_on_gpu_at_a_real_shape_bf16(shape, rank, chunk_pass):
+    """The bench's layouts at real shapes (B=2, T=4096, P=64, N=128, 8 documents a row; H=16 in 16 groups, and
+    H=32 in one group, whose dB and dC sum 32 heads' parts), bf16 inputs, the Triton op: y and every gradient
+    against the chunked scan in fp32 on the same values, within bf16's rounding.
     The angles' gradient is looser (3e-2): it sums a document's later tokens, whose bf16 dots round alike (the
     H100 measured 0.010 at rank 1, 0.011 at 2 and 0.016 at 4 at 50324e9; 0.084 before the angles' gradient was
     taken against the keys as stored)."""
     from dataclasses import replace
 
-    from megacpp_lab.bench.mamba3 import GRADS, MAIN, make_inputs
+    from megacpp_lab.bench.mamba3 import FULL_SHAPES, GRADS, make_inputs
 
-    s = replace(MAIN, B=2)
+    s = replace(FULL_SHAPES[shape], B=2)
     a, cu = make_inputs(s, torch.bfloat16, "cuda", rank=rank)
     names = (*GRADS, "mimo_x") if rank > 1 else GRADS
     dy = torch.randn(a["x"].shape if rank == 1 else (2, s.T, rank, s.H, s.P), generator=torch.Generator().manual_seed(2))
@@ -522,4 +521,4 @@ def test_the_triton_op_refuses_shapes_past_int32_indexing():
     big = lambda *shape: torch.zeros(1, device=device).expand(*shape)  # noqa: E731
     with pytest.raises(ValueError, match=r"indexes in int32: x \(8, 16384\) x 4 ranks with H=32"):
         _mamba3_triton(big(B, T, R, H, P), big(B, T, H), big(H), big(B, T, R, G, N), big(B, T, R, G, N),
-                       big(B, T, H, 8), big(H, R, N), big(H, R, N), big(B, T, H), big(B, T, H), None, 64)  # fmt: skip
+                       big(B, T, H, 8), big(H, R, N), big(H, R, N), big(B, T, H), big(B, T, H), big(H), None, 64)  # fmt: skip

@@ -38,7 +38,7 @@ MAMBA2 = "lab mamba2 SSD (Triton op)"
 
 
 # kernels/mamba3's switches of the backward's chunk pass: the main shape measures each set against its default
-VARIANTS = ("UNROTATE_IN_CHUNK_PASS", "STATE_DOTS_IN_INPUT_DTYPE")
+VARIANTS = ("STATE_DOTS_IN_INPUT_DTYPE",)
 
 
 def lab_variant(flag: str, value: bool) -> str:
@@ -293,8 +293,7 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
             "with the batch's PackedContext (the op megacpp::mamba3_scan_fwd: the keys rotated by one Triton pass, the "
             "SSD kernels in Mamba-3 mode; the angle sums one Triton program per document), compiled whole (fullgraph: the "
             "elementwise work around the ops fused by inductor) as the model runs it, and at the main shape eager "
-            "beside it, and compiled with each of the backward's switches (kernels/mamba3: UNROTATE_IN_CHUNK_PASS, dk "
-            "and dq taken back through the rotation in the chunk pass or by a pass of their own; "
+            "beside it, and compiled with each of the backward's switches (kernels/mamba3: "
             "STATE_DOTS_IN_INPUT_DTYPE, the chunk pass's dots against the state in bf16 or TF32) set the other way "
             "from its default, one at a time (the row's name says which; the bars take the default row). The peer: "
             "mamba3_siso_combined with the batch flattened to one row (its varlen mode needs batch 1), ADT = dt*A per "

@@ -32,7 +32,8 @@ where r <= r' (for SISO, the diagonal -delta_next (q . k) x). That is the chunke
 **The Triton op** (`megacpp::mamba3_scan_fwd`, kernel="triton", the GPU's) needs no correction: kernels/ssd.py's
 kernels run in a Mamba-3 mode where a step's own inputs take gamma and every earlier step's take w (the decay mask
 and the weights by step, so a step's ranks see each other), which makes the diagonal exact and each output free
-of the next token's dt and trapezoid. One Triton pass rotates the keys and queries per head and stores them in x's
+of the next token's dt and trapezoid; the skip D x is added there too (one rounding of y), and its gradients come
+from the backward's chunk pass. One Triton pass rotates the keys and queries per head and stores them in x's
 dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
 document's angle gradients stop summing to zero, and the suffix sums carry the difference). The angle sums run as
 one Triton program per document. The step loop is every path's oracle.
@@ -414,39 +415,6 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
         tl.store(q_ptr + out_at, q.to(q_ptr.dtype.element_ty), mask=m[:, None])
 
 
-@triton.jit
-def _keys_bwd_kernel(dk_ptr, dq_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, db_ptr, dc_ptr, dth_ptr, dbb_ptr, dcb_ptr,
-                     TOTAL, H, G, n_a, RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr,
-                     KEY_DTYPE: tl.constexpr):  # fmt: skip
-    """_keys_kernel's backward from dk, dq per head (fp32): dB and dC summed over the group's heads (in B's dtype),
-    d theta per sub-token [B*T*R, H, n_a] (d rot(u, theta)/d theta = (-k_im, k_re)), and the biases' gradients
-    summed over this program's sub-tokens, per rank: [programs, H, RANK, N]. d theta is taken against the keys as
-    the forward stored them (KEY_DTYPE, recomputed and rounded alike): dk is the gradient at those keys, and
-    against the unrounded ones a document's angle gradients stop summing to zero (a whole document's rotation
-    changes nothing), which put the angles' gradient 4-12% off an fp32 oracle under the interpreter, 0.6% now."""
-    t, m, g, rn, pair, r, th_row, Bg, Cg = _key_program(b_ptr, c_ptr, TOTAL, H, G, RANK, BT, N)
-    dBg = tl.zeros((BT, N), dtype=tl.float32)
-    dCg = tl.zeros((BT, N), dtype=tl.float32)
-    for j in range(0, H // G):
-        hd = g * (H // G) + j
-        q, k, cos, sin = _head_keys(Bg, Cg, bb_ptr, cb_ptr, th_ptr, hd, r, th_row, rn, pair, m, n_a, RANK, BT, N)
-        k, q = k.to(KEY_DTYPE).to(tl.float32), q.to(KEY_DTYPE).to(tl.float32)  # as the forward stored them
-        at = (t[:, None] * H + hd) * N + rn[None, :]
-        dB, dth_k = _unrotate(tl.load(dk_ptr + at, mask=m[:, None], other=0.0), k, cos, sin, BT, N)
-        dC, dth_q = _unrotate(tl.load(dq_ptr + at, mask=m[:, None], other=0.0), q, cos, sin, BT, N)
-        tl.store(dth_ptr + (t[:, None] * H + hd) * n_a + pair[None, :], dth_k + dth_q,
-                 mask=m[:, None] & (pair < n_a)[None, :])  # fmt: skip
-        dBg += dB
-        dCg += dC
-        for rr in range(0, RANK):
-            part_at = ((tl.program_id(0) * H + hd) * RANK + rr) * N + rn
-            tl.store(dbb_ptr + part_at, tl.sum(tl.where((r == rr)[:, None], dB, 0.0), axis=0))
-            tl.store(dcb_ptr + part_at, tl.sum(tl.where((r == rr)[:, None], dC, 0.0), axis=0))
-    out_at = (t[:, None] * G + g) * N + rn[None, :]
-    tl.store(db_ptr + out_at, dBg.to(db_ptr.dtype.element_ty), mask=m[:, None])
-    tl.store(dc_ptr + out_at, dCg.to(dc_ptr.dtype.element_ty), mask=m[:, None])
-
-
 # ----------------------------------------------------------------------------- the backward's chunk pass
 
 
@@ -473,14 +441,14 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, hd, H, n_a, s
 
 @triton.jit
 def _m3_bwd_chunk_kernel(
-    x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
-    dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
+    x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
+    dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dskip_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
     H, D, n_a,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, UNROTATE: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """The backward's parallel pass (every chunk of every document at once, one program per chunk and head) for
-    the forward output kernel's Mamba-3 mode: y = (q k^T * L * W) x + exp(cs) (q S^T), W[i, j] = w_j (the input
+    the forward output kernel's Mamba-3 mode: y = (q k^T * L * W) x + exp(cs) (q S^T) + D x, W[i, j] = w_j (the input
     weight) for an earlier step j and gamma_j for the same one, with the keys k and queries q per head (the
     SSD's B and C). In an order that keeps few tiles live at once (kernels/ssd.py's Mamba-2 order, with W's extra
     [CHUNK, CHUNK] tiles, held ~250 registers and spilled ~330 more on the H100):
@@ -490,18 +458,19 @@ def _m3_bwd_chunk_kernel(
       3. over N twice: dq with the log-decay gradient's state term, then dk with sum(S * dS');
       4. the log-decay gradient: ddt and this chunk's dA.
     SDOT: the operands' dtype of the four dots against the state S and its gradient dS' (fp32, or DOT).
-    dk and dq leave in fp32 per head (UNROTATE=False: _keys_bwd_kernel takes them back through the rotation), or
-    (UNROTATE) are taken back here (_key_grads_out): dB and dC per head in their pointers' dtype, the angles'
-    gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk [slots, H, R, N]."""
+    dk and dq go back through the rotation here, unrounded (_key_grads_out): dB and dC per head in their pointers'
+    dtype, the angles' gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk [slots, H, R,
+    N]. (A pass of their own over dk and dq stored in fp32 per head took 0.51 ms of the H100's 4.22 at the issue's
+    shape; taken back here the chunk pass got faster, as fp32 dk and dq no longer go to memory.)"""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
     if first >= end:
         tl.store(da_ptr + slot * H + hd, 0.0)  # a gap slot: the launcher sums every slot
-        if UNROTATE:
-            for rr in tl.static_range(RANK):
-                tl.store(dkb_ptr + ((slot * H + hd) * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
-                tl.store(dqb_ptr + ((slot * H + hd) * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
+        tl.store(dskip_ptr + slot * H + hd, 0.0)
+        for rr in tl.static_range(RANK):
+            tl.store(dkb_ptr + ((slot * H + hd) * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
+            tl.store(dqb_ptr + ((slot * H + hd) * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
     else:
         A_h = tl.load(a_ptr + hd).to(tl.float32)
         rl = tl.arange(0, CHUNK)
@@ -543,7 +512,9 @@ def _m3_bwd_chunk_kernel(
         Sm = dW * W  # = (L * dy x^T * W) * CB: +/- each exp(cs_i - cs_j) of the log-decay gradient
         dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0)
         dx = tl.dot(tl.trans((CBL * W).to(DOT)), dy, input_precision=PRECISION) + (xw * w)[:, None] * Q
+        dx += tl.load(skip_ptr + hd) * dy.to(tl.float32)  # the skip D x
         tl.store(dx_ptr + xp_at, dx.to(dx_ptr.dtype.element_ty), mask=m[:, None])
+        tl.store(dskip_ptr + slot * H + hd, tl.sum(tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=1), axis=0))
         LdYU = (Lm * dYX * W).to(DOT)
         # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S)
         dye = (dy.to(tl.float32) * ecs[:, None]).to(SDOT)
@@ -555,13 +526,9 @@ def _m3_bwd_chunk_kernel(
             dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
             dcs += tl.sum(dyS * qc, axis=1)
             dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
-            if UNROTATE:
-                _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, hd, H, n_a, slot, nb * BN, rn, kq_at,
-                               True, RANK, CHUNK, BN, N)  # fmt: skip
-            else:
-                tl.store(dq_ptr + kq_at + rn[None, :], dq, mask=m[:, None])
-        if UNROTATE:  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
-            tl.debug_barrier()
+            _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, hd, H, n_a, slot, nb * BN, rn, kq_at,
+                           True, RANK, CHUNK, BN, N)  # fmt: skip
+        tl.debug_barrier()  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
         # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
         uw = (x.to(tl.float32) * (xw * w)[:, None]).to(SDOT)
         SdS = tl.zeros((P,), dtype=tl.float32)
@@ -572,12 +539,9 @@ def _m3_bwd_chunk_kernel(
             dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
             dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
                   + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
-            if UNROTATE:
-                kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-                _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, hd, H, n_a, slot, nb * BN, rn, kq_at,
-                               False, RANK, CHUNK, BN, N)  # fmt: skip
-            else:
-                tl.store(dk_ptr + kq_at + rn[None, :], dk, mask=m[:, None])
+            kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+            _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, hd, H, n_a, slot, nb * BN, rn, kq_at,
+                           False, RANK, CHUNK, BN, N)  # fmt: skip
             SdS += tl.sum(dS * S, axis=1)
         # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
         R = w * xw * xQ
@@ -588,22 +552,17 @@ def _m3_bwd_chunk_kernel(
         tl.store(da_ptr + slot * H + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
 
 
-# sub-tokens per key program (4 warps), the forward's and the backward's: on the H200 at [8,4096,16,128], 16 took
-# 210 us forward (32: 302), and 32 551 us backward (16: 579, 64: 1097)
+# sub-tokens per key program (4 warps): on the H200 at [8,4096,16,128], 16 took 210 us (32: 302)
 KEYS_BLOCK_T = 16
-KEYS_BWD_BLOCK_T = 32
-_KEY_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # the keys' storage
 # the backward's chunk pass (_m3_bwd_chunk_kernel): state columns per sweep step and warps (on the H100 at the issue's
-# shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06), and whether it takes dk
-# and dq back through the rotation itself (True) or leaves that to _keys_bwd_kernel over fp32 dk and dq (False: the
-# version the H100 receipt at 7f42a4a measured; True is not measured yet)
+# shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
-UNROTATE_IN_CHUNK_PASS = False
-# the chunk pass's dots against the fp32 state and its gradient: fp32 operands (TF32 for 16-bit inputs: False, the
-# measured version), or the inputs' own dtype (True: mamba_ssm's choice, half the registers and twice the MMA rate;
-# not measured yet). fp32 inputs take fp32 either way, as does the interpreter.
-STATE_DOTS_IN_INPUT_DTYPE = False
+# the chunk pass's dots against the fp32 state and its gradient: in the inputs' own dtype (True, mamba_ssm's choice:
+# half the registers and twice the MMA rate; on the H100 at the issue's shape the whole forward and backward took
+# 3.45 ms where TF32 took 3.54), or fp32 operands (False: TF32 for 16-bit inputs). fp32 inputs take fp32 either way,
+# as does the interpreter. `bench ssd` measures the other setting beside the default.
+STATE_DOTS_IN_INPUT_DTYPE = True
 
 
 def _keys_grid(total: int, G: int, block: int) -> tuple[int, int]:
@@ -622,21 +581,21 @@ def _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, rank, dtype) -> tuple[torch.
 @torch.library.custom_op("megacpp::mamba3_scan_fwd", mutates_args=())
 def mamba3_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, theta: torch.Tensor,
-    b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, cu_seqlens: torch.Tensor,
-    chunk: int, rank: int, save: bool,
+    b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
+    cu_seqlens: torch.Tensor, chunk: int, rank: int, save: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """y [B,T*R,H,P] (no D x) over rank sub-tokens and the saved chunk states. The keys and queries per head, k =
-    rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels in Mamba-3 mode: a step's
-    own inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal; a step's ranks see
-    each other). x [B,T*R,H,P]; dt (rank 0's, the others 0), weight and gamma [B,T*R,H] fp32; B and C
+    """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), and the saved chunk states. The keys
+    and queries per head, k = rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels
+    in Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight (the trapezoid's exact
+    diagonal; a step's ranks see each other). x [B,T*R,H,P]; dt (rank 0's, the others 0), weight and gamma [B,T*R,H] fp32; B and C
     [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the sub-tokens. Contiguous,
     validated by mamba3_scan."""
     k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, x.shape[2], rank, x.dtype)
-    return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype, Mamba3Operands(gamma, rank))
+    return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype, Mamba3Operands(gamma, rank, D))
 
 
 @mamba3_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
+def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
     B, T, H, P = x.shape
     n_slots = B * T // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
     return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
@@ -646,13 +605,13 @@ def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk,
 def mamba3_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
-    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
+    D: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """dx, ddt, dA, dB, dC (B's dtype), d theta [B,T,H,n_a] fp32, the biases' gradients [H,R,N], d weight, d gamma.
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """dx, ddt, dA, dB, dC (B's dtype), d theta [B,T,H,n_a] fp32, the biases' gradients [H,R,N], d weight, d gamma,
+    dD.
     The keys are recomputed (not saved: per head they are H / G times B's size); SSD's sequential state pass, then
-    the chunk pass (_m3_bwd_chunk_kernel), whose dk and dq go back through the rotation in fp32, unrounded (by the
-    key pass _keys_bwd_kernel, or in the chunk pass itself with UNROTATE_IN_CHUNK_PASS)."""
+    the chunk pass (_m3_bwd_chunk_kernel), which also takes dk and dq back through the rotation, unrounded."""
     B, TR, G, N = Bm.shape
     H, P, R, n_a = x.shape[2], x.shape[3], rank, theta.shape[-1]
     k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
@@ -663,54 +622,46 @@ def mamba3_scan_bwd(
     n_slots = states.shape[0]
     dx, ddt, dw, dgam = torch.empty_like(x), torch.empty_like(dt), torch.empty_like(weight), torch.empty_like(gamma)
     dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
+    dD = torch.empty_like(dA)  # per chunk, summed below as dA is
     dth = torch.empty((B, TR, H, n_a), device=x.device, dtype=torch.float32)
-    if UNROTATE_IN_CHUNK_PASS:  # one head a group: its gradients in B's dtype; else fp32 per head, summed below
-        dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype if G == H else torch.float32)
-        bias_parts = (n_slots, H, R, N)
-    else:  # dk and dq in fp32 per head, then _keys_bwd_kernel
-        dBh = torch.empty((B, TR, H, N), device=x.device, dtype=torch.float32)
-        bias_parts = (triton.cdiv(B * TR, KEYS_BWD_BLOCK_T), H, R, N)
+    # dB and dC per head in B's dtype: one head a group, the gradients themselves; else each head's part, summed over
+    # the group below in fp32 (per-head parts in fp32 doubled the traffic of the largest buffers at H=32, G=1)
+    dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype)
     dCh = torch.empty_like(dBh)
-    dbb = torch.empty(bias_parts, device=x.device, dtype=torch.float32)
+    dbb = torch.empty((n_slots, H, R, N), device=x.device, dtype=torch.float32)
     dcb = torch.empty_like(dbb)
     _m3_bwd_chunk_kernel[(n_slots, H)](
-        x, dt, weight, gamma, A, k, q, theta, cu_seqlens, states, dstates, dy,
-        dx, ddt, dw, dgam, dA, dBh, dCh, dth, dbb, dcb, H, cu_seqlens.numel() - 1, n_a,
-        P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R, UNROTATE=UNROTATE_IN_CHUNK_PASS,
+        x, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
+        dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dbb, dcb, H, cu_seqlens.numel() - 1, n_a,
+        P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
         num_warps=M3_BWD_WARPS, num_stages=1,
     )  # fmt: skip
-    if UNROTATE_IN_CHUNK_PASS:
-        dB, dC = (t if G == H else t.view(B, TR, G, H // G, N).sum(3).to(Bm.dtype) for t in (dBh, dCh))
-    else:
-        dB, dC = torch.empty_like(Bm), torch.empty_like(Cm)
-        _keys_bwd_kernel[_keys_grid(B * TR, G, KEYS_BWD_BLOCK_T)](
-            dBh, dCh, Bm, Cm, b_bias, c_bias, theta, dB, dC, dth, dbb, dcb, B * TR, H, G, n_a,
-            RANK=R, BT=KEYS_BWD_BLOCK_T, N=N, KEY_DTYPE=_KEY_DTYPES[x.dtype], num_warps=4,
-        )  # fmt: skip
+    dB, dC = (t if G == H else t.view(B, TR, G, H // G, N).sum(3, dtype=torch.float32).to(Bm.dtype)
+              for t in (dBh, dCh))  # fmt: skip
     d_theta = dth.view(B, TR // R, R, H, n_a).sum(2) if R > 1 else dth
-    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, d_theta, dbb.sum(0), dcb.sum(0), dw, dgam
+    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, d_theta, dbb.sum(0), dcb.sum(0), dw, dgam, dD.sum(0)
 
 
 @mamba3_scan_bwd.register_fake
-def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
+def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
     return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(Bm), torch.empty_like(Cm),
             torch.empty_like(theta), torch.empty_like(b_bias), torch.empty_like(c_bias), torch.empty_like(weight),
-            torch.empty_like(gamma))  # fmt: skip
+            torch.empty_like(gamma), torch.empty_like(D))  # fmt: skip
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk, rank, _save = inputs
-    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, output[1])
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk, rank, _save = inputs
+    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, output[1])
     ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
 
 
 def _mamba3_backward(ctx, dy, _dstates):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states = ctx.saved_tensors
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
-    grads = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, states, ctx.chunk,
-                            ctx.rank)  # fmt: skip
+    grads = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states,
+                            ctx.chunk, ctx.rank)  # fmt: skip
     return (*grads, None, None, None, None)
 
 
@@ -724,8 +675,8 @@ def _keys(Bm: torch.Tensor, bias: torch.Tensor, theta: torch.Tensor, H: int) -> 
     return rotate_pairs(Bm.to(acc).repeat_interleave(H // Bm.shape[3], dim=3) + bias.transpose(0, 1).to(acc), theta)
 
 
-def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk):  # noqa: ANN001, ANN202
-    """The Triton op on the rank form (_ranked's): y [B,T,R,H,P] without D x."""
+def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk):  # noqa: ANN001, ANN202
+    """The Triton op on the rank form (_ranked's): y [B,T,R,H,P] with D x (D None: no skip)."""
     B, T, R, H, P = xr.shape
     if chunk % R:
         raise ValueError(f"mamba3: the Triton scan's chunk ({chunk} sub-tokens) must hold whole steps of R={R} ranks")
@@ -752,11 +703,12 @@ def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_s
     needs_grad = torch.is_grad_enabled() and (
         xr.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
         or theta.requires_grad or b_bias.requires_grad or c_bias.requires_grad or weight.requires_grad
-        or gamma.requires_grad
+        or gamma.requires_grad or (D is not None and D.requires_grad)
     )  # fmt: skip
+    skip = D.float().contiguous() if D is not None else A.new_zeros((H,), dtype=torch.float32)
     y, _ = mamba3_scan_fwd(
         sub(xr), sub(dt_sub), A.float().contiguous(), sub(Bm), sub(Cm), theta.float().contiguous(),
-        b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma),
+        b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
         (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
     )  # fmt: skip
     return y.view(B, T, R, H, P)
@@ -809,13 +761,13 @@ def mamba3_scan(
     weight = gamma + delta_next  # [B,T,H]
     if kernel == "auto":
         kernel = "triton" if x.device.type == "cuda" else "chunked"
-    if kernel == "triton":  # one op: keys and queries biased and rotated in the kernels, the diagonal exact
-        y = _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, cu_seqlens, chunk).to(acc)
+    if kernel == "triton":  # one op: keys and queries biased and rotated in the kernels, the diagonal exact, D x added
+        y = _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk)
     else:
         y = _mamba3_chunked(xr, dts, A, Bm, Cm, theta[:, :, None], b_bias, c_bias, weight, gamma, delta_next,
                             cu_seqlens, chunk)  # fmt: skip
-    if D is not None:
-        y = y + D.to(acc)[:, None] * xr.to(acc)
+        if D is not None:
+            y = y + D.to(acc)[:, None] * xr.to(acc)
     return (y if mimo else y[:, :, 0]).to(x.dtype)
 
 

@@ -293,14 +293,14 @@ def _ssd_fwd_state_kernel(
 
 @triton.jit
 def _ssd_fwd_output_kernel(
-    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr, gam_ptr,
+    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr, gam_ptr, skip_ptr,
     H, G, D,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """Pass 2 (every chunk at once): y = (C B^T * L) u + exp(cs) * (C S^T), S the saved entering state.
     M3: the same step's tokens take the weight gamma, not w: y = (C B^T * L * W) x + ..., W[i, j] = w_j for an
-    earlier step j, gamma_j for the same step (the trapezoid's exact diagonal)."""
+    earlier step j, gamma_j for the same step (the trapezoid's exact diagonal); and the skip D x (D [H] fp32)."""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     rp = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -323,7 +323,7 @@ def _ssd_fwd_output_kernel(
         if M3:
             gam = tl.load(gam_ptr + t * H + hd, mask=m, other=0.0)
             CB = CB * tl.where(step[:, None] > step[None, :], xw[None, :], gam[None, :])
-            y = tl.dot(CB.to(DOT), x.to(DOT), input_precision=PRECISION)
+            y = tl.dot(CB.to(DOT), x.to(DOT), input_precision=PRECISION) + tl.load(skip_ptr + hd) * x.to(tl.float32)
         else:
             u = (x.to(tl.float32) * xw[:, None]).to(DOT)
             y = tl.dot(CB.to(DOT), u, input_precision=PRECISION)
@@ -486,17 +486,20 @@ def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int, int], i
 
 class Mamba3Operands(NamedTuple):
     """The kernels' Mamba-3 mode (kernels/mamba3.py's op): the scan's tokens are rank sub-tokens (step, r);
-    gamma [B, T*R, H] fp32 weights a step's own inputs (x_weight every later step's); the rank R."""
+    gamma [B, T*R, H] fp32 weights a step's own inputs (x_weight every later step's); the rank R; the skip D [H]
+    fp32 (y += D x in the output kernel, one rounding)."""
 
     gamma: torch.Tensor
     rank: int
+    skip: torch.Tensor
 
 
-def _m3_args(m3: Mamba3Operands | None, placeholder: torch.Tensor) -> tuple[dict[str, object], torch.Tensor]:
-    """The kernels' Mamba-3 constexprs and the gamma pointer (a placeholder the kernels never read without M3)."""
+def _m3_args(m3: Mamba3Operands | None, placeholder: torch.Tensor) -> tuple[dict[str, object], torch.Tensor, torch.Tensor]:
+    """The kernels' Mamba-3 constexprs, and the gamma and skip pointers (placeholders the kernels never read without
+    M3)."""
     if m3 is None:
-        return {"M3": False, "RANK": 1}, placeholder
-    return {"M3": True, "RANK": m3.rank}, m3.gamma
+        return {"M3": False, "RANK": 1}, placeholder, placeholder
+    return {"M3": True, "RANK": m3.rank}, m3.gamma, m3.skip
 
 
 def launch_ssd_fwd(
@@ -514,7 +517,7 @@ def launch_ssd_fwd(
     grid, bp, bn = _state_grid(D, H, P, N)
     has_w = x_weight is not None
     w = x_weight if has_w else dt  # a placeholder pointer the kernels never read
-    flags, gam = _m3_args(m3, dt)
+    flags, gam, skip = _m3_args(m3, dt)
     _ssd_fwd_state_kernel[grid](
         x, dt, w, A, Bm, cu_seqlens, states, H, G,
         P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, num_warps=STATE_WARPS,
@@ -522,7 +525,7 @@ def launch_ssd_fwd(
     y = torch.empty_like(x, dtype=y_dtype)
     bp = min(OUT_BLOCK_P, P)
     _ssd_fwd_output_kernel[(n_slots, H, P // bp)](
-        x, dt, w, A, Bm, Cm, cu_seqlens, states, y, gam, H, G, D,
+        x, dt, w, A, Bm, Cm, cu_seqlens, states, y, gam, skip, H, G, D,
         P=P, N=N, BP=bp, CHUNK=chunk, **dots, HAS_W=has_w, **flags, num_warps=OUT_WARPS,
     )  # fmt: skip
     return y, states if save else states.new_empty((0, H, P, N))
