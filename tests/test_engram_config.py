@@ -110,8 +110,8 @@ def test_engram_config_build_reads_the_model_config_and_overrides():
         ("d_model", 0, "an int >= 1"),
         ("mhc", 1, "a bool"),
         ("vocab_size", 0, "an int >= 1"),
-        ("pattern", "AMX", r"a non-empty string of block letters from \('A', 'M', 'R'\)"),
-        ("pattern", " ", r"a non-empty string of block letters from \('A', 'M', 'R'\)"),
+        ("pattern", "AMX", r"a non-empty string of block letters from \('A', 'M', 'R', 'E'\)"),
+        ("pattern", " ", r"a non-empty string of block letters from \('A', 'M', 'R', 'E'\)"),
         ("pattern", ("A",) * 6, "a non-empty string of block letters"),
     ],
 )
@@ -230,6 +230,7 @@ CONFIGS = (
     "megacpp_lab.nn.m2rnn.M2RNNConfig",
     "megacpp_lab.nn.mamba3.Mamba3Config",
     "megacpp_lab.nn.mla.MLAConfig",
+    "megacpp_lab.nn.moe.MoEConfig",
     "megacpp_lab.nn.ngram_hash.NgramHashConfig",
     "megacpp_lab.nn.rope_freqs.RopeScaling",
     "megacpp_lab.nn.ssm.SSDConfig",

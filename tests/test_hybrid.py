@@ -45,7 +45,7 @@ def window():
 @pytest.mark.parametrize(
     "field, value, allowed",
     [
-        ("pattern", "AMX", r"a non-empty string of block letters from \('A', 'M', 'R'\)"),
+        ("pattern", "AMX", r"a non-empty string of block letters from \('A', 'M', 'R', 'E'\)"),
         ("pattern", "", "a non-empty string of block letters"),
         ("pattern", ["A"], "a non-empty string of block letters"),
         ("engram_layers", (4,), r"layer indices in \[0, n_layers=4\)"),
@@ -103,6 +103,21 @@ def test_presets_are_sized_as_named():
     counts = sizes["base"]
     assert counts["total"] == sum(v for k, v in counts.items() if k != "total")
     assert {"A", "M", "R", "embedding", "lm_head", "engram"} <= set(counts)
+
+
+def test_the_stack_preset_holds_every_block_kind_and_counts_active_parameters():
+    config = hybrid_preset("stack")
+    assert set(config.blocks) == {"A", "M", "R", "E"} and config.mhc and config.engram_layers
+    with torch.device("meta"):
+        model = HybridLM(config)
+    counts, active = model.num_parameters(), model.active_parameters()
+    moe = config.moe
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts_" in n)
+    assert experts == config.blocks.count("E") * moe.n_experts * 3 * config.d_model * moe.expert_hidden
+    assert active == counts["total"] - experts + experts * moe.top_k // moe.n_experts
+    assert 450e6 < counts["total"] < 650e6 and 250e6 < active < 350e6, (counts["total"], active)
+    flops = model.flops_per_token(4096)
+    assert flops["total"] == sum(v for k, v in flops.items() if k != "total")
 
 
 def test_the_m_block_is_mamba3_by_default_and_mamba2_one_flag_away():
@@ -194,6 +209,18 @@ def test_a_planted_leak_fails_the_whole_model_check(window, kind, m_block):
     mixer.forward = lambda x, ctx=None, **kw: forward(x)  # the planted bug: ctx dropped
     report = model_leak_report(model, tokens, doc_ids, vocab_size=V, causal=False)
     assert report.leaked and report.cross_doc.magnitude > report.tol, str(report)
+
+
+def test_capacity_routing_fails_the_whole_model_check(window):
+    """An E block with capacity-limited routing: whether a token reaches its experts depends on the other tokens
+    of the batch (other documents, later positions), so the model leaks; dropless routing (the default, the
+    "E" case above) does not."""
+    tokens, doc_ids = window
+    moe = dict(n_experts=4, top_k=2, expert_hidden=32, capacity_factor=0.5)
+    model = wake_zero_initialised(_model(pattern="EA", n_layers=2, engram_layers=(), moe=moe))
+    report = model_leak_report(model, tokens, doc_ids, vocab_size=V, causal_positions=range(0, 24, 3))
+    assert report.leaked and report.cross_doc.magnitude > report.tol, str(report)
+    assert report.causal is not None and report.causal.magnitude > report.tol, str(report)
 
 
 # ----------------------------------------------------------------------------- mHC at init, precision

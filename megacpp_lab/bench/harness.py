@@ -24,6 +24,7 @@ from megacpp_lab.model.config import HybridConfig, model_config
 from megacpp_lab.model.hybrid import HybridLM
 from megacpp_lab.model.parallelize import ParallelConfig, parallelize
 from megacpp_lab.model.precompile import Precompile, precompile
+from megacpp_lab.nn.moe import update_balance
 from megacpp_lab.profiling import LABEL_SEP, peak_extra_mib, sync, time_ms
 from megacpp_lab.varlen import PackedContext, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
@@ -129,6 +130,7 @@ class TrainingStep:
         loss.backward()
         if self.optimizer is not None:
             self.optimizer.step()
+            update_balance(self.model)  # E blocks: their routing bias, as the training loop moves it
         return loss.detach()
 
     def release(self) -> None:

@@ -5,7 +5,7 @@
     policy = CheckpointingPolicy(A=0.3, M=0.5, R=1.0)                      # regional compile: budgets
     apply_ac(model, policy, compiled=True); apply_compile(model)
 
-An entry (one per block kind A / M / R, and for the Engram and CBlock branches) is
+An entry (one per block kind A / M / R / E, and for the Engram and CBlock branches) is
     "none"            save everything (no recompute)
     "full"            non-reentrant torch.utils.checkpoint around the block (or branch): save its inputs only
     ("mm", ...)       selective, a save list: keep the outputs of the aten ops named (overload packets, e.g.
@@ -45,7 +45,7 @@ from megacpp_lab.nn.compact_linear import CompactLinear
 
 __all__ = ["AC_ATTR", "BUDGET_ATTR", "CheckpointingPolicy", "apply_ac", "block_budget", "checkpoint_module", "saves_output"]
 
-KINDS = ("A", "M", "R", "engram", "cblock")
+KINDS = ("A", "M", "R", "E", "engram", "cblock")
 AC_ATTR = "_megacpp_ac"  # set on a module whose forward apply_ac wrapped (eager)
 BUDGET_ATTR = REMAT_BUDGET_ATTR  # set on a block apply_ac gave a budget (regional compile; Block guards on it)
 
@@ -72,6 +72,7 @@ class CheckpointingPolicy:
     A: Entry = "none"
     M: Entry = "none"
     R: Entry = "none"
+    E: Entry = "none"
     engram: Entry = "none"
     cblock: Entry = "none"
     last_layer: str = "never"
@@ -102,7 +103,7 @@ class CheckpointingPolicy:
     def parse(cls, spec: str) -> CheckpointingPolicy:
         """The policy from its text (`megacpp-lab train --remat SPEC`), comma-separated parts:
             ENTRY          "none" | "full" | a budget "0.3" | a save list "mm+addmm": every kind not named
-            KIND=ENTRY     one kind's entry (A, M, R, engram, cblock), e.g. "A=1.0,M=0.3,R=1.0"
+            KIND=ENTRY     one kind's entry (A, M, R, E, engram, cblock), e.g. "A=1.0,M=0.3,R=1.0"
             offload        keep the saved tensors of non-checkpointed blocks in pinned CPU memory (eager)
             compact=R      the MLPs save a rank-R random projection of their inputs (eager)
         Kinds not named take the bare ENTRY, else "none". Fails closed naming the part."""
@@ -252,7 +253,8 @@ def apply_ac(model: nn.Module, policy: CheckpointingPolicy, *, compiled: bool = 
             continue
         if i == last:
             continue  # never checkpointed, never compacted
-        if policy.compact_rank is not None:  # the MLP's up projection (its input: d_model wide)
+        if policy.compact_rank is not None and block.kind != "E":  # the MLP's up projection (its input: d_model
+            # wide); an E block's experts are one grouped weight, which CompactLinear does not wrap
             block.mlp.w_gate_up = CompactLinear(block.mlp.w_gate_up, policy.compact_rank, seed=i)
         if entry != "none":
             checkpoint_module(block, entry)

@@ -32,13 +32,15 @@ from megacpp_lab.nn.lm_head import LMHeadConfig
 from megacpp_lab.nn.m2rnn import M2RNNConfig
 from megacpp_lab.nn.mamba3 import Mamba3Config
 from megacpp_lab.nn.mla import MLAConfig
+from megacpp_lab.nn.moe import MoEConfig
 from megacpp_lab.nn.ngram_hash import NgramHashConfig
 from megacpp_lab.nn.ssm import SSDConfig
 
 __all__ = ["BLOCK_KINDS", "HYBRID_PRESETS", "M_BLOCKS", "HybridConfig", "device_kernels", "hybrid_preset", "model_config"]
 
-# block letters of the layer pattern: A = MLA + MLP, M = Mamba-3 (or Mamba-2's SSD) + MLP, R = M2RNN + MLP
-BLOCK_KINDS = ("A", "M", "R")
+# block letters of the layer pattern: A = MLA + MLP, M = Mamba-3 (or Mamba-2's SSD) + MLP, R = M2RNN + MLP,
+# E = the M block's mixer + a mixture of experts (nn/moe.py) in place of the MLP
+BLOCK_KINDS = ("A", "M", "R", "E")
 # the M block's mixer (HybridConfig.m_block): Mamba-3 (nn/mamba3.py, SISO or MIMO by mamba3.mimo_rank), or
 # Mamba-2's SSD (nn/ssm.py), kept as the baseline one flag away
 M_BLOCKS = ("mamba3", "mamba2")
@@ -107,6 +109,11 @@ def _ssd_defaults(d: int) -> dict[str, Any]:
     return dict(n_heads=max(1, 2 * d // head), head_dim=head, state_dim=128 if d >= 512 else 32)
 
 
+def _moe_defaults(d: int) -> dict[str, Any]:
+    # each expert half the dense MLP's hidden size (8/3 d): at the default top-2, the active FLOPs of the MLP
+    return dict(expert_hidden=8 * math.ceil(4 * d / 3 / 8))
+
+
 def _mamba3_defaults(d: int) -> dict[str, Any]:
     ssd = _ssd_defaults(d)
     return dict(ssd, rope_pairs=ssd["state_dim"] // 4)  # mamba_ssm's rope_fraction 0.5: a quarter of N in pairs
@@ -117,6 +124,7 @@ _SUBCONFIGS: dict[str, tuple[type, Any]] = {
     "ssd": (SSDConfig, _ssd_defaults),
     "mamba3": (Mamba3Config, _mamba3_defaults),
     "m2rnn": (M2RNNConfig, lambda d: dict(n_heads=max(1, d // 64))),  # per-head state 64 x 16 (K x V)
+    "moe": (MoEConfig, _moe_defaults),
     "engram": (EngramConfig, lambda d: dict(bottleneck=max(1, d // 4))),
     "ngram": (NgramHashConfig, lambda d: {}),
     "concept": (ConceptBankConfig, lambda d: dict(n_heads=max(1, d // 128), head_dim=min(64, d))),
@@ -131,13 +139,14 @@ class HybridConfig:
     naming the field. Build it with HybridConfig.build, or from a preset with hybrid_preset(name, **overrides).
 
     pattern: block letters tiled across n_layers (layer i is pattern[i % len(pattern)]): A = MLA + SwiGLU MLP,
-    M = the m_block mixer + MLP, R = M2RNN + MLP. m_block: "mamba3" (Mamba-3, its `mamba3` config: SISO, or MIMO
+    M = the m_block mixer + MLP, R = M2RNN + MLP, E = the m_block mixer + a mixture of experts (its `moe` config)
+    in place of the MLP. m_block: "mamba3" (Mamba-3, its `mamba3` config: SISO, or MIMO
     by mamba3.mimo_rank) or "mamba2" (Mamba-2's SSD, its `ssd` config). engram_layers / ngram_layers / cblock_layers: explicit layer indices
     (tuple, '0,2' or 'all'); mhc: multi-stream hyper-connections over the Engram layers (the tripwire: mhc
     without engram_layers means all layers, with a warning; an explicitly empty list fails: mHC over no layer
     was a silent no-op).
 
-    The per-layer configs (mla, ssd, mamba3, m2rnn, engram, ngram, concept, hyper, lm_head) are built through each
+    The per-layer configs (mla, ssd, mamba3, m2rnn, moe, engram, ngram, concept, hyper, lm_head) are built through each
     layer's own build(): leave one None for the defaults derived from d_model (and vocab_size / pad_id),
     give a dict of overrides, or a finished config (its d_model must match). All are built even when no
     layer uses them, so a bad field fails here, not at the first forward.
@@ -159,6 +168,7 @@ class HybridConfig:
     ssd: SSDConfig | Mapping[str, Any] | None = None
     mamba3: Mamba3Config | Mapping[str, Any] | None = None
     m2rnn: M2RNNConfig | Mapping[str, Any] | None = None
+    moe: MoEConfig | Mapping[str, Any] | None = None
     engram: EngramConfig | Mapping[str, Any] | None = None
     ngram: NgramHashConfig | Mapping[str, Any] | None = None
     concept: ConceptBankConfig | Mapping[str, Any] | None = None
@@ -225,7 +235,8 @@ class HybridConfig:
         return 64 * math.ceil(self.mlp_ratio * self.d_model / 64)
 
 
-# Presets: name -> HybridConfig fields. tiny: CPU tests (< 2M parameters); small: ~50M; base: 12 layers, d=1024.
+# Presets: name -> HybridConfig fields. tiny: CPU tests (< 2M parameters); small: ~50M; base: 12 layers, d=1024;
+# stack: every block kind, MoE, Engram and mHC.
 HYBRID_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vocab_size=512, d_model=64, n_layers=4, pattern="AMRM", engram_layers=(1,),
@@ -240,6 +251,10 @@ HYBRID_PRESETS: dict[str, dict[str, Any]] = {
     ),  # fmt: skip
     "small": dict(vocab_size=32768, d_model=384, n_layers=12, pattern="AMRM", engram_layers=(1, 5, 9)),
     "base": dict(vocab_size=32768, d_model=1024, n_layers=12, pattern="AMRM", engram_layers=(1, 5, 9)),
+    # the seeds' taxonomy at a size one H100 trains: every block kind (per 8 layers 1 A, 4 M, 2 E, 1 R; the E blocks
+    # 16 experts, top-2), Engram every fourth layer with mHC over those layers. About 534M parameters, 299M active.
+    "stack": dict(vocab_size=32768, d_model=1024, n_layers=16, pattern="AMEMRMEM", engram_layers=(1, 5, 9, 13),
+                  mhc=True),  # fmt: skip
 }
 
 

@@ -3,12 +3,15 @@
     tokens [B,T] -> embedding -> n_layers blocks -> RMSNorm -> LMHead (fused linear cross-entropy)
 
 Block i has the kind HybridConfig.blocks[i] (the pattern tiled across the layers): A = MLA, M = Mamba-3
-(SISO or MIMO; Mamba-2's SSD with m_block="mamba2"), R = M2RNN, each followed by a SwiGLU MLP. A block is a list of residual branches, each x -> x + f(x):
+(SISO or MIMO; Mamba-2's SSD with m_block="mamba2"), R = M2RNN, each followed by a SwiGLU MLP; E = the M
+block's mixer followed by a mixture of experts (nn/moe.py) in place of the MLP. The seeds' hybrid is
+Nemotron-style (Megatron hybrid layers), where the MoE layers follow the Mamba mixers and attention stays
+sparse; an SSM mixer also keeps the E block linear in T. A block is a list of residual branches, each x -> x + f(x):
 
     engram   x + EngramBranch(x, ctx=ctx)                 at engram_layers   (normalises x itself)
     ngram    x + NgramHashMemory(x, tokens, ctx=ctx)      at ngram_layers    (normalises x itself)
     mixer    x + mixer(RMSNorm(x), ctx=ctx)               every layer
-    mlp      x + SwiGLU(RMSNorm(x))                       every layer
+    mlp      x + SwiGLU(RMSNorm(x))                       every layer (E: x + MoE(RMSNorm(x)))
     cblock   x + ConceptBank(x, ctx=ctx)                  at cblock_layers   (read-only concept bank)
 
 Engram, the n-gram memory and the concept bank zero-initialise their output projections, so each starts
@@ -29,10 +32,11 @@ and mHC rule as the forward (Block.apply_branches).
 FLOPs per token (flops_per_token, forward + backward = 3 x forward):
     matmul: 6 * (parameters applied to every token)  - every parameter except the lookups (token
             embedding, n-gram tables, the concept bank and its k/v projections, applied once per step);
-            norm weights and biases are counted too (a small overcount)
+            norm weights and biases are counted too (a small overcount); an E block's experts count
+            top_k / n_experts of their parameters (the active ones)
     A:      + 3 * 2 * H * (d_nope + d_rope + d_v) * T / 2   (QK^T and AV over the causal T/2 average;
             document masking only lowers it, so this is an upper bound)
-    M:      + 3 * 4 * H * P * N * R                           (state update B x^T and readout C h; R: Mamba-3's
+    M, E:   + 3 * 4 * H * P * N * R                           (state update B x^T and readout C h; R: Mamba-3's
                                                               MIMO rank, 1 for SISO and Mamba-2)
     R:      + 3 * H * (2 K V^2 + 4 K V)                       (h W, k (x) v, gate mix, q h)
     cblock: + 3 * 4 * H * Dh * n_concepts                     (scores and values over the bank)
@@ -44,7 +48,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megacpp_lab.model.config import HybridConfig
@@ -55,34 +58,23 @@ from megacpp_lab.nn.lm_head import LMHead, LMHeadOutput
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNState
 from megacpp_lab.nn.mamba3 import Mamba3, Mamba3State
 from megacpp_lab.nn.mla import MLAKVCache, MultiLatentAttention
+from megacpp_lab.nn.moe import MoE
 from megacpp_lab.nn.ngram_hash import NgramHashMemory, NgramHashState
+from megacpp_lab.nn.primitives import SwiGLU
 from megacpp_lab.nn.ssm import SSD, SSDState
 from megacpp_lab.varlen import PackedContext
 
-__all__ = ["Block", "BlockState", "HybridLM", "REMAT_BUDGET_ATTR", "SwiGLU"]
+__all__ = ["Block", "BlockState", "HybridLM", "REMAT_BUDGET_ATTR"]
 
 REMAT_BUDGET_ATTR = "_megacpp_ac_budget"  # the activation_memory_budget apply_ac gives a block (regional compile)
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
 
 
-class SwiGLU(nn.Module):
-    """[B,T,d] -> [B,T,d]: w_down(SiLU(w_gate x) * w_up x)."""
-
-    def __init__(self, d_model: int, hidden: int) -> None:
-        super().__init__()
-        self.w_gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
-        self.w_down = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
-
-
 def _mixer(config: HybridConfig, kind: str) -> nn.Module:
     if kind == "A":
         return MultiLatentAttention(config.mla)
-    if kind == "M":
+    if kind in ("M", "E"):
         return Mamba3(config.mamba3) if config.m_block == "mamba3" else SSD(config.ssd)
     return M2RNN(config.m2rnn)
 
@@ -112,7 +104,7 @@ class Block(nn.Module):
         self.mixer_norm = nn.RMSNorm(d, eps=c.norm_eps)
         self.mixer = _mixer(c, self.kind)
         self.mlp_norm = nn.RMSNorm(d, eps=c.norm_eps)
-        self.mlp = SwiGLU(d, c.mlp_hidden)
+        self.mlp = MoE(c.moe) if self.kind == "E" else SwiGLU(d, c.mlp_hidden)
         self.cblock = ConceptBank(c.concept) if layer in c.cblock_layers else None
         names = [n for n in ("engram", "ngram", "mixer", "mlp", "cblock") if getattr(self, n) is not None]
         on = c.mhc and layer in c.engram_layers
@@ -234,8 +226,13 @@ class HybridLM(nn.Module):
             return branch
         return self.config.blocks[int(parts[1])]
 
+    def _active_share(self, name: str) -> float:
+        """The share of a parameter one token uses: top_k / n_experts for an E block's experts, else 1."""
+        moe = self.config.moe
+        return moe.top_k / moe.n_experts if ".mlp.experts_" in name else 1.0
+
     def num_parameters(self) -> dict[str, int]:
-        """Parameter counts: 'total' and one entry per bucket (embedding, A, M, R, engram, ngram, cblock,
+        """Parameter counts: 'total' and one entry per bucket (embedding, A, M, R, E, engram, ngram, cblock,
         mhc, final_norm, lm_head; buckets the model does not have are left out)."""
         counts: dict[str, int] = {}
         for name, p in self.named_parameters():
@@ -243,6 +240,10 @@ class HybridLM(nn.Module):
             counts[key] = counts.get(key, 0) + p.numel()
         counts["total"] = sum(counts.values())
         return counts
+
+    def active_parameters(self) -> int:
+        """The parameters one token uses: all of them, but an E block's experts at top_k / n_experts."""
+        return round(sum(p.numel() * self._active_share(name) for name, p in self.named_parameters()))
 
     def flops_per_token(self, seq_len: int) -> dict[str, int]:
         """Training (forward + backward) FLOPs per token, per bucket and 'total', at sequence length
@@ -255,12 +256,12 @@ class HybridLM(nn.Module):
             cblock_lookup = key == "cblock" and name.endswith(lookups[2:])
             if name == lookups[0] or name.endswith(lookups[1]) or cblock_lookup:
                 continue
-            flops[key] = flops.get(key, 0) + 6 * p.numel()
+            flops[key] = flops.get(key, 0) + round(6 * p.numel() * self._active_share(name))
         for i, kind in enumerate(c.blocks):
             if kind == "A":
                 a = c.mla
                 extra = 3 * 2 * a.n_heads * (a.d_nope + a.d_rope + a.d_v) * seq_len // 2
-            elif kind == "M":
+            elif kind in ("M", "E"):
                 s = c.mamba3 if c.m_block == "mamba3" else c.ssd
                 rank = c.mamba3.mimo_rank if c.m_block == "mamba3" else 1
                 extra = 3 * 4 * s.n_heads * s.head_dim * s.state_dim * rank

@@ -38,6 +38,7 @@ from megacpp_lab.model.optim import MasterWeightAdamW, lr_at
 from megacpp_lab.model.parallelize import block_structures, describe_compile, parallelize
 from megacpp_lab.model.precompile import precompile
 from megacpp_lab.model.train_config import TrainConfig, resolve_device
+from megacpp_lab.nn.moe import update_balance
 from megacpp_lab.varlen import PackedContext, copy_to_device
 
 __all__ = ["HISTORY_FILE", "TokenizedCorpus", "TrainResult", "plot_history", "read_history", "tokenize_corpus", "train",
@@ -256,6 +257,7 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
         (loss * (share * ranks.world) if ranks.world > 1 else loss).backward()
         grad_norm = opt.step(lr)
         opt.zero_grad()
+        update_balance(model)  # E blocks: each expert's routing bias toward the mean load (no host sync)
         if compiling:  # one host sync, once: the first step's time is what the compile cost
             if device == "cuda":
                 torch.cuda.synchronize()

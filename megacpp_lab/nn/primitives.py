@@ -1,6 +1,7 @@
-"""Shared pieces of the token mixers: the doc-masked causal depthwise conv, the parameter-free RMSNorm,
-the context gate (Engram, the hashed n-gram memory and M2RNN use them) and the Mamba-style decay
-parameters with their config checks (M2RNN and SSD)."""
+"""Shared pieces of the layers: the doc-masked causal depthwise conv, the parameter-free RMSNorm,
+the context gate (Engram, the hashed n-gram memory and M2RNN use them), the Mamba-style decay
+parameters with their config checks (M2RNN and SSD), and the SwiGLU MLP (every block's FFN, MoE's shared
+expert)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from torch import nn
 
 from megacpp_lab.varlen import PackedContext, context_positions, doc_causal_shift, same_doc_as_lag
 
-__all__ = ["CONV_IMPLS", "DocCausalDepthwiseConv", "ParameterFreeRMSNorm", "check_decay_init", "context_gate",
-           "conv_stepper", "init_decay_params"]
+__all__ = ["CONV_IMPLS", "DocCausalDepthwiseConv", "ParameterFreeRMSNorm", "SwiGLU", "check_decay_init",
+           "context_gate", "conv_stepper", "init_decay_params"]
 
 CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
 
@@ -33,6 +34,19 @@ class ParameterFreeRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight=None, eps=self.eps)
+
+
+class SwiGLU(nn.Module):
+    """[..., d] -> [..., d]: w_down(SiLU(w_gate x) * w_up x), the gate and up projections as one matrix."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.w_down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
 
 
 def context_gate(h_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,305 @@
+"""Mixture of experts: the E block's FFN. Token-choice top-k routing, SwiGLU experts, dropless by default.
+
+    x [N,d] -> router: logits = x W_r (fp32), scores s = sigmoid(logits) (or softmax)
+            -> each token's top_k experts by s + bias (the bias steers the choice only, never the weights)
+            -> weights: the chosen scores, normalised to sum 1 when top_k > 1, times route_scale
+            -> y = sum over the token's experts of weight * SwiGLU_e(x)          (+ a shared SwiGLU, optional)
+
+Balance (DeepSeek-V3's auxiliary-loss-free balancing, `balance="bias"`): every forward adds its tokens per expert to
+the buffer `load`; after each optimizer step `update_balance(model)` moves each expert's bias by bias_update_rate
+toward the mean load (up for an underloaded expert, down for an overloaded one) and clears `load`. The bias has no
+gradient. An auxiliary balance loss (Switch's E * sum_e f_e P_e) is optional (aux_loss_weight > 0), and a router
+z-loss (mean logsumexp(logits)^2, ST-MoE) keeps the logits small. Both losses reach the parameters through the
+block's output (`attach_loss`, Megatron's MoEAuxLossAutoScaler idea): the block keeps its x -> y signature, under
+torch.compile too. Their last values, the dropped fraction and the busiest expert's share are in `stats`.
+
+**Documents.** Dropless routing (the default) is a function of each token alone: no output depends on another
+token, so the block keeps documents apart and is causal (tests/test_moe.py runs the leak harness on it).
+Capacity-limited routing (capacity_factor set) is not: each expert takes at most C = ceil(capacity_factor * N *
+top_k / E) of the batch's tokens, the highest-scoring first, and drops the rest (their weight is 0; the shared
+expert and the residual still carry them). Whether a token is dropped then depends on every other token of the
+batch, later ones and other documents included, and the leak harness catches it.
+
+Experts run grouped (`experts="grouped"`: the assignments sorted by expert, two torch._grouped_mm calls over
+the groups, no host sync and no recompile when the group sizes change) or one expert at a time
+(`experts="loop"`: the reference, with a host sync per expert). On CUDA torch._grouped_mm is fast only in bf16
+on sm90+ (elsewhere it loops on the host over offsets copied to the CPU), and under torch.compile it takes bf16
+alone: the grouped path refuses other dtypes there rather than fall back (a CPU runs it eager in fp32). Capacity routing runs as one batched matmul over [E, C] slots.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp_lab.checks import check_ints, config_error
+from megacpp_lab.nn.config_builder import build_config
+from megacpp_lab.nn.primitives import SwiGLU
+
+__all__ = ["EXPERT_IMPLS", "SCORES", "MoE", "MoEConfig", "Routing", "attach_loss", "grouped_experts",
+           "loop_experts", "route", "update_balance"]
+
+SCORES = ("sigmoid", "softmax")
+EXPERT_IMPLS = ("grouped", "loop")
+BALANCE = ("bias", "none")
+STATS = ("z_loss", "aux_loss", "dropped_fraction", "max_load_fraction")  # MoE.stats, in this order
+
+_fail = functools.partial(config_error, "MoEConfig")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """E block FFN settings; build it with MoEConfig.build. Frozen, checked on construction."""
+
+    d_model: int
+    n_experts: int = 16
+    top_k: int = 2
+    expert_hidden: int = 512  # each expert's SwiGLU hidden size (a multiple of 8: torch._grouped_mm's alignment)
+    shared_hidden: int = 0  # the shared expert's hidden size; 0: none
+    score: str = "sigmoid"  # "sigmoid" (DeepSeek-V3) or "softmax"
+    route_scale: float = 1.0
+    balance: str = "bias"  # "bias": auxiliary-loss-free balancing (update_balance); "none"
+    bias_update_rate: float = 1e-3
+    aux_loss_weight: float = 0.0  # > 0: Switch's balance loss, besides (or instead of) the bias
+    z_loss_weight: float = 1e-3
+    capacity_factor: float | None = None  # None: dropless (the default; keeps documents apart)
+    experts: str = "grouped"  # "grouped" (torch._grouped_mm) or "loop" (one expert at a time, the reference)
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        check_ints("MoEConfig", self, ("d_model", "n_experts", "top_k", "expert_hidden"))
+        check_ints("MoEConfig", self, ("shared_hidden",), low=0)
+        if self.top_k > self.n_experts:
+            raise _fail("top_k", f"an int in [1, n_experts={self.n_experts}]", self.top_k)
+        for name in ("d_model", "expert_hidden", "shared_hidden"):
+            if getattr(self, name) % 8:
+                raise _fail(name, "a multiple of 8 (torch._grouped_mm needs 16-byte aligned bf16 rows)", getattr(self, name))
+        for name, allowed in (("score", SCORES), ("balance", BALANCE), ("experts", EXPERT_IMPLS)):
+            if getattr(self, name) not in allowed:
+                raise _fail(name, f"one of {allowed}", getattr(self, name))
+        for name, low in (("route_scale", 0.0), ("bias_update_rate", 0.0), ("aux_loss_weight", 0.0),
+                          ("z_loss_weight", 0.0), ("init_std", 0.0)):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+                raise _fail(name, f"a finite number >= {low}", value)
+        if self.route_scale == 0 or self.init_std == 0:
+            raise _fail("route_scale" if self.route_scale == 0 else "init_std", "a number > 0", 0)
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < math.inf):
+            raise _fail("capacity_factor", "None (dropless) or a finite number > 0", cf)
+
+    @classmethod
+    def build(cls, source: Any = None, **overrides: Any) -> MoEConfig:
+        aliases = {"d_model": ("d_model", "hidden_size"), "n_experts": ("moe_n_experts", "num_experts", "n_experts"),
+                   "top_k": ("moe_top_k", "moe_router_topk", "top_k")}  # fmt: skip
+        return build_config(cls, source, overrides, prefix="moe", aliases=aliases, required=("d_model",))
+
+    def capacity(self, n_tokens: int) -> int:
+        """Slots per expert under capacity routing: ceil(capacity_factor * tokens * top_k / n_experts)."""
+        if self.capacity_factor is None:
+            raise ValueError("MoEConfig.capacity: routing is dropless (capacity_factor=None): no expert has a capacity")
+        return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts))
+
+
+@dataclass
+class Routing:
+    """One batch's routing: each token's experts ids [N,k] (int64) and their weights [N,k] (fp32, 0 for an
+    assignment capacity routing dropped), the router logits [N,E] (fp32) and scores [N,E]."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    logits: torch.Tensor
+    scores: torch.Tensor
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, config: MoEConfig) -> Routing:
+    """The router in fp32 (module docstring): x [N,d], router_weight [E,d], bias [E]."""
+    logits = F.linear(x.float(), router_weight.float())
+    scores = torch.sigmoid(logits) if config.score == "sigmoid" else torch.softmax(logits, dim=-1)
+    ids = torch.topk(scores + bias.float(), config.top_k, dim=-1).indices  # the bias picks; it never weighs
+    weights = scores.gather(-1, ids)
+    if config.top_k > 1:  # with one expert a token's weight stays its score: normalised it would be 1, no gradient
+        weights = weights / weights.sum(-1, keepdim=True)
+    return Routing(ids, weights * config.route_scale, logits, scores)
+
+
+def _sorted_by_expert(ids: torch.Tensor, n_experts: int, priority: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The assignments (token, slot) flattened to N*k and sorted by expert (stably: token order within an expert;
+    by descending `priority` [N*k] first, if given): (order [N*k], tokens per expert [E] int64, their running
+    sum, each group's end). Fixed shapes, no host sync."""
+    flat = ids.reshape(-1)
+    if priority is None:
+        order = torch.argsort(flat, stable=True)
+    else:
+        by_priority = torch.argsort(priority, descending=True, stable=True)
+        order = by_priority[torch.argsort(flat[by_priority], stable=True)]
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts, torch.cumsum(counts, 0)
+
+
+def _swiglu_rows(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def grouped_experts(x: torch.Tensor, routing: Routing, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Dropless experts through torch._grouped_mm: x [N,d], w_gate_up [E,d,2h], w_down [E,h,d] -> [N,d] in x's
+    dtype. The assignments are sorted by expert, gathered, run as two grouped GEMMs over the groups (an empty
+    group is fine), put back in (token, slot) order and summed over the k slots with their weights (a sum, not
+    an atomic scatter: deterministic)."""
+    if (x.is_cuda or torch.compiler.is_compiling()) and (x.dtype != torch.bfloat16 or w_gate_up.dtype != torch.bfloat16):
+        where = "on CUDA" if x.is_cuda else "under torch.compile"
+        raise ValueError(f"MoE experts='grouped' {where} needs bf16 x and expert weights (torch._grouped_mm's fast "
+                         f"path, and the only dtype its compiled form takes; on CUDA other dtypes loop on the host), "
+                         f"got x {x.dtype}, weights {w_gate_up.dtype}: run the model in bf16 or name "
+                         f"experts='loop' (eager)")  # fmt: skip
+    N, k = routing.ids.shape
+    order, _, ends = _sorted_by_expert(routing.ids, w_gate_up.shape[0])
+    token = order // k
+    offs = ends.to(torch.int32)
+    hidden = _swiglu_rows(torch._grouped_mm(x[token], w_gate_up, offs=offs))
+    out_sorted = torch._grouped_mm(hidden, w_down, offs=offs)  # [N*k, d], by expert
+    per_slot = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted).view(N, k, -1)
+    return (per_slot.float() * routing.weights[..., None]).sum(1).to(x.dtype)
+
+
+def capacity_experts(x: torch.Tensor, routing: Routing, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                     capacity: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Capacity-limited experts: each expert's C highest-scoring assignments of the batch go to its C slots
+    ([E, C, d], zero where unfilled), one batched matmul each way; the rest are dropped. Returns y [N,d] in x's
+    dtype and the kept mask [N,k]. A slot index past the buffer sends a dropped assignment to a scratch row."""
+    N, k = routing.ids.shape
+    E, d = w_gate_up.shape[0], x.shape[-1]
+    flat_ids = routing.ids.reshape(-1)
+    order, counts, ends = _sorted_by_expert(routing.ids, E, priority=routing.weights.reshape(-1))
+    expert = flat_ids[order]
+    rank_in_expert = torch.arange(N * k, device=x.device) - (ends - counts)[expert]
+    kept_sorted = rank_in_expert < capacity
+    slot = torch.where(kept_sorted, expert * capacity + rank_in_expert, E * capacity)  # scratch row E*C
+    buf = x.new_zeros(E * capacity + 1, d).index_put_((slot,), x[order // k])  # each real slot written at most once
+    hidden = _swiglu_rows(torch.bmm(buf[:-1].view(E, capacity, d), w_gate_up))
+    out = torch.cat((torch.bmm(hidden, w_down).reshape(E * capacity, d), x.new_zeros(1, d)))  # scratch row: 0
+    per_slot = torch.empty(N * k, d, dtype=out.dtype, device=x.device).index_copy_(0, order, out[slot]).view(N, k, d)
+    kept = torch.empty(N * k, dtype=torch.bool, device=x.device).index_copy_(0, order, kept_sorted).view(N, k)
+    weights = routing.weights * kept
+    return (per_slot.float() * weights[..., None]).sum(1).to(x.dtype), kept
+
+
+def loop_experts(x: torch.Tensor, routing: Routing, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The reference: one expert at a time over the tokens routed to it (a host sync per expert), each
+    token's slots summed in slot order as grouped_experts sums them."""
+    N, k = routing.ids.shape
+    per_slot = x.new_zeros(N, k, x.shape[-1], dtype=torch.float32)
+    for e in range(w_gate_up.shape[0]):
+        token, slot = (routing.ids == e).nonzero(as_tuple=True)
+        if token.numel():
+            y = _swiglu_rows(x[token] @ w_gate_up[e]) @ w_down[e]
+            per_slot = per_slot.index_put((token, slot), y.float())
+    return (per_slot * routing.weights[..., None]).sum(1).to(x.dtype)
+
+
+class _AttachLoss(torch.autograd.Function):
+    """y unchanged forward; backward: y's gradient, and 1 for the loss (as if it were added to the model's)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape
+        ctx.loss_dtype = loss.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+def attach_loss(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """y, carrying `loss` (a scalar) into the backward: whatever loss the model's output reaches gets loss's
+    gradient added, with weight 1 (the router losses are weighted before). Under gradient accumulation over n
+    micro-batches whose loss is divided by n, an attached loss counts n times as much as in one batch."""
+    return _AttachLoss.apply(y, loss)
+
+
+class MoE(nn.Module):
+    """[B,T,d] -> [B,T,d]: the mixture of experts (module docstring). Buffers: `bias` [E] (the balancing bias),
+    `load` [E] (tokens routed to each expert since the last update_balance), `stats` (STATS). The router and
+    the buffers stay fp32 under apply_precision (a bf16 load would stop counting past 256)."""
+
+    _fp32_params = ("router", "bias", "load", "stats")
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"MoE needs a MoEConfig, got {type(config).__name__}")
+        self.config = c = config
+        E, d, h = c.n_experts, c.d_model, c.expert_hidden
+        self.router = nn.Parameter(torch.randn(E, d) * c.init_std)
+        self.experts_gate_up = nn.Parameter(torch.randn(E, d, 2 * h) * c.init_std)
+        self.experts_down = nn.Parameter(torch.randn(E, h, d) * c.init_std)
+        self.shared = SwiGLU(d, c.shared_hidden) if c.shared_hidden else None
+        self.register_buffer("bias", torch.zeros(E))
+        self.register_buffer("load", torch.zeros(E))
+        self.register_buffer("stats", torch.zeros(len(STATS)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        flat = x.reshape(-1, x.shape[-1])
+        routing = route(flat, self.router, self.bias, c)
+        if c.capacity_factor is not None:
+            y, kept = capacity_experts(flat, routing, self.experts_gate_up, self.experts_down, c.capacity(flat.shape[0]))
+        elif c.experts == "grouped":
+            y, kept = grouped_experts(flat, routing, self.experts_gate_up, self.experts_down), None
+        else:
+            y, kept = loop_experts(flat, routing, self.experts_gate_up, self.experts_down), None
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        loss, stats = self._losses(routing, kept)
+        if self.training:  # the routing statistics (decode and evaluation leave them): recomputation under
+            with torch.no_grad():  # checkpointing adds the same load again, which scales every expert's alike
+                self.load.add_(stats["load"])  # and leaves update_balance's signs as they were
+                self.stats.copy_(torch.stack([stats[k].float() for k in STATS]))
+        if loss is not None:
+            y = attach_loss(y, loss)
+        return y.view_as(x)
+
+    def _losses(self, routing: Routing, kept: torch.Tensor | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The weighted router losses (None when both weights are 0) and the batch's statistics."""
+        c = self.config
+        N, E = routing.logits.shape
+        ones = torch.ones_like(routing.ids, dtype=torch.float32) if kept is None else kept.float()
+        load = torch.zeros(E, device=ones.device).scatter_add_(0, routing.ids.reshape(-1), ones.reshape(-1))
+        z_loss = torch.logsumexp(routing.logits, dim=-1).pow(2).mean()
+        # Switch's balance loss: E * sum_e (the fraction of assignments to e) * (e's mean normalised score)
+        share = routing.scores / routing.scores.sum(-1, keepdim=True)
+        fraction = torch.zeros(E, device=ones.device).scatter_add_(
+            0, routing.ids.reshape(-1), torch.ones_like(ones).reshape(-1)) / (N * c.top_k)  # fmt: skip
+        aux_loss = E * (fraction.detach() * share.mean(0)).sum()
+        stats = {"z_loss": z_loss.detach(), "aux_loss": aux_loss.detach(), "load": load,
+                 "dropped_fraction": 1 - ones.mean(), "max_load_fraction": fraction.max()}  # fmt: skip
+        terms = [w * v for w, v in ((c.z_loss_weight, z_loss), (c.aux_loss_weight, aux_loss)) if w > 0]
+        return (sum(terms[1:], terms[0]) if terms else None), stats
+
+    @torch.no_grad()
+    def update_balance(self) -> None:
+        """Move each expert's bias toward the mean load (balance="bias"; a no-op otherwise) and clear the load.
+        Under torch.distributed the loads are summed over the ranks first, so every rank moves the same way."""
+        if self.config.balance == "bias":
+            load = self.load.clone()
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(load)
+            self.bias.add_(self.config.bias_update_rate * torch.sign(load.mean() - load))
+        self.load.zero_()
+
+
+def update_balance(model: nn.Module) -> int:
+    """MoE.update_balance on every MoE in the model (after the optimizer step); returns how many there were."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.update_balance()
+    return len(layers)
