@@ -1,0 +1,229 @@
+"""Mixture-of-experts benchmark: the E block's experts grouped against the per-expert loop and a dense SwiGLU of
+the same active FLOPs, the expert-GEMM recompute lever's memory and time, and the `stack` preset compiled over
+changing batches. One run, three receipts.
+
+What it measures and writes: `megacpp-lab bench moe --help` (megacpp_lab.bench.COMMANDS["moe"]).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megacpp_lab.bench import bench_device, output_root
+from megacpp_lab.bench.harness import ModelShape, build_model, fresh_dynamo, make_batch, measure_fwd_bwd, timed_call
+from megacpp_lab.model.checkpointing import checkpoint_module
+from megacpp_lab.model.config import model_config
+from megacpp_lab.model.hybrid import Block
+from megacpp_lab.model.parallelize import ParallelConfig
+from megacpp_lab.nn.moe import MoE, MoEConfig, update_balance
+from megacpp_lab.nn.primitives import SwiGLU
+from megacpp_lab.profiling import retained_bytes, sync, time_ms
+from megacpp_lab.receipts import make_receipt, write_receipt
+from megacpp_lab.varlen import build_context
+
+__all__ = ["EXPERT_GEMM_RECOMPUTE", "FULL", "SMALL", "MoEShape", "bench_experts", "bench_recompute", "bench_stack"]
+
+SPEEDUP_OVER_LOOP_BAR = 3.0
+OVER_DENSE_BAR = 1.3
+MEMORY_SAVED_BAR = 0.40
+RECOMPUTE_COST_BAR = 0.10
+STACK_BATCHES = 20
+# the E block's save list for the expert-GEMM recompute lever: the matmuls' outputs (the mixer's projections and
+# the router's logits) and the scans' are kept; the expert GEMMs (torch._grouped_mm), their gathered inputs and
+# hiddens are recomputed in the backward, from the routing the kept logits give again
+EXPERT_GEMM_RECOMPUTE = ("mm", "addmm")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    tokens: int
+    d_model: int
+    n_experts: int
+    top_k: int
+    expert_hidden: int
+    preset: str  # the E block's (its mixer and d_model)
+    B: int  # the E-block and stack measurements' batch: B x T tokens
+    T: int
+    docs: int
+
+
+FULL = MoEShape(tokens=16384, d_model=1024, n_experts=16, top_k=2, expert_hidden=1368, preset="base", B=4, T=4096,
+                docs=8)  # fmt: skip
+SMALL = MoEShape(tokens=256, d_model=64, n_experts=4, top_k=2, expert_hidden=48, preset="tiny", B=2, T=64, docs=3)
+
+
+def _moe(s: MoEShape, device: str, dtype: torch.dtype, **overrides: Any) -> MoE:
+    torch.manual_seed(0)
+    cfg = MoEConfig.build(d_model=s.d_model, n_experts=s.n_experts, top_k=s.top_k, expert_hidden=s.expert_hidden,
+                          **overrides)  # fmt: skip
+    layer = MoE(cfg).to(device)
+    layer.experts_gate_up.data, layer.experts_down.data = (layer.experts_gate_up.to(dtype),
+                                                           layer.experts_down.to(dtype))  # fmt: skip
+    return layer.train()
+
+
+def bench_experts(s: MoEShape, *, device: str, dtype: torch.dtype, rep: int) -> dict[str, Any]:
+    """The MoE layer with grouped experts (eager and compiled), with the per-expert loop, and a dense SwiGLU of
+    hidden top_k x expert_hidden (the same active FLOPs), forward+backward over s.tokens tokens."""
+    x = torch.randn(s.tokens, s.d_model, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    grouped, loop = _moe(s, device, dtype), _moe(s, device, dtype, experts="loop")
+    dense = SwiGLU(s.d_model, s.top_k * s.expert_hidden).to(device, dtype)
+    fresh_dynamo()
+    contenders = {
+        "MoE, grouped experts (torch._grouped_mm), eager": grouped,
+        "MoE, grouped experts, torch.compile": torch.compile(grouped, fullgraph=True),
+        "MoE, per-expert loop (the reference), eager": loop,
+        "dense SwiGLU of the same active FLOPs, eager": dense,
+    }
+    results = []
+    for name, fn in contenders.items():
+        params = [p for p in fn.parameters() if p.requires_grad]
+
+        def fwd(fn=fn) -> torch.Tensor:
+            with torch.no_grad():
+                return fn(x)
+
+        def fwd_bwd(fn=fn, params=params) -> tuple[torch.Tensor, ...]:
+            return torch.autograd.grad(fn(x), [x, *params], dy)
+
+        _, first = timed_call(fwd_bwd, device)
+        timed_call(fwd, device)
+        row = {"contender": name, "first_call_s": first, **measure_fwd_bwd(fwd, fwd_bwd, device=device, rep=rep)}
+        results.append(row)
+    ms = {r["contender"]: r["ms"] for r in results}
+    best = min(ms[k] for k in ms if "grouped" in k)
+    loop_ms, dense_ms = ms["MoE, per-expert loop (the reference), eager"], ms["dense SwiGLU of the same active FLOPs, eager"]
+    summary = {
+        "grouped_speedup_over_loop": loop_ms / best,
+        "grouped_over_dense": best / dense_ms,
+        "bar": {f"grouped experts fwd+bwd >= {SPEEDUP_OVER_LOOP_BAR}x faster than the per-expert loop": loop_ms / best >= SPEEDUP_OVER_LOOP_BAR,
+                f"grouped experts fwd+bwd <= {OVER_DENSE_BAR}x a dense SwiGLU of the same active FLOPs": best / dense_ms <= OVER_DENSE_BAR},
+    }  # fmt: skip
+    return make_receipt(
+        "moe_experts", "moe", shape=asdict(s), dtype=dtype, results=results, device=device, summary=summary,
+        notes=("The MoE layer (nn/moe.py: fp32 router, top-k, dropless, z-loss attached) on x [tokens, d_model], "
+               "forward+backward (the gradients of x and every parameter) and forward under no_grad, medians after "
+               "warm-up; the bars take the faster grouped row. The loop row runs one expert at a time with a host "
+               "sync each (the reference); the dense row is one SwiGLU of hidden top_k x expert_hidden, without a "
+               "router. first_call_s: the first forward+backward (torch.compile's when compiled)."),
+    )  # fmt: skip
+
+
+def _e_block(s: MoEShape, device: str) -> tuple[Block, torch.Tensor, Any]:
+    config = model_config(s.preset, device, pattern="E", n_layers=1, engram_layers=(),
+                          moe=dict(n_experts=s.n_experts, top_k=s.top_k, expert_hidden=s.expert_hidden))  # fmt: skip
+    model = build_model(config, device)
+    tokens, doc_ids, _ = make_batch(ModelShape(s.preset, s.B, s.T, s.docs), config.vocab_size, device)
+    x = model.embed(tokens).detach().requires_grad_()
+    return model.blocks[0], x, (tokens, build_context(doc_ids))
+
+
+def bench_recompute(s: MoEShape, *, device: str, rep: int) -> dict[str, Any]:
+    """One E block (the shape's preset's mixer and an MoE of its experts) on a [B,T] packed batch: what its
+    forward keeps for the backward and its forward+backward time, with everything saved and with the
+    expert-GEMM recompute save list (EXPERT_GEMM_RECOMPUTE)."""
+    results = []
+    for name, entry in (("E block, everything saved", None), ("E block, expert-GEMM recompute", EXPERT_GEMM_RECOMPUTE)):
+        block, x, (tokens, ctx) = _e_block(s, device)
+        if entry is not None:
+            checkpoint_module(block, entry)
+        dy = torch.randn_like(x)
+
+        def fwd_bwd(block=block, x=x, tokens=tokens, ctx=ctx, dy=dy) -> None:
+            torch.autograd.grad(block(x, tokens, ctx), [x], dy)
+
+        fwd_bwd()
+        kept = retained_bytes(lambda block=block, x=x, tokens=tokens, ctx=ctx: block(x, tokens, ctx))
+        row = {"contender": name, "save_list": list(entry) if entry else None, "activation_mib": kept / 2**20,
+               "ms": time_ms(fwd_bwd, warmup=0 if rep == 1 else 2, rep=rep, device=device)}  # fmt: skip
+        results.append(row)
+        del block, x
+    base, lever = results
+    saved, cost = 1 - lever["activation_mib"] / base["activation_mib"], lever["ms"] / base["ms"] - 1
+    summary = {
+        "memory_saved": saved, "time_cost": cost,
+        "bar": {f"expert-GEMM recompute: E-block activation memory >= {MEMORY_SAVED_BAR:.0%} lower": saved >= MEMORY_SAVED_BAR,
+                f"expert-GEMM recompute: E-block step time <= {RECOMPUTE_COST_BAR:.0%} higher": cost <= RECOMPUTE_COST_BAR},
+    }  # fmt: skip
+    return make_receipt(
+        "moe_recompute", "moe", shape=asdict(s), dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+        results=results, device=device, summary=summary,
+        notes=(f"One E block of the {s.preset} preset (its M mixer, then the MoE) built as the model builds it (bf16 on a "
+               "GPU), on embedded tokens of a packed [B, T] batch. activation_mib: what the block's forward still "
+               "holds when it returns (profiling.retained_bytes: saved tensors and selective checkpointing's "
+               "caches); ms: forward+backward of the block. The lever: checkpoint_module(block, save list) with "
+               f"the save list {EXPERT_GEMM_RECOMPUTE}: the matmul outputs and the scans kept, the rest recomputed."),
+    )  # fmt: skip
+
+
+def bench_stack(s: MoEShape, *, device: str, batches: int) -> dict[str, Any]:
+    """The `stack` preset (tiny on a CPU smoke run) regionally compiled, trained on `batches` batches whose
+    documents per row change every step (so does the routing): graph breaks and recompiles after the first."""
+    from torch._dynamo.utils import counters
+
+    preset = "stack" if device == "cuda" else "tiny"
+    overrides = {} if device == "cuda" else dict(pattern="AMER", mhc=True, engram_layers=(1,))
+    config = model_config(preset, device, compiled=True, **overrides)
+    fresh_dynamo()
+    # a CPU smoke run: bf16 (the grouped experts compile in bf16 alone) and dynamo's graphs without inductor
+    parallel = ParallelConfig(compile=True) if device == "cuda" else ParallelConfig(
+        compile=True, dtype="bf16", backend="aot_eager", compile_workers=0, saved_graphs=False)  # fmt: skip
+    model = build_model(config, device, parallel=parallel)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rows, t0 = [], time.perf_counter()
+    compiles_after_first = None
+    for i in range(batches):
+        docs = 1 + (i * 7) % (2 * s.docs)  # 1 .. 2 docs-per-row, changing every step
+        tokens, doc_ids, targets = make_batch(ModelShape(preset, s.B, s.T, docs), config.vocab_size, device, seed=i)
+        ctx = build_context(doc_ids)
+        sync(device)
+        t_step = time.perf_counter()
+        loss = model(tokens, ctx, targets).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        update_balance(model)
+        sync(device)
+        if i == 0:
+            compiles_after_first = int(counters["stats"]["unique_graphs"])
+        rows.append({"contender": f"batch {i}", "docs_per_row": docs, "train_loss": float(loss.detach()),
+                     "ms": 1e3 * (time.perf_counter() - t_step)})  # fmt: skip
+    graphs = int(counters["stats"]["unique_graphs"])
+    breaks = sum(counters["graph_break"].values())
+    summary = {
+        "graph_breaks": breaks, "graphs_after_first_batch": compiles_after_first, "graphs_at_end": graphs,
+        "recompiles_after_first_batch": graphs - compiles_after_first,
+        "bar": {"stack: zero graph breaks": breaks == 0,
+                f"stack: zero recompiles over {batches} batches of changing routing and document counts":
+                    graphs == compiles_after_first},
+    }  # fmt: skip
+    counts = model.num_parameters()
+    return make_receipt(
+        "moe_stack", "moe", shape={"preset": preset, "B": s.B, "T": s.T, "batches": batches},
+        dtype=torch.bfloat16 if device == "cuda" else torch.float32, results=rows, device=device, summary=summary,
+        parameters={"total": counts["total"], "active": model.active_parameters(), "by_bucket": counts},
+        elapsed_s=time.perf_counter() - t0,
+        notes=("The preset regionally compiled (parallelize with compile=True), AdamW steps on packed batches "
+               "whose documents per row change every batch (and so does every E block's routing). graph_breaks: "
+               "dynamo's graph-break counter over the run; recompiles: unique graphs compiled after the first "
+               "batch; ms: each step's wall clock (the first holds the compile). parameters: total, and active (an E "
+               "block's experts at top_k / n_experts)."),
+    )  # fmt: skip
+
+
+def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool = True) -> list[Path]:
+    device = bench_device("moe", small)
+    s = SMALL if small else FULL
+    root = output_root(out_root, small)
+    rep = 1 if small else 20
+    # bf16 on a CPU too: the grouped experts compile in bf16 alone
+    written = [write_receipt(bench_experts(s, device=device, dtype=torch.bfloat16, rep=rep), root)]
+    written.append(write_receipt(bench_recompute(s, device=device, rep=rep), root))
+    written.append(write_receipt(bench_stack(s, device=device, batches=2 if small else STACK_BATCHES), root))
+    return written
