@@ -184,3 +184,65 @@ def test_a_block_refuses_a_budget_outside_0_1():
     setattr(model.blocks[2], REMAT_BUDGET_ATTR, 1.5)
     with pytest.raises(ValueError, match=r"block 2: remat budget 1.5 is outside \[0, 1\]"):
         model(*_batch())
+
+
+# ----------------------------------------------------------------------------- the E block's routing
+
+
+@pytest.mark.parametrize("experts", ["grouped", "loop"])
+def test_an_e_block_saves_its_routing_so_a_recompute_that_rounds_otherwise_routes_as_the_forward(monkeypatch, experts):
+    """Why an E block's routing is saved under every checkpoint entry (checkpointing.ROUTING_OPS). Experts 2 and 3
+    share a router row, so every token ties between them; the recompute rounds expert 3's logit one ulp up (as
+    another kernel or reduction order may), which breaks the ties the other way. Recomputed, the routing then
+    differs from the forward's: with the loop experts the per-expert shapes change and torch's strict metadata
+    check raises; with the grouped experts every shape is fixed, so nothing raises and the gradients silently
+    belong to another routing. With the routing saved (checkpoint_module on the E block) the gradients equal an
+    uncheckpointed backward's, and the strict check stays on."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import CheckpointError, checkpoint
+
+    from megacpp_lab.model.checkpointing import checkpoint_module
+
+    torch.manual_seed(0)
+    model = HybridLM(model_config("tiny", "cpu", pattern="EA", n_layers=2, engram_layers=(),
+                                  moe=dict(n_experts=4, top_k=2, expert_hidden=32, init_std=0.5, experts=experts)))  # fmt: skip
+    block = model.blocks[0]
+    with torch.no_grad():
+        block.mlp.router[3] = block.mlp.router[2]
+    tokens, doc_ids, _ = make_batch(ModelShape("tiny", 2, 32, 2), 512, "cpu")
+    ctx = build_context(doc_ids)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    params = [x, block.mlp.experts_gate_up, block.mlp.experts_down, block.mlp.router]
+    real_linear, calls = F.linear, {"router": 0}
+
+    def linear(inp, weight, bias=None):  # the router's second call (the recompute) rounds expert 3 up by one ulp;
+        out = real_linear(inp, weight, bias)  # the same ops on every call, so only what the routing shapes differs
+        if weight is block.mlp.router:
+            calls["router"] += 1
+            with torch.no_grad():
+                ulp = torch.nextafter(out[..., 3:], out[..., 3:] + float("inf")) - out[..., 3:]
+            out = torch.cat((out[..., :3], out[..., 3:] + ulp * (1.0 if calls["router"] > 1 else 0.0)), dim=-1)
+        return out
+
+    monkeypatch.setattr(F, "linear", linear)
+    want = torch.autograd.grad(block(x, tokens, ctx).square().sum(), params)  # no checkpoint: one router call
+
+    def recomputed_routing() -> tuple[torch.Tensor, ...]:
+        calls["router"] = 0
+        y = checkpoint(block.forward, x, tokens, ctx, use_reentrant=False)  # routing recomputed with the rest
+        return torch.autograd.grad(y.square().sum(), params)
+
+    if experts == "loop":
+        with pytest.raises(CheckpointError, match="metadata"):
+            recomputed_routing()
+    else:
+        got = recomputed_routing()
+        assert calls["router"] == 2
+        rel = [((a - b).norm() / b.norm()).item() for a, b in zip(got, want)]
+        assert min(rel) > 1e-2, rel  # the gradients of another routing (expert 2's tokens went to expert 3)
+    checkpoint_module(block, "full")
+    calls["router"] = 0
+    got = torch.autograd.grad(block(x, tokens, ctx).square().sum(), params)
+    assert calls["router"] == 2  # recomputed, and the recompute's logits were nudged: the saved top-k routed it
+    for a, b in zip(got, want):  # within the ulp the recompute added to expert 3's logits, not a routing apart
+        assert ((a - b).norm() / b.norm()).item() < 1e-5

@@ -3,7 +3,8 @@ processes (CI) and, on a host with 2 GPUs, NCCL with one GPU per rank (marked cu
 
 - FSDP2 losses equal the single-process losses at the same global batch over 5 AdamW steps, and the first
   backward's gradients of the replicated fp32-contract parameters equal the whole batch's (fp32: reduction
-  order only);
+  order only), on a tiny model with every block kind (A, M, R and an E block, whose experts FSDP2 shards with
+  their block and whose router is fp32-contract, replicated);
 - the fp32-contract tripwire: inside the forward under a bf16 FSDP2 policy every declared fp32 parameter is
   fp32 while the other weights are bf16; a blanket policy (fully_shard each block with the same policy and no
   exception) fails the same check;
@@ -49,8 +50,10 @@ def _device(backend: str) -> torch.device:
 
 
 def _model(device: torch.device = torch.device("cpu")) -> HybridLM:
-    torch.manual_seed(0)  # mHC: its gates are fp32-contract parameters too
-    return HybridLM(model_config("tiny", device.type, mhc=True)).to(device)
+    torch.manual_seed(0)  # mHC: its gates are fp32-contract parameters too, as is an E block's router
+    # every block kind: the E block's experts are sharded with their block (no expert parallelism)
+    return HybridLM(model_config("tiny", device.type, mhc=True, pattern="AMRE",
+                                 moe=dict(n_experts=4, top_k=2, expert_hidden=32))).to(device)  # fmt: skip
 
 
 def _batch(device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

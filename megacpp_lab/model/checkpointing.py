@@ -43,7 +43,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from megacpp_lab.model.hybrid import REMAT_BUDGET_ATTR
 from megacpp_lab.nn.compact_linear import CompactLinear
 
-__all__ = ["AC_ATTR", "BUDGET_ATTR", "CheckpointingPolicy", "apply_ac", "block_budget", "checkpoint_module", "saves_output"]
+__all__ = ["AC_ATTR", "BUDGET_ATTR", "ROUTING_OPS", "CheckpointingPolicy", "apply_ac", "block_budget", "checkpoint_module",
+           "saves_output"]
 
 KINDS = ("A", "M", "R", "E", "engram", "cblock")
 AC_ATTR = "_megacpp_ac"  # set on a module whose forward apply_ac wrapped (eager)
@@ -173,29 +174,45 @@ class CheckpointingPolicy:
         return any(isinstance(e, tuple) for e in self.entries().values()) or self.offload or self.compact_rank is not None
 
 
-def saves_output(op: Any, save: frozenset[str] | tuple[str, ...]) -> bool:
-    """Whether a save list keeps this op's output: the `megacpp::` scans always, else the aten ops named."""
+# An E block's routing decision (the router's top-k) is saved under every checkpoint entry, "full" included: a
+# recomputed router can round its logits differently in the last bit (another kernel, another reduction order),
+# and a token near a tie then goes to other experts in the backward than in the forward. The grouped experts'
+# shapes do not depend on the routing, so torch's strict metadata check (kept on) could not see it: the
+# gradients would silently belong to another routing. Saved, the recompute routes as the forward did.
+ROUTING_OPS = ("topk",)
+
+
+def saves_output(op: Any, save: frozenset[str] | tuple[str, ...], *, scans: bool = True) -> bool:
+    """Whether a save list keeps this op's output: the `megacpp::` scans always (unless scans=False), else the
+    aten ops named."""
     packet = getattr(op, "_overloadpacket", op)
-    if getattr(packet, "_qualified_op_name", str(packet)).split("::")[0] == "megacpp":  # never recompute a scan
+    if scans and getattr(packet, "_qualified_op_name", str(packet)).split("::")[0] == "megacpp":  # never recompute a scan
         return True
     return getattr(packet, "__name__", str(packet)) in save
 
 
-def _selective(save: tuple[str, ...]) -> Callable[[], Any]:
-    """A context_fn for checkpoint(): save the outputs of the named aten ops and of the scans, recompute the rest."""
+def _selective(save: tuple[str, ...], *, scans: bool = True) -> Callable[[], Any]:
+    """A context_fn for checkpoint(): save the outputs of the named aten ops and (scans=True) of the scans,
+    recompute the rest."""
     names = frozenset(save)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if saves_output(op, names) else CheckpointPolicy.PREFER_RECOMPUTE
+        keep = saves_output(op, names, scans=scans)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
 def checkpoint_module(module: nn.Module, entry: Entry) -> None:
     """Checkpoint `module`'s forward in place under an eager entry: "full" or a save list (its parameters and
-    state-dict keys unchanged)."""
+    state-dict keys unchanged). An E block keeps its routing decision under either (ROUTING_OPS): "full" is
+    then everything recomputed but the top-k, and a save list gains it."""
     inner = module.forward
-    context_fn = _selective(entry) if isinstance(entry, tuple) else None
+    if getattr(module, "kind", None) == "E":
+        context_fn = _selective(entry + ROUTING_OPS if isinstance(entry, tuple) else ROUTING_OPS,
+                                scans=isinstance(entry, tuple))  # fmt: skip
+    else:
+        context_fn = _selective(entry) if isinstance(entry, tuple) else None
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
