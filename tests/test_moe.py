@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from megacpp_lab.nn.moe import (MoE, MoEConfig, capacity_experts, grouped_experts, loop_experts, route,
-                                update_balance)  # fmt: skip
+from megacpp_lab.nn.moe import (MoE, MoEConfig, capacity_experts, grouped_experts, loop_experts,
+                                moe_activation_fields, route, update_balance)  # fmt: skip
+from megacpp_lab.profiling import retained_bytes, saved_tensor_bytes
 from megacpp_lab.testing import check_leaks
 
 
@@ -178,6 +179,55 @@ def test_compiled_layer_has_no_graph_break_and_no_recompile_as_routing_and_batch
 def test_bad_config_fails_naming_the_field(change, message):
     with pytest.raises(ValueError, match=message):
         MoEConfig.build(**{**dict(d_model=32, n_experts=8, expert_hidden=16), **change})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0, 0.5])
+@pytest.mark.parametrize("N, d, E, k, h", [(256, 64, 8, 2, 48), (1024, 128, 16, 2, 176), (512, 64, 4, 1, 64)])
+def test_the_activation_fields_hold_what_autograd_saves_within_15_percent(dtype, capacity_factor, N, d, E, k, h):
+    cfg = MoEConfig.build(d_model=d, n_experts=E, top_k=k, expert_hidden=h, capacity_factor=capacity_factor)
+    layer = MoE(cfg).train()
+    layer.experts_gate_up.data, layer.experts_down.data = layer.experts_gate_up.to(dtype), layer.experts_down.to(dtype)
+    x = torch.randn(N, d, dtype=dtype, requires_grad=True)
+    saved = saved_tensor_bytes(lambda: layer(x), exclude=[x, *layer.parameters(), *layer.buffers()])
+    fields = moe_activation_fields(cfg, N, dtype)
+    assert fields["hiddens"] > 0 and fields["dispatch"] > 0
+    assert abs(sum(fields.values()) / saved - 1) < 0.15, (fields, saved)
+
+
+def test_the_recompute_fields_hold_what_the_expert_gemm_save_list_keeps_within_15_percent():
+    from torch.utils.checkpoint import checkpoint
+
+    from megacpp_lab.model.checkpointing import ROUTING_OPS, _selective
+
+    cfg = MoEConfig.build(d_model=128, n_experts=16, top_k=2, expert_hidden=176)
+    layer = MoE(cfg).train()
+    x = torch.randn(1024, 128, requires_grad=True)
+    # what the selective checkpoint caches (the router's mm and the top-k): all the call holds but its output
+    kept = retained_bytes(lambda: checkpoint(layer, x, use_reentrant=False,
+                                             context_fn=_selective(("mm", "addmm", *ROUTING_OPS)))) - x.numel() * 4  # fmt: skip
+    fields = moe_activation_fields(cfg, 1024, torch.float32, recompute_experts=True)
+    assert fields["hiddens"] == fields["dispatch"] == fields["combine"] == 0
+    assert abs(sum(fields.values()) / kept - 1) < 0.15, (fields, kept)
+
+
+def test_the_memory_estimate_breaks_the_e_layers_down_by_field():
+    from megacpp_lab.model.checkpointing import CheckpointingPolicy
+    from megacpp_lab.model.config import model_config
+    from megacpp_lab.model.memory import estimate_memory
+
+    config = model_config("tiny", "cpu", pattern="MAEE", moe=dict(n_experts=4, top_k=2, expert_hidden=32))
+    saved = estimate_memory(config, batch=2, seq_len=32)
+    per_layer = moe_activation_fields(config.moe, 64, torch.float32)
+    assert saved.moe_layers_modelled == 2
+    assert saved.moe_fields == {k: 2 * v for k, v in per_layer.items()}
+    assert sum(saved.moe_fields.values()) < saved.activations_by_kind["E"]  # inside the E blocks' total
+    lever = estimate_memory(config, batch=2, seq_len=32, policy=CheckpointingPolicy(E=("mm", "addmm")))
+    # the save list drops layer 2's hiddens; layer 3, the last, is never checkpointed and keeps its own
+    assert lever.moe_fields["hiddens"] == per_layer["hiddens"]
+    assert lever.activations_by_kind["E"] < saved.activations_by_kind["E"]
+    # "full" is not broken down; the last layer (an E block here) is never checkpointed, so it still is
+    assert estimate_memory(config, batch=2, seq_len=32, policy=CheckpointingPolicy(E="full")).moe_layers_modelled == 1
 
 
 def test_dropless_routing_has_no_capacity():

@@ -23,6 +23,8 @@ Where each number comes from:
                 (model/remat.remat_plan), and the block input.
   The last block is traced as the policy runs it: never checkpointed.
   A feature's field is its block minus the same block traced without that branch, under the same entry.
+  An E block's mixture of experts is also broken down by field (router, dispatch, hiddens, combine: `moe_fields`,
+  nn/moe.moe_activation_fields), analytically, for eager entries that save everything or a save list.
 - the LM head: analytic, from kernels/linear_cross_entropy.py. Its forward computes dx and dW for the backward
   and reuses one [C, V] logits buffer (transient: in the peak, not in the activations).
 The estimate is for the device it is traced on: the kernels a block runs (and so what they save) differ
@@ -45,6 +47,7 @@ from megacpp_lab.model.config import HybridConfig
 from megacpp_lab.model.hybrid import Block, HybridLM
 from megacpp_lab.model.precision import apply_precision
 from megacpp_lab.model.remat import remat_plan
+from megacpp_lab.nn.moe import moe_activation_fields
 from megacpp_lab.profiling import saved_storages
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
@@ -71,6 +74,11 @@ class MemoryEstimate:
     lm_head_chunk_buffer: int  # the loss's one [C, V] logits buffer (transient, forward only)
     host_offload: int  # saved tensors CPU offload keeps in pinned host memory instead
     per_block: list[dict[str, Any]] = field(default_factory=list)  # layer, kind, structure, entry, bytes
+    # inside activations_by_kind["E"]: the E layers' mixtures of experts by field (router, dispatch, hiddens,
+    # combine; nn/moe.moe_activation_fields), analytic, for the entries it models ("none" and save lists; a layer
+    # under "full", a budget or offload is left out: moe_layers_modelled says how many were counted)
+    moe_fields: dict[str, int] = field(default_factory=dict)
+    moe_layers_modelled: int = 0
 
     @property
     def activations(self) -> int:
@@ -267,6 +275,8 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
 
     by_kind: dict[str, int] = {}
     by_feature: dict[str, int] = {}
+    moe_fields: dict[str, int] = {}
+    moe_layers = 0
     host = 0
     per_block = []
     last = config.n_layers - 1
@@ -277,6 +287,12 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
         kind = config.blocks[layer]
         by_kind[kind] = by_kind.get(kind, 0) + dev
         host += off
+        if kind == "E" and not offload and (entry == "none" or isinstance(entry, tuple)):
+            # a save list keeps the router's logits (mm) and top-k and recomputes the experts, unless it names them
+            recompute = isinstance(entry, tuple) and "_grouped_mm" not in entry
+            for name, n in moe_activation_fields(config.moe, batch * seq_len, dtype, recompute_experts=recompute).items():
+                moe_fields[name] = moe_fields.get(name, 0) + n
+            moe_layers += 1
         structure = _structure(config, layer)
         for feature in structure[1:]:
             bare_dev, bare_off = traced(layer, entry, offload, drop=feature)
@@ -293,5 +309,5 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
         inputs=sum(shared.values()) + n * tokens.element_size(),
         final_norm=n * d * es + n * 4,
         lm_head=n * d * es + V * d * es, lm_head_chunk_buffer=min(chunk, n) * V * es + n * 4,
-        host_offload=host, per_block=per_block,
+        host_offload=host, per_block=per_block, moe_fields=moe_fields, moe_layers_modelled=moe_layers,
     )  # fmt: skip
