@@ -230,6 +230,20 @@ def test_the_memory_estimate_breaks_the_e_layers_down_by_field():
     assert estimate_memory(config, batch=2, seq_len=32, policy=CheckpointingPolicy(E="full")).moe_layers_modelled == 1
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_the_layer_reads_no_value_to_the_host(capacity_factor):
+    """Routing, grouped or capacity experts, losses and statistics, forward and backward: no tensor value reaches
+    the host (on a GPU each would be a sync; test_grouped_experts_on_gpu... checks CUDA's own sync detector)."""
+    from megacpp_lab.testing import no_host_reads
+
+    layer = _moe(capacity_factor=capacity_factor, shared_hidden=8, aux_loss_weight=0.01).train()
+    x = _x().view(2, 32, 32).requires_grad_()
+    with no_host_reads():
+        layer(x).sum().backward()
+        layer.update_balance()
+    assert x.grad is not None and layer.router.grad is not None
+
+
 def test_dropless_routing_has_no_capacity():
     with pytest.raises(ValueError, match="dropless"):
         MoEConfig.build(d_model=32).capacity(64)
@@ -259,6 +273,17 @@ def test_grouped_experts_on_gpu_bf16_at_a_real_shape_equal_the_loop():
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     for a, b, c in zip(out["grouped"], out["loop"], out["fp32"]):
         assert rel(a, b) < 1e-2 and rel(a, c) < 1e-2, (rel(a, b), rel(a, c))
+    # the grouped layer, forward and backward, never waits on the GPU (CUDA's own sync detector)
+    bf16 = MoE(cfg).cuda()
+    bf16.experts_gate_up.data, bf16.experts_down.data = bf16.experts_gate_up.bfloat16(), bf16.experts_down.bfloat16()
+    xb = x.bfloat16().requires_grad_()
+    bf16(xb).float().sum().backward()  # warm-up: first calls may allocate and sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        bf16(xb).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.cuda
