@@ -227,7 +227,10 @@ def test_the_memory_estimate_breaks_the_e_layers_down_by_field():
     assert lever.moe_fields["hiddens"] == per_layer["hiddens"]
     assert lever.activations_by_kind["E"] < saved.activations_by_kind["E"]
     # "full" is not broken down; the last layer (an E block here) is never checkpointed, so it still is
-    assert estimate_memory(config, batch=2, seq_len=32, policy=CheckpointingPolicy(E="full")).moe_layers_modelled == 1
+    full = estimate_memory(config, batch=2, seq_len=32, policy=CheckpointingPolicy(E="full"))
+    assert full.moe_layers_modelled == 1
+    # a fully checkpointed E block keeps its input and its routing decision (the top-k: fp32 values, int64 ids)
+    assert full.per_block[2]["entry"] == "full" and full.per_block[2]["bytes"] == 2 * 32 * 64 * 4 + 64 * 2 * (4 + 8)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])

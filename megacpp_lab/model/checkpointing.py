@@ -43,8 +43,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from megacpp_lab.model.hybrid import REMAT_BUDGET_ATTR
 from megacpp_lab.nn.compact_linear import CompactLinear
 
-__all__ = ["AC_ATTR", "BUDGET_ATTR", "ROUTING_OPS", "CheckpointingPolicy", "apply_ac", "block_budget", "checkpoint_module",
-           "saves_output"]
+__all__ = ["AC_ATTR", "BUDGET_ATTR", "ROUTING_OPS", "CheckpointingPolicy", "apply_ac", "block_budget", "cached_ops",
+           "checkpoint_module", "saves_output"]
 
 KINDS = ("A", "M", "R", "E", "engram", "cblock")
 AC_ATTR = "_megacpp_ac"  # set on a module whose forward apply_ac wrapped (eager)
@@ -203,16 +203,22 @@ def _selective(save: tuple[str, ...], *, scans: bool = True) -> Callable[[], Any
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
+def cached_ops(module: nn.Module, entry: Entry) -> tuple[tuple[str, ...], bool] | None:
+    """What a checkpoint of `module` under the eager entry caches: (the aten ops whose outputs it keeps, whether
+    the scans' too), or None for a plain checkpoint that keeps its inputs alone. An E block keeps its routing
+    decision under either entry (ROUTING_OPS): "full" is then everything recomputed but the top-k, and a save
+    list gains it."""
+    if getattr(module, "kind", None) == "E":
+        return (entry + ROUTING_OPS if isinstance(entry, tuple) else ROUTING_OPS), isinstance(entry, tuple)
+    return (entry, True) if isinstance(entry, tuple) else None
+
+
 def checkpoint_module(module: nn.Module, entry: Entry) -> None:
     """Checkpoint `module`'s forward in place under an eager entry: "full" or a save list (its parameters and
-    state-dict keys unchanged). An E block keeps its routing decision under either (ROUTING_OPS): "full" is
-    then everything recomputed but the top-k, and a save list gains it."""
+    state-dict keys unchanged); what it caches besides its inputs: cached_ops."""
     inner = module.forward
-    if getattr(module, "kind", None) == "E":
-        context_fn = _selective(entry + ROUTING_OPS if isinstance(entry, tuple) else ROUTING_OPS,
-                                scans=isinstance(entry, tuple))  # fmt: skip
-    else:
-        context_fn = _selective(entry) if isinstance(entry, tuple) else None
+    cached = cached_ops(module, entry)
+    context_fn = _selective(cached[0], scans=cached[1]) if cached is not None else None
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megacpp_lab.checks import is_int
 from megacpp_lab.kernels.linear_cross_entropy import default_chunk_size
-from megacpp_lab.model.checkpointing import CheckpointingPolicy, Entry, checkpoint_module, saves_output
+from megacpp_lab.model.checkpointing import CheckpointingPolicy, Entry, cached_ops, checkpoint_module, saves_output
 from megacpp_lab.model.config import HybridConfig
 from megacpp_lab.model.hybrid import Block, HybridLM
 from megacpp_lab.model.precision import apply_precision
@@ -136,13 +136,13 @@ def _without(block: Block, feature: str) -> Block:
 class _SavedOutputs(TorchDispatchMode):
     """Records the storages of the outputs a save list's selective checkpoint caches (each storage once)."""
 
-    def __init__(self, save: tuple[str, ...]) -> None:
+    def __init__(self, save: tuple[str, ...], scans: bool = True) -> None:
         super().__init__()
-        self.save, self.bytes, self.seen = frozenset(save), 0, set()
+        self.save, self.scans, self.bytes, self.seen = frozenset(save), scans, 0, set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if saves_output(func, self.save):
+        if saves_output(func, self.save, scans=self.scans):
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
                     self.seen.add(t.untyped_storage().data_ptr())
@@ -191,7 +191,8 @@ def _block_bytes(block: Block, entry: Entry, x: torch.Tensor, tokens: torch.Tens
         saved = _hooked_bytes(block, x, tokens, ctx, shared)
         return (0, saved) if offload else (saved, 0)
     checkpoint_module(block, entry)
-    record = _SavedOutputs(entry) if isinstance(entry, tuple) else None
+    cached = cached_ops(block, entry)  # a save list's ops; an E block's routing under "full" too
+    record = _SavedOutputs(*cached) if cached is not None else None
     return _hooked_bytes(block, x, tokens, ctx, shared, record=record), 0
 
 

@@ -222,7 +222,10 @@ class _AttachLoss(torch.autograd.Function):
 def attach_loss(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """y, carrying `loss` (a scalar) into the backward: whatever loss the model's output reaches gets loss's
     gradient added, with weight 1 (the router losses are weighted before). Under gradient accumulation over n
-    micro-batches whose loss is divided by n, an attached loss counts n times as much as in one batch."""
+    micro-batches whose loss is divided by n, an attached loss counts n times as much as in one batch. Every
+    backward through y adds it, whatever y's gradient: a Jacobian of y (influence_matrix(method="jacobian"))
+    shows it as a floor of influence between all tokens, so measure an E block's influence by perturbation
+    (the leak harness's default), or with z_loss_weight=0."""
     return _AttachLoss.apply(y, loss)
 
 
@@ -260,9 +263,9 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(flat)
         loss, stats = self._losses(routing, kept)
-        if self.training:  # the routing statistics (decode and evaluation leave them): recomputation under
-            with torch.no_grad():  # checkpointing adds the same load again, which scales every expert's alike
-                self.load.add_(stats["load"])  # and leaves update_balance's signs as they were
+        if self.training:  # the routing statistics (decode and evaluation leave them). A recompute under
+            with torch.no_grad():  # checkpointing may add the same load again (torch stops one early once it has
+                self.load.add_(stats["load"])  # what the backward needs): every expert's alike, signs unchanged
                 self.stats.copy_(torch.stack([stats[k].float() for k in STATS]))
         if loss is not None:
             y = attach_loss(y, loss)
