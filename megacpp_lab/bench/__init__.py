@@ -315,8 +315,8 @@ trained for 20 batches whose documents per row, and so the routing, change every
 recompiles after the first batch (the bars: none), total and active parameters.
 Receipts under <out>/<device-slug>/moe/: moe_experts.json, moe_recompute.json, moe_stack.json.
 Run time on an H100: not yet measured on a GPU (a cold compile of the stack preset is most of it).
---small (CPU, 256 tokens at d=64 and 4 experts, the tiny preset with an E block, 2 batches compiled in bf16
-without inductor): about 80 s.""",
+--small (CPU, 256 tokens at d=64 and 4 experts, the tiny preset's E block, and a tiny A + E model: 2 batches
+compiled in bf16 without inductor): about 20 s.""",
             triton_on_cpu=True,
         ),
         BenchCommand(
