@@ -323,8 +323,13 @@ def moe_activation_fields(config: MoEConfig, tokens: int, dtype: torch.dtype, *,
 
 
 def update_balance(model: nn.Module) -> int:
-    """MoE.update_balance on every MoE in the model (after the optimizer step); returns how many there were."""
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    """MoE.update_balance on every MoE in the model (after the optimizer step); returns how many there were. The
+    MoE layers are found once per model and remembered on it: the training loop calls this every step, and a
+    walk over every module would be host time on the step's critical path."""
+    layers = model.__dict__.get("_moe_layers")
+    if layers is None:
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        model.__dict__["_moe_layers"] = layers  # a plain attribute: no submodule registered, no state_dict entry
     for layer in layers:
         layer.update_balance()
     return len(layers)
