@@ -460,8 +460,8 @@ def _m3_bwd_chunk_kernel(
     SDOT: the operands' dtype of the four dots against the state S and its gradient dS' (fp32, or DOT).
     dk and dq go back through the rotation here, unrounded (_key_grads_out): dB and dC per head in their pointers'
     dtype, the angles' gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk [slots, H, R,
-    N]. (A pass of their own over dk and dq stored in fp32 per head took 0.51 ms of the H100's 4.22 at the issue's
-    shape; taken back here the chunk pass got faster, as fp32 dk and dq no longer go to memory.)"""
+    N]. (This replaced a pass of their own over dk and dq stored in fp32 per head: no fp32 dk and dq go to memory,
+    and one launch fewer.)"""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
@@ -559,9 +559,9 @@ KEYS_BLOCK_T = 16
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
 # the chunk pass's dots against the fp32 state and its gradient: in the inputs' own dtype (True, mamba_ssm's choice:
-# half the registers and twice the MMA rate; on the H100 at the issue's shape the whole forward and backward took
-# 3.45 ms where TF32 took 3.54), or fp32 operands (False: TF32 for 16-bit inputs). fp32 inputs take fp32 either way,
-# as does the interpreter. `bench ssd` measures the other setting beside the default.
+# half the registers and twice the MMA rate), or fp32 operands (False: TF32 for 16-bit inputs). fp32 inputs take fp32
+# either way, as does the interpreter. `bench ssd` measures the other setting beside the default, as its own row of
+# profiles/<device>/ssd/mamba3_fwd_bwd.json.
 STATE_DOTS_IN_INPUT_DTYPE = True
 
 
