@@ -289,9 +289,11 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
         by_kind[kind] = by_kind.get(kind, 0) + dev
         host += off
         if kind == "E" and not offload and (entry == "none" or isinstance(entry, tuple)):
-            # a save list keeps the router's logits (mm) and top-k and recomputes the experts, unless it names them
-            recompute = isinstance(entry, tuple) and "_grouped_mm" not in entry
-            for name, n in moe_activation_fields(config.moe, batch * seq_len, dtype, recompute_experts=recompute).items():
+            # a save list keeps the router's logits (mm) and top-k and recomputes the experts, unless it names
+            # them; else the MoE's own expert-GEMM recompute (MoEConfig.recompute_experts), if set
+            recompute = ("save_list" if isinstance(entry, tuple) and "_grouped_mm" not in entry
+                         else "experts" if config.moe.recompute_experts else "none")  # fmt: skip
+            for name, n in moe_activation_fields(config.moe, batch * seq_len, dtype, recompute=recompute).items():
                 moe_fields[name] = moe_fields.get(name, 0) + n
             moe_layers += 1
         structure = _structure(config, layer)

@@ -25,6 +25,13 @@ the groups, no host sync and no recompile when the group sizes change) or one ex
 (`experts="loop"`: the reference, with a host sync per expert). On CUDA torch._grouped_mm is fast only in bf16
 on sm90+ (elsewhere it loops on the host over offsets copied to the CPU), and under torch.compile it takes bf16
 alone: the grouped path refuses other dtypes there rather than fall back (a CPU runs it eager in fp32). Capacity routing runs as one batched matmul over [E, C] slots.
+
+**Expert-GEMM recompute** (`recompute_experts=True`): the experts' part of the forward (the gather of each
+assignment's row, the two expert GEMMs, the SwiGLU, the un-sort and the weighted sum) runs under a non-reentrant
+checkpoint whose inputs are the rows and the routing as plain tensors (ids, weights). The backward runs that part
+again from them: the hiddens, the gathered rows and the per-slot outputs are never kept, the router's are, and
+the recompute routes every token exactly as the forward did (it never calls the router). Eager and under
+torch.compile alike (the checkpoint becomes a recompute region the partitioner honours).
 """
 
 from __future__ import annotations
@@ -37,17 +44,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megacpp_lab.checks import check_ints, config_error
 from megacpp_lab.nn.config_builder import build_config
 from megacpp_lab.nn.primitives import SwiGLU
 
-__all__ = ["EXPERT_IMPLS", "SCORES", "MoE", "MoEConfig", "Routing", "attach_loss", "capacity_experts",
+__all__ = ["EXPERT_IMPLS", "RECOMPUTE_FIELDS", "SCORES", "MoE", "MoEConfig", "Routing", "attach_loss", "capacity_experts",
            "grouped_experts", "loop_experts", "moe_activation_fields", "route", "update_balance"]
 
 SCORES = ("sigmoid", "softmax")
 EXPERT_IMPLS = ("grouped", "loop")
 BALANCE = ("bias", "none")
+RECOMPUTE_FIELDS = ("none", "experts", "save_list")  # moe_activation_fields' recompute modes
 STATS = ("z_loss", "aux_loss", "dropped_fraction", "max_load_fraction")  # MoE.stats, in this order
 
 _fail = functools.partial(config_error, "MoEConfig")
@@ -70,6 +79,9 @@ class MoEConfig:
     z_loss_weight: float = 1e-3
     capacity_factor: float | None = None  # None: dropless (the default; keeps documents apart)
     experts: str = "grouped"  # "grouped" (torch._grouped_mm) or "loop" (one expert at a time, the reference)
+    # the expert-GEMM recompute lever: the experts' dispatch, GEMMs and combine run under a checkpoint, which keeps
+    # their input rows and the routing (ids, weights) and runs them again in the backward (module docstring)
+    recompute_experts: bool = False
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -90,6 +102,8 @@ class MoEConfig:
                 raise _fail(name, f"a finite number >= {low}", value)
         if self.route_scale == 0 or self.init_std == 0:
             raise _fail("route_scale" if self.route_scale == 0 else "init_std", "a number > 0", 0)
+        if not isinstance(self.recompute_experts, bool):
+            raise _fail("recompute_experts", "a bool", self.recompute_experts)
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < math.inf):
             raise _fail("capacity_factor", "None (dropless) or a finite number > 0", cf)
@@ -114,8 +128,8 @@ class Routing:
 
     ids: torch.Tensor
     weights: torch.Tensor
-    logits: torch.Tensor
-    scores: torch.Tensor
+    logits: torch.Tensor | None = None  # None: the experts' own view (they read ids and weights alone)
+    scores: torch.Tensor | None = None
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, config: MoEConfig) -> Routing:
@@ -254,12 +268,11 @@ class MoE(nn.Module):
         c = self.config
         flat = x.reshape(-1, x.shape[-1])
         routing = route(flat, self.router, self.bias, c)
-        if c.capacity_factor is not None:
-            y, kept = capacity_experts(flat, routing, self.experts_gate_up, self.experts_down, c.capacity(flat.shape[0]))
-        elif c.experts == "grouped":
-            y, kept = grouped_experts(flat, routing, self.experts_gate_up, self.experts_down), None
+        if c.recompute_experts and torch.is_grad_enabled():
+            # the routing goes in as plain tensors, so the recompute sends every token where the forward did
+            y, kept = checkpoint(self._experts, flat, routing.ids, routing.weights, use_reentrant=False)
         else:
-            y, kept = loop_experts(flat, routing, self.experts_gate_up, self.experts_down), None
+            y, kept = self._experts(flat, routing.ids, routing.weights)
         if self.shared is not None:
             y = y + self.shared(flat)
         loss, stats = self._losses(routing, kept)
@@ -270,6 +283,16 @@ class MoE(nn.Module):
         if loss is not None:
             y = attach_loss(y, loss)
         return y.view_as(x)
+
+    def _experts(self, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """The experts' output [N,d] and, under capacity routing, the kept mask [N,k] (None when dropless)."""
+        c, routing = self.config, Routing(ids, weights)
+        if c.capacity_factor is not None:
+            return capacity_experts(flat, routing, self.experts_gate_up, self.experts_down, c.capacity(flat.shape[0]))
+        if c.experts == "grouped":
+            return grouped_experts(flat, routing, self.experts_gate_up, self.experts_down), None
+        return loop_experts(flat, routing, self.experts_gate_up, self.experts_down), None
 
     def _losses(self, routing: Routing, kept: torch.Tensor | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """The weighted router losses (None when both weights are 0) and the batch's statistics."""
@@ -300,7 +323,7 @@ class MoE(nn.Module):
         self.load.zero_()
 
 
-def moe_activation_fields(config: MoEConfig, tokens: int, dtype: torch.dtype, *, recompute_experts: bool = False
+def moe_activation_fields(config: MoEConfig, tokens: int, dtype: torch.dtype, *, recompute: str = "none"
                           ) -> dict[str, int]:  # fmt: skip
     """What one MoE layer's forward keeps for the backward over `tokens` tokens of activations in `dtype`, in
     bytes, by field (the seeds' E-layer terms; the memory estimator's E fields):
@@ -308,17 +331,24 @@ def moe_activation_fields(config: MoEConfig, tokens: int, dtype: torch.dtype, *,
       dispatch   the gathered rows (N*k dropless, E*C under capacity) [rows, d] and their sort order
       hiddens    the experts' hiddens: gate and up [rows, 2h], SiLU(gate) and the product [rows, h] each
       combine    the experts' outputs [rows, d], the per-slot outputs in fp32 [N, k, d] and the weights
-    recompute_experts: the expert-GEMM recompute save list, which keeps the router's logits and top-k and
-    recomputes the rest (dispatch, hiddens and combine go). tests/test_moe.py holds the sum within 15% of what
-    autograd saves."""
+    recompute (RECOMPUTE_FIELDS): "none"; "experts", the layer with MoEConfig.recompute_experts (the router's
+    fields kept; dispatch holds the checkpoint's inputs, the rows [N, d] (16-bit: fp32 rows are the router's input)
+    and the weights; hiddens and combine go);
+    "save_list", an E-block save list that keeps the matmuls' outputs and the top-k (the router's logits and
+    top-k alone). tests/test_moe.py holds each sum within 15% of what autograd keeps."""
+    if recompute not in RECOMPUTE_FIELDS:
+        raise ValueError(f"moe_activation_fields: recompute must be one of {RECOMPUTE_FIELDS}, got {recompute!r}")
     c = config
     N, E, k, d, h = tokens, c.n_experts, c.top_k, c.d_model, c.expert_hidden
     es = torch.tensor([], dtype=dtype).element_size()
     topk = N * k * (4 + 8)  # values fp32, indices int64
-    if recompute_experts:
+    if recompute == "save_list":
         return {"router": N * E * 4 + topk, "dispatch": 0, "hiddens": 0, "combine": 0}
+    router = N * d * 4 + 2 * N * E * 4 + topk
+    if recompute == "experts":  # the rows: in fp32 they are the router's input itself (x.float() is x), else a copy
+        return {"router": router, "dispatch": (N * d * es if es != 4 else 0) + N * k * 4, "hiddens": 0, "combine": 0}
     rows = N * k if c.capacity_factor is None else E * c.capacity(N) + 1
-    return {"router": N * d * 4 + 2 * N * E * 4 + topk, "dispatch": rows * d * es + 2 * N * k * 8,
+    return {"router": router, "dispatch": rows * d * es + 2 * N * k * 8,
             "hiddens": rows * 4 * h * es, "combine": rows * d * es + N * k * d * 4 + 2 * N * k * 4}  # fmt: skip
 
 
