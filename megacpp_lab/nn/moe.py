@@ -26,11 +26,12 @@ the groups, no host sync and no recompile when the group sizes change) or one ex
 on sm90+ (elsewhere it loops on the host over offsets copied to the CPU), and under torch.compile it takes bf16
 alone: the grouped path refuses other dtypes there rather than fall back (a CPU runs it eager in fp32). Capacity routing runs as one batched matmul over [E, C] slots.
 
-**Expert-GEMM recompute** (`recompute_experts=True`): the experts' part of the forward (the gather of each
-assignment's row, the two expert GEMMs, the SwiGLU, the un-sort and the weighted sum) runs under a non-reentrant
-checkpoint whose inputs are the rows and the routing as plain tensors (ids, weights). The backward runs that part
-again from them: the hiddens, the gathered rows and the per-slot outputs are never kept, the router's are, and
-the recompute routes every token exactly as the forward did (it never calls the router). Eager and under
+**Expert-GEMM recompute** (`recompute_experts=True`, the seeds' recompute_moe_experts): the experts' part of the
+forward (the gather of each assignment's row, the two expert GEMMs, the SwiGLU, the un-sort and the weighted
+sum) runs under a non-reentrant selective checkpoint whose inputs are the rows and the routing as plain tensors
+(ids, weights). It keeps the down GEMM's output (the routing weights' gradient reads it) and recomputes the rest
+in the backward: the gathered rows and the hiddens are never kept, and the price is one grouped GEMM (gate_up)
+again. The recompute routes every token exactly as the forward did (it never calls the router). Eager and under
 torch.compile alike (the checkpoint becomes a recompute region the partitioner honours).
 """
 
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from megacpp_lab.checks import check_ints, config_error
 from megacpp_lab.nn.config_builder import build_config
@@ -219,6 +220,22 @@ def loop_experts(x: torch.Tensor, routing: Routing, w_gate_up: torch.Tensor, w_d
     return (per_slot * routing.weights[..., None]).sum(1).to(x.dtype)
 
 
+def _keep_down_outputs(down: tuple[int, ...]) -> tuple[Any, Any]:
+    """The expert recompute's selective checkpoint (MoE, recompute_experts): keep the down GEMM's output (the
+    combine's backward reads it for the routing weights' gradient), recompute everything else: one grouped GEMM
+    again in the backward, not two. The down GEMM is the one whose weight has experts_down's shape `down`
+    (gate_up's [E, d, 2h] never does): grouped, batched under capacity routing, one expert's slice in the loop."""
+    gemms = {torch.ops.aten._grouped_mm.default: down, torch.ops.aten.bmm.default: down,
+             torch.ops.aten.mm.default: down[1:]}  # fmt: skip
+
+    def policy(_ctx: Any, op: Any, *args: Any, **_kwargs: Any) -> CheckpointPolicy:
+        if op in gemms and gemms[op] == tuple(args[1].shape):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 class _AttachLoss(torch.autograd.Function):
     """y unchanged forward; backward: y's gradient, and 1 for the loss (as if it were added to the model's)."""
 
@@ -270,7 +287,8 @@ class MoE(nn.Module):
         routing = route(flat, self.router, self.bias, c)
         if c.recompute_experts and torch.is_grad_enabled():
             # the routing goes in as plain tensors, so the recompute sends every token where the forward did
-            y, kept = checkpoint(self._experts, flat, routing.ids, routing.weights, use_reentrant=False)
+            y, kept = checkpoint(self._experts, flat, routing.ids, routing.weights, use_reentrant=False,
+                                 context_fn=functools.partial(_keep_down_outputs, tuple(self.experts_down.shape)))
         else:
             y, kept = self._experts(flat, routing.ids, routing.weights)
         if self.shared is not None:
@@ -333,7 +351,7 @@ def moe_activation_fields(config: MoEConfig, tokens: int, dtype: torch.dtype, *,
       combine    the experts' outputs [rows, d], the per-slot outputs in fp32 [N, k, d] and the weights
     recompute (RECOMPUTE_FIELDS): "none"; "experts", the layer with MoEConfig.recompute_experts (the router's
     fields kept; dispatch holds the checkpoint's inputs, the rows [N, d] (16-bit: fp32 rows are the router's input)
-    and the weights; hiddens and combine go);
+    and the weights; the hiddens go; combine keeps the down GEMM's output alone);
     "save_list", an E-block save list that keeps the matmuls' outputs and the top-k (the router's logits and
     top-k alone). tests/test_moe.py holds each sum within 15% of what autograd keeps."""
     if recompute not in RECOMPUTE_FIELDS:
@@ -345,9 +363,10 @@ def moe_activation_fields(config: MoEConfig, tokens: int, dtype: torch.dtype, *,
     if recompute == "save_list":
         return {"router": N * E * 4 + topk, "dispatch": 0, "hiddens": 0, "combine": 0}
     router = N * d * 4 + 2 * N * E * 4 + topk
-    if recompute == "experts":  # the rows: in fp32 they are the router's input itself (x.float() is x), else a copy
-        return {"router": router, "dispatch": (N * d * es if es != 4 else 0) + N * k * 4, "hiddens": 0, "combine": 0}
     rows = N * k if c.capacity_factor is None else E * c.capacity(N) + 1
+    if recompute == "experts":  # the rows: in fp32 they are the router's input itself (x.float() is x), else a copy
+        return {"router": router, "dispatch": (N * d * es if es != 4 else 0) + N * k * 4, "hiddens": 0,
+                "combine": (rows - (c.capacity_factor is not None)) * d * es}  # the down GEMM's output, kept
     return {"router": router, "dispatch": rows * d * es + 2 * N * k * 8,
             "hiddens": rows * 4 * h * es, "combine": rows * d * es + N * k * d * 4 + 2 * N * k * 4}  # fmt: skip
 
