@@ -306,6 +306,8 @@ Experts: the MoE layer (fp32 router, top-2, dropless) at 16 experts, d=1024, 163
 and forward alone, with the grouped experts (torch._grouped_mm) eager and under torch.compile, with the per-expert
 loop (the reference), and a dense SwiGLU of the same active FLOPs (hidden = top_k x expert_hidden). The bars: the
 grouped experts at least 3x faster than the loop, at most 1.3x the dense SwiGLU.
+Sweep: the same four contenders at four other shapes (8 experts at 4096 tokens; 64 fine-grained experts top-8
+at 32768 tokens; d=2048 top-1; 65536 tokens), one receipt, no bar: how the bars' ratios move with the shape.
 Recompute: one E block of the base preset (its M mixer, then the MoE) on a packed B=4 x T=4096 batch, eager and
 compiled: the activation memory the E layer (its MoE) and the whole block keep and the block's forward+backward
 time, with everything saved and with the expert-GEMM recompute (MoEConfig.recompute_experts: the gathered rows
@@ -314,7 +316,8 @@ memory, at most 10% more time.
 Stack: the stack preset (every block kind, 16 experts in the E blocks, Engram and mHC) regionally compiled and
 trained for 20 batches whose documents per row, and so the routing, change every batch; graph breaks and
 recompiles after the first batch (the bars: none), total and active parameters.
-Receipts under <out>/<device-slug>/moe/: moe_experts.json, moe_recompute.json, moe_stack.json.
+Receipts under <out>/<device-slug>/moe/: moe_experts.json, moe_experts_sweep.json, moe_recompute.json,
+moe_stack.json.
 Run time on an H200: about 4.5 minutes cold (the stack preset's cold compile is about 100 s of it).
 --small (CPU, 256 tokens at d=64 and 4 experts, the tiny preset's E block eager and compiled, and a tiny A + E
 model: 2 batches, compiled in bf16 without inductor): about 20 s.""",

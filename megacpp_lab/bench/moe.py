@@ -25,7 +25,7 @@ from megacpp_lab.profiling import retained_bytes, sync, time_ms
 from megacpp_lab.receipts import make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
 
-__all__ = ["FULL", "SMALL", "MoEShape", "bench_experts", "bench_recompute", "bench_stack"]
+__all__ = ["FULL", "SMALL", "SWEEP", "MoEShape", "bench_experts", "bench_experts_sweep", "bench_recompute", "bench_stack"]
 
 SPEEDUP_OVER_LOOP_BAR = 3.0
 OVER_DENSE_BAR = 1.3
@@ -49,7 +49,14 @@ class MoEShape:
 
 FULL = MoEShape(tokens=16384, d_model=1024, n_experts=16, top_k=2, expert_hidden=1368, preset="base", B=4, T=4096,
                 docs=8)  # fmt: skip
+# the sweep (bench_experts_sweep): fewer tokens and experts, fine-grained experts (DeepSeek-style: many narrow
+# experts, top-8), a wide model with top-1, and many tokens
+SWEEP = (MoEShape(tokens=4096, d_model=1024, n_experts=8, top_k=2, expert_hidden=2736, preset="base", B=1, T=4096, docs=8),
+         MoEShape(tokens=32768, d_model=1024, n_experts=64, top_k=8, expert_hidden=512, preset="base", B=8, T=4096, docs=8),
+         MoEShape(tokens=16384, d_model=2048, n_experts=16, top_k=1, expert_hidden=5464, preset="base", B=4, T=4096, docs=8),
+         MoEShape(tokens=65536, d_model=1024, n_experts=16, top_k=2, expert_hidden=1368, preset="base", B=16, T=4096, docs=8))  # fmt: skip
 SMALL = MoEShape(tokens=256, d_model=64, n_experts=4, top_k=2, expert_hidden=48, preset="tiny", B=2, T=64, docs=3)
+SMALL_SWEEP = (MoEShape(tokens=128, d_model=64, n_experts=8, top_k=1, expert_hidden=32, preset="tiny", B=2, T=64, docs=3),)
 
 
 def _moe(s: MoEShape, device: str, dtype: torch.dtype, **overrides: Any) -> MoE:
@@ -62,9 +69,9 @@ def _moe(s: MoEShape, device: str, dtype: torch.dtype, **overrides: Any) -> MoE:
     return layer.train()
 
 
-def bench_experts(s: MoEShape, *, device: str, dtype: torch.dtype, rep: int) -> dict[str, Any]:
-    """The MoE layer with grouped experts (eager and compiled), with the per-expert loop, and a dense SwiGLU of
-    hidden top_k x expert_hidden (the same active FLOPs), forward+backward over s.tokens tokens."""
+def _expert_rows(s: MoEShape, *, device: str, dtype: torch.dtype, rep: int) -> list[dict[str, Any]]:
+    """One row per contender at shape s: the MoE layer grouped (eager and compiled) and looped, and a dense SwiGLU
+    of the same active FLOPs; forward+backward and forward alone, and the first call's seconds."""
     x = torch.randn(s.tokens, s.d_model, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn_like(x)
     grouped, loop = _moe(s, device, dtype), _moe(s, device, dtype, experts="loop")
@@ -91,8 +98,14 @@ def bench_experts(s: MoEShape, *, device: str, dtype: torch.dtype, rep: int) -> 
 
         _, first = timed_call(fwd_bwd, device)
         timed_call(fwd, device)
-        row = {"contender": name, "first_call_s": first, **measure_fwd_bwd(fwd, fwd_bwd, device=device, rep=rep)}
-        results.append(row)
+        results.append({"contender": name, "first_call_s": first, **measure_fwd_bwd(fwd, fwd_bwd, device=device, rep=rep)})
+    return results
+
+
+def bench_experts(s: MoEShape, *, device: str, dtype: torch.dtype, rep: int) -> dict[str, Any]:
+    """The MoE layer with grouped experts (eager and compiled), with the per-expert loop, and a dense SwiGLU of
+    hidden top_k x expert_hidden (the same active FLOPs), forward+backward over s.tokens tokens."""
+    results = _expert_rows(s, device=device, dtype=dtype, rep=rep)
     ms = {r["contender"]: r["ms"] for r in results}
     best = min(ms[k] for k in ms if "grouped" in k)
     loop_ms, dense_ms = ms["MoE, per-expert loop (the reference), eager"], ms["dense SwiGLU of the same active FLOPs, eager"]
@@ -109,6 +122,30 @@ def bench_experts(s: MoEShape, *, device: str, dtype: torch.dtype, rep: int) -> 
                "warm-up; the bars take the faster grouped row. The loop row runs one expert at a time with a host "
                "sync each (the reference); the dense row is one SwiGLU of hidden top_k x expert_hidden, without a "
                "router. first_call_s: the first forward+backward (torch.compile's when compiled)."),
+    )  # fmt: skip
+
+
+def bench_experts_sweep(shapes: tuple[MoEShape, ...], *, device: str, dtype: torch.dtype, rep: int) -> dict[str, Any]:
+    """bench_experts' contenders at other expert counts, top-k, widths and token counts than the bars' shape: the
+    grouped experts' speed over the loop and against the dense SwiGLU is a property of the method, not of one shape."""
+    results, ratios = [], {}
+    for s in shapes:
+        rows = _expert_rows(s, device=device, dtype=dtype, rep=rep)
+        tag = f"E={s.n_experts} top-{s.top_k} d={s.d_model} h={s.expert_hidden} N={s.tokens}"
+        results += [{"shape": tag, **asdict(s), **r} for r in rows]
+        ms = {r["contender"]: r for r in rows}
+        best = min((r for k, r in ms.items() if "grouped" in k), key=lambda r: r["ms"])
+        loop = ms["MoE, per-expert loop (the reference), eager"]
+        dense = ms["dense SwiGLU of the same active FLOPs, eager"]
+        ratios[tag] = {"grouped_speedup_over_loop": loop["ms"] / best["ms"], "grouped_over_dense": best["ms"] / dense["ms"],
+                       "grouped_fwd_over_dense_fwd": best["fwd_ms"] / dense["fwd_ms"]}  # fmt: skip
+    return make_receipt(
+        "moe_experts_sweep", "moe", shape={"shapes": [asdict(s) for s in shapes]}, dtype=dtype, results=results,
+        device=device, summary={"by_shape": ratios},
+        notes=("bench_experts' four contenders (moe_experts.json's notes) at each shape of the sweep, one receipt: "
+               "forward+backward and forward under no_grad, medians after warm-up. by_shape: the faster grouped "
+               "row's speed-up over the loop and its time over the dense SwiGLU. No bar: the bars are judged at "
+               "moe_experts.json's shape; this shows how they move."),
     )  # fmt: skip
 
 
@@ -258,6 +295,8 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     rep = 1 if small else 20
     # bf16 on a CPU too: the grouped experts compile in bf16 alone
     written = [write_receipt(bench_experts(s, device=device, dtype=torch.bfloat16, rep=rep), root)]
+    written.append(write_receipt(bench_experts_sweep(SMALL_SWEEP if small else SWEEP, device=device,
+                                                     dtype=torch.bfloat16, rep=rep), root))
     written.append(write_receipt(bench_recompute(s, device=device, rep=rep), root))
     written.append(write_receipt(bench_stack(s, device=device, batches=2 if small else STACK_BATCHES), root))
     return written
