@@ -22,7 +22,7 @@ A budget is per block structure (one compiled graph each): a block with an Engra
 branch's entry when it is not "none", else its kind's.
 Eager, a budget is refused (nothing would read it).
 
-The last layer is never checkpointed (last_layer="never", the only value): its activations are the first the
+The last block (the last MTP module's with mtp_depth > 0) is never checkpointed (last_layer="never", the only value): its activations are the first the
 backward consumes, so recomputing them frees nothing and costs a forward. offload=True keeps the saved tensors
 of every non-checkpointed block in pinned CPU memory (torch.autograd.graph.save_on_cpu). compact_rank=r swaps
 each MLP's up projection for a CompactLinear (nn/compact_linear.py): it saves a rank-r random projection of its
@@ -46,7 +46,7 @@ from megacpp_lab.nn.compact_linear import CompactLinear
 __all__ = ["AC_ATTR", "BUDGET_ATTR", "ROUTING_OPS", "CheckpointingPolicy", "apply_ac", "block_budget", "cached_ops",
            "checkpoint_module", "saves_output"]
 
-KINDS = ("A", "M", "R", "E", "engram", "cblock")
+KINDS = ("A", "M", "R", "E", "engram", "cblock", "mtp")  # mtp: the MTP modules' blocks (the seeds' mtp_recompute)
 AC_ATTR = "_megacpp_ac"  # set on a module whose forward apply_ac wrapped (eager)
 BUDGET_ATTR = REMAT_BUDGET_ATTR  # set on a block apply_ac gave a budget (regional compile; Block guards on it)
 
@@ -76,6 +76,7 @@ class CheckpointingPolicy:
     E: Entry = "none"
     engram: Entry = "none"
     cblock: Entry = "none"
+    mtp: Entry = "none"
     last_layer: str = "never"
     offload: bool = False
     compact_rank: int | None = None  # the MLPs save a rank-r random projection of their inputs (eager; opt-in)
@@ -104,7 +105,7 @@ class CheckpointingPolicy:
     def parse(cls, spec: str) -> CheckpointingPolicy:
         """The policy from its text (`megacpp-lab train --remat SPEC`), comma-separated parts:
             ENTRY          "none" | "full" | a budget "0.3" | a save list "mm+addmm": every kind not named
-            KIND=ENTRY     one kind's entry (A, M, R, E, engram, cblock), e.g. "A=1.0,M=0.3,R=1.0"
+            KIND=ENTRY     one kind's entry (A, M, R, E, engram, cblock, mtp), e.g. "A=1.0,M=0.3,R=1.0"
             offload        keep the saved tensors of non-checkpointed blocks in pinned CPU memory (eager)
             compact=R      the MLPs save a rank-R random projection of their inputs (eager)
         Kinds not named take the bare ENTRY, else "none". Fails closed naming the part."""
@@ -264,9 +265,10 @@ def apply_ac(model: nn.Module, policy: CheckpointingPolicy, *, compiled: bool = 
         if not compiled and isinstance(entry, float):
             raise ValueError(f"CheckpointingPolicy.{kind} is a budget ({entry}), which only regional compile reads: "
                              "pass compiled=True (then apply_compile), or give 'none', 'full' or an op list")
-    last = len(lm.blocks) - 1
-    for i, block in enumerate(lm.blocks):
-        entry = entries[block.kind]
+    blocks = lm.all_blocks()  # the stack's, then the MTP modules' (which take the mtp entry)
+    last = len(blocks) - 1
+    for i, block in enumerate(blocks):
+        entry = entries["mtp"] if i >= len(lm.blocks) else entries[block.kind]
         if compiled:  # one budget per block structure: a block with an Engram / CBlock branch takes that entry
             for branch in ("engram", "cblock"):
                 if getattr(block, branch) is not None and entries[branch] != "none":

@@ -144,7 +144,7 @@ class HybridConfig:
     by mamba3.mimo_rank) or "mamba2" (Mamba-2's SSD, its `ssd` config). engram_layers / ngram_layers / cblock_layers: explicit layer indices
     (tuple, '0,2' or 'all'); mhc: multi-stream hyper-connections over the Engram layers (the tripwire: mhc
     without engram_layers means all layers, with a warning; an explicitly empty list fails: mHC over no layer
-    was a silent no-op).
+    was a silent no-op). mtp_depth / mtp_loss_weight: multi-token prediction (MTPModule in model/hybrid.py).
 
     The per-layer configs (mla, ssd, mamba3, m2rnn, moe, engram, ngram, concept, hyper, lm_head) are built through each
     layer's own build(): leave one None for the defaults derived from d_model (and vocab_size / pad_id),
@@ -164,6 +164,11 @@ class HybridConfig:
     mlp_ratio: float = 8 / 3  # SwiGLU hidden = mlp_ratio * d_model, rounded up to a multiple of 64
     norm_eps: float = 1e-6
     pad_id: int = 2  # the tokenizer's pad id (the BPE's); the n-gram memory hashes tokens before a doc start as it
+    # multi-token prediction (DeepSeek-V3's MTP, model/hybrid.py's MTPModule): mtp_depth modules after the stack,
+    # module k predicting the token k+1 ahead through one dense MLA block and the shared LM head; the training
+    # loss adds mtp_loss_weight times their mean loss. 0: none
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     mla: MLAConfig | Mapping[str, Any] | None = None
     ssd: SSDConfig | Mapping[str, Any] | None = None
     mamba3: Mamba3Config | Mapping[str, Any] | None = None
@@ -194,6 +199,11 @@ class HybridConfig:
             raise _fail("mlp_ratio", "a number in (0, 64]", ratio)
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, float) or not 0 < self.norm_eps < 1:
             raise _fail("norm_eps", "a float in (0, 1)", self.norm_eps)
+        if not is_int(self.mtp_depth) or not 0 <= self.mtp_depth <= 8:
+            raise _fail("mtp_depth", "an int in [0, 8] (0: no multi-token prediction)", self.mtp_depth)
+        w = self.mtp_loss_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
+            raise _fail("mtp_loss_weight", "a finite number >= 0", w)
         if not is_int(self.pad_id) or not 0 <= self.pad_id < self.vocab_size:
             raise _fail("pad_id", f"a token id in [0, vocab_size={self.vocab_size})", self.pad_id)
         for name, (cls, defaults) in _SUBCONFIGS.items():

@@ -26,11 +26,13 @@ import torch
 from torch import nn
 
 from megacpp_lab.checks import is_int
-from megacpp_lab.model.hybrid import BlockState, HybridLM
+from megacpp_lab.model.hybrid import BlockState, HybridLM, tokens_ahead
 from megacpp_lab.nn.hyper_connections import collapse_streams, expand_streams
 from megacpp_lab.nn.mla import MLAKVCache
+from megacpp_lab.varlen import PackedContext
 
-__all__ = ["DecodeState", "decode_step", "generate", "init_decode_state", "prefill", "sample_next", "sample_text"]
+__all__ = ["DecodeState", "decode_step", "generate", "init_decode_state", "mtp_acceptance", "prefill", "sample_next",
+           "sample_text"]
 
 
 @dataclass
@@ -229,3 +231,38 @@ def sample_text(checkpoint: str | Path, prompt: str | bytes, *, max_new_tokens: 
         end = new.index(tok.eos_id) if tok.eos_id in new else len(new)
         texts.append(tok.decode(row[1 : len(ids)] + new[:end], show_special=False))
     return texts
+
+
+@torch.inference_mode()
+def mtp_acceptance(model: nn.Module, tokens: torch.Tensor, ctx: PackedContext) -> dict[str, list[float] | list[int]]:
+    """How often the MTP modules' greedy drafts would be accepted by greedy self-speculative decoding, measured on
+    held-out text in one teacher-forced forward (no decode loop): at position i the main head predicts t_{i+1}
+    and depth k, having read t_{i+1..i+k} (the text's), drafts t_{i+k+1}; a draft is accepted when it equals the
+    main head's own greedy prediction at position i+k, that is, what verifying it would give.
+      accepted[k-1]    the fraction of depth k's drafts accepted, over the positions whose i+k+1 is in i's
+                       document, given that the drafts of depths < k at i were accepted (a chain stops at the
+                       first rejection), so the expected tokens a step gains is the sum of the products;
+      correct[k-1]     the fraction of depth k's drafts equal to the text's t_{i+k+1}, unconditioned;
+      positions[k-1]   how many positions each rate is over (accepted: those the chain reached).
+    The model needs mtp_depth > 0; tokens [B,T] and ctx as for the forward."""
+    lm = _hybrid(model)
+    if not lm.mtp:
+        raise ValueError("mtp_acceptance needs a model with MTP modules (HybridConfig.mtp_depth > 0)")
+    _check_ids("tokens", tokens, 2, lm.config.vocab_size)
+    h = lm.hidden(tokens, ctx)
+    main = lm.lm_head(lm.norm(h), return_logits=True).logits.argmax(-1)  # [B,T]: the greedy t_{i+1} at i
+    chain = torch.ones_like(tokens, dtype=torch.bool)
+    out: dict[str, list[float] | list[int]] = {"accepted": [], "correct": [], "positions": []}
+    for module, h_k in zip(lm.mtp, lm.mtp_hiddens(h, tokens, ctx)):
+        k = module.depth
+        draft = lm.lm_head(module.norm(h_k), return_logits=True).logits.argmax(-1)  # t_{i+k+1} at i
+        verify, inside = tokens_ahead(main, ctx.doc_ids, k, -1)  # the main head's prediction at i+k
+        truth, inside_truth = tokens_ahead(tokens, ctx.doc_ids, k + 1, -1)
+        valid = inside & inside_truth  # i+k+1 in i's document
+        reached = valid & chain
+        hit = (draft == verify) & reached
+        out["accepted"].append(float(hit.sum() / reached.sum().clamp(min=1)))
+        out["correct"].append(float(((draft == truth) & valid).sum() / valid.sum().clamp(min=1)))
+        out["positions"].append(int(reached.sum()))
+        chain = hit
+    return out

@@ -25,6 +25,13 @@ layers a branch reads the mean of the streams and adds f to every stream (the fi
 H_pre = 1/n, H_post = 1, H_res = I). At init every HyperConnection is x + f(x) on equal streams, so the
 model equals the single-stream model to fp32 rounding.
 
+MTP (mtp_depth = K > 0, DeepSeek-V3's multi-token prediction): after the stack, K modules in sequence; module k
+takes the previous depth's hidden state (the stack's output before the final norm for k = 1) and the embedding of
+the token k ahead, RMSNorms both, projects their concatenation to d, runs one dense MLA block (A), and its own
+norm feeds the shared LM head for the token k+1 ahead. Packed rows: where i+k leaves i's document the embedding
+is zero and the target ignored, so no module sees or predicts across a boundary. The loss is lm_loss +
+mtp_loss_weight * mean over k of the depth-k losses (ModelOutput keeps each).
+
 Decode (megacpp_lab.model.decode): Block.step runs the same branches in their recurrent form, one token at a
 time (each layer's `step` beside its forward; MLA through its compressed KV cache), through the same residual
 and mHC rule as the forward (Block.apply_branches).
@@ -40,12 +47,14 @@ FLOPs per token (flops_per_token, forward + backward = 3 x forward):
                                                               MIMO rank, 1 for SISO and Mamba-2)
     R:      + 3 * H * (2 K V^2 + 4 K V)                       (h W, k (x) v, gate mix, q h)
     cblock: + 3 * 4 * H * Dh * n_concepts                     (scores and values over the bank)
+    mtp:    its parameters, its A block's attention term, and 6 * V * d per module (the shared head again)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -54,7 +63,7 @@ from megacpp_lab.model.config import HybridConfig
 from megacpp_lab.nn.concept_bank import ConceptBank
 from megacpp_lab.nn.engram import EngramBranch, EngramState
 from megacpp_lab.nn.hyper_connections import HyperConnection, collapse_streams, expand_streams
-from megacpp_lab.nn.lm_head import LMHead, LMHeadOutput
+from megacpp_lab.nn.lm_head import LMHead
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNState
 from megacpp_lab.nn.mamba3 import Mamba3, Mamba3State
 from megacpp_lab.nn.mla import MLAKVCache, MultiLatentAttention
@@ -64,7 +73,7 @@ from megacpp_lab.nn.primitives import SwiGLU
 from megacpp_lab.nn.ssm import SSD, SSDState
 from megacpp_lab.varlen import PackedContext
 
-__all__ = ["Block", "BlockState", "HybridLM", "REMAT_BUDGET_ATTR"]
+__all__ = ["Block", "BlockState", "HybridLM", "MTPModule", "ModelOutput", "REMAT_BUDGET_ATTR", "tokens_ahead"]
 
 REMAT_BUDGET_ATTR = "_megacpp_ac_budget"  # the activation_memory_budget apply_ac gives a block (regional compile)
 
@@ -95,10 +104,10 @@ class Block(nn.Module):
     """One layer: its residual branches in order (engram?, ngram?, mixer, mlp, cblock?), each x + f(x),
     through a HyperConnection each at an mHC layer."""
 
-    def __init__(self, config: HybridConfig, layer: int) -> None:
+    def __init__(self, config: HybridConfig, layer: int, kind: str | None = None) -> None:
         super().__init__()
         c, d = config, config.d_model
-        self.layer, self.kind = layer, c.blocks[layer]
+        self.layer, self.kind = layer, kind or c.blocks[layer]  # kind: an MTP module's A block, past the stack
         self.engram = EngramBranch(c.engram) if layer in c.engram_layers else None
         self.ngram = NgramHashMemory(c.ngram, layer) if layer in c.ngram_layers else None
         self.mixer_norm = nn.RMSNorm(d, eps=c.norm_eps)
@@ -178,8 +187,49 @@ class Block(nn.Module):
         )  # fmt: skip
 
 
+def tokens_ahead(t: torch.Tensor, doc_ids: torch.Tensor, k: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [B,T] moved k positions left (position i holds t[i+k]) and the mask [B,T] of the positions whose i+k is
+    in i's document; positions past that (another document, or past the row) hold `fill`."""
+    n = min(k, t.shape[1])
+    ahead = torch.cat((t[:, n:], t.new_full((t.shape[0], n), fill)), dim=1)
+    same = torch.cat((doc_ids[:, n:] == doc_ids[:, : doc_ids.shape[1] - n],
+                      torch.zeros_like(doc_ids[:, :n], dtype=torch.bool)), dim=1)  # fmt: skip
+    return torch.where(same, ahead, fill), same
+
+
+class MTPModule(nn.Module):
+    """Multi-token prediction at depth k (DeepSeek-V3): h^k_i = Block(W [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))]),
+    one dense MLA block (an A block, never sparse: the MTP head needs dense attention), its own final norm before
+    the model's shared LM head, which reads h^k_i for t_{i+k+1}. h^0 is the stack's output before the final norm.
+    Emb(t_{i+k}) is zero where i+k is past i's document (model/hybrid.py's module docstring)."""
+
+    def __init__(self, config: HybridConfig, depth: int) -> None:
+        super().__init__()
+        d, eps = config.d_model, config.norm_eps
+        self.depth = depth
+        self.hidden_norm = nn.RMSNorm(d, eps=eps)
+        self.embed_norm = nn.RMSNorm(d, eps=eps)
+        self.proj = nn.Linear(2 * d, d, bias=False)
+        self.block = Block(config, config.n_layers + depth - 1, kind="A")
+        self.norm = nn.RMSNorm(d, eps=eps)
+
+    def forward(self, h: torch.Tensor, embedded_ahead: torch.Tensor, tokens: torch.Tensor, ctx: PackedContext
+                ) -> torch.Tensor:  # fmt: skip
+        """h [B,T,d] (h^{k-1}), embedded_ahead [B,T,d] (Emb(t_{i+k}), zero past the document) -> h^k [B,T,d]."""
+        x = self.proj(torch.cat((self.hidden_norm(h), self.embed_norm(embedded_ahead)), dim=-1))
+        return self.block(x, tokens, ctx)
+
+
+class ModelOutput(NamedTuple):
+    loss: torch.Tensor | None  # what training minimises: lm_loss + mtp_loss_weight * mean(mtp_losses); None without targets
+    logits: torch.Tensor | None  # [B,T,V] only when asked for
+    lm_loss: torch.Tensor | None  # the next-token loss alone (what evaluation compares across models)
+    mtp_losses: torch.Tensor | None  # [mtp_depth]: depth k's loss on t_{i+k+1}; None without MTP or targets
+
+
 class HybridLM(nn.Module):
-    """forward(tokens [B,T], ctx, targets=None, *, return_logits=False) -> LMHeadOutput(loss, logits)."""
+    """forward(tokens [B,T], ctx, targets=None, *, return_logits=False) -> ModelOutput(loss, logits, lm_loss,
+    mtp_losses)."""
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -190,9 +240,14 @@ class HybridLM(nn.Module):
         self.blocks = nn.ModuleList(Block(c, i) for i in range(c.n_layers))
         self.norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
         self.lm_head = LMHead(c.lm_head)
+        self.mtp = nn.ModuleList(MTPModule(c, k) for k in range(1, c.mtp_depth + 1))
+
+    def all_blocks(self) -> list[Block]:
+        """The stack's blocks, then each MTP module's: every block regional compile, checkpointing and FSDP2 treat."""
+        return [*self.blocks, *(m.block for m in self.mtp)]
 
     def forward(self, tokens: torch.Tensor, ctx: PackedContext, targets: torch.Tensor | None = None, *,
-                return_logits: bool = False) -> LMHeadOutput:  # fmt: skip
+                return_logits: bool = False) -> ModelOutput:  # fmt: skip
         """tokens [B,T] int ids; ctx: the batch's PackedContext (build_context, once per batch, outside any
         compiled region), passed as given to every mixer; targets [B,T] for the loss."""
         if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
@@ -202,14 +257,35 @@ class HybridLM(nn.Module):
                             f"got {type(ctx).__name__}")  # fmt: skip
         if ctx.shape != tuple(tokens.shape):
             raise ValueError(f"ctx is for [B,T] = {ctx.shape}, tokens are {tuple(tokens.shape)}")
+        h = self.hidden(tokens, ctx)
+        out = self.lm_head(self.norm(h), targets, return_logits=return_logits)
+        if targets is None or not self.mtp:
+            return ModelOutput(out.loss, out.logits, out.loss, None)
+        # each depth's loss through the shared head, on the targets k ahead (ignored where i+k leaves i's document)
+        ignore = self.lm_head.config.ignore_index
+        losses = [self.lm_head(module.norm(h_k), tokens_ahead(targets, ctx.doc_ids, module.depth, ignore)[0]).loss
+                  for module, h_k in zip(self.mtp, self.mtp_hiddens(h, tokens, ctx))]  # fmt: skip
+        mtp = torch.stack(losses)
+        return ModelOutput(out.loss + self.config.mtp_loss_weight * mtp.mean(), out.logits, out.loss, mtp)
+
+    def hidden(self, tokens: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        """The stack's output [B,T,d] before the final norm (mHC's streams collapsed)."""
         x = self.embed(tokens)
         if self.config.mhc:
             x = expand_streams(x, self.config.hyper.n_streams)
         for block in self.blocks:
             x = block(x, tokens, ctx)
-        if self.config.mhc:
-            x = collapse_streams(x)
-        return self.lm_head(self.norm(x), targets, return_logits=return_logits)
+        return collapse_streams(x) if self.config.mhc else x
+
+    def mtp_hiddens(self, h: torch.Tensor, tokens: torch.Tensor, ctx: PackedContext) -> list[torch.Tensor]:
+        """Each MTP depth's hidden state h^k [B,T,d] in order, from the stack's output h (hidden()): position i
+        of depth k has read the tokens up to i+k of i's document, none of another."""
+        out = []
+        for module in self.mtp:
+            ahead, same = tokens_ahead(tokens, ctx.doc_ids, module.depth, self.config.pad_id)
+            h = module(h, self.embed(ahead) * same[..., None].to(h.dtype), ahead, ctx)
+            out.append(h)
+        return out
 
     # -- accounting
 
@@ -257,7 +333,7 @@ class HybridLM(nn.Module):
             if name == lookups[0] or name.endswith(lookups[1]) or cblock_lookup:
                 continue
             flops[key] = flops.get(key, 0) + round(6 * p.numel() * self._active_share(name))
-        for i, kind in enumerate(c.blocks):
+        for i, kind in enumerate(c.blocks + "A" * c.mtp_depth):  # each MTP module's block is an A block
             if kind == "A":
                 a = c.mla
                 extra = 3 * 2 * a.n_heads * (a.d_nope + a.d_rope + a.d_v) * seq_len // 2
@@ -268,9 +344,12 @@ class HybridLM(nn.Module):
             else:
                 r = c.m2rnn
                 extra = 3 * r.n_heads * (2 * r.k_head_dim * r.v_head_dim**2 + 4 * r.k_head_dim * r.v_head_dim)
-            flops[kind] = flops.get(kind, 0) + extra
+            bucket = "mtp" if i >= c.n_layers else kind
+            flops[bucket] = flops.get(bucket, 0) + extra
             if i in c.cblock_layers:
                 b = c.concept
                 flops["cblock"] = flops.get("cblock", 0) + 3 * 4 * b.n_heads * b.head_dim * b.n_concepts
+        if c.mtp_depth:  # the shared LM head runs once more per MTP module (its parameters counted once above)
+            flops["mtp"] = flops.get("mtp", 0) + 6 * c.mtp_depth * c.vocab_size * c.d_model
         flops["total"] = sum(flops.values())
         return flops

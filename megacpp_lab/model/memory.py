@@ -22,6 +22,10 @@ Where each number comes from:
     a budget    the min-cut partitioner's saved values at that budget, as inductor partitions the block's graph
                 (model/remat.remat_plan), and the block input.
   The last block is traced as the policy runs it: never checkpointed.
+  MTP (mtp_depth > 0): each module's A block is traced like the stack's (on one stream, under the policy's mtp
+  entry; the last module's never checkpointed), plus what the module keeps around it, analytic (its norms'
+  inputs, the projection's [n, 2d] input, the shared head's normed input and the dW its fused loss computes):
+  activations_by_kind["mtp"].
   A feature's field is its block minus the same block traced without that branch, under the same entry.
   An E block's mixture of experts is also broken down by field (router, dispatch, hiddens, combine: `moe_fields`,
   nn/moe.moe_activation_fields), analytically, for eager entries that save everything or a save list.
@@ -213,8 +217,9 @@ def _block_input(config: HybridConfig, batch: int, seq_len: int, docs: int, devi
 
 
 def _entry(policy: CheckpointingPolicy, config: HybridConfig, layer: int, compiled: bool) -> Entry:
-    """The entry apply_ac gives this layer (the last layer never checkpointed)."""
-    if layer == config.n_layers - 1:
+    """The entry apply_ac gives this layer of the stack (the last block never checkpointed: the stack's last
+    unless MTP modules follow it)."""
+    if layer == config.n_layers - 1 and not config.mtp_depth:
         return 1.0 if compiled else "none"
     entries = policy.entries()
     entry = entries[config.blocks[layer]]
@@ -305,6 +310,31 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
                           "host_bytes": off})  # fmt: skip
     d, V, n = config.d_model, config.vocab_size, batch * seq_len
     es = torch.tensor([], dtype=dtype).element_size()
+    if config.mtp_depth:  # the MTP modules: each one's A block traced on one stream, under the mtp entry
+        x1 = x[..., 0, :].detach().clone().requires_grad_() if config.mhc else x
+        for k in range(1, config.mtp_depth + 1):
+            entry = policy.entries()["mtp"]
+            if k == config.mtp_depth:  # the last block of the model: never checkpointed
+                entry = "none"
+            entry = {"none": 1.0, "full": 0.0}.get(entry, entry) if compiled else entry  # type: ignore[arg-type]
+            key = (config, batch, seq_len, docs, device, compiled, backend, ("A", "mtp"), entry, False)
+            if key not in cache:
+                torch.manual_seed(config.n_layers + k)
+                block = Block(config, config.n_layers + k - 1, kind="A").to(device)
+                if device == "cuda":
+                    apply_precision(block, torch.bfloat16)
+                cache[key] = _block_bytes(block, entry, x1, tokens, ctx, shared, compiled=compiled, offload=False,
+                                          backend=backend)  # fmt: skip
+                del block
+            dev = cache[key][0]
+            # around the block (analytic): the two input norms' inputs, the [n, 2d] concatenation the projection
+            # keeps, the final norm's input and the head's normed input, the norms' fp32 rstd, and the fused
+            # loss's dW [V, d] that each head call computes in its forward
+            dev += 6 * n * d * es + 3 * n * 4 + V * d * es
+            by_kind["mtp"] = by_kind.get("mtp", 0) + dev
+            per_block.append({"layer": config.n_layers + k - 1, "kind": "A", "structure": f"mtp{k}",
+                              "entry": list(entry) if isinstance(entry, tuple) else entry, "bytes": dev,
+                              "host_bytes": 0})  # fmt: skip
     chunk = config.lm_head.loss_chunk_size or default_chunk_size(n, V, dtype)
     return MemoryEstimate(
         batch=batch, seq_len=seq_len, device=device, parameters=params, gradients=grads, optimizer=optimizer,

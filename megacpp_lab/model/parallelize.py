@@ -178,9 +178,10 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, device: str | None 
 
 def structure_keys(lm: nn.Module) -> list[tuple[str, ...]]:
     """Each block's structure, in block order (see block_structures)."""
-    streams = ("streams",) if lm.config.mhc else ()
+    streams = ("streams",) if lm.config.mhc else ()  # the stack's blocks only: an MTP block reads one stream
     return [(block.kind, *(n for n in ("engram", "ngram", "cblock") if getattr(block, n) is not None),
-             *(("mhc",) if block.hc is not None else ()), *streams) for block in lm.blocks]  # fmt: skip
+             *(("mhc",) if block.hc is not None else ()), *(streams if i < len(lm.blocks) else ()))
+            for i, block in enumerate(lm.all_blocks())]  # fmt: skip
 
 
 def block_structures(model: nn.Module) -> Counter[tuple[str, ...]]:
@@ -198,7 +199,7 @@ def graphs_needed(model: nn.Module) -> int:
     from megacpp_lab.model.checkpointing import block_budget
 
     lm = _hybrid(model)
-    keys = [(s, block_budget(b)) for s, b in zip(structure_keys(lm), lm.blocks)]
+    keys = [(s, block_budget(b)) for s, b in zip(structure_keys(lm), lm.all_blocks())]
     return 2 * len(set(keys))
 
 
@@ -222,7 +223,7 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, saved_graphs: boo
         torch._dynamo.config.recompile_limit = needed
     from megacpp_lab.model.checkpointing import AC_ATTR, block_budget
 
-    wrapped = [i for i, b in enumerate(lm.blocks) if any(hasattr(m, AC_ATTR) for m in b.modules())]
+    wrapped = [i for i, b in enumerate(lm.all_blocks()) if any(hasattr(m, AC_ATTR) for m in b.modules())]
     if wrapped:
         raise ValueError(f"blocks {wrapped} hold manual checkpoint wrappers (apply_ac without compiled=True); under "
                          "regional compile the activation_memory_budget is the single authority: build the model "
@@ -236,10 +237,10 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, saved_graphs: boo
             raise ValueError(f"saved_graphs compiles whole blocks with the backend alone: fullgraph={fullgraph}, "
                              f"other options {sorted(set(compile_kwargs) - {'backend'})}")  # fmt: skip
         lm.saved_graphs = SavedGraphs(model_fingerprint(lm), backend=backend)
-        for block, structure in zip(lm.blocks, structure_keys(lm)):
+        for block, structure in zip(lm.all_blocks(), structure_keys(lm)):
             block.forward = SavedForward(block, structure, lm.saved_graphs)
         return model
-    for block in lm.blocks:
+    for block in lm.all_blocks():
         budget = block_budget(block)
         if budget is None:
             block.compile(fullgraph=fullgraph, **compile_kwargs)
@@ -534,15 +535,16 @@ class _ReplicatedGradAverage:
 
 def fsdp_groups(model: nn.Module, blocks_per_group: int = 1) -> list[tuple[str, list[nn.Module]]]:
     """The FSDP2 groups apply_fsdp makes, innermost first: the blocks (each on its own, or `blocks_per_group`
-    consecutive blocks together: one all-gather, one reduce-scatter and one set of hooks for them), the
-    embedding, [final norm, LM head], then the root (what is left: nothing, for a HybridLM)."""
+    consecutive blocks together: one all-gather, one reduce-scatter and one set of hooks for them), the MTP
+    modules (if any), the embedding, [final norm, LM head], then the root (what is left: nothing, for a HybridLM)."""
     if not is_int(blocks_per_group) or blocks_per_group < 1:
         raise ValueError(f"blocks_per_group must be an int >= 1, got {blocks_per_group!r}")
     lm = _hybrid(model)
     blocks, k = list(lm.blocks), blocks_per_group
     groups = [(f"blocks.{i}" if len(blocks[i : i + k]) == 1 else f"blocks.{i}-{i + len(blocks[i : i + k]) - 1}",
                blocks[i : i + k]) for i in range(0, len(blocks), k)]  # fmt: skip
-    return groups + [("embed", [lm.embed]), ("norm+lm_head", [lm.norm, lm.lm_head]), ("root", [lm])]
+    mtp = [("mtp", list(lm.mtp))] if len(lm.mtp) else []  # the MTP modules, one group
+    return groups + mtp + [("embed", [lm.embed]), ("norm+lm_head", [lm.norm, lm.lm_head]), ("root", [lm])]
 
 
 def apply_fsdp(model: nn.Module, *, mesh: Any = None, param_dtype: torch.dtype | None = torch.bfloat16,

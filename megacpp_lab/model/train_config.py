@@ -46,6 +46,8 @@ class TrainConfig:
     engram_layers: str | None = option(None, "Engram layers, e.g. 1,5,9, or none", shown="the preset's")
     m_block: str | None = option(None, "the M block's mixer: mamba3 or mamba2 (Mamba-2's SSD)", shown="the preset's")
     mimo_rank: int | None = option(None, "Mamba-3's MIMO rank: 1 (SISO), 2, 4 or 8", shown="the preset's")
+    mtp_depth: int | None = option(None, "multi-token prediction modules after the stack (0: none)", shown="the preset's")
+    mtp_loss_weight: float | None = option(None, "the MTP losses' weight in the training loss", shown="the preset's")
     # data
     corpus: str | None = option(None, "directory of C++ files", shown="the installed torch's headers")
     max_files: int | None = option(None, "read at most this many files of the corpus", shown="all")
@@ -176,7 +178,7 @@ class TrainConfig:
         from megacpp_lab.model.config import model_config
 
         overrides: dict[str, Any] = {"vocab_size": vocab_size}
-        for name in ("pattern", "d_model", "n_layers", "m_block"):
+        for name in ("pattern", "d_model", "n_layers", "m_block", "mtp_depth", "mtp_loss_weight"):
             if getattr(self, name) is not None:
                 overrides[name] = getattr(self, name)
         if self.mimo_rank is not None:
