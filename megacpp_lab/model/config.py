@@ -26,6 +26,7 @@ from typing import Any
 from megacpp_lab.checks import check_ints, config_error, is_int
 from megacpp_lab.nn.concept_bank import ConceptBankConfig
 from megacpp_lab.nn.config_builder import build_config
+from megacpp_lab.nn.dsa import DSAConfig
 from megacpp_lab.nn.engram import EngramConfig
 from megacpp_lab.nn.hyper_connections import HyperConnectionConfig
 from megacpp_lab.nn.lm_head import LMHeadConfig
@@ -125,6 +126,7 @@ _SUBCONFIGS: dict[str, tuple[type, Any]] = {
     "mamba3": (Mamba3Config, _mamba3_defaults),
     "m2rnn": (M2RNNConfig, lambda d: dict(n_heads=max(1, d // 64))),  # per-head state 64 x 16 (K x V)
     "moe": (MoEConfig, _moe_defaults),
+    "dsa": (DSAConfig, lambda d: dict(head_dim=min(64, d))),
     "engram": (EngramConfig, lambda d: dict(bottleneck=max(1, d // 4))),
     "ngram": (NgramHashConfig, lambda d: {}),
     "concept": (ConceptBankConfig, lambda d: dict(n_heads=max(1, d // 128), head_dim=min(64, d))),
@@ -146,7 +148,10 @@ class HybridConfig:
     without engram_layers means all layers, with a warning; an explicitly empty list fails: mHC over no layer
     was a silent no-op). mtp_depth / mtp_loss_weight: multi-token prediction (MTPModule in model/hybrid.py).
 
-    The per-layer configs (mla, ssd, mamba3, m2rnn, moe, engram, ngram, concept, hyper, lm_head) are built through each
+    dsa_layers: A layers whose attention is DeepSeek Sparse Attention (nn/dsa.py; its `dsa` config); an MTP
+    module's block is never sparse.
+
+    The per-layer configs (mla, ssd, mamba3, m2rnn, moe, dsa, engram, ngram, concept, hyper, lm_head) are built through each
     layer's own build(): leave one None for the defaults derived from d_model (and vocab_size / pad_id),
     give a dict of overrides, or a finished config (its d_model must match). All are built even when no
     layer uses them, so a bad field fails here, not at the first forward.
@@ -161,6 +166,7 @@ class HybridConfig:
     mhc: bool = False
     ngram_layers: tuple[int, ...] = ()
     cblock_layers: tuple[int, ...] = ()
+    dsa_layers: tuple[int, ...] = ()  # A layers that run DeepSeek Sparse Attention (nn/dsa.py, its `dsa` config)
     mlp_ratio: float = 8 / 3  # SwiGLU hidden = mlp_ratio * d_model, rounded up to a multiple of 64
     norm_eps: float = 1e-6
     pad_id: int = 2  # the tokenizer's pad id (the BPE's); the n-gram memory hashes tokens before a doc start as it
@@ -174,6 +180,7 @@ class HybridConfig:
     mamba3: Mamba3Config | Mapping[str, Any] | None = None
     m2rnn: M2RNNConfig | Mapping[str, Any] | None = None
     moe: MoEConfig | Mapping[str, Any] | None = None
+    dsa: DSAConfig | Mapping[str, Any] | None = None
     engram: EngramConfig | Mapping[str, Any] | None = None
     ngram: NgramHashConfig | Mapping[str, Any] | None = None
     concept: ConceptBankConfig | Mapping[str, Any] | None = None
@@ -192,8 +199,11 @@ class HybridConfig:
         if self.m_block not in M_BLOCKS:
             raise _fail("m_block", f"one of {M_BLOCKS}", self.m_block)
         object.__setattr__(self, "engram_layers", _engram_layers(self.engram_layers, self.mhc, self.n_layers, _fail))
-        for name in ("ngram_layers", "cblock_layers"):
+        for name in ("ngram_layers", "cblock_layers", "dsa_layers"):
             object.__setattr__(self, name, _layer_list(name, getattr(self, name), self.n_layers, _fail))
+        not_a = [i for i in self.dsa_layers if self.blocks[i] != "A"]
+        if not_a:
+            raise _fail("dsa_layers", "indices of A layers (DSA is a kind of attention)", not_a)
         ratio = self.mlp_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 64:
             raise _fail("mlp_ratio", "a number in (0, 64]", ratio)

@@ -2,7 +2,8 @@
 
     tokens [B,T] -> embedding -> n_layers blocks -> RMSNorm -> LMHead (fused linear cross-entropy)
 
-Block i has the kind HybridConfig.blocks[i] (the pattern tiled across the layers): A = MLA, M = Mamba-3
+Block i has the kind HybridConfig.blocks[i] (the pattern tiled across the layers): A = MLA (DeepSeek Sparse
+Attention at HybridConfig.dsa_layers, nn/dsa.py), M = Mamba-3
 (SISO or MIMO; Mamba-2's SSD with m_block="mamba2"), R = M2RNN, each followed by a SwiGLU MLP; E = the M
 block's mixer followed by a mixture of experts (nn/moe.py) in place of the MLP. The seeds' hybrid is
 Nemotron-style (Megatron hybrid layers), where the MoE layers follow the Mamba mixers and attention stays
@@ -80,9 +81,9 @@ REMAT_BUDGET_ATTR = "_megacpp_ac_budget"  # the activation_memory_budget apply_a
 Branch = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _mixer(config: HybridConfig, kind: str) -> nn.Module:
-    if kind == "A":
-        return MultiLatentAttention(config.mla)
+def _mixer(config: HybridConfig, kind: str, layer: int) -> nn.Module:
+    if kind == "A":  # DSA at the layers that name it (an MTP module's block is past the stack: always dense)
+        return MultiLatentAttention(config.mla, dsa=config.dsa if layer in config.dsa_layers else None)
     if kind in ("M", "E"):
         return Mamba3(config.mamba3) if config.m_block == "mamba3" else SSD(config.ssd)
     return M2RNN(config.m2rnn)
@@ -111,7 +112,7 @@ class Block(nn.Module):
         self.engram = EngramBranch(c.engram) if layer in c.engram_layers else None
         self.ngram = NgramHashMemory(c.ngram, layer) if layer in c.ngram_layers else None
         self.mixer_norm = nn.RMSNorm(d, eps=c.norm_eps)
-        self.mixer = _mixer(c, self.kind)
+        self.mixer = _mixer(c, self.kind, layer)
         self.mlp_norm = nn.RMSNorm(d, eps=c.norm_eps)
         self.mlp = MoE(c.moe) if self.kind == "E" else SwiGLU(d, c.mlp_hidden)
         self.cblock = ConceptBank(c.concept) if layer in c.cblock_layers else None

@@ -123,15 +123,18 @@ def _model_state_bytes(config: HybridConfig, device: str) -> tuple[int, int, int
 def _structure(config: HybridConfig, layer: int) -> tuple[str, ...]:
     """A block's structure: its kind and the branches it carries (blocks of one structure save alike)."""
     c = config
-    feats = [f for f, on in (("engram", layer in c.engram_layers), ("ngram", layer in c.ngram_layers),
+    feats = [f for f, on in (("dsa", layer in c.dsa_layers), ("engram", layer in c.engram_layers), ("ngram", layer in c.ngram_layers),
                              ("mhc", c.mhc and layer in c.engram_layers), ("cblock", layer in c.cblock_layers)) if on]  # fmt: skip
     return (c.blocks[layer], *feats)
 
 
 def _without(block: Block, feature: str) -> Block:
-    """The same block without one branch (the fixed mean-read connection in place of mHC)."""
+    """The same block without one branch (the fixed mean-read connection in place of mHC; dense attention in
+    place of DSA)."""
     if feature == "mhc":
         block.hc = None
+    elif feature == "dsa":
+        block.mixer.indexer = None
     else:
         setattr(block, feature, None)
     return block

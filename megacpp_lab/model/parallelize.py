@@ -179,13 +179,14 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, device: str | None 
 def structure_keys(lm: nn.Module) -> list[tuple[str, ...]]:
     """Each block's structure, in block order (see block_structures)."""
     streams = ("streams",) if lm.config.mhc else ()  # the stack's blocks only: an MTP block reads one stream
-    return [(block.kind, *(n for n in ("engram", "ngram", "cblock") if getattr(block, n) is not None),
+    return [(block.kind, *(("dsa",) if getattr(block.mixer, "indexer", None) is not None else ()),
+             *(n for n in ("engram", "ngram", "cblock") if getattr(block, n) is not None),
              *(("mhc",) if block.hc is not None else ()), *(streams if i < len(lm.blocks) else ()))
             for i, block in enumerate(lm.all_blocks())]  # fmt: skip
 
 
 def block_structures(model: nn.Module) -> Counter[tuple[str, ...]]:
-    """How many blocks share each structure: (letter, its optional branches..., 'mhc' when the block has
+    """How many blocks share each structure: (letter, 'dsa' for a sparse A, its optional branches..., 'mhc' when the block has
     hyper-connections, 'streams' when the residual is mHC's [B,T,n,d]). One compiled graph per structure."""
     return Counter(structure_keys(_hybrid(model)))
 

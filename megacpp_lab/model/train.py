@@ -38,6 +38,7 @@ from megacpp_lab.model.optim import MasterWeightAdamW, lr_at
 from megacpp_lab.model.parallelize import block_structures, describe_compile, parallelize
 from megacpp_lab.model.precompile import precompile
 from megacpp_lab.model.train_config import TrainConfig, resolve_device
+from megacpp_lab.nn.dsa import set_dsa_phase
 from megacpp_lab.nn.moe import update_balance
 from megacpp_lab.varlen import PackedContext, copy_to_device
 
@@ -239,7 +240,12 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
         loss_sum += saved["pending_loss"][0]
     if saved is not None:
         s_log = int(saved["pending_loss"][1])
+    dsa_warmup = hcfg.dsa.warmup_steps if hcfg.dsa_layers else 0
     for step in bar:
+        if hcfg.dsa_layers and step in (start, dsa_warmup):  # DSA: the indexer's dense warm-up, then sparse
+            phase = "warmup" if step < dsa_warmup else "sparse"
+            set_dsa_phase(model, phase)
+            say(f"step {step + 1}: DSA layers {list(hcfg.dsa_layers)} in their {phase} phase")
         if step == trace_from:
             prof = _trace(out / "trace", config.trace_steps, device)
             say(f"step {step + 1}: tracing steps {step + 2}-{config.steps} on rank 0 into {out / 'trace'}")

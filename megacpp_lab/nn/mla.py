@@ -42,15 +42,18 @@ from torch.utils.checkpoint import checkpoint
 from megacpp_lab.checks import check_ints, config_error
 from megacpp_lab.kernels import TRITON_INTERPRET
 from megacpp_lab.kernels.down_norm_up import FusedDownNormUp
+from megacpp_lab.kernels.dsa_indexer import allowed_keys
 from megacpp_lab.kernels.rope import (
     mla_rope_kv,
     mla_rope_kv_reference,
     mla_rope_q_,
     mla_rope_q_reference,
 )
-from megacpp_lab.varlen import FLEX_BLOCK, PackedContext, context_positions, doc_causal_block_mask
 from megacpp_lab.nn.config_builder import build_config
+from megacpp_lab.nn.dsa import DSAConfig, DSAIndexer, dsa_attention, indexer_kl, selection_mask
+from megacpp_lab.nn.primitives import attach_loss
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
+from megacpp_lab.varlen import FLEX_BLOCK, PackedContext, context_positions, doc_causal_block_mask
 
 __all__ = [
     "ATTN_IMPLS",
@@ -267,10 +270,12 @@ class MultiLatentAttention(nn.Module):
     # the RoPE tables: the Triton kernels take fp32 cos/sin only, and bf16 tables would round the angles
     _fp32_params = ("rope_cos", "rope_sin")
 
-    def __init__(self, config: MLAConfig) -> None:
+    def __init__(self, config: MLAConfig, dsa: DSAConfig | None = None) -> None:
         super().__init__()
         self.config = c = config
         H = c.n_heads
+        # DSA (nn/dsa.py): the lightning indexer that picks each query's keys; None: dense attention
+        self.indexer = DSAIndexer(dsa, c.q_lora_rank) if dsa is not None else None
         if c.fused_down_proj:
             self.w_dqkv = nn.Linear(c.d_model, c.q_lora_rank + c.kv_lora_rank + c.d_rope, bias=False)
         else:
@@ -398,12 +403,32 @@ class MultiLatentAttention(nn.Module):
                                     x, c_lat, k_pe, use_reentrant=False)  # fmt: skip
         else:
             key, value = self.kv_up_rope(x, c_lat, k_pe, None, ctx=ctx)
-        out = self._attend(q, key, value, ctx)
+        out = self._attend(q, key, value, ctx) if self.indexer is None else self._attend_sparse(x, q_lat, q, key, value, ctx)
         return self.w_o(out.reshape(B, T, c.n_heads * c.d_v))
+
+    def _attend_sparse(self, x: torch.Tensor, q_lat: torch.Tensor, q: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, ctx: PackedContext | None) -> torch.Tensor:  # fmt: skip
+        """DSA (nn/dsa.py): the indexer's scores, the keys its phase attends ("warmup": every allowed key;
+        "sparse": each query's top_k), and the indexer's KL loss attached to the output while training."""
+        c, dsa = self.config, self.indexer.config
+        scores = self.indexer(x, q_lat)  # [B,T,T] fp32
+        B, T = scores.shape[:2]
+        doc_ids = ctx.doc_ids if ctx is not None else torch.zeros(B, T, dtype=torch.int64, device=x.device)
+        if self.indexer.phase == "sparse":
+            mask = selection_mask(scores, dsa.top_k, doc_ids)
+        else:
+            mask = allowed_keys(scores, causal=True, doc_ids=doc_ids).expand(B, T, T)
+        out, probs = dsa_attention(q, key, value, mask, 1.0 / math.sqrt(c.d_nope + c.d_rope))
+        if self.training and torch.is_grad_enabled() and dsa.loss_weight > 0:
+            out = attach_loss(out, dsa.loss_weight * indexer_kl(probs, scores, mask))
+        return out
 
     # -- decode
 
     def decode(self, x: torch.Tensor, cache: MLAKVCache, layer: int, *, absorbed: bool = False) -> torch.Tensor:
+        if self.indexer is not None:
+            raise NotImplementedError("decode through a DSA layer is not built (it needs a cache of the indexer's keys); "
+                                      "a dense decode would attend to keys the trained layer never saw")  # fmt: skip
         """T_new tokens [B,T_new,d_model] that follow the cache's current length (one document per row).
         Writes this layer's latent and rope row; the caller advances the cache after all layers."""
         c = self.config

@@ -49,7 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from megacpp_lab.checks import check_ints, config_error
 from megacpp_lab.nn.config_builder import build_config
-from megacpp_lab.nn.primitives import SwiGLU
+from megacpp_lab.nn.primitives import SwiGLU, attach_loss
 
 __all__ = ["EXPERT_IMPLS", "RECOMPUTE_FIELDS", "SCORES", "MoE", "MoEConfig", "Routing", "attach_loss", "capacity_experts",
            "grouped_experts", "loop_experts", "moe_activation_fields", "route", "update_balance"]
@@ -234,30 +234,6 @@ def _keep_down_outputs(down: tuple[int, ...]) -> tuple[Any, Any]:
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
-
-
-class _AttachLoss(torch.autograd.Function):
-    """y unchanged forward; backward: y's gradient, and 1 for the loss (as if it were added to the model's)."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        ctx.loss_shape = loss.shape
-        ctx.loss_dtype = loss.dtype
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
-
-
-def attach_loss(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """y, carrying `loss` (a scalar) into the backward: whatever loss the model's output reaches gets loss's
-    gradient added, with weight 1 (the router losses are weighted before). Under gradient accumulation over n
-    micro-batches whose loss is divided by n, an attached loss counts n times as much as in one batch. Every
-    backward through y adds it, whatever y's gradient: a Jacobian of y (influence_matrix(method="jacobian"))
-    shows it as a floor of influence between all tokens, so measure an E block's influence by perturbation
-    (the leak harness's default), or with z_loss_weight=0."""
-    return _AttachLoss.apply(y, loss)
 
 
 class MoE(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 
 from megacpp_lab.varlen import PackedContext, context_positions, doc_causal_shift, same_doc_as_lag
 
-__all__ = ["CONV_IMPLS", "DocCausalDepthwiseConv", "ParameterFreeRMSNorm", "SwiGLU", "check_decay_init",
+__all__ = ["CONV_IMPLS", "DocCausalDepthwiseConv", "ParameterFreeRMSNorm", "SwiGLU", "attach_loss", "check_decay_init",
            "context_gate", "conv_stepper", "init_decay_params"]
 
 CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
@@ -151,3 +151,27 @@ def init_decay_params(n_heads: int, config: Any) -> tuple[nn.Parameter, nn.Param
     dt = torch.exp(torch.rand(n_heads) * (math.log(config.dt_max) - math.log(config.dt_min)) + math.log(config.dt_min))
     dt = dt.clamp(min=config.dt_init_floor)
     return A_log, nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+
+class _AttachLoss(torch.autograd.Function):
+    """y unchanged forward; backward: y's gradient, and 1 for the loss (as if it were added to the model's)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape
+        ctx.loss_dtype = loss.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+def attach_loss(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """y, carrying `loss` (a scalar) into the backward: whatever loss the model's output reaches gets loss's
+    gradient added, with weight 1 (weight it before: the MoE's router losses, DSA's indexer loss). Under gradient accumulation over n
+    micro-batches whose loss is divided by n, an attached loss counts n times as much as in one batch. Every
+    backward through y adds it, whatever y's gradient: a Jacobian of y (influence_matrix(method="jacobian"))
+    shows it as a floor of influence between all tokens, so measure an E block's influence by perturbation
+    (the leak harness's default), or with z_loss_weight=0."""
+    return _AttachLoss.apply(y, loss)

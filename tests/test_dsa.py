@@ -1,0 +1,192 @@
+"""DeepSeek Sparse Attention (nn/dsa.py) in the A layers: the selection against a brute-force top-k inside each
+query's document, the layer equal to dense MLA when top_k covers every allowed key (and in its warm-up), the
+indexer's KL loss and its gradient (the indexer's alone), the warm-up aligning the indexer to the attention, the
+leak harness on a model with a DSA layer (and a planted cross-document selection that must fail it), compile,
+and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacpp_lab.model.config import hybrid_preset
+from megacpp_lab.model.hybrid import HybridLM
+from megacpp_lab.nn import dsa as dsa_mod
+from megacpp_lab.nn.dsa import DSAConfig, dsa_attention, indexer_kl, selection_mask, set_dsa_phase
+from megacpp_lab.nn.mla import MLAConfig, MultiLatentAttention
+from megacpp_lab.testing import model_leak_report, wake_zero_initialised
+from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens
+
+V = 512
+CPU = dict(m2rnn=dict(kernel="reference"), lm_head=dict(loss_impl="eager"))
+MLA = dict(d_model=64, n_heads=2, q_lora_rank=32, kv_lora_rank=32, d_nope=16, d_rope=16, d_v=16, max_positions=256,
+           rope_impl="reference")  # fmt: skip
+
+
+def _doc_ids(B=2, T=24):
+    cu = torch.tensor([0, 5, 6, 20, 24, 33, 48], dtype=torch.int32)  # a one-token document, one across rows
+    return doc_ids_from_cu_seqlens(cu, B, T)
+
+
+def _layers(top_k: int, seed: int = 0):
+    """A DSA layer and a dense MLA layer with the same weights."""
+    torch.manual_seed(seed)
+    cfg = MLAConfig.build(**MLA)
+    sparse = MultiLatentAttention(cfg, dsa=DSAConfig.build(d_model=64, n_heads=2, head_dim=16, top_k=top_k))
+    dense = MultiLatentAttention(cfg)
+    dense.load_state_dict({k: v for k, v in sparse.state_dict().items() if not k.startswith("indexer.")})
+    return sparse, dense
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 7, 100])
+def test_the_selection_is_each_querys_top_k_inside_its_document_and_past(top_k):
+    doc_ids = _doc_ids()
+    scores = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(top_k))
+    mask = selection_mask(scores, top_k, doc_ids)
+    for b in range(2):
+        for t in range(24):
+            allowed = [s for s in range(t + 1) if doc_ids[b, s] == doc_ids[b, t]]
+            best = sorted(allowed, key=lambda s: -float(scores[b, t, s]))[:top_k]
+            assert set(torch.nonzero(mask[b, t]).flatten().tolist()) == set(best)
+
+
+def test_with_top_k_covering_every_key_the_layer_is_dense_mla_and_so_is_its_warmup():
+    doc_ids = _doc_ids()
+    ctx = build_context(doc_ids)
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(1))
+    sparse, dense = _layers(top_k=24)
+    sparse.eval(), dense.eval()
+    ref = dense(x, ctx=ctx)
+    torch.testing.assert_close(sparse(x, ctx=ctx), ref, rtol=1e-5, atol=1e-5)
+    few, _ = _layers(top_k=2)
+    few.eval()
+    set_dsa_phase(few, "warmup")  # the warm-up attends every allowed key, whatever top_k
+    torch.testing.assert_close(few(x, ctx=ctx), ref, rtol=1e-5, atol=1e-5)
+    set_dsa_phase(few, "sparse")
+    assert (few(x, ctx=ctx) - ref).abs().max() > 1e-3  # two keys of up to 14: another output
+
+
+def test_dsa_attention_attends_the_masked_keys_only():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 6, 2, 8, generator=g) for _ in range(3))
+    mask = torch.zeros(1, 6, 6, dtype=torch.bool)
+    mask[0, torch.arange(6), torch.arange(6)] = True  # each query its own key only
+    mask[0, 5, 2] = True
+    out, probs = dsa_attention(q, k, v, mask, scale=0.5)
+    torch.testing.assert_close(out[0, :5], v[0, :5])  # one key: its value
+    assert torch.equal(probs[0, :, 5] > 0, mask[0, 5].expand(2, 6))
+
+
+def test_the_indexer_kl_is_zero_on_the_attention_itself_and_reaches_the_indexer_alone():
+    g = torch.Generator().manual_seed(3)
+    mask = torch.ones(2, 5, 5, dtype=torch.bool).tril()
+    logits = torch.randn(2, 5, 5, generator=g)
+    p = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
+    probs = torch.stack((p, p), 1) / 2  # two heads, alike
+    assert indexer_kl(probs, logits, mask).abs() < 1e-6
+    assert indexer_kl(probs, torch.randn(2, 5, 5, generator=g), mask) > 1e-3
+    # the layer: the KL's gradient reaches the indexer's parameters and no other
+    doc_ids = _doc_ids()
+    ctx = build_context(doc_ids)
+    x = torch.randn(2, 24, 64, generator=g, requires_grad=True)
+    grads = {}
+    for weight in (0.0, 1.0):
+        layer, _ = _layers(top_k=4)
+        layer.indexer.config = DSAConfig.build(d_model=64, n_heads=2, head_dim=16, top_k=4, loss_weight=weight)
+        layer.train()
+        layer(x, ctx=ctx).sum().backward()
+        grads[weight] = {n: p.grad.clone() if p.grad is not None else None for n, p in layer.named_parameters()}
+    for name, g0 in grads[0.0].items():
+        if name.startswith("indexer."):
+            assert g0 is None or g0.abs().sum() == 0  # detached inputs: no gradient but its own loss
+            assert grads[1.0][name] is not None and grads[1.0][name].abs().sum() > 0
+        else:
+            torch.testing.assert_close(grads[1.0][name], g0)  # the language model never feels the KL
+
+
+def test_the_warmup_aligns_the_indexer_with_the_attention():
+    doc_ids = _doc_ids()
+    ctx = build_context(doc_ids)
+    layer, _ = _layers(top_k=4, seed=4)
+    set_dsa_phase(layer, "warmup")
+    opt = torch.optim.Adam(layer.indexer.parameters(), lr=3e-2)
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(5))
+
+    def kl() -> torch.Tensor:
+        scores = layer.indexer(x, layer.down_proj(x)[0])
+        mask = dsa_mod.allowed_keys(scores, causal=True, doc_ids=doc_ids).expand_as(scores)
+        q = layer.q_up_rope(layer.down_proj(x)[0], None, ctx=ctx)
+        key, value = layer.kv_up_rope(x, *layer.down_proj(x)[1:], None, ctx=ctx)
+        _, probs = dsa_attention(q, key, value, mask, 1 / 32**0.5)
+        return indexer_kl(probs, scores, mask)
+
+    before = float(kl().detach())
+    for _ in range(40):
+        opt.zero_grad()
+        kl().backward()
+        opt.step()
+    after = float(kl().detach())
+    assert after < 0.5 * before, (before, after)
+
+
+@pytest.fixture(scope="module")
+def window():
+    from megacpp_lab.data import boundary_windows, load_sample
+
+    w = boundary_windows(load_sample(tokenizer="bpe")[0].batch, 2, 24, lead=9)
+    return w.tokens.long() % V, w.doc_ids
+
+
+def _dsa_model(**overrides):
+    torch.manual_seed(0)
+    cfg = hybrid_preset("tiny", **{**CPU, "pattern": "AM", "n_layers": 2, "engram_layers": (), "dsa_layers": (0,),
+                                   "dsa": dict(top_k=3), **overrides})  # fmt: skip
+    return HybridLM(cfg).eval()
+
+
+def test_a_model_with_a_dsa_layer_keeps_documents_apart_and_is_causal(window):
+    tokens, doc_ids = window
+    model = wake_zero_initialised(_dsa_model())
+    report = model_leak_report(model, tokens, doc_ids, vocab_size=V, causal_positions=range(0, 24, 3))
+    assert report.passed, str(report)
+
+
+def test_a_selection_that_ignores_the_documents_fails_the_whole_model_check(window, monkeypatch):
+    """The planted leak: the top-k picked over the whole row (the document mask dropped)."""
+    tokens, doc_ids = window
+    model = wake_zero_initialised(_dsa_model(dsa=dict(top_k=24)))
+    row = torch.zeros_like(doc_ids)
+    monkeypatch.setattr("megacpp_lab.nn.mla.selection_mask", lambda s, k, d: selection_mask(s, k, row))
+    report = model_leak_report(model, tokens, doc_ids, vocab_size=V, causal=False)
+    assert report.leaked and report.cross_doc.magnitude > report.tol, str(report)
+
+
+def test_a_compiled_dsa_model_equals_eager_without_a_graph_break():
+    from torch._dynamo.utils import counters
+
+    from megacpp_lab.model.parallelize import ParallelConfig, parallelize, structure_keys
+
+    doc_ids = _doc_ids()
+    ctx = build_context(doc_ids)
+    tokens = torch.randint(3, V, (2, 24), generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _dsa_model(pattern="A")
+    compiled = parallelize(_dsa_model(pattern="A"), ParallelConfig(compile=True, backend="aot_eager", compile_workers=0,
+                                                                   saved_graphs=False), device="cpu")  # fmt: skip
+    assert structure_keys(compiled) == [("A", "dsa"), ("A",)]
+    torch.testing.assert_close(compiled(tokens, ctx, return_logits=True).logits, eager(tokens, ctx, return_logits=True).logits)
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_refusals_name_the_field():
+    with pytest.raises(ValueError, match=r"HybridConfig\.dsa_layers.*A layers"):
+        hybrid_preset("tiny", **CPU, dsa_layers=(1,))  # tiny's layer 1 is an M block
+    for field, value in (("top_k", 0), ("warmup_steps", -1), ("loss_weight", float("inf")), ("score_impl", "cuda")):
+        with pytest.raises(ValueError, match=rf"DSAConfig\.{field}"):
+            DSAConfig.build(d_model=64, **{field: value})
+    layer, _ = _layers(top_k=4)
+    with pytest.raises(NotImplementedError, match="DSA layer"):
+        layer.decode(torch.zeros(1, 1, 64), cache=None, layer=0)
+    with pytest.raises(ValueError, match="phase"):
+        set_dsa_phase(layer, "dense")
