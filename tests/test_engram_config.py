@@ -224,6 +224,7 @@ def test_ngram_hash_config_build():
 # every config class of nn/ and model/; the census below fails when one is added and not listed here
 CONFIGS = (
     "megacpp_lab.nn.concept_bank.ConceptBankConfig",
+    "megacpp_lab.nn.dsa.DSAConfig",
     "megacpp_lab.nn.engram.EngramConfig",
     "megacpp_lab.nn.hyper_connections.HyperConnectionConfig",
     "megacpp_lab.nn.lm_head.LMHeadConfig",
