@@ -190,3 +190,14 @@ def test_refusals_name_the_field():
         layer.decode(torch.zeros(1, 1, 64), cache=None, layer=0)
     with pytest.raises(ValueError, match="phase"):
         set_dsa_phase(layer, "dense")
+
+
+def test_flops_count_a_dsa_layer_at_its_top_k_keys_plus_its_indexer():
+    dense = HybridLM(hybrid_preset("tiny", **CPU, pattern="AM", n_layers=2, engram_layers=()))
+    sparse = _dsa_model(dsa=dict(top_k=8, n_heads=2, head_dim=16))
+    T = 1024
+    mla = sparse.config.mla
+    per_key = 3 * 2 * mla.n_heads * (mla.d_nope + mla.d_rope + mla.d_v)
+    indexer_params = sum(p.numel() for p in sparse.blocks[0].mixer.indexer.parameters())
+    expected = dense.flops_per_token(T)["A"] - per_key * (T // 2 - 8) + 3 * 2 * 2 * 16 * T // 2 + 6 * indexer_params
+    assert sparse.flops_per_token(T)["A"] == expected

@@ -43,7 +43,9 @@ FLOPs per token (flops_per_token, forward + backward = 3 x forward):
             norm weights and biases are counted too (a small overcount); an E block's experts count
             top_k / n_experts of their parameters (the active ones)
     A:      + 3 * 2 * H * (d_nope + d_rope + d_v) * T / 2   (QK^T and AV over the causal T/2 average;
-            document masking only lowers it, so this is an upper bound)
+            document masking only lowers it, so this is an upper bound); a DSA layer attends min(top_k, T/2)
+            keys and adds its indexer's 3 * 2 * H_I * d_I * T / 2 (the sparse method's FLOPs: the reference
+            attention computes more)
     M, E:   + 3 * 4 * H * P * N * R                           (state update B x^T and readout C h; R: Mamba-3's
                                                               MIMO rank, 1 for SISO and Mamba-2)
     R:      + 3 * H * (2 K V^2 + 4 K V)                       (h W, k (x) v, gate mix, q h)
@@ -337,7 +339,12 @@ class HybridLM(nn.Module):
         for i, kind in enumerate(c.blocks + "A" * c.mtp_depth):  # each MTP module's block is an A block
             if kind == "A":
                 a = c.mla
-                extra = 3 * 2 * a.n_heads * (a.d_nope + a.d_rope + a.d_v) * seq_len // 2
+                keys = seq_len // 2
+                extra = 0
+                if i in c.dsa_layers:  # DSA: each query attends at most top_k keys, after the indexer scores them all
+                    extra = 3 * 2 * c.dsa.n_heads * c.dsa.head_dim * seq_len // 2
+                    keys = min(keys, c.dsa.top_k)
+                extra += 3 * 2 * a.n_heads * (a.d_nope + a.d_rope + a.d_v) * keys
             elif kind in ("M", "E"):
                 s = c.mamba3 if c.m_block == "mamba3" else c.ssd
                 rank = c.mamba3.mimo_rank if c.m_block == "mamba3" else 1
