@@ -182,9 +182,11 @@ def test_a_compiled_dsa_model_equals_eager_without_a_graph_break():
 def test_refusals_name_the_field():
     with pytest.raises(ValueError, match=r"HybridConfig\.dsa_layers.*A layers"):
         hybrid_preset("tiny", **CPU, dsa_layers=(1,))  # tiny's layer 1 is an M block
-    for field, value in (("top_k", 0), ("warmup_steps", -1), ("loss_weight", float("inf")), ("score_impl", "cuda")):
+    for field, value in (("top_k", 0), ("warmup_steps", -1), ("loss_weight", float("inf")), ("score_impl", "cuda"),
+                         ("head_dim", 48)):  # fmt: skip
         with pytest.raises(ValueError, match=rf"DSAConfig\.{field}"):
             DSAConfig.build(d_model=64, **{field: value})
+    assert DSAConfig.build(d_model=64, head_dim=48, score_impl="reference").head_dim == 48  # the reference takes any
     layer, _ = _layers(top_k=4)
     with pytest.raises(NotImplementedError, match="DSA layer"):
         layer.decode(torch.zeros(1, 1, 64), cache=None, layer=0)
@@ -201,3 +203,31 @@ def test_flops_count_a_dsa_layer_at_its_top_k_keys_plus_its_indexer():
     indexer_params = sum(p.numel() for p in sparse.blocks[0].mixer.indexer.parameters())
     expected = dense.flops_per_token(T)["A"] - per_key * (T // 2 - 8) + 3 * 2 * 2 * 16 * T // 2 + 6 * indexer_params
     assert sparse.flops_per_token(T)["A"] == expected
+
+
+def test_a_compiled_dsa_model_trains_through_its_phase_switch_within_the_graphs_it_counts():
+    """The warm-up's graph, then the sparse phase's, with and without gradients: graphs_needed counts them, and
+    apply_compile raises dynamo's recompile limit to that count, so a switch past it would fail under fullgraph."""
+    from megacpp_lab.model.parallelize import ParallelConfig, graphs_needed, parallelize
+
+    doc_ids = _doc_ids()
+    ctx = build_context(doc_ids)
+    tokens = torch.randint(3, V, (2, 24), generator=torch.Generator().manual_seed(7))
+    targets = torch.randint(3, V, (2, 24), generator=torch.Generator().manual_seed(8))
+    torch._dynamo.reset()
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 1  # apply_compile raises it to graphs_needed, exactly
+    try:
+        model = parallelize(_dsa_model(pattern="A").train(), ParallelConfig(compile=True, backend="aot_eager",
+                            compile_workers=0, saved_graphs=False), device="cpu")  # fmt: skip
+        assert torch._dynamo.config.recompile_limit == graphs_needed(model) == 2 * (2 + 1)
+        for phase in ("warmup", "sparse"):
+            set_dsa_phase(model, phase)
+            model(tokens, ctx, targets).loss.backward()
+            with torch.no_grad():
+                model.eval()
+                model(tokens, ctx, targets)
+                model.train()
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.reset()

@@ -126,7 +126,7 @@ _SUBCONFIGS: dict[str, tuple[type, Any]] = {
     "mamba3": (Mamba3Config, _mamba3_defaults),
     "m2rnn": (M2RNNConfig, lambda d: dict(n_heads=max(1, d // 64))),  # per-head state 64 x 16 (K x V)
     "moe": (MoEConfig, _moe_defaults),
-    "dsa": (DSAConfig, lambda d: dict(head_dim=min(64, d))),
+    "dsa": (DSAConfig, lambda d: dict(head_dim=64 if d >= 64 else 16)),  # a power of two: the Triton scores
     "engram": (EngramConfig, lambda d: dict(bottleneck=max(1, d // 4))),
     "ngram": (NgramHashConfig, lambda d: {}),
     "concept": (ConceptBankConfig, lambda d: dict(n_heads=max(1, d // 128), head_dim=min(64, d))),

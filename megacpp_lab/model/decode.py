@@ -244,7 +244,9 @@ def mtp_acceptance(model: nn.Module, tokens: torch.Tensor, ctx: PackedContext) -
                        first rejection), so the expected tokens a step gains is the sum of the products;
       correct[k-1]     the fraction of depth k's drafts equal to the text's t_{i+k+1}, unconditioned;
       positions[k-1]   how many positions each rate is over (accepted: those the chain reached).
-    The model needs mtp_depth > 0; tokens [B,T] and ctx as for the forward."""
+    Teacher-forced, the drafts read the text's tokens where a drafting decode loop reads its own greedy ones: a
+    proxy for the rate such a loop sees (none is built yet). The model needs mtp_depth > 0; tokens [B,T] and ctx
+    as for the forward."""
     lm = _hybrid(model)
     if not lm.mtp:
         raise ValueError("mtp_acceptance needs a model with MTP modules (HybridConfig.mtp_depth > 0)")

@@ -288,7 +288,7 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
     moe_layers = 0
     host = 0
     per_block = []
-    last = config.n_layers - 1
+    last = config.n_layers - 1 if not config.mtp_depth else -1  # the model's last block: never checkpointed or offloaded
     for layer in range(config.n_layers):
         entry = _entry(policy, config, layer, compiled)
         offload = policy.offload and layer != last
@@ -319,21 +319,25 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
             entry = policy.entries()["mtp"]
             if k == config.mtp_depth:  # the last block of the model: never checkpointed
                 entry = "none"
+            offload = policy.offload and entry == "none" and k < config.mtp_depth  # as apply_ac offloads
             entry = {"none": 1.0, "full": 0.0}.get(entry, entry) if compiled else entry  # type: ignore[arg-type]
-            key = (config, batch, seq_len, docs, device, compiled, backend, ("A", "mtp"), entry, False)
+            key = (config, batch, seq_len, docs, device, compiled, backend, ("A", "mtp"), entry, offload)
             if key not in cache:
                 torch.manual_seed(config.n_layers + k)
                 block = Block(config, config.n_layers + k - 1, kind="A").to(device)
                 if device == "cuda":
                     apply_precision(block, torch.bfloat16)
-                cache[key] = _block_bytes(block, entry, x1, tokens, ctx, shared, compiled=compiled, offload=False,
+                cache[key] = _block_bytes(block, entry, x1, tokens, ctx, shared, compiled=compiled, offload=offload,
                                           backend=backend)  # fmt: skip
                 del block
-            dev = cache[key][0]
-            # around the block (analytic): the two input norms' inputs, the [n, 2d] concatenation the projection
-            # keeps, the final norm's input and the head's normed input, the norms' fp32 rstd, and the fused
-            # loss's dW [V, d] that each head call computes in its forward
-            dev += 6 * n * d * es + 3 * n * 4 + V * d * es
+            dev, off = cache[key]
+            host += off
+            # around the block (analytic): the embedding's ids and its document mask, the embedding norm's input,
+            # the [n, 2d] concatenation the projection keeps, the final norm's input and the head's normed input,
+            # the norms' fp32 rstd, and the fused loss's dW [V, d] that each head call computes in its forward.
+            # The hidden norm's input is the previous depth's final-norm input (the stack's final norm's for k = 1):
+            # counted there
+            dev += 5 * n * d * es + n * (8 + es) + 3 * n * 4 + V * d * es
             by_kind["mtp"] = by_kind.get("mtp", 0) + dev
             per_block.append({"layer": config.n_layers + k - 1, "kind": "A", "structure": f"mtp{k}",
                               "entry": list(entry) if isinstance(entry, tuple) else entry, "bytes": dev,

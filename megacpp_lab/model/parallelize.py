@@ -194,14 +194,16 @@ def block_structures(model: nn.Module) -> Counter[tuple[str, ...]]:
 def graphs_needed(model: nn.Module) -> int:
     """The compiled graphs regional compile makes of this model, all of them entries of one code object's
     cache (Block.forward's): one per block structure, plus one where a block of a structure carries a remat
-    budget of its own (the last block: never recomputed), and all of that twice, with gradients (training)
+    budget of its own (the last block: never recomputed), one more per DSA structure (its indexer's two phases,
+    nn/dsa.py), and all of that twice, with gradients (training)
     and without (validation under no_grad in eval mode: grad mode is part of dynamo's guards). Batches with
     other numbers of documents add none (tests/test_recompiles.py)."""
     from megacpp_lab.model.checkpointing import block_budget
 
     lm = _hybrid(model)
-    keys = [(s, block_budget(b)) for s, b in zip(structure_keys(lm), lm.all_blocks())]
-    return 2 * len(set(keys))
+    keys = set((s, block_budget(b)) for s, b in zip(structure_keys(lm), lm.all_blocks()))
+    # a DSA block guards on its indexer's phase: the warm-up's graph, then the sparse phase's
+    return 2 * (len(keys) + sum(1 for s, _ in keys if "dsa" in s))
 
 
 def apply_compile(model: nn.Module, *, fullgraph: bool = True, saved_graphs: bool = False,

@@ -68,6 +68,9 @@ class DSAConfig:
             raise _fail("loss_weight", "a finite number >= 0", w)
         if self.score_impl not in SCORE_IMPLS:
             raise _fail("score_impl", f"one of {SCORE_IMPLS}", self.score_impl)
+        d = self.head_dim
+        if self.score_impl != "reference" and (d < 16 or d & (d - 1)):  # the Triton scores' tl.dot tiles
+            raise _fail("head_dim", "a power of two >= 16 (the Triton indexer scores; or score_impl='reference')", d)
 
     @classmethod
     def build(cls, source: Any = None, **overrides: Any) -> DSAConfig:

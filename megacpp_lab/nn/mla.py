@@ -426,11 +426,11 @@ class MultiLatentAttention(nn.Module):
     # -- decode
 
     def decode(self, x: torch.Tensor, cache: MLAKVCache, layer: int, *, absorbed: bool = False) -> torch.Tensor:
+        """T_new tokens [B,T_new,d_model] that follow the cache's current length (one document per row).
+        Writes this layer's latent and rope row; the caller advances the cache after all layers."""
         if self.indexer is not None:
             raise NotImplementedError("decode through a DSA layer is not built (it needs a cache of the indexer's keys); "
                                       "a dense decode would attend to keys the trained layer never saw")  # fmt: skip
-        """T_new tokens [B,T_new,d_model] that follow the cache's current length (one document per row).
-        Writes this layer's latent and rope row; the caller advances the cache after all layers."""
         c = self.config
         B, T_new, _ = x.shape
         L = cache.length
