@@ -188,7 +188,7 @@ def test_refusals_name_the_field():
             DSAConfig.build(d_model=64, **{field: value})
     assert DSAConfig.build(d_model=64, head_dim=48, score_impl="reference").head_dim == 48  # the reference takes any
     layer, _ = _layers(top_k=4)
-    with pytest.raises(NotImplementedError, match="DSA layer"):
+    with pytest.raises(RuntimeError, match="DSA layer"):
         layer.decode(torch.zeros(1, 1, 64), cache=None, layer=0)
     with pytest.raises(ValueError, match="phase"):
         set_dsa_phase(layer, "dense")

@@ -429,8 +429,10 @@ class MultiLatentAttention(nn.Module):
         """T_new tokens [B,T_new,d_model] that follow the cache's current length (one document per row).
         Writes this layer's latent and rope row; the caller advances the cache after all layers."""
         if self.indexer is not None:
-            raise NotImplementedError("decode through a DSA layer is not built (it needs a cache of the indexer's keys); "
-                                      "a dense decode would attend to keys the trained layer never saw")  # fmt: skip
+            # refused, not run densely: a dense decode would attend to keys the trained layer never saw
+            raise RuntimeError("MultiLatentAttention.decode: a DSA layer (HybridConfig.dsa_layers) cannot decode step "
+                               "by step: its selection needs every earlier key's indexer key, which the KV cache does "
+                               "not hold; decode a model without dsa_layers, or score whole sequences with forward")  # fmt: skip
         c = self.config
         B, T_new, _ = x.shape
         L = cache.length
