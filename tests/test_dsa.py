@@ -11,7 +11,6 @@ import torch
 
 from megacpp_lab.model.config import hybrid_preset
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.nn import dsa as dsa_mod
 from megacpp_lab.nn.dsa import DSAConfig, dsa_attention, indexer_kl, selection_mask, set_dsa_phase
 from megacpp_lab.nn.mla import MLAConfig, MultiLatentAttention
 from megacpp_lab.testing import model_leak_report, wake_zero_initialised
@@ -114,7 +113,7 @@ def test_the_warmup_aligns_the_indexer_with_the_attention():
 
     def kl() -> torch.Tensor:
         scores = layer.indexer(x, layer.down_proj(x)[0])
-        mask = dsa_mod.allowed_keys(scores, causal=True, doc_ids=doc_ids).expand_as(scores)
+        mask = selection_mask(scores, 24, doc_ids)  # every allowed key
         q = layer.q_up_rope(layer.down_proj(x)[0], None, ctx=ctx)
         key, value = layer.kv_up_rope(x, *layer.down_proj(x)[1:], None, ctx=ctx)
         _, probs = dsa_attention(q, key, value, mask, 1 / 32**0.5)

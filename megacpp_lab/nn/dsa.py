@@ -6,7 +6,7 @@ or before it), and MLA attends over those keys only.
               k_I = LayerNorm(W_k x)            [B,T,d_I]       x: the layer's input (detached)
               w   = W_w x / sqrt(H_I)           [B,T,H_I]
               I[t, s] = sum_h w[t,h] relu(q_I[t,h] . k_I[s])     (kernels/dsa_indexer.py, no [T,H,T] slab)
-    selection each query's top_k keys by I among the keys s <= t of t's document (topk_keys); a query with fewer
+    selection each query's top_k keys by I among the keys s <= t of t's document (ties to the lower index); fewer
               allowed keys keeps all of them (the padding picks are marked and never attended)
     attention MLA's scores and values, masked to the selected keys
 
@@ -19,10 +19,18 @@ Training, in two phases (`DSAIndexer.phase`, set for the whole model by `set_dsa
 The indexer's inputs are detached in both: its only gradient is its own loss, weighted by DSAConfig.loss_weight and
 carried into the backward on the layer's output (attach_loss), as V3.2 trains it apart from the language model.
 
-The attention here is the reference: MLA's scores materialised per batch ([B,H,T,T] fp32) and masked. It is exact
-(tests/test_dsa.py holds it to dense MLA when top_k covers every allowed key) and it is what the leak harness
-checks; a sparse kernel that gathers only the selected keys is not built yet, and at long T this path costs more
-than dense attention, not less. Decode through a DSA layer is refused (no indexer-key cache yet).
+Two paths (DSAConfig.attn_impl; "auto" takes the fast one on CUDA, the reference elsewhere):
+    "flex"       the selection as one (threshold, cut) pair per query (kernels/dsa_sparse.py's Triton radix select,
+                 reading only each query's document), the attention through flex over the documents' causal
+                 blocks (sparse_block_mask, built from the doc ids in the layer, every block masked by the selection),
+                 and the KL recomputing the attention's probabilities from flex's log-sum-exp a tile at a time
+                 (kernels/dsa_sparse.py's sparse_kl): no [B,T,T] mask, no [B,H,T,T] slab. The indexer's scores are
+                 still a [B,T,T] fp32 tensor (kernels/dsa_indexer.py), and so is their gradient.
+    "reference"  the selection by a stable sort (selection_mask), MLA's scores materialised per batch ([B,H,T,T]
+                 fp32) and masked (dsa_attention), the KL on those probabilities (indexer_kl). Exact and slow: what
+                 the tests hold the flex path to, and the CPU path (flex has no CPU backward).
+Ties in the indexer's scores go to the lower key index in both. Decode through a DSA layer is refused (no
+indexer-key cache yet).
 """
 
 from __future__ import annotations
@@ -36,13 +44,19 @@ import torch
 from torch import nn
 
 from megacpp_lab.checks import check_ints, config_error, is_int
-from megacpp_lab.kernels.dsa_indexer import allowed_keys, indexer_scores, indexer_scores_reference, topk_keys
-from megacpp_lab.nn.config_builder import build_config
+from torch.nn.attention.flex_attention import BlockMask
 
-__all__ = ["DSA_PHASES", "DSAConfig", "DSAIndexer", "dsa_attention", "indexer_kl", "selection_mask", "set_dsa_phase"]
+from megacpp_lab.kernels.dsa_indexer import indexer_scores, indexer_scores_reference
+from megacpp_lab.kernels.dsa_sparse import select_thresholds_reference, selection_from_thresholds
+from megacpp_lab.nn.config_builder import build_config
+from megacpp_lab.varlen import FLEX_BLOCK, positions_from_doc_ids
+
+__all__ = ["DSA_ATTN_IMPLS", "DSA_PHASES", "DSAConfig", "DSAIndexer", "document_starts", "dsa_attention", "indexer_kl",
+           "selection_mask", "set_dsa_phase", "sparse_block_mask"]  # fmt: skip
 
 DSA_PHASES = ("warmup", "sparse")
 SCORE_IMPLS = ("auto", "triton", "reference")
+DSA_ATTN_IMPLS = ("auto", "flex", "reference")
 
 _fail = functools.partial(config_error, "DSAConfig")
 
@@ -58,6 +72,7 @@ class DSAConfig:
     warmup_steps: int = 1000  # training steps of the dense warm-up (the training loop's phase switch)
     loss_weight: float = 1.0  # the indexer's KL loss, as attached to the layer's output
     score_impl: str = "auto"  # the indexer scores: "auto" (Triton on CUDA), "triton", "reference"
+    attn_impl: str = "auto"  # selection, attention and KL: "auto" (flex on CUDA, else reference), "flex", "reference"
 
     def __post_init__(self) -> None:
         check_ints("DSAConfig", self, ("d_model", "n_heads", "head_dim", "top_k"))
@@ -68,6 +83,8 @@ class DSAConfig:
             raise _fail("loss_weight", "a finite number >= 0", w)
         if self.score_impl not in SCORE_IMPLS:
             raise _fail("score_impl", f"one of {SCORE_IMPLS}", self.score_impl)
+        if self.attn_impl not in DSA_ATTN_IMPLS:
+            raise _fail("attn_impl", f"one of {DSA_ATTN_IMPLS}", self.attn_impl)
         d = self.head_dim
         if self.score_impl != "reference" and (d < 16 or d & (d - 1)):  # the Triton scores' tl.dot tiles
             raise _fail("head_dim", "a power of two >= 16 (the Triton indexer scores; or score_impl='reference')", d)
@@ -110,14 +127,48 @@ class DSAIndexer(nn.Module):
         return indexer_scores(q, k, w) if impl == "triton" else indexer_scores_reference(q, k, w)
 
 
+def document_starts(doc_ids: torch.Tensor | None, positions: torch.Tensor | None, batch: int, seq_len: int,
+                    device: torch.device) -> torch.Tensor:  # fmt: skip
+    """[B,T] int32: the index of each token's document start in its row (t - position_t): from a context's
+    positions, else from doc_ids, else 0 (one document per row)."""
+    if positions is None and doc_ids is not None:
+        positions = positions_from_doc_ids(doc_ids)
+    t = torch.arange(seq_len, device=device, dtype=torch.int32)
+    if positions is None:
+        return torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
+    return (t - positions.to(torch.int32)).contiguous()
+
+
 def selection_mask(scores: torch.Tensor, top_k: int, doc_ids: torch.Tensor) -> torch.Tensor:
     """[B,T,T] bool: each query's top_k keys by `scores` [B,T,T] among its allowed keys (at or before it, in its
-    document); a query with fewer allowed keys keeps them all (topk_keys' padding picks are dropped)."""
-    allowed = allowed_keys(scores, causal=True, doc_ids=doc_ids)
-    k = min(top_k, scores.shape[-1])
-    picked = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    picked.scatter_(-1, topk_keys(scores, k, causal=True, doc_ids=doc_ids), True)
-    return picked & allowed
+    document), ties to the lower index; a query with fewer allowed keys keeps them all. The reference (a sort)."""
+    B, T = scores.shape[:2]
+    starts = document_starts(doc_ids, None, B, T, scores.device)
+    return selection_from_thresholds(scores, starts, *select_thresholds_reference(scores, starts, top_k))
+
+
+def sparse_block_mask(starts: torch.Tensor, scores: torch.Tensor, thr: torch.Tensor, cut: torch.Tensor) -> BlockMask:
+    """The flex BlockMask of a DSA layer: the blocks that hold some query's document keys (kv block kb <= query
+    block qb, and kb's last token in a document not before qb's first token's), every one of them partial, and
+    the mask the selection (thr, cut) of kernels/dsa_sparse.py: key s of query t iff starts[t] <= s <= t and
+    (scores[t,s] > thr[t] or scores[t,s] == thr[t] and s <= cut[t]). Built from plain tensor ops (no
+    create_block_mask), so it may be built inside a compiled region; scores are read detached."""
+    B, T = starts.shape
+    n = -(-T // FLEX_BLOCK)
+    blk = torch.arange(n, device=starts.device)
+    first = starts[:, blk * FLEX_BLOCK].to(torch.int64)  # [B,n] each query block's earliest document start
+    last = torch.clamp((blk + 1) * FLEX_BLOCK, max=T) - 1  # [n] each kv block's last token
+    active = (blk[None, None, :] <= blk[None, :, None]) & (last[None, None, :] >= first[:, :, None])  # [B,qb,kb]
+    order = torch.argsort((~active).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # active blocks first
+    scores = scores.detach()
+
+    def selected(b, h, q_idx, kv_idx):
+        score, th = scores[b, q_idx, kv_idx], thr[b, q_idx]
+        chosen = (score > th) | ((score == th) & (kv_idx <= cut[b, q_idx]))
+        return (kv_idx <= q_idx) & (kv_idx >= starts[b, q_idx]) & chosen
+
+    return BlockMask.from_kv_blocks(active.sum(-1, dtype=torch.int32)[:, None], order[:, None], BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=selected, seq_lengths=(T, T))  # fmt: skip
 
 
 def indexer_kl(attn_probs: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

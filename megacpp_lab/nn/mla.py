@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from megacpp_lab.checks import check_ints, config_error
 from megacpp_lab.kernels import TRITON_INTERPRET
 from megacpp_lab.kernels.down_norm_up import FusedDownNormUp
-from megacpp_lab.kernels.dsa_indexer import allowed_keys
+from megacpp_lab.kernels.dsa_sparse import select_thresholds, sparse_kl
 from megacpp_lab.kernels.rope import (
     mla_rope_kv,
     mla_rope_kv_reference,
@@ -50,7 +50,15 @@ from megacpp_lab.kernels.rope import (
     mla_rope_q_reference,
 )
 from megacpp_lab.nn.config_builder import build_config
-from megacpp_lab.nn.dsa import DSAConfig, DSAIndexer, dsa_attention, indexer_kl, selection_mask
+from megacpp_lab.nn.dsa import (
+    DSAConfig,
+    DSAIndexer,
+    document_starts,
+    dsa_attention,
+    indexer_kl,
+    selection_mask,
+    sparse_block_mask,
+)
 from megacpp_lab.nn.primitives import attach_loss
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
 from megacpp_lab.varlen import FLEX_BLOCK, PackedContext, context_positions, doc_causal_block_mask
@@ -276,6 +284,12 @@ class MultiLatentAttention(nn.Module):
         H = c.n_heads
         # DSA (nn/dsa.py): the lightning indexer that picks each query's keys; None: dense attention
         self.indexer = DSAIndexer(dsa, c.q_lora_rank) if dsa is not None else None
+        if dsa is not None and dsa.attn_impl != "reference":
+            for name in ("d_nope", "d_rope"):  # sparse_kl's two tl.dot pieces
+                n = getattr(c, name)
+                if n < 16 or n & (n - 1):
+                    raise _fail(name, "a power of two >= 16 in a DSA layer whose attn_impl is not 'reference' "
+                                "(the fused KL's tl.dot pieces)", n)  # fmt: skip
         if c.fused_down_proj:
             self.w_dqkv = nn.Linear(c.d_model, c.q_lora_rank + c.kv_lora_rank + c.d_rope, bias=False)
         else:
@@ -409,19 +423,44 @@ class MultiLatentAttention(nn.Module):
     def _attend_sparse(self, x: torch.Tensor, q_lat: torch.Tensor, q: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, ctx: PackedContext | None) -> torch.Tensor:  # fmt: skip
         """DSA (nn/dsa.py): the indexer's scores, the keys its phase attends ("warmup": every allowed key;
-        "sparse": each query's top_k), and the indexer's KL loss attached to the output while training."""
+        "sparse": each query's top_k), and the indexer's KL loss attached to the output while training. The flex
+        path or the reference (DSAConfig.attn_impl)."""
         c, dsa = self.config, self.indexer.config
         scores = self.indexer(x, q_lat)  # [B,T,T] fp32
         B, T = scores.shape[:2]
-        doc_ids = ctx.doc_ids if ctx is not None else torch.zeros(B, T, dtype=torch.int64, device=x.device)
-        if self.indexer.phase == "sparse":
-            mask = selection_mask(scores, dsa.top_k, doc_ids)
-        else:
-            mask = allowed_keys(scores, causal=True, doc_ids=doc_ids).expand(B, T, T)
-        out, probs = dsa_attention(q, key, value, mask, 1.0 / math.sqrt(c.d_nope + c.d_rope))
-        if self.training and torch.is_grad_enabled() and dsa.loss_weight > 0:
-            out = attach_loss(out, dsa.loss_weight * indexer_kl(probs, scores, mask))
-        return out
+        scale = 1.0 / math.sqrt(c.d_nope + c.d_rope)
+        sparse = self.indexer.phase == "sparse"
+        train_kl = self.training and torch.is_grad_enabled() and dsa.loss_weight > 0
+        impl = dsa.attn_impl if dsa.attn_impl != "auto" else ("flex" if x.is_cuda else "reference")
+        if impl == "reference":
+            doc_ids = ctx.doc_ids if ctx is not None else torch.zeros(B, T, dtype=torch.int64, device=x.device)
+            mask = selection_mask(scores, dsa.top_k if sparse else T, doc_ids)
+            out, probs = dsa_attention(q, key, value, mask, scale)
+            return attach_loss(out, dsa.loss_weight * indexer_kl(probs, scores, mask)) if train_kl else out
+        compiling = torch.compiler.is_compiling()
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
+        reason = flex_refusal(q.device, q.dtype, compiled=compiling, grad=grad, seq_len=T, has_block_mask=True)
+        if reason is not None:
+            reason = "a DSA layer's flex path (DSAConfig.attn_impl): " + reason.replace(
+                "attn_impl='sdpa'", "DSAConfig.attn_impl='reference'")
+            if compiling:
+                _refuse_compiled(reason)
+            raise FlexNotProvenError(reason)
+        starts = document_starts(None if ctx is None else ctx.doc_ids, None if ctx is None else ctx.positions, B, T,
+                                 x.device)  # fmt: skip
+        if sparse:
+            thr, cut = select_thresholds(scores, starts, dsa.top_k)
+        else:  # the warm-up keeps every allowed key
+            thr = torch.full((B, T), float("-inf"), device=x.device)
+            cut = torch.full((B, T), T - 1, dtype=torch.int32, device=x.device)
+        block_mask = sparse_block_mask(starts, scores, thr, cut)
+        q_h, k_h, v_h = (t.transpose(1, 2).contiguous() for t in (q, key, value))
+        out, lse = flex_attention(q_h, k_h, v_h, block_mask=block_mask, scale=scale, return_lse=True)
+        out = out.transpose(1, 2)
+        if not train_kl:
+            return out
+        kl = sparse_kl(q, key, lse, scores, starts, thr, cut, scale, c.d_nope)
+        return attach_loss(out, dsa.loss_weight * kl.mean())
 
     # -- decode
 

@@ -1,0 +1,361 @@
+"""DSA's sparse path (nn/dsa.py) without a [B,T,T] mask or a [B,H,T,T] slab: each query's selection as two
+numbers, and the indexer's KL loss against the attention's probabilities recomputed a tile at a time.
+
+Selection. Query t may select the keys s in [start_t, t] (its document, causal; start_t = t - position_t).
+With at most top_k of them it keeps them all; else its top_k by indexer score I, ties going to the lower index:
+
+    selected(t, s) = start_t <= s <= t  and  (I[t,s] > thr[t]  or  (I[t,s] == thr[t] and s <= cut[t]))
+
+thr[t] is the top_k-th largest allowed score and cut[t] the index of the last tie kept; a query that keeps every
+allowed key has thr = -inf. `select_thresholds` (Triton: a radix select over the scores' order-preserving bit
+patterns, one query per program, reading only its document's allowed keys) and `select_thresholds_reference`
+(a stable sort) return (thr, cut); `selection_from_thresholds` expands them into the [B,T,T] mask for tests and
+the reference path. The attention reads the pair in its flex mask_mod (nn/dsa.py `sparse_block_mask`).
+
+KL. Per query t, over its selected keys S_t:  KL(p_t || softmax(I_t[S_t])), with
+    p_t[s] = sum_h exp(scale q_h[t] . k_h[s] - lse_h[t]) / Z_t      (Z_t sums it over S_t: H when lse is exact)
+the attention's probabilities summed over heads, recomputed from its log-sum-exp one head and one key tile at a
+time. `sparse_kl` (Triton forward and backward; differentiable in I only: p is the target) and
+`sparse_kl_reference` (the probabilities materialised) return the per-query KL [B,T]. Its kernels walk only the
+key tiles of the query tile's documents, so their work is the documents' causal area, not T^2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from megacpp_lab.kernels import TRITON_INTERPRET
+
+__all__ = [
+    "select_thresholds",
+    "select_thresholds_reference",
+    "selection_from_thresholds",
+    "sparse_kl",
+    "sparse_kl_reference",
+]
+
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def _check_scores(scores: torch.Tensor, starts: torch.Tensor, name: str) -> tuple[int, int]:
+    if scores.dim() != 3 or scores.shape[1] != scores.shape[2]:
+        raise ValueError(f"{name}: scores must be [B,T,T], got {tuple(scores.shape)}")
+    B, T = scores.shape[:2]
+    if tuple(starts.shape) != (B, T) or starts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: starts must be int32/int64 [B,T] = [{B},{T}], got {starts.dtype} {tuple(starts.shape)}")
+    if scores.dtype != torch.float32:
+        raise ValueError(f"{name}: scores must be float32 (the indexer's output), got {scores.dtype}")
+    return B, T
+
+
+def _allowed(starts: torch.Tensor, T: int) -> torch.Tensor:
+    """[B,T,T] bool: key s allowed for query t iff starts[b,t] <= s <= t."""
+    s = torch.arange(T, device=starts.device)
+    return (s[None, None, :] <= s[None, :, None]) & (s[None, None, :] >= starts[:, :, None])
+
+
+def select_thresholds_reference(scores: torch.Tensor, starts: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(thr fp32 [B,T], cut int32 [B,T]) by a stable descending sort of each query's allowed scores."""
+    B, T = _check_scores(scores, starts, "select_thresholds_reference")
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    allowed = _allowed(starts, T)
+    k = min(top_k, T)
+    vals, idx = torch.sort(scores.masked_fill(~allowed, float("-inf")), dim=-1, descending=True, stable=True)
+    keeps_all = allowed.sum(-1) <= top_k
+    thr = torch.where(keeps_all, float("-inf"), vals[..., k - 1])
+    cut = torch.where(keeps_all, T - 1, idx[..., k - 1]).to(torch.int32)
+    return thr.contiguous(), cut.contiguous()
+
+
+def selection_from_thresholds(scores: torch.Tensor, starts: torch.Tensor, thr: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """The [B,T,T] bool selection the pair (thr, cut) describes (module docstring)."""
+    T = scores.shape[-1]
+    kv = torch.arange(T, device=scores.device)
+    chosen = (scores > thr[..., None]) | ((scores == thr[..., None]) & (kv <= cut[..., None]))
+    return _allowed(starts, T) & chosen
+
+
+@triton.jit
+def _order_key(v):
+    """fp32 -> uint32 whose unsigned order is the floats' order (-0.0 taken as +0.0, as float compares do)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = tl.where(bits == 0x80000000, 0, bits)
+    return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+
+
+@triton.jit
+def _select_kernel(s_ptr, start_ptr, thr_ptr, cut_ptr, T, TOP_K, BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr):
+    # BLOCK_Q consecutive queries per program (mostly one document: their allowed ranges nearly coincide), each
+    # query's row walked in BLOCK-key chunks over its allowed range only
+    b = tl.program_id(1)
+    rq = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    mq = rq < T
+    st = tl.load(start_ptr + b * T + rq, mask=mq, other=0).to(tl.int32)
+    pick = mq & (rq - st + 1 > TOP_K)  # the queries with more allowed keys than they keep
+    thr = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    cut = tl.full((BLOCK_Q,), 0, tl.int32) + (T - 1)
+    if tl.sum(pick.to(tl.int32), axis=0) > 0:
+        lo = tl.min(tl.where(pick, st, T), axis=0)
+        hi = tl.max(tl.where(pick, rq, -1), axis=0) + 1
+        rows = s_ptr + (b * T + rq).to(tl.int64) * T
+        # radix select: the largest key `prefix` with at least TOP_K allowed keys >= it is the TOP_K-th largest
+        prefix = tl.zeros((BLOCK_Q,), dtype=tl.uint32)
+        bit = tl.full((), 0x80000000, tl.uint32)
+        for _ in range(32):
+            trial = prefix | bit
+            bit = bit >> 1
+            count = tl.zeros((BLOCK_Q,), dtype=tl.int32)
+            for c0 in range(lo, hi, BLOCK):
+                idx = c0 + tl.arange(0, BLOCK)
+                m = pick[:, None] & (idx[None, :] >= st[:, None]) & (idx[None, :] <= rq[:, None])
+                key = _order_key(tl.load(rows[:, None] + idx[None, :], mask=m, other=0.0))
+                count += tl.sum((m & (key >= trial[:, None])).to(tl.int32), axis=1)
+            prefix = tl.where(count >= TOP_K, trial, prefix)
+        # the ties at prefix: keep the lowest-index ones until TOP_K keys are kept
+        greater = tl.zeros((BLOCK_Q,), dtype=tl.int32)
+        for c0 in range(lo, hi, BLOCK):
+            idx = c0 + tl.arange(0, BLOCK)
+            m = pick[:, None] & (idx[None, :] >= st[:, None]) & (idx[None, :] <= rq[:, None])
+            key = _order_key(tl.load(rows[:, None] + idx[None, :], mask=m, other=0.0))
+            greater += tl.sum((m & (key > prefix[:, None])).to(tl.int32), axis=1)
+        need = TOP_K - greater
+        seen = tl.zeros((BLOCK_Q,), dtype=tl.int32)
+        found = tl.full((BLOCK_Q,), -1, tl.int32)
+        value = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+        for c0 in range(lo, hi, BLOCK):
+            idx = c0 + tl.arange(0, BLOCK)
+            m = pick[:, None] & (idx[None, :] >= st[:, None]) & (idx[None, :] <= rq[:, None])
+            v = tl.load(rows[:, None] + idx[None, :], mask=m, other=0.0)
+            tie = m & (_order_key(v) == prefix[:, None])
+            rank = tl.cumsum(tie.to(tl.int32), axis=1) + seen[:, None]
+            hit = tie & (rank == need[:, None])
+            found = tl.maximum(found, tl.max(tl.where(hit, idx[None, :], -1), axis=1))
+            value += tl.sum(tl.where(hit, v, 0.0), axis=1)
+            seen += tl.sum(tie.to(tl.int32), axis=1)
+        thr = tl.where(pick, value, thr)
+        cut = tl.where(pick, found, cut)
+    tl.store(thr_ptr + b * T + rq, thr, mask=mq)
+    tl.store(cut_ptr + b * T + rq, cut, mask=mq)
+
+
+@torch.library.custom_op("megacpp::dsa_select", mutates_args=())
+def _select_op(scores: torch.Tensor, starts: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T = scores.shape[:2]
+    thr = torch.empty(B, T, device=scores.device, dtype=torch.float32)
+    cut = torch.empty(B, T, device=scores.device, dtype=torch.int32)
+    bq, block = (16, 256) if TRITON_INTERPRET else (16, 128)  # the interpreter pays per op, not per element
+    _select_kernel[(triton.cdiv(T, bq), B)](scores, starts, thr, cut, T, top_k, BLOCK_Q=bq, BLOCK=block, num_warps=4)
+    return thr, cut
+
+
+@_select_op.register_fake
+def _(scores, starts, top_k):
+    B, T = scores.shape[:2]
+    return scores.new_empty((B, T)), scores.new_empty((B, T), dtype=torch.int32)
+
+
+def select_thresholds(scores: torch.Tensor, starts: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(thr fp32 [B,T], cut int32 [B,T]) of each query's top_k allowed keys (module docstring); scores [B,T,T]
+    fp32, starts [B,T] each query's document start. Triton; not differentiable (a selection)."""
+    _check_scores(scores, starts, "select_thresholds")
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if scores.device.type != "cuda" and not TRITON_INTERPRET:
+        raise RuntimeError("select_thresholds needs CUDA tensors (or TRITON_INTERPRET=1); use select_thresholds_reference")
+    return _select_op(scores.detach().contiguous(), starts.to(torch.int32).contiguous(), int(top_k))
+
+
+# ----------------------------------------------------------------------------- KL
+
+
+def sparse_kl_reference(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor,
+                        selected: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """Per-query KL [B,T] (module docstring) with the probabilities materialised: q, k [B,T,H,d], lse [B,H,T] (the
+    attention's, natural log), scores [B,T,T], selected [B,T,T] bool. Differentiable in scores."""
+    s = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
+    p = torch.exp(s - lse.float()[..., None]).sum(1).masked_fill(~selected, 0.0).detach()
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+    log_q = torch.log_softmax(scores.masked_fill(~selected, float("-inf")), dim=-1)
+    return torch.where(selected & (p > 0), p * (torch.log(p.clamp_min(1e-30)) - log_q), 0.0).sum(-1)
+
+
+@triton.jit
+def _kl_tile(q_ptr, k_ptr, lse_ptr, s_ptr, b, rm, rn, mm, st, thr, cut, T, H, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
+             scale_log2, D1: tl.constexpr, D2: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """One [BM,BN] tile: (the selection, I, the head-summed probabilities p~ on it)."""
+    sel = mm[:, None] & (rn[None, :] <= rm[:, None]) & (rn[None, :] >= st[:, None])
+    score = tl.load(s_ptr + (b * T + rm[:, None]).to(tl.int64) * T + rn[None, :], mask=sel, other=0.0)
+    sel = sel & ((score > thr[:, None]) | ((score == thr[:, None]) & (rn[None, :] <= cut[:, None])))
+    mn = rn < T
+    r1 = tl.arange(0, D1)
+    r2 = tl.arange(0, D2)
+    p = tl.zeros((rm.shape[0], rn.shape[0]), dtype=tl.float32)
+    for h in range(H):
+        qb = q_ptr + b * sq_b + rm[:, None] * sq_t + h * sq_h
+        kb = k_ptr + b * sk_b + rn[:, None] * sk_t + h * sk_h
+        s = tl.dot(tl.load(qb + r1[None, :], mask=mm[:, None], other=0.0),
+                   tl.trans(tl.load(kb + r1[None, :], mask=mn[:, None], other=0.0)), input_precision=PRECISION)
+        s = tl.dot(tl.load(qb + D1 + r2[None, :], mask=mm[:, None], other=0.0),
+                   tl.trans(tl.load(kb + D1 + r2[None, :], mask=mn[:, None], other=0.0)), s, input_precision=PRECISION)
+        lse = tl.load(lse_ptr + (b * H + h) * T + rm, mask=mm, other=0.0)
+        p += tl.exp2(s * scale_log2 - lse[:, None] * 1.4426950408889634)
+    return sel, score, tl.where(sel, p, 0.0)
+
+
+@triton.jit
+def _kl_fwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, kl_ptr, z_ptr, lsei_ptr, T, H,
+                   sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, scale_log2, D1: tl.constexpr, D2: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    b = tl.program_id(1)
+    m0 = tl.program_id(0) * BLOCK_M
+    rm = m0 + tl.arange(0, BLOCK_M)
+    mm = rm < T
+    st = tl.load(start_ptr + b * T + rm, mask=mm, other=0)
+    thr = tl.load(thr_ptr + b * T + rm, mask=mm, other=0.0)
+    cut = tl.load(cut_ptr + b * T + rm, mask=mm, other=0)
+    lo = tl.load(start_ptr + b * T + m0)  # the tile's first query has the earliest document start
+    hi = tl.minimum(m0 + BLOCK_M, T)
+    plogp = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    p_score = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    z = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        sel, score, p = _kl_tile(q_ptr, k_ptr, lse_ptr, s_ptr, b, rm, rn, mm, st, thr, cut, T, H, sq_b, sq_t, sq_h,
+                                 sk_b, sk_t, sk_h, scale_log2, D1, D2, PRECISION)  # fmt: skip
+        plogp += tl.sum(tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0), axis=1)
+        p_score += tl.sum(p * score, axis=1)
+        z += tl.sum(p, axis=1)
+        m_new = tl.maximum(m_i, tl.max(tl.where(sel, score, float("-inf")), axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.where(sel, tl.exp(score - m_safe[:, None]), 0.0), axis=1)
+        m_i = m_new
+    lse_i = m_i + tl.log(tl.where(l_i > 0, l_i, 1.0))  # rows past T: no key
+    z_safe = tl.where(z > 0, z, 1.0)
+    kl = plogp / z_safe - tl.log(z_safe) - p_score / z_safe + lse_i
+    tl.store(kl_ptr + b * T + rm, kl, mask=mm)
+    tl.store(z_ptr + b * T + rm, z, mask=mm)
+    tl.store(lsei_ptr + b * T + rm, lse_i, mask=mm)
+
+
+@triton.jit
+def _kl_bwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, z_ptr, lsei_ptr, g_ptr, ds_ptr, T, H,
+                   sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, scale_log2, D1: tl.constexpr, D2: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    b = tl.program_id(1)
+    m0 = tl.program_id(0) * BLOCK_M
+    rm = m0 + tl.arange(0, BLOCK_M)
+    mm = rm < T
+    st = tl.load(start_ptr + b * T + rm, mask=mm, other=0)
+    thr = tl.load(thr_ptr + b * T + rm, mask=mm, other=0.0)
+    cut = tl.load(cut_ptr + b * T + rm, mask=mm, other=0)
+    z = tl.load(z_ptr + b * T + rm, mask=mm, other=1.0)
+    z = tl.where(z > 0, z, 1.0)
+    lse_i = tl.load(lsei_ptr + b * T + rm, mask=mm, other=0.0)
+    g = tl.load(g_ptr + b * T + rm, mask=mm, other=0.0)
+    lo = tl.load(start_ptr + b * T + m0)
+    hi = tl.minimum(m0 + BLOCK_M, T)
+    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        sel, score, p = _kl_tile(q_ptr, k_ptr, lse_ptr, s_ptr, b, rm, rn, mm, st, thr, cut, T, H, sq_b, sq_t, sq_h,
+                                 sk_b, sk_t, sk_h, scale_log2, D1, D2, PRECISION)  # fmt: skip
+        # d KL_t / d I[t,s] = softmax(I_t)[s] - p_t[s] on the selected keys
+        ds = g[:, None] * (tl.exp(score - lse_i[:, None]) - p / z[:, None])
+        tl.store(ds_ptr + (b * T + rm[:, None]).to(tl.int64) * T + rn[None, :], tl.where(sel, ds, 0.0),
+                 mask=mm[:, None] & (rn[None, :] < T))
+
+
+def _kl_launch_args(q: torch.Tensor, k: torch.Tensor, d_nope: int) -> tuple[tuple[int, ...], dict]:
+    B, T, H, D = q.shape
+    bm, bn, warps = (16, 16, 1) if TRITON_INTERPRET else (64, 64, 4)
+    precision = "tf32x3" if q.dtype == torch.float32 and not TRITON_INTERPRET else "ieee"
+    strides = (*q.stride()[:3], *k.stride()[:3])
+    meta = dict(D1=d_nope, D2=D - d_nope, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision, num_warps=warps, num_stages=2)
+    return strides, meta
+
+
+@torch.library.custom_op("megacpp::dsa_sparse_kl", mutates_args=())
+def _kl_op(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor, starts: torch.Tensor,
+           thr: torch.Tensor, cut: torch.Tensor, scale: float, d_nope: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    B, T, H, _ = q.shape
+    kl, z, lse_i = (torch.empty(B, T, device=q.device, dtype=torch.float32) for _ in range(3))
+    strides, meta = _kl_launch_args(q, k, d_nope)
+    _kl_fwd_kernel[(triton.cdiv(T, meta["BLOCK_M"]), B)](
+        q, k, lse, scores, starts, thr, cut, kl, z, lse_i, T, H, *strides, scale * _LOG2E, **meta)
+    return kl, z, lse_i
+
+
+@_kl_op.register_fake
+def _(q, k, lse, scores, starts, thr, cut, scale, d_nope):
+    B, T = q.shape[:2]
+    return tuple(q.new_empty((B, T), dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("megacpp::dsa_sparse_kl_bwd", mutates_args=())
+def _kl_bwd_op(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor, starts: torch.Tensor,
+               thr: torch.Tensor, cut: torch.Tensor, z: torch.Tensor, lse_i: torch.Tensor, grad: torch.Tensor,
+               scale: float, d_nope: int) -> torch.Tensor:  # fmt: skip
+    B, T, H, _ = q.shape
+    ds = torch.zeros(B, T, T, device=q.device, dtype=torch.float32)  # unselected keys: no gradient
+    strides, meta = _kl_launch_args(q, k, d_nope)
+    _kl_bwd_kernel[(triton.cdiv(T, meta["BLOCK_M"]), B)](
+        q, k, lse, scores, starts, thr, cut, z, lse_i, grad.float().contiguous(), ds, T, H, *strides,
+        scale * _LOG2E, **meta)  # fmt: skip
+    return ds
+
+
+@_kl_bwd_op.register_fake
+def _(q, k, lse, scores, starts, thr, cut, z, lse_i, grad, scale, d_nope):
+    return scores.new_empty(scores.shape)
+
+
+def _kl_setup(ctx, inputs, output):
+    q, k, lse, scores, starts, thr, cut, scale, d_nope = inputs
+    _, z, lse_i = output
+    ctx.save_for_backward(q, k, lse, scores, starts, thr, cut, z, lse_i)
+    ctx.scale, ctx.d_nope = scale, d_nope
+
+
+def _kl_backward(ctx, grad_kl, grad_z, grad_lse_i):
+    q, k, lse, scores, starts, thr, cut, z, lse_i = ctx.saved_tensors
+    ds = _kl_bwd_op(q, k, lse, scores, starts, thr, cut, z, lse_i, grad_kl, ctx.scale, ctx.d_nope)
+    return None, None, None, ds, None, None, None, None, None
+
+
+_kl_op.register_autograd(_kl_backward, setup_context=_kl_setup)
+
+
+def sparse_kl(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor, starts: torch.Tensor,
+              thr: torch.Tensor, cut: torch.Tensor, scale: float, d_nope: int) -> torch.Tensor:  # fmt: skip
+    """Per-query KL [B,T] over the selection (thr, cut) (module docstring), fused in Triton: q, k [B,T,H,d] with
+    d = d_nope + d_rope (each a power of two >= 16: the two tl.dot pieces), lse [B,H,T] the attention's natural-log
+    log-sum-exp, scores [B,T,T] fp32 (the only input it differentiates), starts [B,T]. q, k and lse are the
+    target's: detached here."""
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"sparse_kl: q and k must be [B,T,H,d] alike, got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, D = q.shape
+    _check_scores(scores, starts, "sparse_kl")
+    if scores.shape[0] != B or scores.shape[1] != T:
+        raise ValueError(f"sparse_kl: scores must be [{B},{T},{T}], got {tuple(scores.shape)}")
+    if tuple(lse.shape) != (B, H, T):
+        raise ValueError(f"sparse_kl: lse must be [B,H,T] = [{B},{H},{T}], got {tuple(lse.shape)}")
+    for name, n in (("d_nope", d_nope), ("d_rope", D - d_nope)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"sparse_kl: {name} must be a power of two >= 16 (a tl.dot piece), got {n}")
+    if q.device.type != "cuda" and not TRITON_INTERPRET:
+        raise RuntimeError("sparse_kl needs CUDA tensors (or TRITON_INTERPRET=1); use sparse_kl_reference")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"sparse_kl: scale must be a finite positive number, got {scale}")
+    q, k = (t.detach() if t.stride(-1) == 1 else t.detach().contiguous() for t in (q, k))
+    kl, _, _ = _kl_op(q, k, lse.detach().float().contiguous(), scores.contiguous(), starts.to(torch.int32).contiguous(),
+                      thr.contiguous(), cut.to(torch.int32).contiguous(), float(scale), int(d_nope))  # fmt: skip
+    return kl
