@@ -173,6 +173,8 @@ HELP_MUST_SAY = {
     "train": ("small preset", "engram_layers=none", "same tokenized corpus", "master weights", "sampled tokens"),
     "compile": ("regional cold", "regional warm", "Mega-Cache", "torch.compile(model)", "split by phase",
                 "recompiles", "MFU", "989 TFLOP/s", "1/3 of whole-model", "0.8x eager", "<= 40 s", "<= 4 s"),
+    "attention": ("attn_impl sdpa", "attn_impl flex", "sparse and its warm-up phase", "T=16384, 8 documents per row",
+                  "top-k 2048", "0.5x", "mtp_depth 1 and 0", "+15%", "acceptance rate", "held-out files"),
     "moe": ("per-expert loop", "torch._grouped_mm", "dense SwiGLU of the same active FLOPs", "16 experts, d=1024, 16384 tokens",
             "expert-GEMM recompute", "stack preset", "recompiles"),
     "scale_out": ("--nproc N", "same per-GPU batch", "fp32-contract", "B=4 x T=4096 per GPU", "1.85x", "peak memory"),

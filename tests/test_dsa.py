@@ -230,3 +230,34 @@ def test_a_compiled_dsa_model_trains_through_its_phase_switch_within_the_graphs_
     finally:
         torch._dynamo.config.recompile_limit = limit
         torch._dynamo.reset()
+
+
+def test_the_stack_layout_keeps_documents_apart_in_its_head_and_its_mtp_module(window):
+    """The stack preset's layout at the tiny width (its pattern over 9 layers, so both its A ranks: layer 0 dense
+    MLA, layer 8 DSA; E blocks, Engram, mHC, MTP depth 1): the main head's logits are causal and document-tight,
+    and the MTP module's hidden state at i reads nothing past i+1 of i's document."""
+    from megacpp_lab.model.hybrid import tokens_ahead
+    from megacpp_lab.testing import check_leaks
+
+    tokens, doc_ids = window
+    torch.manual_seed(0)
+    stack = hybrid_preset("stack")
+    cfg = hybrid_preset("tiny", **CPU, pattern=stack.pattern, n_layers=9, engram_layers=(1, 5), mhc=True,
+                        dsa_layers=(8,), dsa=dict(top_k=3), mtp_depth=stack.mtp_depth)  # fmt: skip
+    model = wake_zero_initialised(HybridLM(cfg).eval())
+    assert [b.kind for b in model.blocks] == list(stack.blocks[:9]) and model.blocks[8].mixer.indexer is not None
+    report = model_leak_report(model, tokens, doc_ids, vocab_size=V, causal_positions=range(0, 24, 4))
+    assert report.passed, str(report)
+
+    def mtp_shifted(t: torch.Tensor, d: torch.Tensor) -> torch.Tensor:  # h^1_i placed at i+1, inside i's document
+        ctx = build_context(d)
+        with torch.no_grad():
+            h = model.mtp_hiddens(model.hidden(t, ctx), t, ctx)[0]
+        _, same = tokens_ahead(d, d, 1, 0)
+        placed = torch.zeros_like(h)
+        placed[:, 1:] = (h * same[..., None])[:, :-1]
+        return placed
+
+    report = check_leaks(mtp_shifted, tokens, doc_ids, vocab_size=V, causal_positions=range(0, 24, 4),
+                         allow_vacuous=True)  # fmt: skip
+    assert not report.leaked, str(report)

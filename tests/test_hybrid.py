@@ -108,6 +108,9 @@ def test_presets_are_sized_as_named():
 def test_the_stack_preset_holds_every_block_kind_and_counts_active_parameters():
     config = hybrid_preset("stack")
     assert set(config.blocks) == {"A", "M", "R", "E"} and config.mhc and config.engram_layers
+    # the seeds' attention layout: A ranks both dense MLA and DSA, and an MTP module (dense MLA)
+    assert config.dsa_layers and set(config.dsa_layers) < {i for i, k in enumerate(config.blocks) if k == "A"}
+    assert config.mtp_depth == 1
     with torch.device("meta"):
         model = HybridLM(config)
     counts, active = model.num_parameters(), model.active_parameters()
@@ -116,6 +119,7 @@ def test_the_stack_preset_holds_every_block_kind_and_counts_active_parameters():
     assert experts == config.blocks.count("E") * moe.n_experts * 3 * config.d_model * moe.expert_hidden
     assert active == counts["total"] - experts + experts * moe.top_k // moe.n_experts
     assert 450e6 < counts["total"] < 650e6 and 250e6 < active < 350e6, (counts["total"], active)
+    assert counts["mtp"] > 0 and model.blocks[8].mixer.indexer is not None and model.blocks[0].mixer.indexer is None
     flops = model.flops_per_token(4096)
     assert flops["total"] == sum(v for k, v in flops.items() if k != "total")
 

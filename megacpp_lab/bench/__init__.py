@@ -324,6 +324,32 @@ model: 2 batches, compiled in bf16 without inductor): about 20 s.""",
             triton_on_cpu=True,
         ),
         BenchCommand(
+            "attention",
+            "megacpp_lab.bench.attention",
+            "DSA layer vs dense MLA (sdpa, flex) and its parts; MTP depth 1 on the stack preset, trained",
+            """\
+The seeds' attention side (nn/dsa.py, model/hybrid.py's MTPModule), two parts, three receipts.
+DSA layer: the stack preset's MLA layer (d=1024, 8 heads) at B=1, T=16384, 8 documents per row of random lengths,
+top-k 2048, bf16, train mode, each contender torch.compile(fullgraph): the dense MLA layer with attn_impl sdpa (a
+[B,1,T,T] document mask, MLAConfig's default) and with attn_impl flex (the documents' block mask), and the DSA layer
+of the same weights in its sparse and its warm-up phase; forward and forward+backward, each step timed alone, with
+the spread; then the DSA layer's parts alone: the indexer's scores forward+backward, the top-k selection, the KL
+forward+backward. The bar: the DSA layer's forward+backward at most 0.5x the dense sdpa layer's, its indexer's
+time reported.
+Sweep: the dense and sparse contenders at B=4 x T=4096, T=8192, T=16384 with 1 and with 32 documents, T=32768;
+no bar.
+MTP: two training runs (`megacpp-lab train`'s loop, regionally compiled) of the stack preset (its DSA layer, MTP)
+at B=4 x T=4096 on the installed torch's C++ headers for 150 steps, with mtp_depth 1 and 0: the steady step time
+and peak memory of each (the bar: MTP at most +15%), then the depth-1 drafts' acceptance rate on the held-out files.
+Receipts under <out>/<device-slug>/attention/: dsa_layer.json, dsa_sweep.json, mtp_stack.json.
+MEGACPP_BENCH_ATTENTION_PARTS=dsa or =mtp runs one part (a ten-minute device call holds one).
+Run time on an H200: the DSA part about 5 minutes cold (each shape compiles each contender), the MTP part about
+7 minutes (two cold compiles of the stack preset, then 150 steps each).
+--small (CPU: the tiny preset's attention at T=256 with the DSA reference path, and two 6-step tiny training runs
+of an A and an E block on 80 header files): under a minute.""",
+            triton_on_cpu=True,
+        ),
+        BenchCommand(
             "scale_out",
             "megacpp_lab.bench.scale_out",
             "FSDP2 scale-out: `megacpp-lab train` on one GPU against every GPU of the host",

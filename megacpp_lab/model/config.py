@@ -272,9 +272,11 @@ HYBRID_PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(vocab_size=32768, d_model=384, n_layers=12, pattern="AMRM", engram_layers=(1, 5, 9)),
     "base": dict(vocab_size=32768, d_model=1024, n_layers=12, pattern="AMRM", engram_layers=(1, 5, 9)),
     # the seeds' taxonomy at a size one H100 trains: every block kind (per 8 layers 1 A, 4 M, 2 E, 1 R; the E blocks
-    # 16 experts, top-2), Engram every fourth layer with mHC over those layers. About 534M parameters, 299M active.
+    # 16 experts, top-2), Engram every fourth layer with mHC over those layers. The seeds' attention layout: some A
+    # ranks MLA, others DSA (layer 0 dense, layer 8 sparse), and one MTP module (always dense MLA). About 548M
+    # parameters, 313M active.
     "stack": dict(vocab_size=32768, d_model=1024, n_layers=16, pattern="AMEMRMEM", engram_layers=(1, 5, 9, 13),
-                  mhc=True),  # fmt: skip
+                  mhc=True, dsa_layers=(8,), mtp_depth=1),  # fmt: skip
 }
 
 
