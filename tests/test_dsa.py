@@ -261,3 +261,22 @@ def test_the_stack_layout_keeps_documents_apart_in_its_head_and_its_mtp_module(w
     report = check_leaks(mtp_shifted, tokens, doc_ids, vocab_size=V, causal_positions=range(0, 24, 4),
                          allow_vacuous=True)  # fmt: skip
     assert not report.leaked, str(report)
+
+
+def test_the_optimizer_clips_the_indexers_gradients_apart_from_the_language_models():
+    """The indexer learns from its own loss: a large indexer gradient must not shrink the language model's step
+    through the global norm, and its own clip still holds it."""
+    from megacpp_lab.model.optim import MasterWeightAdamW
+    from megacpp_lab.model.train_config import TrainConfig
+
+    model = _dsa_model()
+    opt = MasterWeightAdamW(model, TrainConfig(preset="tiny", grad_clip=1.0, steps=10, device="cpu"), fused=False)
+    for name, p in model.named_parameters():
+        p.grad = torch.full_like(p, 1e3 if ".indexer." in name else 1e-6)
+    lm_before = {n: p.grad.clone() for n, p in model.named_parameters() if ".indexer." not in n}
+    norm = opt.step(1e-3)
+    assert float(norm) < 1.0  # the language model's norm alone
+    for name, grad in lm_before.items():
+        assert torch.equal(dict(model.named_parameters())[name].grad, grad), name  # not scaled by the indexer's
+    indexer = torch.stack([p.grad.norm() for n, p in model.named_parameters() if ".indexer." in n]).norm()
+    assert abs(float(indexer) - 1.0) < 1e-3  # clipped by its own norm

@@ -215,3 +215,17 @@ def test_mtp_acceptance_counts_greedy_drafts_against_the_main_heads_verification
     # a model without MTP modules has nothing to draft
     with pytest.raises(ValueError, match="mtp_depth"):
         mtp_acceptance(HybridLM(hybrid_preset("tiny", **CPU)).eval(), tokens, ctx)
+
+
+def test_with_mtp_false_skips_the_modules_and_keeps_the_next_token_loss():
+    tokens, doc_ids, targets = _batch()
+    model = _model()
+    ctx = build_context(doc_ids)
+    calls = []
+    handle = model.mtp[0].register_forward_hook(lambda *a: calls.append(1))
+    full = model(tokens, ctx, targets)
+    lm_only = model(tokens, ctx, targets, with_mtp=False)
+    handle.remove()
+    assert len(calls) == 1 and lm_only.mtp_losses is None  # the modules ran for the first call alone
+    torch.testing.assert_close(lm_only.loss, full.lm_loss)
+    torch.testing.assert_close(lm_only.lm_loss, full.lm_loss)

@@ -231,8 +231,8 @@ class ModelOutput(NamedTuple):
 
 
 class HybridLM(nn.Module):
-    """forward(tokens [B,T], ctx, targets=None, *, return_logits=False) -> ModelOutput(loss, logits, lm_loss,
-    mtp_losses)."""
+    """forward(tokens [B,T], ctx, targets=None, *, return_logits=False, with_mtp=True) -> ModelOutput(loss, logits,
+    lm_loss, mtp_losses)."""
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -250,9 +250,10 @@ class HybridLM(nn.Module):
         return [*self.blocks, *(m.block for m in self.mtp)]
 
     def forward(self, tokens: torch.Tensor, ctx: PackedContext, targets: torch.Tensor | None = None, *,
-                return_logits: bool = False) -> ModelOutput:  # fmt: skip
+                return_logits: bool = False, with_mtp: bool = True) -> ModelOutput:  # fmt: skip
         """tokens [B,T] int ids; ctx: the batch's PackedContext (build_context, once per batch, outside any
-        compiled region), passed as given to every mixer; targets [B,T] for the loss."""
+        compiled region), passed as given to every mixer; targets [B,T] for the loss. with_mtp=False skips the
+        MTP modules (the next-token loss alone: what validation compares)."""
         if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"tokens must be [B,T] int32/int64, got shape {tuple(tokens.shape)} dtype {tokens.dtype}")
         if not isinstance(ctx, PackedContext):
@@ -262,7 +263,7 @@ class HybridLM(nn.Module):
             raise ValueError(f"ctx is for [B,T] = {ctx.shape}, tokens are {tuple(tokens.shape)}")
         h = self.hidden(tokens, ctx)
         out = self.lm_head(self.norm(h), targets, return_logits=return_logits)
-        if targets is None or not self.mtp:
+        if targets is None or not self.mtp or not with_mtp:
             return ModelOutput(out.loss, out.logits, out.loss, None)
         # each depth's loss through the shared head, on the targets k ahead (ignored where i+k leaves i's document)
         ignore = self.lm_head.config.ignore_index

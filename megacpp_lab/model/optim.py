@@ -1,7 +1,9 @@
 """The optimizer of a training run: MasterWeightAdamW and the learning-rate schedule.
 
 MasterWeightAdamW: gradients into fp32 master weights, clip the global norm, fused AdamW on the masters, and
-the bf16 model weights rounded from them. Parameters a layer declares fp32 (`_fp32_params`: decays, RoPE
+the bf16 model weights rounded from them. The DSA indexers (nn/dsa.py) learn from their own KL loss alone, as
+DeepSeek-V3.2 trains them apart from the language model, so their gradients are clipped by their own norm: in the
+global norm they would shrink the language model's step whenever the indexer's loss moved, and the reverse. Parameters a layer declares fp32 (`_fp32_params`: decays, RoPE
 tables) are fp32 in the model and are their own masters. On a CPU in fp32 every parameter is its own master
 and nothing is copied. Under FSDP2 the masters are the local shards (DTensors), and the global norm sums
 over the mesh.
@@ -58,10 +60,12 @@ class MasterWeightAdamW:
                     groups.append(dict(params=params, weight_decay=config.weight_decay if decays else 0.0))
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused)
         self.grad_clip = config.grad_clip
+        # the DSA indexers' parameters: a clip group of their own (module docstring)
+        self.apart = [i for i, (n, _) in enumerate(self.named) if ".indexer." in f".{n}"]
 
     def step(self, lr: float) -> torch.Tensor:
-        """Gradients to the masters, clip, step, round back; returns the global gradient norm (before
-        clipping, a 0-dim fp32 tensor: no host sync).
+        """Gradients to the masters, clip, step, round back; returns the language model's global gradient norm
+        (before clipping, a 0-dim fp32 tensor: no host sync; the DSA indexers' gradients are clipped by their own).
 
         Under FSDP2 the sharded masters and their gradients are DTensors, and every op on a list of DTensors
         pays DTensor's dispatch on the host (about 10 ms a step for the norm, the clip and the fused AdamW of
@@ -71,11 +75,14 @@ class MasterWeightAdamW:
         for i in self.copied:
             g = self.named[i][1].grad
             self.masters[i].grad = None if g is None else g.float()
-        grads = [m.grad for m in self.masters if m.grad is not None]
+        apart = set(self.apart)
+        grads = [m.grad for i, m in enumerate(self.masters) if m.grad is not None and i not in apart]
         norm = _global_norm(grads)
-        if self.grad_clip > 0 and grads:  # scale by min(1, clip / norm) on the device: no host sync
-            factor = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(_local(grads), factor)
+        indexer = [self.masters[i].grad for i in self.apart if self.masters[i].grad is not None]
+        for group, group_norm in ((grads, norm), (indexer, _global_norm(indexer) if indexer else None)):
+            if self.grad_clip > 0 and group:  # scale by min(1, clip / norm) on the device: no host sync
+                factor = torch.clamp(self.grad_clip / (group_norm + 1e-6), max=1.0)
+                torch._foreach_mul_(_local(group), factor)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._adamw_step(lr)

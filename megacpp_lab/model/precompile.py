@@ -177,8 +177,15 @@ def manifest_path(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: tor
 
     key = repr((model_fingerprint(model), tuple(tokens.shape), str(tokens.dtype), str(tokens.device),
                 None if targets is None else tuple(targets.shape), _dynamic_marks(ctx), ctx.block_mask is not None,
-                os.environ.get("TRITON_CACHE_DIR")))  # fmt: skip
+                os.environ.get("TRITON_CACHE_DIR"), _dsa_phase(model)))  # fmt: skip
     return Path(cache_dir()) / "megacpp_precompiled" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def _dsa_phase(model: nn.Module) -> str | None:
+    """The phase the model's DSA indexers are in (the training loop sets it before the first step), or None."""
+    from megacpp_lab.nn.dsa import DSAIndexer
+
+    return next((m.phase for m in model.modules() if isinstance(m, DSAIndexer)), None)
 
 
 def precompile(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.Tensor | None = None) -> Precompile | None:
@@ -212,7 +219,8 @@ def precompile(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.
     torch.save({"config": model.config, "parallel": config, "device": tokens.device.type,
                 "tokens": tokens.cpu(), "targets": None if targets is None else targets.cpu(),
                 "doc_ids": ctx.doc_ids.cpu(),
-                "marks": _dynamic_marks(ctx), "block_mask": ctx.block_mask is not None}, spec)  # fmt: skip
+                "marks": _dynamic_marks(ctx), "block_mask": ctx.block_mask is not None,
+                "dsa_phase": _dsa_phase(model)}, spec)  # fmt: skip
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE.parent), *filter(None, [env.get("PYTHONPATH")])])
     # every worker's inductor compiles its Triton kernels on as many threads as this process: the processes'
@@ -292,6 +300,10 @@ def _worker(spec_path: str, blocks: list[int], report: Path, launched_at: float)
     with torch.device(device):
         model = HybridLM(spec["config"]).to(device)
     parallelize(model, parallel, device=device, fsdp=False)
+    if spec["dsa_phase"] is not None:  # a DSA layer compiles the phase the parent's first step runs
+        from megacpp_lab.nn.dsa import set_dsa_phase
+
+        set_dsa_phase(model, spec["dsa_phase"])
     built = time.time()
     model.blocks = nn.ModuleList(model.blocks[i] for i in blocks)  # after parallelize: the budgets are the model's
     ctx = build_context(spec["doc_ids"].to(device), block_mask=spec["block_mask"])

@@ -184,9 +184,9 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
         with torch.no_grad():
             for b in val_batches:
                 tokens, ctx, targets, share = rank_batch(b)
-                # the next-token loss alone: with MTP the training objective adds its modules' losses, and
-                # validation compares models with and without them
-                total += model(tokens, ctx, targets).lm_loss.double() * share
+                # the next-token loss alone (the MTP modules skipped): with MTP the training objective adds their
+                # losses, and validation compares models with and without them
+                total += model(tokens, ctx, targets, with_mtp=False).lm_loss.double() * share
         model.train()
         return float(all_reduce_sum(total, ranks)) / len(val_batches)
 
