@@ -349,7 +349,9 @@ class PackedContext:
             doc_ids=copy_to_device(self.doc_ids, device), positions=copy_to_device(self.positions, device),
             starts=copy_to_device(self.starts, device), cu_seqlens=cu_seqlens, cu_seqlens_host=self.cu_seqlens_host,
             seq_index=copy_to_device(self.seq_index, device), max_seqlen=self.max_seqlen,
-            block_mask=None if self.block_mask is None else self.block_mask.to(device),
+            # rebuilt, not moved: BlockMask.to moves its block tensors but its mask_mod keeps reading the doc_ids it
+            # captured where it was built (a host tensor, indexed from the device kernel)
+            block_mask=None if self.block_mask is None else doc_causal_block_mask(copy_to_device(self.doc_ids, device)),
         )  # fmt: skip
 
     @classmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from megacpp_lab.kernels.dsa_sparse import (
     select_thresholds,
@@ -96,7 +96,9 @@ def test_flex_returns_a_natural_log_sum_exp_over_the_sparse_block_mask():
     thr, cut = select_thresholds_reference(scores, starts, 9)  # the selection is the other tests'
     sel = selection_from_thresholds(scores, starts, thr, cut)
     with torch.no_grad():
-        out, lse = flex_attention(q, k, v, block_mask=sparse_block_mask(starts, scores, thr, cut), scale=0.3, return_lse=True)
+        out, aux = flex_attention(q, k, v, block_mask=sparse_block_mask(starts, scores, thr, cut), scale=0.3,
+                                  return_aux=AuxRequest(lse=True))
+    lse = aux.lse
     s = (torch.einsum("bhtd,bhsd->bhts", q, k) * 0.3).masked_fill(~sel[:, None], float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, torch.softmax(s, -1) @ v, rtol=1e-5, atol=1e-5)
@@ -181,28 +183,32 @@ def test_cuda_selection_matches_the_sort_at_real_shapes(T, docs, top_k):
 @pytest.mark.cuda
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cuda_flex_layer_forward_and_backward_match_the_reference(compiled):
-    """bf16 at T=1024 over 5 documents: the flex path (compiled or not) against the reference path run in fp32 with
-    the same weights: outputs, the input's gradient and the indexer's gradient (its KL)."""
+    """bf16 at T=1024 over 5 documents: the flex path (compiled or not) against the reference path with the same
+    weights on the same bf16 input (the same Triton indexer scores, so the same selection): outputs, the input's
+    gradient and the indexer's gradient (its KL), in both phases."""
     B, T = 2, 1024
     doc_ids, _ = _layout(B, T, 5, seed=11)
     ctx = build_context(doc_ids).to("cuda")
     cfg = MLAConfig.build(d_model=256, n_heads=4, q_lora_rank=128, kv_lora_rank=64, d_nope=64, d_rope=32, d_v=64,
                           max_positions=T)  # fmt: skip
     torch.manual_seed(0)
-    dsa = dict(d_model=256, n_heads=2, head_dim=32, top_k=96)
-    fast = MultiLatentAttention(cfg, dsa=DSAConfig.build(**dsa, attn_impl="flex")).cuda().train()
-    ref = MultiLatentAttention(cfg, dsa=DSAConfig.build(**dsa, attn_impl="reference", score_impl="triton")).cuda().train()
+    dsa = dict(d_model=256, n_heads=2, head_dim=32, top_k=96, score_impl="triton")
+    fast = MultiLatentAttention(cfg, dsa=DSAConfig.build(**dsa, attn_impl="flex")).cuda().bfloat16().train()
+    ref = MultiLatentAttention(cfg, dsa=DSAConfig.build(**dsa, attn_impl="reference")).cuda().bfloat16().train()
     ref.load_state_dict(fast.state_dict())
-    x = torch.randn(B, T, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    xb = x.bfloat16().requires_grad_(True)
-    run = torch.compile(fast.bfloat16(), fullgraph=True) if compiled else fast.bfloat16()
-    out = run(xb, ctx=ctx)
-    out.float().square().mean().backward()
-    xr = xb.detach().float().requires_grad_(True)
-    ref_out = ref(xr, ctx=ctx)
-    ref_out.square().mean().backward()
-    assert (out.float() - ref_out).abs().max() < 3e-2 * ref_out.abs().max()
-    assert (xb.grad.float() - xr.grad).norm() < 5e-2 * xr.grad.norm()
-    for name, p in ref.indexer.named_parameters():
-        mine = dict(fast.indexer.named_parameters())[name].grad.float()
-        assert (mine - p.grad).norm() < 1e-1 * p.grad.norm(), name
+    run = torch.compile(fast, fullgraph=True) if compiled else fast
+    x = torch.randn(B, T, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+    for phase in ("sparse", "warmup"):
+        set_dsa_phase(fast, phase), set_dsa_phase(ref, phase)
+        fast.zero_grad(), ref.zero_grad()
+        grads = []
+        for layer, module in ((run, fast), (ref, ref)):
+            xi = x.clone().requires_grad_(True)
+            out = layer(xi, ctx=ctx)
+            out.float().square().mean().backward()
+            grads.append((out.float(), xi.grad.float(), {n: p.grad.float() for n, p in module.indexer.named_parameters()}))
+        (out, gx, gi), (ref_out, ref_gx, ref_gi) = grads
+        assert (out - ref_out).abs().max() < 2e-2 * ref_out.abs().max(), phase
+        assert (gx - ref_gx).norm() < 3e-2 * ref_gx.norm(), phase
+        for name, g in ref_gi.items():
+            assert g.norm() > 0 and (gi[name] - g).norm() < 5e-2 * g.norm(), (phase, name)

@@ -155,7 +155,7 @@ def _rows(s: DSAShape, device: str, dtype: torch.dtype, names: tuple[str, ...], 
 def _part_rows(s: DSAShape, device: str, dtype: torch.dtype, steps: int) -> list[dict[str, Any]]:
     """The DSA layer's own work timed alone, eagerly (custom ops: the same kernels compiled or not): the indexer's
     scores forward+backward, the top-k selection, and the KL forward+backward."""
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     from megacpp_lab.kernels.dsa_sparse import select_thresholds, sparse_kl
     from megacpp_lab.nn.dsa import sparse_block_mask
@@ -178,10 +178,11 @@ def _part_rows(s: DSAShape, device: str, dtype: torch.dtype, steps: int) -> list
     thr, cut = select_thresholds(scores, starts, s.top_k)
     attend = torch.compile(flex_attention) if device == "cuda" else flex_attention  # eager: the CPU smoke run
     with torch.no_grad():
-        _, lse = attend(q.transpose(1, 2).contiguous(), key.transpose(1, 2).contiguous(),
+        _, aux = attend(q.transpose(1, 2).contiguous(), key.transpose(1, 2).contiguous(),
                                                value.transpose(1, 2).contiguous(),
                                                block_mask=sparse_block_mask(starts, scores, thr, cut), scale=scale,
-                                               return_lse=True)  # fmt: skip
+                                               return_aux=AuxRequest(lse=True))  # fmt: skip
+    lse = aux.lse
     leaf = scores.clone().requires_grad_(True)
 
     def kl() -> None:

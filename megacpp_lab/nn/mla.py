@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from megacpp_lab.checks import check_ints, config_error
@@ -455,7 +455,8 @@ class MultiLatentAttention(nn.Module):
             cut = torch.full((B, T), T - 1, dtype=torch.int32, device=x.device)
         block_mask = sparse_block_mask(starts, scores, thr, cut)
         q_h, k_h, v_h = (t.transpose(1, 2).contiguous() for t in (q, key, value))
-        out, lse = flex_attention(q_h, k_h, v_h, block_mask=block_mask, scale=scale, return_lse=True)
+        out, aux = flex_attention(q_h, k_h, v_h, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+        lse = aux.lse
         out = out.transpose(1, 2)
         if not train_kl:
             return out
