@@ -15,6 +15,7 @@ Layout contract (docs/design.md, "Packed rows"):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,6 +354,13 @@ class PackedContext:
             # captured where it was built (a host tensor, indexed from the device kernel)
             block_mask=None if self.block_mask is None else doc_causal_block_mask(copy_to_device(self.doc_ids, device)),
         )  # fmt: skip
+
+    def with_block_mask(self) -> PackedContext:
+        """This context with its flex block mask (doc_causal_block_mask, built where its doc_ids live), or itself
+        when it has one. Eager only: called inside a compiled region it raises, as the mask builder does."""
+        if self.block_mask is not None:
+            return self
+        return dataclasses.replace(self, block_mask=doc_causal_block_mask(self.doc_ids))
 
     @classmethod
     def from_batch(cls, batch: Any, *, block_mask: bool = False) -> PackedContext:

@@ -20,10 +20,10 @@ from megacpp_lab.kernels.dsa_sparse import (
 )
 from megacpp_lab.model.config import hybrid_preset
 from megacpp_lab.model.hybrid import HybridLM
-from megacpp_lab.nn.dsa import DSAConfig, document_starts, set_dsa_phase, sparse_block_mask
+from megacpp_lab.nn.dsa import DSAConfig, document_starts, selection_score_mod, set_dsa_phase
 from megacpp_lab.nn.mla import FlexNotProvenError, MLAConfig, MultiLatentAttention
 from megacpp_lab.testing import model_leak_report, wake_zero_initialised
-from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
+from megacpp_lab.varlen import build_context, doc_causal_block_mask, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
 MLA = dict(d_model=64, n_heads=2, q_lora_rank=32, kv_lora_rank=32, d_nope=16, d_rope=16, d_v=16, max_positions=512,
            rope_impl="reference")  # fmt: skip
@@ -87,7 +87,7 @@ def test_the_fused_kl_and_its_gradient_are_the_materialised_ones(H, top_k):
     assert not bool(mine.grad.masked_select(~sel).any())  # unselected keys get no gradient
 
 
-def test_flex_returns_a_natural_log_sum_exp_over_the_sparse_block_mask():
+def test_flex_returns_a_natural_log_sum_exp_over_the_documents_and_the_selection():
     B, T = 2, 160  # two flex blocks: the block structure is walked, not one tile
     doc_ids, starts = _layout(B, T, 3, seed=9)
     g = torch.Generator().manual_seed(9)
@@ -96,8 +96,8 @@ def test_flex_returns_a_natural_log_sum_exp_over_the_sparse_block_mask():
     thr, cut = select_thresholds_reference(scores, starts, 9)  # the selection is the other tests'
     sel = selection_from_thresholds(scores, starts, thr, cut)
     with torch.no_grad():
-        out, aux = flex_attention(q, k, v, block_mask=sparse_block_mask(starts, scores, thr, cut), scale=0.3,
-                                  return_aux=AuxRequest(lse=True))
+        out, aux = flex_attention(q, k, v, score_mod=selection_score_mod(scores, thr, cut),
+                                  block_mask=doc_causal_block_mask(doc_ids), scale=0.3, return_aux=AuxRequest(lse=True))
     lse = aux.lse
     s = (torch.einsum("bhtd,bhsd->bhts", q, k) * 0.3).masked_fill(~sel[:, None], float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)

@@ -336,8 +336,8 @@ of the same weights in its sparse and its warm-up phase; forward and forward+bac
 the spread; then the DSA layer's parts alone: the indexer's scores forward+backward, the top-k selection, the KL
 forward+backward. The bar: the DSA layer's forward+backward at most 0.5x the dense sdpa layer's, its indexer's
 time reported.
-Sweep: the dense and sparse contenders at B=4 x T=4096, T=8192, T=16384 with 1 and with 32 documents, T=32768;
-no bar.
+Sweep: the dense and sparse contenders at B=4 x T=4096 (8 documents per row), and at T=16384 with 1 and with 32
+documents; no bar.
 MTP: two training runs (`megacpp-lab train`'s loop, regionally compiled) of the stack preset (its DSA layer, MTP)
 at B=4 x T=4096 on the installed torch's C++ headers for 150 steps, with mtp_depth 1 and 0: the steady step time
 and peak memory of each (the bar: MTP at most +15%), then the depth-1 drafts' acceptance rate on the held-out files.

@@ -51,11 +51,10 @@ class DSAShape:
 
 
 DSA_SHAPE = DSAShape(B=1, T=16384, docs=8, top_k=2048)
-# lengths, document counts and batch sizes the bar does not name: one long document (the selection prunes most),
-# many short ones (it prunes nothing), a batch of four, twice the length
-DSA_SWEEP = (DSAShape(B=4, T=4096, docs=8, top_k=2048), DSAShape(B=1, T=8192, docs=8, top_k=2048),
-             DSAShape(B=1, T=16384, docs=1, top_k=2048), DSAShape(B=1, T=16384, docs=32, top_k=2048),
-             DSAShape(B=1, T=32768, docs=8, top_k=2048))  # fmt: skip
+# document counts and batch sizes the bar does not name: a batch of four at T=4096, one long document (the
+# selection prunes most), many short ones (it prunes nothing)
+DSA_SWEEP = (DSAShape(B=4, T=4096, docs=8, top_k=2048), DSAShape(B=1, T=16384, docs=1, top_k=2048),
+             DSAShape(B=1, T=16384, docs=32, top_k=2048))  # fmt: skip
 SMALL_SHAPE = DSAShape(B=2, T=256, docs=3, top_k=48)
 SMALL_SWEEP = (DSAShape(B=1, T=256, docs=1, top_k=48),)
 
@@ -158,7 +157,7 @@ def _part_rows(s: DSAShape, device: str, dtype: torch.dtype, steps: int) -> list
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     from megacpp_lab.kernels.dsa_sparse import select_thresholds, sparse_kl
-    from megacpp_lab.nn.dsa import sparse_block_mask
+    from megacpp_lab.nn.dsa import selection_score_mod
 
     layer = _contenders(s, device, dtype, (DSA_SPARSE,))[DSA_SPARSE]
     x, ctx = _batch(s, device, dtype, layer.config.d_model)
@@ -179,9 +178,8 @@ def _part_rows(s: DSAShape, device: str, dtype: torch.dtype, steps: int) -> list
     attend = torch.compile(flex_attention) if device == "cuda" else flex_attention  # eager: the CPU smoke run
     with torch.no_grad():
         _, aux = attend(q.transpose(1, 2).contiguous(), key.transpose(1, 2).contiguous(),
-                                               value.transpose(1, 2).contiguous(),
-                                               block_mask=sparse_block_mask(starts, scores, thr, cut), scale=scale,
-                                               return_aux=AuxRequest(lse=True))  # fmt: skip
+                        value.transpose(1, 2).contiguous(), score_mod=selection_score_mod(scores, thr, cut),
+                        block_mask=ctx.block_mask, scale=scale, return_aux=AuxRequest(lse=True))  # fmt: skip
     lse = aux.lse
     leaf = scores.clone().requires_grad_(True)
 

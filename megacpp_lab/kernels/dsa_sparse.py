@@ -92,58 +92,61 @@ def _order_key(v):
 
 
 @triton.jit
-def _select_kernel(s_ptr, start_ptr, thr_ptr, cut_ptr, T, TOP_K, BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr):
-    # BLOCK_Q consecutive queries per program (mostly one document: their allowed ranges nearly coincide), each
-    # query's row walked in BLOCK-key chunks over its allowed range only
+def _digit_counts(row, lo, t, prefix, prefix_mask, shift, BLOCK: tl.constexpr):
+    """Counts [256] of byte `shift` of the order keys of row[lo..t] whose higher bytes equal prefix."""
+    counts = tl.zeros((256,), dtype=tl.int32)
+    for c0 in range(lo, t + 1, BLOCK):
+        idx = c0 + tl.arange(0, BLOCK)
+        m = idx <= t
+        key = _order_key(tl.load(row + idx, mask=m, other=0.0))
+        match = m & ((key & prefix_mask) == prefix)
+        digit = tl.where(match, (key >> shift) & 255, 0).to(tl.int32)
+        counts += tl.histogram(digit, 256)
+        counts -= tl.where(tl.arange(0, 256) == 0, tl.sum((~match).to(tl.int32), axis=0), 0)  # the unmatched sat in bin 0
+    return counts
+
+
+@triton.jit
+def _select_kernel(s_ptr, start_ptr, thr_ptr, cut_ptr, T, TOP_K, BLOCK: tl.constexpr):
+    # one query per program; its row read over its allowed range [start, t] only, five times: a radix select of
+    # the TOP_K-th largest key one byte at a time (four passes of 256-bin counts), then the ties' cut
+    t = tl.program_id(0)
     b = tl.program_id(1)
-    rq = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    mq = rq < T
-    st = tl.load(start_ptr + b * T + rq, mask=mq, other=0).to(tl.int32)
-    pick = mq & (rq - st + 1 > TOP_K)  # the queries with more allowed keys than they keep
-    thr = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
-    cut = tl.full((BLOCK_Q,), 0, tl.int32) + (T - 1)
-    if tl.sum(pick.to(tl.int32), axis=0) > 0:
-        lo = tl.min(tl.where(pick, st, T), axis=0)
-        hi = tl.max(tl.where(pick, rq, -1), axis=0) + 1
-        rows = s_ptr + (b * T + rq).to(tl.int64) * T
-        # radix select: the largest key `prefix` with at least TOP_K allowed keys >= it is the TOP_K-th largest
-        prefix = tl.zeros((BLOCK_Q,), dtype=tl.uint32)
-        bit = tl.full((), 0x80000000, tl.uint32)
-        for _ in range(32):
-            trial = prefix | bit
-            bit = bit >> 1
-            count = tl.zeros((BLOCK_Q,), dtype=tl.int32)
-            for c0 in range(lo, hi, BLOCK):
-                idx = c0 + tl.arange(0, BLOCK)
-                m = pick[:, None] & (idx[None, :] >= st[:, None]) & (idx[None, :] <= rq[:, None])
-                key = _order_key(tl.load(rows[:, None] + idx[None, :], mask=m, other=0.0))
-                count += tl.sum((m & (key >= trial[:, None])).to(tl.int32), axis=1)
-            prefix = tl.where(count >= TOP_K, trial, prefix)
-        # the ties at prefix: keep the lowest-index ones until TOP_K keys are kept
-        greater = tl.zeros((BLOCK_Q,), dtype=tl.int32)
-        for c0 in range(lo, hi, BLOCK):
+    lo = tl.load(start_ptr + b * T + t).to(tl.int32)
+    row = s_ptr + (b * T + t).to(tl.int64) * T
+    if t - lo + 1 <= TOP_K:  # every allowed key is kept
+        tl.store(thr_ptr + b * T + t, float("-inf"))
+        tl.store(cut_ptr + b * T + t, T - 1)
+    else:
+        bins = tl.arange(0, 256)
+        prefix = tl.zeros((), dtype=tl.uint32)
+        prefix_mask = tl.zeros((), dtype=tl.uint32)
+        need = TOP_K  # keys still to take at or below the prefix
+        shift = tl.full((), 24, tl.uint32)
+        for _ in range(4):
+            counts = _digit_counts(row, lo, t, prefix, prefix_mask, shift, BLOCK)
+            at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # keys with digit >= bin
+            digit = tl.max(tl.where(at_or_above >= need, bins, -1), axis=0)
+            need -= tl.sum(tl.where(bins == digit, at_or_above - counts, 0), axis=0)  # those strictly above it
+            prefix = prefix | (digit.to(tl.uint32) << shift)
+            prefix_mask = prefix_mask | (tl.full((), 255, tl.uint32) << shift)
+            shift = tl.where(shift >= 8, shift - 8, shift)
+        # prefix is the TOP_K-th largest key; keep the `need` lowest-index keys equal to it
+        seen = tl.zeros((), dtype=tl.int32)
+        cut = tl.full((), -1, tl.int32)
+        thr = tl.zeros((), dtype=tl.float32)
+        for c0 in range(lo, t + 1, BLOCK):
             idx = c0 + tl.arange(0, BLOCK)
-            m = pick[:, None] & (idx[None, :] >= st[:, None]) & (idx[None, :] <= rq[:, None])
-            key = _order_key(tl.load(rows[:, None] + idx[None, :], mask=m, other=0.0))
-            greater += tl.sum((m & (key > prefix[:, None])).to(tl.int32), axis=1)
-        need = TOP_K - greater
-        seen = tl.zeros((BLOCK_Q,), dtype=tl.int32)
-        found = tl.full((BLOCK_Q,), -1, tl.int32)
-        value = tl.zeros((BLOCK_Q,), dtype=tl.float32)
-        for c0 in range(lo, hi, BLOCK):
-            idx = c0 + tl.arange(0, BLOCK)
-            m = pick[:, None] & (idx[None, :] >= st[:, None]) & (idx[None, :] <= rq[:, None])
-            v = tl.load(rows[:, None] + idx[None, :], mask=m, other=0.0)
-            tie = m & (_order_key(v) == prefix[:, None])
-            rank = tl.cumsum(tie.to(tl.int32), axis=1) + seen[:, None]
-            hit = tie & (rank == need[:, None])
-            found = tl.maximum(found, tl.max(tl.where(hit, idx[None, :], -1), axis=1))
-            value += tl.sum(tl.where(hit, v, 0.0), axis=1)
-            seen += tl.sum(tie.to(tl.int32), axis=1)
-        thr = tl.where(pick, value, thr)
-        cut = tl.where(pick, found, cut)
-    tl.store(thr_ptr + b * T + rq, thr, mask=mq)
-    tl.store(cut_ptr + b * T + rq, cut, mask=mq)
+            m = idx <= t
+            v = tl.load(row + idx, mask=m, other=0.0)
+            tie = m & (_order_key(v) == prefix)
+            rank = tl.cumsum(tie.to(tl.int32), axis=0) + seen
+            hit = tie & (rank == need)
+            cut = tl.maximum(cut, tl.max(tl.where(hit, idx, -1), axis=0))
+            thr += tl.sum(tl.where(hit, v, 0.0), axis=0)
+            seen += tl.sum(tie.to(tl.int32), axis=0)
+        tl.store(thr_ptr + b * T + t, thr)
+        tl.store(cut_ptr + b * T + t, cut)
 
 
 @torch.library.custom_op("megacpp::dsa_select", mutates_args=())
@@ -151,8 +154,8 @@ def _select_op(scores: torch.Tensor, starts: torch.Tensor, top_k: int) -> tuple[
     B, T = scores.shape[:2]
     thr = torch.empty(B, T, device=scores.device, dtype=torch.float32)
     cut = torch.empty(B, T, device=scores.device, dtype=torch.int32)
-    bq, block = (16, 256) if TRITON_INTERPRET else (16, 128)  # the interpreter pays per op, not per element
-    _select_kernel[(triton.cdiv(T, bq), B)](scores, starts, thr, cut, T, top_k, BLOCK_Q=bq, BLOCK=block, num_warps=4)
+    block = 256 if TRITON_INTERPRET else 1024
+    _select_kernel[(T, B)](scores, starts, thr, cut, T, top_k, BLOCK=block, num_warps=4)
     return thr, cut
 
 

@@ -261,6 +261,7 @@ class HybridLM(nn.Module):
                             f"got {type(ctx).__name__}")  # fmt: skip
         if ctx.shape != tuple(tokens.shape):
             raise ValueError(f"ctx is for [B,T] = {ctx.shape}, tokens are {tuple(tokens.shape)}")
+        ctx = self.attention_context(ctx)
         h = self.hidden(tokens, ctx)
         out = self.lm_head(self.norm(h), targets, return_logits=return_logits)
         if targets is None or not self.mtp or not with_mtp:
@@ -272,8 +273,23 @@ class HybridLM(nn.Module):
         mtp = torch.stack(losses)
         return ModelOutput(out.loss + self.config.mtp_loss_weight * mtp.mean(), out.logits, out.loss, mtp)
 
+    @property
+    def needs_block_mask(self) -> bool:
+        """Whether an attention layer reads the batch's flex block mask: a DSA layer's flex path, or MLA's flex."""
+        c = self.config
+        return bool(c.dsa_layers and c.dsa.attn_impl != "reference") or ("A" in c.blocks and c.mla.attn_impl == "flex")
+
+    def attention_context(self, ctx: PackedContext) -> PackedContext:
+        """ctx with the flex block mask built (once per batch, here, outside the compiled blocks) when the model
+        has a layer that reads it and ctx has none (needs_block_mask); else ctx as given. On a CPU, where those
+        layers take their reference or eager path, nothing is built."""
+        if not self.needs_block_mask or ctx.block_mask is not None or ctx.doc_ids.device.type != "cuda":
+            return ctx
+        return ctx.with_block_mask()
+
     def hidden(self, tokens: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         """The stack's output [B,T,d] before the final norm (mHC's streams collapsed)."""
+        ctx = self.attention_context(ctx)
         x = self.embed(tokens)
         if self.config.mhc:
             x = expand_streams(x, self.config.hyper.n_streams)
@@ -284,6 +300,7 @@ class HybridLM(nn.Module):
     def mtp_hiddens(self, h: torch.Tensor, tokens: torch.Tensor, ctx: PackedContext) -> list[torch.Tensor]:
         """Each MTP depth's hidden state h^k [B,T,d] in order, from the stack's output h (hidden()): position i
         of depth k has read the tokens up to i+k of i's document, none of another."""
+        ctx = self.attention_context(ctx)
         out = []
         for module in self.mtp:
             ahead, same = tokens_ahead(tokens, ctx.doc_ids, module.depth, self.config.pad_id)

@@ -21,9 +21,9 @@ carried into the backward on the layer's output (attach_loss), as V3.2 trains it
 
 Two paths (DSAConfig.attn_impl; "auto" takes the fast one on CUDA, the reference elsewhere):
     "flex"       the selection as one (threshold, cut) pair per query (kernels/dsa_sparse.py's Triton radix select,
-                 reading only each query's document), the attention through flex over the documents' causal
-                 blocks (sparse_block_mask, built from the doc ids in the layer, every block masked by the selection),
-                 and the KL recomputing the attention's probabilities from flex's log-sum-exp a tile at a time
+                 reading only each query's document), the attention through flex over the batch's document block
+                 mask (the context's, built outside any compiled region; HybridLM builds it when its layers need
+                 one) with the selection as a score_mod (selection_score_mod), and the KL recomputing the attention's probabilities from flex's log-sum-exp a tile at a time
                  (kernels/dsa_sparse.py's sparse_kl): no [B,T,T] mask, no [B,H,T,T] slab. The indexer's scores are
                  still a [B,T,T] fp32 tensor (kernels/dsa_indexer.py), and so is their gradient.
     "reference"  the selection by a stable sort (selection_mask), MLA's scores materialised per batch ([B,H,T,T]
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,15 +45,13 @@ import torch
 from torch import nn
 
 from megacpp_lab.checks import check_ints, config_error, is_int
-from torch.nn.attention.flex_attention import BlockMask
-
 from megacpp_lab.kernels.dsa_indexer import indexer_scores, indexer_scores_reference
 from megacpp_lab.kernels.dsa_sparse import select_thresholds_reference, selection_from_thresholds
 from megacpp_lab.nn.config_builder import build_config
-from megacpp_lab.varlen import FLEX_BLOCK, positions_from_doc_ids
+from megacpp_lab.varlen import positions_from_doc_ids
 
 __all__ = ["DSA_ATTN_IMPLS", "DSA_PHASES", "DSAConfig", "DSAIndexer", "document_starts", "dsa_attention", "indexer_kl",
-           "selection_mask", "set_dsa_phase", "sparse_block_mask"]  # fmt: skip
+           "selection_mask", "selection_score_mod", "set_dsa_phase"]  # fmt: skip
 
 DSA_PHASES = ("warmup", "sparse")
 SCORE_IMPLS = ("auto", "triton", "reference")
@@ -147,28 +146,19 @@ def selection_mask(scores: torch.Tensor, top_k: int, doc_ids: torch.Tensor) -> t
     return selection_from_thresholds(scores, starts, *select_thresholds_reference(scores, starts, top_k))
 
 
-def sparse_block_mask(starts: torch.Tensor, scores: torch.Tensor, thr: torch.Tensor, cut: torch.Tensor) -> BlockMask:
-    """The flex BlockMask of a DSA layer: the blocks that hold some query's document keys (kv block kb <= query
-    block qb, and kb's last token in a document not before qb's first token's), every one of them partial, and
-    the mask the selection (thr, cut) of kernels/dsa_sparse.py: key s of query t iff starts[t] <= s <= t and
-    (scores[t,s] > thr[t] or scores[t,s] == thr[t] and s <= cut[t]). Built from plain tensor ops (no
-    create_block_mask), so it may be built inside a compiled region; scores are read detached."""
-    B, T = starts.shape
-    n = -(-T // FLEX_BLOCK)
-    blk = torch.arange(n, device=starts.device)
-    first = starts[:, blk * FLEX_BLOCK].to(torch.int64)  # [B,n] each query block's earliest document start
-    last = torch.clamp((blk + 1) * FLEX_BLOCK, max=T) - 1  # [n] each kv block's last token
-    active = (blk[None, None, :] <= blk[None, :, None]) & (last[None, None, :] >= first[:, :, None])  # [B,qb,kb]
-    order = torch.argsort((~active).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # active blocks first
+def selection_score_mod(scores: torch.Tensor, thr: torch.Tensor, cut: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The flex score_mod of a DSA layer: a key the selection (thr, cut) of kernels/dsa_sparse.py drops scores -inf
+    (key s of query t kept iff scores[t,s] > thr[t], or scores[t,s] == thr[t] and s <= cut[t]). The documents and
+    causality are the block mask's (the batch's doc_causal_block_mask, built outside any compiled region): a
+    score_mod applies on every block it computes, full blocks too. scores are read detached."""
     scores = scores.detach()
 
-    def selected(b, h, q_idx, kv_idx):
-        score, th = scores[b, q_idx, kv_idx], thr[b, q_idx]
-        chosen = (score > th) | ((score == th) & (kv_idx <= cut[b, q_idx]))
-        return (kv_idx <= q_idx) & (kv_idx >= starts[b, q_idx]) & chosen
+    def keep_selected(score, b, h, q_idx, kv_idx):
+        picked, th = scores[b, q_idx, kv_idx], thr[b, q_idx]
+        chosen = (picked > th) | ((picked == th) & (kv_idx <= cut[b, q_idx]))
+        return torch.where(chosen, score, float("-inf"))
 
-    return BlockMask.from_kv_blocks(active.sum(-1, dtype=torch.int32)[:, None], order[:, None], BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=selected, seq_lengths=(T, T))  # fmt: skip
+    return keep_selected
 
 
 def indexer_kl(attn_probs: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

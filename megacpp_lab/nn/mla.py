@@ -57,7 +57,7 @@ from megacpp_lab.nn.dsa import (
     dsa_attention,
     indexer_kl,
     selection_mask,
-    sparse_block_mask,
+    selection_score_mod,
 )
 from megacpp_lab.nn.primitives import attach_loss
 from megacpp_lab.nn.rope_freqs import RopeScaling, rope_cos_sin
@@ -439,23 +439,30 @@ class MultiLatentAttention(nn.Module):
             return attach_loss(out, dsa.loss_weight * indexer_kl(probs, scores, mask)) if train_kl else out
         compiling = torch.compiler.is_compiling()
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
-        reason = flex_refusal(q.device, q.dtype, compiled=compiling, grad=grad, seq_len=T, has_block_mask=True)
+        block_mask = ctx.block_mask if ctx is not None else None
+        reason = flex_refusal(q.device, q.dtype, compiled=compiling, grad=grad, seq_len=T,
+                              has_block_mask=block_mask is not None)  # fmt: skip
         if reason is not None:
             reason = "a DSA layer's flex path (DSAConfig.attn_impl): " + reason.replace(
                 "attn_impl='sdpa'", "DSAConfig.attn_impl='reference'")
             if compiling:
                 _refuse_compiled(reason)
             raise FlexNotProvenError(reason)
+        if block_mask is None:  # eager only (flex_refusal): built here
+            block_mask = doc_causal_block_mask(ctx.doc_ids if ctx is not None else None, batch=B, seq_len=T,
+                                               device=x.device)  # fmt: skip
         starts = document_starts(None if ctx is None else ctx.doc_ids, None if ctx is None else ctx.positions, B, T,
                                  x.device)  # fmt: skip
         if sparse:
             thr, cut = select_thresholds(scores, starts, dsa.top_k)
-        else:  # the warm-up keeps every allowed key
+            score_mod = selection_score_mod(scores, thr, cut)
+        else:  # the warm-up keeps every allowed key: the block mask alone
             thr = torch.full((B, T), float("-inf"), device=x.device)
             cut = torch.full((B, T), T - 1, dtype=torch.int32, device=x.device)
-        block_mask = sparse_block_mask(starts, scores, thr, cut)
+            score_mod = None
         q_h, k_h, v_h = (t.transpose(1, 2).contiguous() for t in (q, key, value))
-        out, aux = flex_attention(q_h, k_h, v_h, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+        out, aux = flex_attention(q_h, k_h, v_h, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                  return_aux=AuxRequest(lse=True))  # fmt: skip
         lse = aux.lse
         out = out.transpose(1, 2)
         if not train_kl:
