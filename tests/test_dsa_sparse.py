@@ -188,7 +188,7 @@ def test_cuda_flex_layer_forward_and_backward_match_the_reference(compiled):
     gradient and the indexer's gradient (its KL), in both phases."""
     B, T = 2, 1024
     doc_ids, _ = _layout(B, T, 5, seed=11)
-    ctx = build_context(doc_ids).to("cuda")
+    ctx = build_context(doc_ids).to("cuda").with_block_mask()  # built outside the compiled layer, as HybridLM does
     cfg = MLAConfig.build(d_model=256, n_heads=4, q_lora_rank=128, kv_lora_rank=64, d_nope=64, d_rope=32, d_v=64,
                           max_positions=T)  # fmt: skip
     torch.manual_seed(0)
