@@ -339,12 +339,12 @@ time reported.
 Sweep: the dense and sparse contenders at B=4 x T=4096 (8 documents per row), and at T=16384 with 1 and with 32
 documents; no bar.
 MTP: two training runs (`megacpp-lab train`'s loop, regionally compiled) of the stack preset (its DSA layer, MTP)
-at B=4 x T=4096 on the installed torch's C++ headers for 150 steps, with mtp_depth 1 and 0: the steady step time
+at B=4 x T=4096 on the installed torch's C++ headers for 120 steps, with mtp_depth 1 and 0: the steady step time
 and peak memory of each (the bar: MTP at most +15%), then the depth-1 drafts' acceptance rate on the held-out files.
 Receipts under <out>/<device-slug>/attention/: dsa_layer.json, dsa_sweep.json, mtp_stack.json.
 MEGACPP_BENCH_ATTENTION_PARTS=dsa or =mtp runs one part (a ten-minute device call holds one).
 Run time on an H200: the DSA part about 5 minutes cold (each shape compiles each contender), the MTP part about
-7 minutes (two cold compiles of the stack preset, then 150 steps each).
+6 minutes (two compiles of the stack preset, then 120 steps each).
 --small (CPU: the tiny preset's attention at T=256 with the DSA reference path, and two 6-step tiny training runs
 of an A and an E block on 80 header files): under a minute.""",
             triton_on_cpu=True,

@@ -262,7 +262,7 @@ class MTPRun:
     val_batches: int
 
 
-MTP_RUN = MTPRun(preset="stack", batch_size=4, seq_len=4096, steps=150, dsa_warmup_steps=10, max_files=None, val_batches=4)
+MTP_RUN = MTPRun(preset="stack", batch_size=4, seq_len=4096, steps=120, dsa_warmup_steps=10, max_files=None, val_batches=4)
 SMALL_MTP_RUN = MTPRun(preset="tiny", batch_size=2, seq_len=128, steps=6, dsa_warmup_steps=2, max_files=80, val_batches=1)
 
 
