@@ -25,6 +25,8 @@ from megacpp_lab.nn.mla import FlexNotProvenError, MLAConfig, MultiLatentAttenti
 from megacpp_lab.testing import model_leak_report, wake_zero_initialised
 from megacpp_lab.varlen import build_context, doc_causal_block_mask, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
+# the kernels run on the GPU where there is one (CUDA tensors), else under the interpreter (CPU tensors)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MLA = dict(d_model=64, n_heads=2, q_lora_rank=32, kv_lora_rank=32, d_nope=16, d_rope=16, d_v=16, max_positions=512,
            rope_impl="reference")  # fmt: skip
 
@@ -47,11 +49,12 @@ def _tied_scores(B: int, T: int, seed: int) -> torch.Tensor:
 def test_the_triton_selection_is_the_stable_sorts(B, T, docs, top_k):
     doc_ids, starts = _layout(B, T, docs, seed=T + top_k)
     scores = _tied_scores(B, T, seed=top_k)
+    doc_ids, starts, scores = doc_ids.to(DEV), starts.to(DEV), scores.to(DEV)
     ref = select_thresholds_reference(scores, starts, top_k)
     got = select_thresholds(scores, starts, top_k)
     mask = selection_from_thresholds(scores, starts, *got)
     assert torch.equal(mask, selection_from_thresholds(scores, starts, *ref))
-    allowed = (torch.arange(T) - starts + 1)  # each query's allowed keys
+    allowed = (torch.arange(T, device=DEV) - starts + 1)  # each query's allowed keys
     assert torch.equal(mask.sum(-1), allowed.clamp(max=top_k))  # exactly top_k kept, ties or not
     for b, t in ((0, T // 2), (B - 1, T - 1)):  # ties go to the lower index
         kept = mask[b, t].nonzero().flatten()
@@ -69,8 +72,8 @@ def test_the_fused_kl_and_its_gradient_are_the_materialised_ones(H, top_k):
     B, T, scale = 2, 48, 0.3
     _, starts = _layout(B, T, 4, seed=H)
     g = torch.Generator().manual_seed(H)
-    q, k = torch.randn(B, T, H, 32, generator=g), torch.randn(B, T, H, 32, generator=g)
-    scores = torch.randn(B, T, T, generator=g)
+    q, k = torch.randn(B, T, H, 32, generator=g).to(DEV), torch.randn(B, T, H, 32, generator=g).to(DEV)
+    scores, starts = torch.randn(B, T, T, generator=g).to(DEV), starts.to(DEV)
     thr, cut = select_thresholds(scores, starts, top_k)
     sel = selection_from_thresholds(scores, starts, thr, cut)
     s = torch.einsum("bthd,bshd->bhts", q, k) * scale
@@ -80,7 +83,7 @@ def test_the_fused_kl_and_its_gradient_are_the_materialised_ones(H, top_k):
     kl_ref = sparse_kl_reference(q, k, lse, ref, sel, scale)
     torch.testing.assert_close(kl, kl_ref, rtol=1e-5, atol=2e-6)
     assert kl_ref.max() > 1e-2  # random scores are far from the attention
-    w = torch.randn(B, T, generator=g)
+    w = torch.randn(B, T, generator=g).to(DEV)
     (kl * w).sum().backward()
     (kl_ref * w).sum().backward()
     torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-5, atol=1e-6)
@@ -91,8 +94,8 @@ def test_flex_returns_a_natural_log_sum_exp_over_the_documents_and_the_selection
     B, T = 2, 160  # two flex blocks: the block structure is walked, not one tile
     doc_ids, starts = _layout(B, T, 3, seed=9)
     g = torch.Generator().manual_seed(9)
-    q, k, v = torch.randn(B, 2, T, 32, generator=g), torch.randn(B, 2, T, 32, generator=g), torch.randn(B, 2, T, 16, generator=g)
-    scores = torch.randn(B, T, T, generator=g)
+    q, k, v = (torch.randn(B, 2, T, d, generator=g).to(DEV) for d in (32, 32, 16))
+    scores, starts, doc_ids = torch.randn(B, T, T, generator=g).to(DEV), starts.to(DEV), doc_ids.to(DEV)
     thr, cut = select_thresholds_reference(scores, starts, 9)  # the selection is the other tests'
     sel = selection_from_thresholds(scores, starts, thr, cut)
     with torch.no_grad():
@@ -116,13 +119,13 @@ def _pair(top_k: int, seed: int = 0) -> tuple[MultiLatentAttention, MultiLatentA
 @pytest.mark.parametrize("top_k", [2, 40, 1000])
 def test_the_flex_layer_is_the_reference_layer_in_both_phases(top_k):
     doc_ids, _ = _layout(2, 160, 4, seed=top_k)
-    ctx = build_context(doc_ids)
-    x = torch.randn(2, 160, 64, generator=torch.Generator().manual_seed(top_k))
-    fast, ref = _pair(top_k)
+    ctx = build_context(doc_ids).to(DEV)
+    x = torch.randn(2, 160, 64, generator=torch.Generator().manual_seed(top_k)).to(DEV)
+    fast, ref = (m.to(DEV) for m in _pair(top_k))
     outs = {}
     for phase in ("sparse", "warmup"):
         set_dsa_phase(fast, phase), set_dsa_phase(ref, phase)
-        with torch.no_grad():  # flex has no CPU backward: the gradients are the cuda test's
+        with torch.no_grad():  # flex has no CPU backward: the gradients are the cuda tests'
             outs[phase] = fast(x, ctx=ctx)
             torch.testing.assert_close(outs[phase], ref(x, ctx=ctx), rtol=1e-5, atol=1e-5)
     if top_k < 160:  # the sparse phase attends fewer keys than the warm-up: another output
@@ -138,9 +141,9 @@ def test_a_model_whose_dsa_layer_takes_the_flex_path_keeps_documents_apart_and_i
     torch.manual_seed(0)
     cfg = hybrid_preset("tiny", m2rnn=dict(kernel="reference"), lm_head=dict(loss_impl="eager"), pattern="AM",
                         n_layers=2, engram_layers=(), dsa_layers=(0,), dsa=dict(top_k=3, attn_impl="flex"))  # fmt: skip
-    model = wake_zero_initialised(HybridLM(cfg).eval())
+    model = wake_zero_initialised(HybridLM(cfg).eval()).to(DEV)
     with torch.no_grad():
-        report = model_leak_report(model, tokens, doc_ids, vocab_size=V, causal_positions=range(0, 24, 3))
+        report = model_leak_report(model, tokens.to(DEV), doc_ids.to(DEV), vocab_size=V, causal_positions=range(0, 24, 3))
     assert report.passed, str(report)
 
 
@@ -149,21 +152,22 @@ def test_refusals_name_the_field_or_the_path():
     fast.train()
     x = torch.randn(1, 24, 64, requires_grad=True)
     with pytest.raises(FlexNotProvenError, match=r"DSA layer's flex path.*DSAConfig\.attn_impl='reference'"):
-        fast(x)  # flex has no CPU backward: refused, never run densely
+        fast(x)  # flex has no CPU backward: refused, never run densely (a CPU layer, on any machine)
     with pytest.raises(ValueError, match=r"DSAConfig\.attn_impl"):
         DSAConfig.build(d_model=64, attn_impl="dense")
     with pytest.raises(ValueError, match=r"MLAConfig\.d_nope.*power of two"):
         MultiLatentAttention(MLAConfig.build(**{**MLA, "d_nope": 24}), dsa=DSAConfig.build(d_model=64, head_dim=16))
     MultiLatentAttention(MLAConfig.build(**{**MLA, "d_nope": 24}), dsa=DSAConfig.build(d_model=64, head_dim=16,
                                                                                         attn_impl="reference"))  # fmt: skip
-    scores, starts = torch.randn(1, 8, 8), torch.zeros(1, 8, dtype=torch.int32)
+    scores, starts = torch.randn(1, 8, 8, device=DEV), torch.zeros(1, 8, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="scores must be float32"):
         select_thresholds(scores.half(), starts, 2)
     with pytest.raises(ValueError, match="starts must be"):
         select_thresholds(scores, starts[:, :4], 2)
-    q = torch.randn(1, 8, 1, 40)
+    q = torch.randn(1, 8, 1, 40, device=DEV)
     with pytest.raises(ValueError, match="d_rope must be a power of two"):
-        sparse_kl(q, q, torch.zeros(1, 1, 8), scores, starts, torch.zeros(1, 8), torch.zeros(1, 8, dtype=torch.int32), 0.1, 16)
+        sparse_kl(q, q, torch.zeros(1, 1, 8, device=DEV), scores, starts, torch.zeros(1, 8, device=DEV),
+                  torch.zeros(1, 8, dtype=torch.int32, device=DEV), 0.1, 16)
 
 
 # ----------------------------------------------------------------------------- cuda: real shapes

@@ -224,7 +224,7 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, saved_graphs: boo
     needed = graphs_needed(lm)
     if needed > torch._dynamo.config.recompile_limit:
         torch._dynamo.config.recompile_limit = needed
-    from megacpp_lab.model.checkpointing import AC_ATTR, block_budget
+    from megacpp_lab.model.checkpointing import AC_ATTR
 
     wrapped = [i for i, b in enumerate(lm.all_blocks()) if any(hasattr(m, AC_ATTR) for m in b.modules())]
     if wrapped:
@@ -241,16 +241,38 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, saved_graphs: boo
                              f"other options {sorted(set(compile_kwargs) - {'backend'})}")  # fmt: skip
         lm.saved_graphs = SavedGraphs(model_fingerprint(lm), backend=backend)
         for block, structure in zip(lm.all_blocks(), structure_keys(lm)):
-            block.forward = SavedForward(block, structure, lm.saved_graphs)
+            if _attends_through_flex(block):  # a loaded graph holding flex fails (below): compiled as usual
+                _compile_block(block, fullgraph, compile_kwargs)
+            else:
+                block.forward = SavedForward(block, structure, lm.saved_graphs)
         return model
     for block in lm.all_blocks():
-        budget = block_budget(block)
-        if budget is None:
-            block.compile(fullgraph=fullgraph, **compile_kwargs)
-        else:  # the partitioner reads the budget when this block's graph compiles (its first call)
-            block._compiled_call_impl = _with_budget(torch.compile(block._call_impl, fullgraph=fullgraph, **compile_kwargs),
-                                                     budget)  # fmt: skip
+        _compile_block(block, fullgraph, compile_kwargs)
     return model
+
+
+def _attends_through_flex(block: nn.Module) -> bool:
+    """Whether the block's attention runs flex_attention: a DSA layer's flex path or MLA's attn_impl='flex'. Their
+    saved graphs are not used: on an H200 (torch 2.11) loading one in another process failed with "TracingContext.get()
+    must be called within an ongoing trace" (flex's graph does not survive save and load)."""
+    from megacpp_lab.nn.mla import MultiLatentAttention
+
+    mixer = getattr(block, "mixer", None)
+    if not isinstance(mixer, MultiLatentAttention):
+        return False
+    return mixer.config.attn_impl == "flex" or (mixer.indexer is not None and mixer.indexer.config.attn_impl != "reference")
+
+
+def _compile_block(block: nn.Module, fullgraph: bool, compile_kwargs: dict[str, Any]) -> None:
+    """torch.compile the block in place, its remat budget read by the partitioner when its graph compiles."""
+    from megacpp_lab.model.checkpointing import block_budget
+
+    budget = block_budget(block)
+    if budget is None:
+        block.compile(fullgraph=fullgraph, **compile_kwargs)
+    else:  # the partitioner reads the budget when this block's graph compiles (its first call)
+        block._compiled_call_impl = _with_budget(torch.compile(block._call_impl, fullgraph=fullgraph, **compile_kwargs),
+                                                 budget)  # fmt: skip
 
 
 def model_fingerprint(lm: nn.Module) -> str:
