@@ -187,8 +187,6 @@ def test_refusals_name_the_field():
             DSAConfig.build(d_model=64, **{field: value})
     assert DSAConfig.build(d_model=64, head_dim=48, score_impl="reference").head_dim == 48  # the reference takes any
     layer, _ = _layers(top_k=4)
-    with pytest.raises(RuntimeError, match="DSA layer"):
-        layer.decode(torch.zeros(1, 1, 64), cache=None, layer=0)
     with pytest.raises(ValueError, match="phase"):
         set_dsa_phase(layer, "dense")
 
@@ -280,3 +278,23 @@ def test_the_optimizer_clips_the_indexers_gradients_apart_from_the_language_mode
         assert torch.equal(dict(model.named_parameters())[name].grad, grad), name  # not scaled by the indexer's
     indexer = torch.stack([p.grad.norm() for n, p in model.named_parameters() if ".indexer." in n]).norm()
     assert abs(float(indexer) - 1.0) < 1e-3  # clipped by its own norm
+
+
+@pytest.mark.parametrize("phase", ["sparse", "warmup"])
+def test_a_dsa_model_decodes_step_by_step_as_its_forward_scores_the_sequence(phase):
+    """Decode through a DSA layer: the cache holds its indexer keys, each new query keeps its top_k of every
+    earlier key (3 of up to 20 here, so the selection matters), and the step-by-step logits are the forward's."""
+    from megacpp_lab.model.decode import decode_step, init_decode_state
+
+    model = _dsa_model(pattern="AM")
+    set_dsa_phase(model, phase)
+    tokens = torch.randint(3, V, (2, 20), generator=torch.Generator().manual_seed(8))
+    ref = model(tokens, build_context(torch.zeros_like(tokens)), return_logits=True).logits
+    state = init_decode_state(model, 2, 20)
+    assert state.kv_cache.index_keys[0] is not None
+    steps = torch.stack([decode_step(model, state, tokens[:, t]) for t in range(20)], dim=1)
+    torch.testing.assert_close(steps, ref.float(), rtol=1e-4, atol=1e-4)
+    if phase == "sparse":  # the same model attending every key would give other logits: the selection is read
+        set_dsa_phase(model, "warmup")
+        dense = model(tokens, build_context(torch.zeros_like(tokens)), return_logits=True).logits
+        assert (dense - ref).abs().max() > 1e-3

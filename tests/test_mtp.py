@@ -229,3 +229,31 @@ def test_with_mtp_false_skips_the_modules_and_keeps_the_next_token_loss():
     assert len(calls) == 1 and lm_only.mtp_losses is None  # the modules ran for the first call alone
     torch.testing.assert_close(lm_only.loss, full.lm_loss)
     torch.testing.assert_close(lm_only.lm_loss, full.lm_loss)
+
+
+def test_generate_with_drafts_is_greedy_decoding_and_its_drafts_are_the_mtp_heads():
+    """The drafting decode: its tokens are generate(temperature=0)'s, and each draft it checks is the MTP head's
+    greedy token at that position in one teacher-forced forward over the generated sequence (the module's own KV
+    cache, stepped, equals its training-time attention), so its acceptance is that forward's."""
+    from megacpp_lab.model.decode import generate, generate_with_drafts
+
+    model = _model(mtp_depth=1)
+    prompt = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(3))
+    new = 9
+    tokens, stats = generate_with_drafts(model, prompt, new)
+    assert torch.equal(tokens, generate(model, prompt, new, temperature=0))
+    assert stats.drafts == [new - 1] * 2
+    doc_ids = torch.zeros_like(tokens)
+    ctx = build_context(doc_ids)
+    with torch.no_grad():
+        h1 = model.mtp_hiddens(model.hidden(tokens, ctx), tokens, ctx)[0]
+        drafts = model.lm_head(model.mtp[0].norm(h1), return_logits=True).logits.argmax(-1)  # at i: t_{i+2}
+    P = prompt.shape[1]
+    assert stats.draft_tokens == drafts[:, P - 1 : P - 1 + new - 1].tolist()  # draft by draft, not only the count
+    expected = (drafts[:, P - 1 : P - 1 + new - 1] == tokens[:, P + 1 : P + new]).sum(1)
+    assert stats.accepted == expected.tolist()
+    assert stats.acceptance == expected.sum().item() / (2 * (new - 1))
+    with pytest.raises(ValueError, match="mtp_depth"):
+        generate_with_drafts(_model(mtp_depth=0), prompt, 2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_with_drafts(model, prompt, 0)

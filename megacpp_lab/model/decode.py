@@ -31,8 +31,8 @@ from megacpp_lab.nn.hyper_connections import collapse_streams, expand_streams
 from megacpp_lab.nn.mla import MLAKVCache
 from megacpp_lab.varlen import PackedContext
 
-__all__ = ["DecodeState", "decode_step", "generate", "init_decode_state", "mtp_acceptance", "prefill", "sample_next",
-           "sample_text"]
+__all__ = ["DecodeState", "DraftStats", "decode_step", "generate", "generate_with_drafts", "init_decode_state",
+           "mtp_acceptance", "prefill", "sample_next", "sample_text"]
 
 
 @dataclass
@@ -107,7 +107,10 @@ def init_decode_state(model: nn.Module, batch: int, max_len: int, device: torch.
     dtype = lm.embed.weight.dtype if dtype is None else dtype
     cache = None
     if n_attn:
-        cache = MLAKVCache(n_attn, batch, max_len, c.mla.kv_lora_rank, c.mla.d_rope, dtype=dtype, device=device)
+        dsa_dim = c.dsa.head_dim if c.dsa_layers else None
+        index_dims = [dsa_dim if i in c.dsa_layers else None for i, kind in enumerate(c.blocks) if kind == "A"]
+        cache = MLAKVCache(n_attn, batch, max_len, c.mla.kv_lora_rank, c.mla.d_rope, dtype=dtype, device=device,
+                           index_dims=index_dims)  # fmt: skip
     blocks, a = [], 0
     for block in lm.blocks:
         kv = None
@@ -119,6 +122,11 @@ def init_decode_state(model: nn.Module, batch: int, max_len: int, device: torch.
 
 def _step(lm: HybridLM, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
     """One token per row through the whole stack (inputs already checked) -> fp32 logits [B,V]."""
+    return _step_hidden(lm, state, tokens)[0]
+
+
+def _step_hidden(lm: HybridLM, state: DecodeState, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_step's logits [B,V] and the stack's output [B,1,d] before the final norm (what the MTP modules read)."""
     tokens = tokens.to(torch.int64)[:, None]  # [B,1]: every layer steps on a length-1 sequence
     x = lm.embed(tokens)
     if lm.config.mhc:
@@ -130,7 +138,7 @@ def _step(lm: HybridLM, state: DecodeState, tokens: torch.Tensor) -> torch.Tenso
     state.length += 1
     if lm.config.mhc:
         x = collapse_streams(x)
-    return lm.lm_head(lm.norm(x), return_logits=True).logits[:, -1].float()
+    return lm.lm_head(lm.norm(x), return_logits=True).logits[:, -1].float(), x
 
 
 @torch.inference_mode()
@@ -268,3 +276,86 @@ def mtp_acceptance(model: nn.Module, tokens: torch.Tensor, ctx: PackedContext) -
         out["positions"].append(int(reached.sum()))
         chain = hit
     return out
+
+
+@dataclass(frozen=True)
+class DraftStats:
+    """What the MTP head's drafts did over one generate_with_drafts call, per row: drafts[b] drafts checked,
+    accepted[b] of them equal to the main head's greedy token (what verifying them would keep), and the drafted
+    tokens themselves in order (draft_tokens[b][j] drafted for new token j + 1)."""
+
+    drafts: list[int]
+    accepted: list[int]
+    draft_tokens: list[list[int]]
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted over checked drafts, every row together."""
+        return sum(self.accepted) / max(1, sum(self.drafts))
+
+
+@torch.inference_mode()
+def generate_with_drafts(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, DraftStats]:
+    """Greedy decoding whose every step also drafts the token after next with the first MTP module (DeepSeek-V3's
+    self-speculative drafting), and checks each draft when the main head reaches that position. prompt [B,P] int
+    (one document per row) -> ([B, P+max_new_tokens] int64, DraftStats): the tokens are generate(temperature=0)'s
+    exactly, and the stats say how often a draft equals the main head's greedy token there, which is the share a
+    self-speculative loop keeps.
+
+    The MTP module steps as the main stack does: its block holds its own compressed KV cache, and at position i it
+    reads the stack's output h_i and the embedding of t_{i+1} (the prompt's, then the greedy token), as in
+    training. Every token still costs one main-stack step: verifying a draft in the same forward as the token
+    before it needs a two-token step of every mixer, which the decode state does not have; this measures the
+    acceptance, not a speed-up. Deeper MTP modules are not used."""
+    lm = _hybrid(model)
+    c = lm.config
+    if not lm.mtp:
+        raise ValueError("generate_with_drafts needs a model with MTP modules (HybridConfig.mtp_depth > 0)")
+    _check_ids("prompt", prompt, 2, c.vocab_size)
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    B, P = prompt.shape
+    total = P + max_new_tokens
+    if total > c.mla.max_positions:  # the MTP module's attention, and the stack's A layers, have no RoPE row past it
+        raise ValueError(f"prompt length {P} + max_new_tokens {max_new_tokens} = {total} exceeds "
+                         f"MLAConfig.max_positions={c.mla.max_positions}")  # fmt: skip
+    device, dtype = lm.embed.weight.device, lm.embed.weight.dtype
+    prompt = prompt.to(device=device, dtype=torch.int64)
+    module = lm.mtp[0]
+    training = lm.training
+    lm.eval()
+    try:
+        state = init_decode_state(lm, B, total)
+        mtp_cache = MLAKVCache(1, B, total, c.mla.kv_lora_rank, c.mla.d_rope, dtype=dtype, device=device)
+        mtp_state = module.block.init_state(B, device, dtype, (mtp_cache, 0))
+
+        def draft(h: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:
+            """The MTP module at this position: h [B,1,d] and the token after it [B] -> its greedy draft [B]."""
+            x = module.proj(torch.cat((module.hidden_norm(h), module.embed_norm(lm.embed(ahead[:, None]))), dim=-1))
+            x = module.block.step(x, ahead[:, None], mtp_state)
+            mtp_cache.advance()
+            return lm.lm_head(module.norm(x), return_logits=True).logits[:, -1].argmax(-1)
+
+        h_prev = None
+        for t in range(P):
+            logits, h = _step_hidden(lm, state, prompt[:, t])
+            if h_prev is not None:  # the module at t-1 reads t's token: fills its cache, no draft checked
+                draft(h_prev, prompt[:, t])
+            h_prev = h
+        out, drafts, accepted = [prompt], torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
+        proposed: list[torch.Tensor] = []
+        pending = None  # the draft for the token the main head gives next
+        for i in range(max_new_tokens):
+            nxt = logits.argmax(-1)
+            if pending is not None:
+                drafts += 1
+                accepted += (pending == nxt).cpu()
+                proposed.append(pending)
+            out.append(nxt[:, None])
+            if i + 1 < max_new_tokens:
+                pending = draft(h_prev, nxt)  # position of h_prev reads nxt: drafts the token after nxt
+                logits, h_prev = _step_hidden(lm, state, nxt)
+    finally:
+        lm.train(training)
+    drafted = torch.stack(proposed, dim=1).tolist() if proposed else [[] for _ in range(B)]
+    return torch.cat(out, dim=1), DraftStats(drafts.tolist(), accepted.tolist(), drafted)

@@ -29,8 +29,8 @@ Two paths (DSAConfig.attn_impl; "auto" takes the fast one on CUDA, the reference
     "reference"  the selection by a stable sort (selection_mask), MLA's scores materialised per batch ([B,H,T,T]
                  fp32) and masked (dsa_attention), the KL on those probabilities (indexer_kl). Exact and slow: what
                  the tests hold the flex path to, and the CPU path (flex has no CPU backward).
-Ties in the indexer's scores go to the lower key index in both. Decode through a DSA layer is refused (no
-indexer-key cache yet).
+Ties in the indexer's scores go to the lower key index in both. Decode (MultiLatentAttention.decode) keeps each
+DSA layer's indexer keys in the KV cache (MLAKVCache's index_dims) and selects every new query's top_k over them.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -159,12 +160,20 @@ class MLAKVCache:
     slot and read a cache with holes."""
 
     def __init__(self, n_layers: int, batch: int, max_len: int, kv_lora_rank: int, d_rope: int, *,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, strict: bool = True):  # fmt: skip
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, strict: bool = True,
+                 index_dims: Sequence[int | None] | None = None):  # fmt: skip
         if min(n_layers, batch, max_len, kv_lora_rank, d_rope) < 1:
             raise ValueError(f"MLAKVCache sizes must be >= 1, got n_layers={n_layers} batch={batch} "
                              f"max_len={max_len} kv_lora_rank={kv_lora_rank} d_rope={d_rope}")  # fmt: skip
         self.low_rank_main = [torch.zeros(batch, max_len, kv_lora_rank, dtype=dtype, device=device) for _ in range(n_layers)]
         self.rope_caches = [torch.zeros(batch, max_len, 1, d_rope, dtype=dtype, device=device) for _ in range(n_layers)]
+        # a DSA layer's indexer keys [B, T_max, d_I] (index_dims[layer]: its indexer head size; None: not DSA), fp32
+        # as the indexer scores them: its selection of each new query's keys reads every earlier token's
+        dims = [None] * n_layers if index_dims is None else list(index_dims)
+        if len(dims) != n_layers:
+            raise ValueError(f"index_dims must name one entry per layer ({n_layers}), got {len(dims)}")
+        self.index_keys = [None if d is None else torch.zeros(batch, max_len, d, dtype=torch.float32, device=device)
+                           for d in dims]  # fmt: skip
         self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.length = 0  # host mirror of cache_seqlens (uniform), so update needs no device sync
         self.pending = 0  # tokens written at this length, awaiting advance
@@ -197,6 +206,20 @@ class MLAKVCache:
         self._written.add(layer)
         self.pending = T_new
         return main[:, : start + T_new], rope[:, : start + T_new]
+
+    def update_index(self, layer: int, k_index: torch.Tensor) -> torch.Tensor:
+        """Write T_new indexer keys [B,T_new,d_I] of DSA `layer` at the current length (with its update call);
+        return its indexer keys up to length + T_new."""
+        keys = self.index_keys[layer] if 0 <= layer < len(self.index_keys) else None
+        if keys is None:
+            raise ValueError(f"layer {layer} holds no indexer keys (MLAKVCache index_dims): it is not a DSA layer")
+        B, T_new = k_index.shape[:2]
+        if k_index.shape != (keys.shape[0], T_new, keys.shape[2]):
+            raise ValueError(f"k_index must be [{keys.shape[0]}, T_new, {keys.shape[2]}], got {tuple(k_index.shape)}")
+        if self.length + T_new > self.max_len:
+            raise ValueError(f"cache overflow: length {self.length} + {T_new} new tokens > max_len {self.max_len}")
+        keys[:, self.length : self.length + T_new] = k_index.float()
+        return keys[:, : self.length + T_new]
 
     def advance(self) -> None:
         """Move the length past this step's tokens; once per step, after every layer updated."""
@@ -472,14 +495,30 @@ class MultiLatentAttention(nn.Module):
 
     # -- decode
 
+    def _decode_selection(self, x: torch.Tensor, q_lat: torch.Tensor, cache: MLAKVCache, layer: int,
+                          positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """A DSA layer's keys for T_new decoded queries, [B,T_new,S] bool: its indexer scores every cached key (the
+        new ones' indexer keys written to the cache first), and each query keeps its top_k at or before it, ties to
+        the lower index, as selection_mask does in training; in the warm-up phase every key at or before it."""
+        ix = self.indexer
+        c = ix.config
+        B, T_new, _ = x.shape
+        q_i = ix.w_q(ix.q_norm(q_lat)).view(B, T_new, c.n_heads, c.head_dim).float()
+        keys = cache.update_index(layer, ix.k_norm(ix.w_k(x)))  # [B,S,d_I] fp32
+        w = ix.w_w(x).float() * c.n_heads**-0.5
+        scores = torch.einsum("bth,bths->bts", w, torch.einsum("bthd,bsd->bths", q_i, keys).relu())
+        visible = torch.arange(keys.shape[1], device=x.device)[None, None, :] <= positions[None, :, None]
+        if ix.phase != "sparse":
+            return visible.expand(B, -1, -1)
+        k = min(c.top_k, keys.shape[1])
+        order = torch.sort(scores.masked_fill(~visible, float("-inf")), dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros(B, T_new, keys.shape[1], dtype=torch.bool, device=x.device).scatter(-1, order[..., :k], True)
+        return keep & visible
+
     def decode(self, x: torch.Tensor, cache: MLAKVCache, layer: int, *, absorbed: bool = False) -> torch.Tensor:
         """T_new tokens [B,T_new,d_model] that follow the cache's current length (one document per row).
-        Writes this layer's latent and rope row; the caller advances the cache after all layers."""
-        if self.indexer is not None:
-            # refused, not run densely: a dense decode would attend to keys the trained layer never saw
-            raise RuntimeError("MultiLatentAttention.decode: a DSA layer (HybridConfig.dsa_layers) cannot decode step "
-                               "by step: its selection needs every earlier key's indexer key, which the KV cache does "
-                               "not hold; decode a model without dsa_layers, or score whole sequences with forward")  # fmt: skip
+        Writes this layer's latent and rope row (and a DSA layer's indexer keys: the cache needs index_dims);
+        the caller advances the cache after all layers."""
         c = self.config
         B, T_new, _ = x.shape
         L = cache.length
@@ -487,9 +526,12 @@ class MultiLatentAttention(nn.Module):
         q_lat, c_lat, k_pe = self.down_proj(x)
         q = self.q_up_rope(q_lat, positions)
         pe = self.rope(k_pe.unsqueeze(2).clone(), 0, positions)  # the cached row: the Q-side kernel, H=1
+        selected = self._decode_selection(x, q_lat, cache, layer, positions[0]) if self.indexer is not None else None
         c_all, pe_all = cache.update(layer, self.kv_norm(c_lat), pe)
         S = c_all.shape[1]
         visible = torch.arange(S, device=x.device)[None, :] <= positions[0][:, None]  # [T_new, S]
+        if selected is not None:  # a DSA layer: the keys its indexer keeps, [B,1,T_new,S]
+            visible = (visible & selected)[:, None]
         scale = 1.0 / math.sqrt(c.d_nope + c.d_rope)
         w_ukv = self.w_ukv.weight.view(c.n_heads, c.d_nope + c.d_v, c.kv_lora_rank)
         q_nope, q_pe = q[..., : c.d_nope], q[..., c.d_nope :]
