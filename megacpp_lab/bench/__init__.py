@@ -340,7 +340,8 @@ Sweep: the dense and sparse contenders at B=4 x T=4096 (8 documents per row), an
 documents; no bar.
 MTP: two training runs (`megacpp-lab train`'s loop, regionally compiled) of the stack preset (its DSA layer, MTP)
 at B=4 x T=4096 on the installed torch's C++ headers for 120 steps, with mtp_depth 1 and 0: the steady step time
-and peak memory of each (the bar: MTP at most +15%), then the depth-1 drafts' acceptance rate on the held-out files.
+and peak memory of each (the bar: MTP at most +15%), then the depth-1 drafts' acceptance rate on the held-out files,
+teacher-forced and in the drafting decode (generate_with_drafts on their openings).
 Receipts under <out>/<device-slug>/attention/: dsa_layer.json, dsa_sweep.json, mtp_stack.json.
 MEGACPP_BENCH_ATTENTION_PARTS=dsa or =mtp runs one part (a ten-minute device call holds one).
 Run time on an H200: the DSA part about 5 minutes cold (each shape compiles each contender), the MTP part about
