@@ -218,16 +218,15 @@ def bench_recompute(s: MoEShape, *, device: str, rep: int) -> dict[str, Any]:
 
 
 def _graphs(model: Any) -> int:
-    """Graphs the model's compiled blocks have used so far: its saved graphs, loaded or compiled (a model compiled
-    through SavedGraphs, model/saved_graphs.py: a loaded graph never reaches dynamo's counters, and a compiled one
-    reaches them once more), else dynamo's unique graphs."""
+    """Graphs the model's compiled blocks have used so far: dynamo's unique graphs (the blocks compiled with
+    torch.compile, and the saved graphs compiled in this process, which reach dynamo once each) plus the saved graphs
+    loaded from disk (model/saved_graphs.py: a loaded graph never reaches dynamo's counters)."""
     from torch._dynamo.utils import counters
 
     saved = getattr(model, "saved_graphs", None)
-    if saved is None:
-        return int(counters["stats"]["unique_graphs"])
     # a loaded file whose guards refused these inputs is not a graph in use (one is compiled next to it)
-    return sum(1 for e in saved.events if e["how"] == "compiled" or e.get("guards_pass"))
+    loaded = 0 if saved is None else sum(1 for e in saved.events if e["how"] == "loaded" and e.get("guards_pass"))
+    return int(counters["stats"]["unique_graphs"]) + loaded
 
 
 def bench_stack(s: MoEShape, *, device: str, batches: int) -> dict[str, Any]:
