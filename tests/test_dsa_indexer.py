@@ -142,3 +142,31 @@ def test_cuda_bar_shape_gradients_match_autograd_through_the_stream(dtype: torch
     tol = {("integer", False): 1e-5, ("gaussian", False): 2e-3, ("integer", True): 1e-2, ("gaussian", True): 1e-2}[(values, bf16)]
     for a, b in zip(grads[1], grads[0]):
         assert _rel(a, b) <= tol
+
+
+@pytest.mark.parametrize(("T", "cuts"), [(40, (0, 5, 6, 23, 40)), (37, (0, 37)), (33, (0, 1, 2, 31, 33))])
+def test_document_aware_scores_and_gradients_are_the_references_on_the_selectable_keys(T, cuts) -> None:
+    """indexer_scores(starts=...): the reference's scores on every key a query may select (its document, at or
+    before it), zero elsewhere; the gradients those of the reference with dS zero outside them, whatever dS holds
+    there (documents of one token, one document per row, tile edges)."""
+    from megacpp_lab.kernels.dsa_indexer import document_ends
+
+    q, k, w = _inputs(T, T, 2, 3, 16, seed=T)
+    doc = torch.zeros(T, dtype=torch.long)
+    for c in cuts[1:-1]:
+        doc[c:] += 1
+    pos = torch.arange(T)
+    starts = torch.stack([torch.tensor([int((doc == doc[t]).nonzero()[0]) for t in range(T)])] * 2).to(DEV)
+    allowed = ((pos[None, :] <= pos[:, None]) & (doc[None, :] == doc[:, None])).to(DEV).expand(2, T, T)
+    assert torch.equal(document_ends(starts)[0].cpu(), torch.tensor([int((doc == doc[t]).nonzero()[-1]) for t in range(T)]))
+    ref = indexer_scores_reference(q, k, w)
+    got = indexer_scores(q, k, w, starts=starts)
+    assert _rel(got[allowed], ref[allowed]) <= 1e-6 and not bool(got[~allowed].any())
+    dS = torch.randn(2, T, T, generator=torch.Generator().manual_seed(T)).to(DEV)  # nonzero outside them too
+    grads = []
+    for fn, g in ((lambda *a: indexer_scores(*a, starts=starts), dS), (indexer_scores_reference, dS * allowed)):
+        args = [t.clone().requires_grad_() for t in (q, k, w)]
+        (fn(*args) * g).sum().backward()
+        grads.append([a.grad for a in args])
+    for a, b in zip(*grads):
+        assert _rel(a, b) <= 1e-5

@@ -171,10 +171,10 @@ def _part_rows(s: DSAShape, device: str, dtype: torch.dtype, steps: int) -> list
     scale = (c.d_nope + c.d_rope) ** -0.5
 
     def indexer() -> None:
-        scores = layer.indexer(x, q_lat)
+        scores = layer.indexer(x, q_lat, starts)
         torch.autograd.grad(scores, [p for p in layer.indexer.parameters()], torch.ones_like(scores))
 
-    scores = layer.indexer(x, q_lat).detach()
+    scores = layer.indexer(x, q_lat, starts).detach()
     thr, cut = select_thresholds(scores, starts, s.top_k)
     attend = torch.compile(flex_attention) if device == "cuda" else flex_attention  # eager: the CPU smoke run
     with torch.no_grad():

@@ -23,6 +23,7 @@ from megacpp_lab.kernels import AUTOTUNE_CACHE, TRITON_INTERPRET
 
 __all__ = [
     "allowed_keys",
+    "document_ends",
     "indexer_scores",
     "indexer_scores_backward_reference",
     "indexer_scores_reference",
@@ -51,26 +52,37 @@ def indexer_scores_streaming(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) 
 
 @triton.jit
 def _indexer_fwd_kernel(
-    q_ptr, k_ptr, w_ptr, out_ptr, SQ, SK, B,
+    q_ptr, k_ptr, w_ptr, out_ptr, start_ptr, SQ, SK, B,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DOC: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m0 = tl.program_id(1) * BLOCK_M
+    n0 = tl.program_id(2) * BLOCK_N
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
     rd = tl.arange(0, D)
     mm, mn = rm < SQ, rn < SK
-    # k tile [D, BLOCK_N], loaded once for every head
-    kt = tl.load(k_ptr + (rn[None, :] * B + b) * D + rd[:, None], mask=mn[None, :], other=0.0)
+    active = True
+    if DOC:  # a tile with no key any of its queries may select (past them, or before their documents): zeros
+        first_start = tl.load(start_ptr + b * SQ + m0)  # the tile's first query starts its earliest document
+        active = (n0 <= tl.minimum(m0 + BLOCK_M, SQ) - 1) & (n0 + BLOCK_N - 1 >= first_start)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for h in range(H):
-        qh = tl.load(q_ptr + ((rm[:, None] * B + b) * H + h) * D + rd[None, :], mask=mm[:, None], other=0.0)
-        wh = tl.load(w_ptr + (rm * B + b) * H + h, mask=mm, other=0.0).to(tl.float32)
-        s = tl.dot(qh, kt, input_precision=PRECISION)
-        acc += wh[:, None] * tl.maximum(s, 0.0)
+    if active:
+        # k tile [D, BLOCK_N], loaded once for every head
+        kt = tl.load(k_ptr + (rn[None, :] * B + b) * D + rd[:, None], mask=mn[None, :], other=0.0)
+        for h in range(H):
+            qh = tl.load(q_ptr + ((rm[:, None] * B + b) * H + h) * D + rd[None, :], mask=mm[:, None], other=0.0)
+            wh = tl.load(w_ptr + (rm * B + b) * H + h, mask=mm, other=0.0).to(tl.float32)
+            s = tl.dot(qh, kt, input_precision=PRECISION)
+            acc += wh[:, None] * tl.maximum(s, 0.0)
+        if DOC:  # zero where a query may not select the key: past it, or before its document
+            st = tl.load(start_ptr + b * SQ + rm, mask=mm, other=0)
+            acc = tl.where((rn[None, :] <= rm[:, None]) & (rn[None, :] >= st[:, None]), acc, 0.0)
     tl.store(out_ptr + (b * SQ + rm[:, None]).to(tl.int64) * SK + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
 
 
-def _launch_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _launch_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
     SQ, B, H, D = q.shape
     SK = k.shape[0]
     out = torch.empty(B, SQ, SK, device=q.device, dtype=torch.float32)
@@ -79,19 +91,19 @@ def _launch_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tens
     bm, bn, warps, stages = (16, 16, 1, 1) if TRITON_INTERPRET else (64, 128, 4, 3)
     precision = "tf32x3" if q.dtype == torch.float32 and not TRITON_INTERPRET else "ieee"
     _indexer_fwd_kernel[(B, triton.cdiv(SQ, bm), triton.cdiv(SK, bn))](
-        q, k, w, out, SQ, SK, B, H=H, D=D, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision, num_warps=warps,
-        num_stages=stages,
+        q, k, w, out, q if starts is None else starts, SQ, SK, B, H=H, D=D, BLOCK_M=bm, BLOCK_N=bn,
+        PRECISION=precision, DOC=starts is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
 
 @torch.library.custom_op("megacpp::dsa_indexer_scores", mutates_args=())
-def _indexer_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return _launch_fwd(q, k, w)
+def _indexer_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+    return _launch_fwd(q, k, w, starts)
 
 
 @_indexer_op.register_fake
-def _(q, k, w):
+def _(q, k, w, starts):
     return q.new_empty((q.shape[1], q.shape[0], k.shape[0]), dtype=torch.float32)
 
 
@@ -124,25 +136,36 @@ def _bwd_configs() -> list[triton.Config]:
 @triton.autotune(configs=_bwd_configs(), key=["SQ", "SK", "H", "D", "PRECISION"], **AUTOTUNE_CACHE)
 @triton.jit
 def _indexer_bwd_dq_dw_kernel(
-    q_ptr, k_ptr, w_ptr, ds_ptr, dq_ptr, dw_ptr, SQ, SK, B,
+    q_ptr, k_ptr, w_ptr, ds_ptr, dq_ptr, dw_ptr, start_ptr, SQ, SK, B,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DOC: tl.constexpr,
 ):  # fmt: skip
     # one program per (head, query block, batch); the head is the fastest grid axis, so the H programs
     # that read the same dS rows run together and share them through L2
     h = tl.program_id(0)
     b = tl.program_id(2)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = tl.program_id(1) * BLOCK_M
+    rm = m0 + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D)
     mm = rm < SQ
+    n_lo = 0
+    n_hi = SK
+    if DOC:  # only the key blocks its queries may select: from the earliest document start to the last query
+        n_lo = (tl.load(start_ptr + b * SQ + m0) // BLOCK_N) * BLOCK_N
+        n_hi = tl.minimum(m0 + BLOCK_M, SK)
+    st = tl.load(start_ptr + b * SQ + rm, mask=mm, other=0) if DOC else rm
     qh = tl.load(q_ptr + ((rm[:, None] * B + b) * H + h) * D + rd[None, :], mask=mm[:, None], other=0.0)
     wh = tl.load(w_ptr + (rm * B + b) * H + h, mask=mm, other=0.0).to(tl.float32)
     dq = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     dw = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for n0 in range(0, SK, BLOCK_N):
+    for n0 in range(n_lo, n_hi, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
         mn = rn < SK
         kt = tl.load(k_ptr + (rn[:, None] * B + b) * D + rd[None, :], mask=mn[:, None], other=0.0)  # [BN, D]
-        ds = tl.load(ds_ptr + (b * SQ + rm[:, None]).to(tl.int64) * SK + rn[None, :], mask=mm[:, None] & mn[None, :], other=0.0)
+        keep = mm[:, None] & mn[None, :]
+        if DOC:
+            keep = keep & (rn[None, :] <= rm[:, None]) & (rn[None, :] >= st[:, None])
+        ds = tl.load(ds_ptr + (b * SQ + rm[:, None]).to(tl.int64) * SK + rn[None, :], mask=keep, other=0.0)
         s = tl.dot(qh, tl.trans(kt), input_precision=PRECISION)
         dw += tl.sum(ds * tl.maximum(s, 0.0), axis=1)
         g = tl.where(s > 0, ds * wh[:, None], 0.0)
@@ -154,21 +177,32 @@ def _indexer_bwd_dq_dw_kernel(
 @triton.autotune(configs=_bwd_configs(), key=["SQ", "SK", "H", "D", "PRECISION"], **AUTOTUNE_CACHE)
 @triton.jit
 def _indexer_bwd_dk_kernel(
-    q_ptr, k_ptr, w_ptr, ds_ptr, dk_ptr, SQ, SK, B,
+    q_ptr, k_ptr, w_ptr, ds_ptr, dk_ptr, start_ptr, end_ptr, SQ, SK, B,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DOC: tl.constexpr,
 ):  # fmt: skip
     # one program per (key block, batch): dk sums over every query and head, so each dS tile is read
     # once and all H heads are walked against it
     b = tl.program_id(1)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(0) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
     rd = tl.arange(0, D)
     mn = rn < SK
     kt = tl.load(k_ptr + (rn[:, None] * B + b) * D + rd[None, :], mask=mn[:, None], other=0.0)  # [BN, D]
     dk = tl.zeros((BLOCK_N, D), dtype=tl.float32)
-    for m0 in range(0, SQ, BLOCK_M):
+    m_lo = 0
+    m_hi = SQ
+    if DOC:  # only the query blocks that may select these keys: from the first key to its block's last document end
+        m_lo = (n0 // BLOCK_M) * BLOCK_M
+        m_hi = tl.load(end_ptr + b * SQ + tl.minimum(n0 + BLOCK_N, SK) - 1) + 1
+    for m0 in range(m_lo, m_hi, BLOCK_M):
         rm = m0 + tl.arange(0, BLOCK_M)
         mm = rm < SQ
-        ds = tl.load(ds_ptr + (b * SQ + rm[:, None]).to(tl.int64) * SK + rn[None, :], mask=mm[:, None] & mn[None, :], other=0.0)
+        keep = mm[:, None] & mn[None, :]
+        if DOC:
+            st = tl.load(start_ptr + b * SQ + rm, mask=mm, other=0)
+            keep = keep & (rn[None, :] <= rm[:, None]) & (rn[None, :] >= st[:, None])
+        ds = tl.load(ds_ptr + (b * SQ + rm[:, None]).to(tl.int64) * SK + rn[None, :], mask=keep, other=0.0)
         for h in range(H):
             qh = tl.load(q_ptr + ((rm[:, None] * B + b) * H + h) * D + rd[None, :], mask=mm[:, None], other=0.0)
             wh = tl.load(w_ptr + (rm * B + b) * H + h, mask=mm, other=0.0).to(tl.float32)
@@ -178,45 +212,68 @@ def _indexer_bwd_dk_kernel(
     tl.store(dk_ptr + (rn[:, None] * B + b) * D + rd[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mn[:, None])
 
 
-def launch_indexer_backward(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def document_ends(starts: torch.Tensor) -> torch.Tensor:
+    """[b, s] int32: the last index of each token's document, from each token's document start (starts [b, s])."""
+    T = starts.shape[1]
+    pos = torch.arange(T, device=starts.device, dtype=torch.int32)
+    begins = torch.where(starts.to(torch.int32) == pos, pos, T)  # T where a token starts no document
+    later = torch.cat((begins[:, 1:], begins.new_full((begins.shape[0], 1), T)), dim=1)  # the starts after each token
+    return (later.flip(1).cummin(1).values.flip(1) - 1).contiguous()
+
+
+def launch_indexer_backward(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dS: torch.Tensor,
+                            starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dq, dk, dw) by the Triton backward. starts [b, s] (each query's document start, sq == sk): dS is read only
+    where a query may select a key (its document, at or before it), the rest taken as zero, and only the tiles
+    holding such keys are walked."""
     SQ, B, H, D = q.shape
     SK = k.shape[0]
     dS = dS.float().contiguous()
     dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
     precision = "tf32x3" if q.dtype == torch.float32 and not TRITON_INTERPRET else "ieee"
+    doc = starts is not None
+    starts = starts.to(torch.int32).contiguous() if doc else q
+    ends = document_ends(starts) if doc else q
     _indexer_bwd_dq_dw_kernel[lambda m: (H, triton.cdiv(SQ, m["BLOCK_M"]), B)](
-        q, k, w, dS, dq, dw, SQ, SK, B, H=H, D=D, PRECISION=precision,
+        q, k, w, dS, dq, dw, starts, SQ, SK, B, H=H, D=D, PRECISION=precision, DOC=doc,
     )  # fmt: skip
     _indexer_bwd_dk_kernel[lambda m: (triton.cdiv(SK, m["BLOCK_N"]), B)](
-        q, k, w, dS, dk, SQ, SK, B, H=H, D=D, PRECISION=precision,
+        q, k, w, dS, dk, starts, ends, SQ, SK, B, H=H, D=D, PRECISION=precision, DOC=doc,
     )  # fmt: skip
     return dq, dk, dw
 
 
 @torch.library.custom_op("megacpp::dsa_indexer_scores_bwd", mutates_args=())
-def _indexer_bwd_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch_indexer_backward(q, k, w, dS)
+def _indexer_bwd_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dS: torch.Tensor,
+                    starts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return launch_indexer_backward(q, k, w, dS, starts)
 
 
 @_indexer_bwd_op.register_fake
-def _(q, k, w, dS):
+def _(q, k, w, dS, starts):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
 
 
 def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    q, k, w, starts = inputs
+    ctx.doc = starts is not None
+    ctx.save_for_backward(q, k, w, *([starts] if ctx.doc else []))
 
 
 def _backward(ctx, dS):
-    q, k, w = ctx.saved_tensors
-    return _indexer_bwd_op(q, k, w, dS)
+    q, k, w, *rest = ctx.saved_tensors
+    return *_indexer_bwd_op(q, k, w, dS, rest[0] if ctx.doc else None), None
 
 
 _indexer_op.register_autograd(_backward, setup_context=_setup)
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Fused Triton scores: q [sq,b,h,d], k [sk,b,d], w [sq,b,h] -> fp32 [b,sq,sk]. Differentiable."""
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused Triton scores: q [sq,b,h,d], k [sk,b,d], w [sq,b,h] -> fp32 [b,sq,sk]. Differentiable.
+
+    starts [b, s] (packed rows, sq == sk: each query's document start): the scores of the keys each query may select
+    (at or before it, in its document), zero elsewhere; only the tiles holding such keys are computed, and the
+    backward reads the gradient only at those keys. DSA's selection and KL read no other."""
     if q.dim() != 4 or k.dim() != 3 or w.dim() != 3:
         raise ValueError(f"q must be [sq,b,h,d], k [sk,b,d], w [sq,b,h]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(w.shape)}")
     SQ, B, H, D = q.shape
@@ -230,7 +287,12 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
         raise ValueError(f"q and k must share a float32/bfloat16/float16 dtype, got {q.dtype} and {k.dtype}")
     if q.device.type != "cuda" and not TRITON_INTERPRET:
         raise RuntimeError("indexer_scores needs CUDA tensors (or TRITON_INTERPRET=1); use indexer_scores_streaming on CPU")
-    return _indexer_op(q.contiguous(), k.contiguous(), w.contiguous())
+    if starts is not None:
+        if SQ != k.shape[0] or tuple(starts.shape) != (B, SQ) or starts.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"starts must be int32/int64 [b, s] = [{B}, {SQ}] with sq == sk = {k.shape[0]}, got "
+                             f"{starts.dtype} {tuple(starts.shape)}")  # fmt: skip
+        starts = starts.to(device=q.device, dtype=torch.int32).contiguous()
+    return _indexer_op(q.contiguous(), k.contiguous(), w.contiguous(), starts)
 
 
 def topk_keys(scores: torch.Tensor, top_k: int, *, causal: bool = False,

@@ -96,7 +96,7 @@ class DSAConfig:
 
 
 class DSAIndexer(nn.Module):
-    """The lightning indexer (module docstring): forward(x [B,T,d], q_lat [B,T,q_lora_rank]) -> I [B,T,T] fp32.
+    """The lightning indexer (module docstring): forward(x [B,T,d], q_lat [B,T,q_lora_rank], starts) -> I [B,T,T] fp32.
     `phase`: "warmup" or "sparse" (a plain attribute: the training loop sets it through set_dsa_phase)."""
 
     def __init__(self, config: DSAConfig, q_lora_rank: int) -> None:
@@ -111,7 +111,9 @@ class DSAIndexer(nn.Module):
         self.w_w = nn.Linear(c.d_model, c.n_heads, bias=False)
         self.phase = "sparse"  # inference reads the selection; training starts with the warm-up (set_dsa_phase)
 
-    def forward(self, x: torch.Tensor, q_lat: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, q_lat: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """starts [B,T] (each token's document start, document_starts): the Triton scores compute only the keys a
+        query may select and are zero at the others (kernels/dsa_indexer.py); the reference computes every pair."""
         c = self.config
         B, T, _ = x.shape
         x, q_lat = x.detach(), q_lat.detach()  # the indexer learns from its own loss alone
@@ -123,7 +125,7 @@ class DSAIndexer(nn.Module):
         impl = c.score_impl
         if impl == "auto":
             impl = "triton" if x.is_cuda else "reference"
-        return indexer_scores(q, k, w) if impl == "triton" else indexer_scores_reference(q, k, w)
+        return indexer_scores(q, k, w, starts=starts) if impl == "triton" else indexer_scores_reference(q, k, w)
 
 
 def document_starts(doc_ids: torch.Tensor | None, positions: torch.Tensor | None, batch: int, seq_len: int,

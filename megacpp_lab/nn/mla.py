@@ -449,8 +449,10 @@ class MultiLatentAttention(nn.Module):
         "sparse": each query's top_k), and the indexer's KL loss attached to the output while training. The flex
         path or the reference (DSAConfig.attn_impl)."""
         c, dsa = self.config, self.indexer.config
-        scores = self.indexer(x, q_lat)  # [B,T,T] fp32
-        B, T = scores.shape[:2]
+        B, T = x.shape[:2]
+        starts = document_starts(None if ctx is None else ctx.doc_ids, None if ctx is None else ctx.positions, B, T,
+                                 x.device)  # fmt: skip
+        scores = self.indexer(x, q_lat, starts)  # [B,T,T] fp32 (Triton: zero where a query may not select the key)
         scale = 1.0 / math.sqrt(c.d_nope + c.d_rope)
         sparse = self.indexer.phase == "sparse"
         train_kl = self.training and torch.is_grad_enabled() and dsa.loss_weight > 0
@@ -474,8 +476,6 @@ class MultiLatentAttention(nn.Module):
         if block_mask is None:  # eager only (flex_refusal): built here
             block_mask = doc_causal_block_mask(ctx.doc_ids if ctx is not None else None, batch=B, seq_len=T,
                                                device=x.device)  # fmt: skip
-        starts = document_starts(None if ctx is None else ctx.doc_ids, None if ctx is None else ctx.positions, B, T,
-                                 x.device)  # fmt: skip
         if sparse:
             thr, cut = select_thresholds(scores, starts, dsa.top_k)
             score_mod = selection_score_mod(scores, thr, cut)
