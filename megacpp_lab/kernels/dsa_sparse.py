@@ -214,9 +214,8 @@ def _kl_tile(q_ptr, k_ptr, lse_ptr, s_ptr, b, rm, rn, mm, st, thr, cut, T, H, sq
 
 
 @triton.jit
-def _kl_fwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, kl_ptr, z_ptr, lsei_ptr, T, H,
-                   sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, scale_log2, D1: tl.constexpr, D2: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _query_tile(start_ptr, thr_ptr, cut_ptr, T, BLOCK_M: tl.constexpr):
+    """This program's query tile: (b, rows, row mask, document starts, thr, cut, first key, end key)."""
     b = tl.program_id(1)
     m0 = tl.program_id(0) * BLOCK_M
     rm = m0 + tl.arange(0, BLOCK_M)
@@ -225,7 +224,14 @@ def _kl_fwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, kl
     thr = tl.load(thr_ptr + b * T + rm, mask=mm, other=0.0)
     cut = tl.load(cut_ptr + b * T + rm, mask=mm, other=0)
     lo = tl.load(start_ptr + b * T + m0)  # the tile's first query has the earliest document start
-    hi = tl.minimum(m0 + BLOCK_M, T)
+    return b, rm, mm, st, thr, cut, lo, tl.minimum(m0 + BLOCK_M, T)
+
+
+@triton.jit
+def _kl_fwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, kl_ptr, z_ptr, lsei_ptr, T, H,
+                   sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, scale_log2, D1: tl.constexpr, D2: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    b, rm, mm, st, thr, cut, lo, hi = _query_tile(start_ptr, thr_ptr, cut_ptr, T, BLOCK_M)
     plogp = tl.zeros((BLOCK_M,), dtype=tl.float32)
     p_score = tl.zeros((BLOCK_M,), dtype=tl.float32)
     z = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -254,19 +260,11 @@ def _kl_fwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, kl
 def _kl_bwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, z_ptr, lsei_ptr, g_ptr, ds_ptr, T, H,
                    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, scale_log2, D1: tl.constexpr, D2: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    b = tl.program_id(1)
-    m0 = tl.program_id(0) * BLOCK_M
-    rm = m0 + tl.arange(0, BLOCK_M)
-    mm = rm < T
-    st = tl.load(start_ptr + b * T + rm, mask=mm, other=0)
-    thr = tl.load(thr_ptr + b * T + rm, mask=mm, other=0.0)
-    cut = tl.load(cut_ptr + b * T + rm, mask=mm, other=0)
+    b, rm, mm, st, thr, cut, lo, hi = _query_tile(start_ptr, thr_ptr, cut_ptr, T, BLOCK_M)
     z = tl.load(z_ptr + b * T + rm, mask=mm, other=1.0)
     z = tl.where(z > 0, z, 1.0)
     lse_i = tl.load(lsei_ptr + b * T + rm, mask=mm, other=0.0)
     g = tl.load(g_ptr + b * T + rm, mask=mm, other=0.0)
-    lo = tl.load(start_ptr + b * T + m0)
-    hi = tl.minimum(m0 + BLOCK_M, T)
     for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
         sel, score, p = _kl_tile(q_ptr, k_ptr, lse_ptr, s_ptr, b, rm, rn, mm, st, thr, cut, T, H, sq_b, sq_t, sq_h,
