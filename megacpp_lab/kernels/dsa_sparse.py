@@ -10,14 +10,16 @@ thr[t] is the top_k-th largest allowed score and cut[t] the index of the last ti
 allowed key has thr = -inf. `select_thresholds` (Triton: a radix select over the scores' order-preserving bit
 patterns, one query per program, reading only its document's allowed keys) and `select_thresholds_reference`
 (a stable sort) return (thr, cut); `selection_from_thresholds` expands them into the [B,T,T] mask for tests and
-the reference path. The attention reads the pair in its flex mask_mod (nn/dsa.py `sparse_block_mask`).
+the reference path. The attention reads the pair in its flex score_mod (nn/dsa.py `selection_score_mod`).
 
 KL. Per query t, over its selected keys S_t:  KL(p_t || softmax(I_t[S_t])), with
     p_t[s] = sum_h exp(scale q_h[t] . k_h[s] - lse_h[t]) / Z_t      (Z_t sums it over S_t: H when lse is exact)
 the attention's probabilities summed over heads, recomputed from its log-sum-exp one head and one key tile at a
 time. `sparse_kl` (Triton forward and backward; differentiable in I only: p is the target) and
 `sparse_kl_reference` (the probabilities materialised) return the per-query KL [B,T]. Its kernels walk only the
-key tiles of the query tile's documents, so their work is the documents' causal area, not T^2.
+key tiles of the query tile's documents, so their work is the documents' causal area, not T^2; each query tile's
+key range is split into chunks of keys, one program each (the forward's per-chunk sums merged after), so a long
+document keeps every SM busy rather than a few programs walking it.
 """
 
 from __future__ import annotations
@@ -214,30 +216,35 @@ def _kl_tile(q_ptr, k_ptr, lse_ptr, s_ptr, b, rm, rn, mm, st, thr, cut, T, H, sq
 
 
 @triton.jit
-def _query_tile(start_ptr, thr_ptr, cut_ptr, T, BLOCK_M: tl.constexpr):
-    """This program's query tile: (b, rows, row mask, document starts, thr, cut, first key, end key)."""
-    b = tl.program_id(1)
+def _query_chunk(start_ptr, thr_ptr, cut_ptr, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CHUNK: tl.constexpr):  # fmt: skip
+    """This program's query tile and key chunk: (b, rows, row mask, document starts, thr, cut, first key, end key).
+    The tile's keys run from its earliest document start (its first query's) to its last query; program c of
+    axis 1 takes the c-th CHUNK keys of that range (an empty range past its end)."""
+    b = tl.program_id(2)
     m0 = tl.program_id(0) * BLOCK_M
     rm = m0 + tl.arange(0, BLOCK_M)
     mm = rm < T
     st = tl.load(start_ptr + b * T + rm, mask=mm, other=0)
     thr = tl.load(thr_ptr + b * T + rm, mask=mm, other=0.0)
     cut = tl.load(cut_ptr + b * T + rm, mask=mm, other=0)
-    lo = tl.load(start_ptr + b * T + m0)  # the tile's first query has the earliest document start
-    return b, rm, mm, st, thr, cut, lo, tl.minimum(m0 + BLOCK_M, T)
+    n_lo = (tl.load(start_ptr + b * T + m0) // BLOCK_N) * BLOCK_N + tl.program_id(1) * CHUNK
+    n_hi = tl.minimum(tl.minimum(m0 + BLOCK_M, T), n_lo + CHUNK)
+    return b, rm, mm, st, thr, cut, n_lo, n_hi
 
 
 @triton.jit
-def _kl_fwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, kl_ptr, z_ptr, lsei_ptr, T, H,
+def _kl_fwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, part_ptr, T, H, NCH,
                    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, scale_log2, D1: tl.constexpr, D2: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    b, rm, mm, st, thr, cut, lo, hi = _query_tile(start_ptr, thr_ptr, cut_ptr, T, BLOCK_M)
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    # one program per (query tile, key chunk): its five partial sums per query, combined by _kl_op
+    b, rm, mm, st, thr, cut, n_lo, n_hi = _query_chunk(start_ptr, thr_ptr, cut_ptr, T, BLOCK_M, BLOCK_N, CHUNK)
     plogp = tl.zeros((BLOCK_M,), dtype=tl.float32)
     p_score = tl.zeros((BLOCK_M,), dtype=tl.float32)
     z = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+    for n0 in range(n_lo, n_hi, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
         sel, score, p = _kl_tile(q_ptr, k_ptr, lse_ptr, s_ptr, b, rm, rn, mm, st, thr, cut, T, H, sq_b, sq_t, sq_h,
                                  sk_b, sk_t, sk_h, scale_log2, D1, D2, PRECISION)  # fmt: skip
@@ -248,50 +255,63 @@ def _kl_fwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, kl
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.where(sel, tl.exp(score - m_safe[:, None]), 0.0), axis=1)
         m_i = m_new
-    lse_i = m_i + tl.log(tl.where(l_i > 0, l_i, 1.0))  # rows past T: no key
-    z_safe = tl.where(z > 0, z, 1.0)
-    kl = plogp / z_safe - tl.log(z_safe) - p_score / z_safe + lse_i
-    tl.store(kl_ptr + b * T + rm, kl, mask=mm)
-    tl.store(z_ptr + b * T + rm, z, mask=mm)
-    tl.store(lsei_ptr + b * T + rm, lse_i, mask=mm)
+    row = part_ptr + (b * NCH + tl.program_id(1)) * T + rm  # part [5, B, NCH, T]
+    plane = tl.num_programs(2) * NCH * T
+    tl.store(row, m_i, mask=mm)
+    tl.store(row + plane, l_i, mask=mm)
+    tl.store(row + 2 * plane, plogp, mask=mm)
+    tl.store(row + 3 * plane, p_score, mask=mm)
+    tl.store(row + 4 * plane, z, mask=mm)
 
 
 @triton.jit
 def _kl_bwd_kernel(q_ptr, k_ptr, lse_ptr, s_ptr, start_ptr, thr_ptr, cut_ptr, z_ptr, lsei_ptr, g_ptr, ds_ptr, T, H,
                    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, scale_log2, D1: tl.constexpr, D2: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    b, rm, mm, st, thr, cut, lo, hi = _query_tile(start_ptr, thr_ptr, cut_ptr, T, BLOCK_M)
-    z = tl.load(z_ptr + b * T + rm, mask=mm, other=1.0)
-    z = tl.where(z > 0, z, 1.0)
-    lse_i = tl.load(lsei_ptr + b * T + rm, mask=mm, other=0.0)
-    g = tl.load(g_ptr + b * T + rm, mask=mm, other=0.0)
-    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        rn = n0 + tl.arange(0, BLOCK_N)
-        sel, score, p = _kl_tile(q_ptr, k_ptr, lse_ptr, s_ptr, b, rm, rn, mm, st, thr, cut, T, H, sq_b, sq_t, sq_h,
-                                 sk_b, sk_t, sk_h, scale_log2, D1, D2, PRECISION)  # fmt: skip
-        # d KL_t / d I[t,s] = softmax(I_t)[s] - p_t[s] on the selected keys
-        ds = g[:, None] * (tl.exp(score - lse_i[:, None]) - p / z[:, None])
-        tl.store(ds_ptr + (b * T + rm[:, None]).to(tl.int64) * T + rn[None, :], tl.where(sel, ds, 0.0),
-                 mask=mm[:, None] & (rn[None, :] < T))
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    b, rm, mm, st, thr, cut, n_lo, n_hi = _query_chunk(start_ptr, thr_ptr, cut_ptr, T, BLOCK_M, BLOCK_N, CHUNK)
+    if n_lo < n_hi:
+        z = tl.load(z_ptr + b * T + rm, mask=mm, other=1.0)
+        z = tl.where(z > 0, z, 1.0)
+        lse_i = tl.load(lsei_ptr + b * T + rm, mask=mm, other=0.0)
+        g = tl.load(g_ptr + b * T + rm, mask=mm, other=0.0)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            sel, score, p = _kl_tile(q_ptr, k_ptr, lse_ptr, s_ptr, b, rm, rn, mm, st, thr, cut, T, H, sq_b, sq_t,
+                                     sq_h, sk_b, sk_t, sk_h, scale_log2, D1, D2, PRECISION)  # fmt: skip
+            # d KL_t / d I[t,s] = softmax(I_t)[s] - p_t[s] on the selected keys
+            ds = g[:, None] * (tl.exp(score - lse_i[:, None]) - p / z[:, None])
+            tl.store(ds_ptr + (b * T + rm[:, None]).to(tl.int64) * T + rn[None, :], tl.where(sel, ds, 0.0),
+                     mask=mm[:, None] & (rn[None, :] < T))
 
 
-def _kl_launch_args(q: torch.Tensor, k: torch.Tensor, d_nope: int) -> tuple[tuple[int, ...], dict]:
+_KL_CHUNK = 256  # keys per program: a query tile's key range split this finely keeps every SM busy at any T
+
+
+def _kl_launch_args(q: torch.Tensor, k: torch.Tensor, d_nope: int) -> tuple[tuple[int, ...], dict, tuple[int, int, int]]:
     B, T, H, D = q.shape
     bm, bn, warps = (16, 16, 1) if TRITON_INTERPRET else (64, 64, 4)
+    chunk = 32 if TRITON_INTERPRET else _KL_CHUNK
     precision = "tf32x3" if q.dtype == torch.float32 and not TRITON_INTERPRET else "ieee"
     strides = (*q.stride()[:3], *k.stride()[:3])
-    meta = dict(D1=d_nope, D2=D - d_nope, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision, num_warps=warps, num_stages=2)
-    return strides, meta
+    meta = dict(D1=d_nope, D2=D - d_nope, BLOCK_M=bm, BLOCK_N=bn, CHUNK=chunk, PRECISION=precision,
+                num_warps=warps, num_stages=2)  # fmt: skip
+    return strides, meta, (triton.cdiv(T, bm), triton.cdiv(T, chunk), B)
 
 
 @torch.library.custom_op("megacpp::dsa_sparse_kl", mutates_args=())
 def _kl_op(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor, starts: torch.Tensor,
            thr: torch.Tensor, cut: torch.Tensor, scale: float, d_nope: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     B, T, H, _ = q.shape
-    kl, z, lse_i = (torch.empty(B, T, device=q.device, dtype=torch.float32) for _ in range(3))
-    strides, meta = _kl_launch_args(q, k, d_nope)
-    _kl_fwd_kernel[(triton.cdiv(T, meta["BLOCK_M"]), B)](
-        q, k, lse, scores, starts, thr, cut, kl, z, lse_i, T, H, *strides, scale * _LOG2E, **meta)
+    strides, meta, grid = _kl_launch_args(q, k, d_nope)
+    part = torch.empty(5, B, grid[1], T, device=q.device, dtype=torch.float32)  # every program writes its row
+    _kl_fwd_kernel[grid](q, k, lse, scores, starts, thr, cut, part, T, H, grid[1], *strides, scale * _LOG2E, **meta)
+    m_c, l_c, plogp, p_score, z = part[0], part[1], part[2].sum(1), part[3].sum(1), part[4].sum(1)
+    m = m_c.amax(1)  # the chunks' online log-sum-exps of the indexer scores, merged
+    m = torch.where(m == float("-inf"), 0.0, m)
+    l = (l_c * torch.exp(m_c - m[:, None])).sum(1)
+    lse_i = m + torch.log(torch.where(l > 0, l, 1.0))
+    z_safe = torch.where(z > 0, z, 1.0)
+    kl = plogp / z_safe - torch.log(z_safe) - p_score / z_safe + lse_i
     return kl, z, lse_i
 
 
@@ -307,10 +327,9 @@ def _kl_bwd_op(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scores: torc
                scale: float, d_nope: int) -> torch.Tensor:  # fmt: skip
     B, T, H, _ = q.shape
     ds = torch.zeros(B, T, T, device=q.device, dtype=torch.float32)  # unselected keys: no gradient
-    strides, meta = _kl_launch_args(q, k, d_nope)
-    _kl_bwd_kernel[(triton.cdiv(T, meta["BLOCK_M"]), B)](
-        q, k, lse, scores, starts, thr, cut, z, lse_i, grad.float().contiguous(), ds, T, H, *strides,
-        scale * _LOG2E, **meta)  # fmt: skip
+    strides, meta, grid = _kl_launch_args(q, k, d_nope)
+    _kl_bwd_kernel[grid](q, k, lse, scores, starts, thr, cut, z, lse_i, grad.float().contiguous(), ds, T, H, *strides,
+                         scale * _LOG2E, **meta)  # fmt: skip
     return ds
 
 
