@@ -90,6 +90,18 @@ def _cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_corpus(args: argparse.Namespace) -> int:
+    from megacpp_lab.data.corpus import CorpusConfig, build_corpus
+
+    packages = None if args.packages is None else tuple(n.strip() for n in args.packages.split(",") if n.strip())
+    config = CorpusConfig(packages=packages, include_torch=not args.no_torch, near_threshold=args.near_threshold)
+    path = build_corpus(args.out, config, mirror=args.mirror, use_apt=not args.no_apt, progress=not args.quiet)
+    summary = json.loads(path.read_text())["summary"]
+    splits = ", ".join(f"{k} {v['files']} files" for k, v in summary["splits"].items())
+    print(f"wrote {path}: {splits}")
+    return 0
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from megacpp_lab.receipts import device_slug, stamp
     from megacpp_lab.sizing import lab_scale
@@ -322,6 +334,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="BPE vocab with --train-tokenizer")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_data)
+    data_sub = p.add_subparsers(dest="data_command", metavar="{corpus}",
+                                help="corpus: build the Debian C++ corpus instead of the sample")  # fmt: skip
+    from megacpp_lab.data.corpus import CorpusConfig
+    from megacpp_lab.data.debian import DEBIAN_MIRROR, PINNED
+
+    corpus_defaults = CorpusConfig()
+    c = data_sub.add_parser(
+        "corpus",
+        help="fetch the pinned Debian C++ packages and build the deduplicated, split training corpus",
+        description=_paragraphs(
+            "Fetch the pinned .deb files (data/debian.py: Debian 12, each checked against its sha256; with "
+            "`apt-get download` where apt is present, as any user, else from the archive's pool over HTTP), unpack "
+            "their C/C++ files under usr/include in Python, add torch's headers as a second source, drop generated "
+            "files, exact and near duplicates (MinHash over 5-token shingles), and split by file (val, test) and "
+            "by library (the held-out one). Writes <out>/files/<source>/<path> and <out>/corpus_manifest.json "
+            "(per file: source, version, the .deb's sha256, licence, sha256, status, split).",
+            "A package that is not pinned, or a download whose sha256 differs from its pin, fails closed and names "
+            "the package. Reruns reuse the verified .deb files under <out>/debs.",
+        ),
+        **common,
+    )
+    c.add_argument("--out", default=None, help="corpus directory (default: $MEGACPP_CORPUS_DIR, else "
+                   "~/.cache/megacpp-lab/corpus)")  # fmt: skip
+    c.add_argument("--packages", default=None,
+                   help="comma-separated package names, a subset of the pinned ones (default: all of "
+                   f"{', '.join(p.name for p in PINNED)})")  # fmt: skip
+    c.add_argument("--no-torch", action="store_true", help="leave torch's headers out (default: a second source)")
+    c.add_argument("--near-threshold", type=float, default=corpus_defaults.near_threshold,
+                   help="the least estimated Jaccard similarity of a near duplicate")  # fmt: skip
+    c.add_argument("--mirror", default=DEBIAN_MIRROR, help="the Debian archive's root, for the HTTP download")
+    c.add_argument("--no-apt", action="store_true", help="download over HTTP even where apt-get is present")
+    c.add_argument("--quiet", action="store_true", help="no progress lines or bars")
+    c.set_defaults(func=_cmd_corpus)
 
     p = sub.add_parser(
         "bench",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 CPP_SUFFIXES = (".h", ".hpp", ".hh", ".hxx", ".cuh", ".cpp", ".cc", ".cxx", ".cu", ".inl", ".ipp")
@@ -114,3 +115,171 @@ def update_manifest(data_dir: Path, byte_fields: dict | None = None, **sections:
         if value is not None:
             manifest[key] = value
     (Path(data_dir) / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+# ----------------------------------------------------------------------------- the Debian corpus
+
+CORPUS_ENV = "MEGACPP_CORPUS_DIR"
+CORPUS_MANIFEST = "corpus_manifest.json"
+SPLITS = ("train", "val", "test", "heldout")
+# a generator's marker in a file's first 2 KiB: torchgen's "@generated" (the ATen/ops family), protobuf's and
+# others' "DO NOT EDIT". Generated files are not the hand-written C++ the corpus is for.
+GENERATED_MARKERS = (b"@generated", b"DO NOT EDIT", b"Do not edit", b"do not edit")
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    """What `build_corpus` takes: packages (names from data/debian.py PINNED; None: all), the torch headers as a
+    second source, the near-duplicate threshold (estimated Jaccard over 5-token shingles), and the shares of the
+    training libraries' files held out (by a hash of the path: whole files, the same for every seed)."""
+
+    packages: tuple[str, ...] | None = None
+    include_torch: bool = True
+    near_threshold: float = 0.8
+    val_fraction: float = 0.02
+    test_fraction: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("val_fraction", "test_fraction"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 0.5:
+                raise ValueError(f"CorpusConfig.{name} must be a number in (0, 0.5), got {v!r}")
+
+
+def default_corpus_dir() -> Path:
+    """$MEGACPP_CORPUS_DIR, else ~/.cache/megacpp-lab/corpus."""
+    env = os.environ.get(CORPUS_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "megacpp-lab" / "corpus"
+
+
+def is_generated(data: bytes) -> bool:
+    head = data[:2048]
+    return any(marker in head for marker in GENERATED_MARKERS)
+
+
+def _split_of(key: str, config: CorpusConfig) -> str:
+    u = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
+    return "val" if u < config.val_fraction else "test" if u < config.val_fraction + config.test_fraction else "train"
+
+
+def build_corpus(out_dir: str | Path | None = None, config: CorpusConfig = CorpusConfig(), *, mirror: str | None = None,
+                 use_apt: bool = True, progress: bool = False) -> Path:  # fmt: skip
+    """Fetch the pinned packages (data/debian.py), take their C/C++ files under usr/include (and torch's headers),
+    drop generated files, exact and near duplicates (data/dedup.py: the pinned libraries first, torch's headers
+    next, the held-out library last, so a copy survives in training and never in the held-out set), split the
+    rest, write each kept file under out_dir/files/<source>/<path> and the manifest (every file: source, version,
+    the .deb's sha256, licence, the file's sha256, bytes, status, the file it duplicates, split). Returns the
+    manifest's path. Reruns reuse the verified .deb files in out_dir/debs."""
+    import shutil
+
+    from megacpp_lab.data.debian import DEBIAN_MIRROR, cpp_members, fetch_deb, resolve_packages
+    from megacpp_lab.data.dedup import DedupConfig, dedup
+
+    out = Path(out_dir) if out_dir is not None else default_corpus_dir()
+    packages = resolve_packages(config.packages)
+    records: list[dict] = []
+    blobs: list[bytes] = []
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"[data corpus] {msg}", flush=True)
+
+    ordered = [p for p in packages if p.role != "heldout"], [p for p in packages if p.role == "heldout"]
+    sources: list[tuple[str, object]] = [("deb", p) for p in ordered[0]]
+    if config.include_torch:
+        sources.append(("torch", None))
+    sources += [("deb", p) for p in ordered[1]]
+    for kind, pkg in sources:
+        if kind == "deb":
+            say(f"{pkg.name} {pkg.version}: fetching (apt-get download, else {mirror or DEBIAN_MIRROR}), checking sha256")
+            deb = fetch_deb(pkg, out / "debs", mirror=mirror or DEBIAN_MIRROR, use_apt=use_apt)
+            meta = dict(source=pkg.name, version=pkg.version, deb_sha256=pkg.sha256, license=pkg.license, role=pkg.role)
+            members = sorted(cpp_members(deb, pkg))
+        else:
+            import torch
+
+            meta = dict(source="torch", version=torch.__version__, deb_sha256=None, license="BSD-3-Clause", role="train")
+            root = torch_include_dir()
+            members = [(p.relative_to(root).as_posix(), p.read_bytes()) for p in list_cpp_files(root)]
+        say(f"{meta['source']}: {len(members)} C/C++ files")
+        for path, data in members:
+            records.append(dict(path=f"{meta['source']}/{path}", **meta, sha256=hashlib.sha256(data).hexdigest(),
+                                bytes=len(data)))  # fmt: skip
+            blobs.append(data)
+    generated = [is_generated(b) for b in blobs]
+    candidates = [i for i, g in enumerate(generated) if not g]
+    say(f"{sum(generated)} generated files dropped; deduplicating {len(candidates)} (exact, then near at estimated "
+        f"Jaccard >= {config.near_threshold})")  # fmt: skip
+    result = dedup([blobs[i] for i in candidates], DedupConfig(threshold=config.near_threshold), progress=progress)
+    for i, g in enumerate(generated):
+        if g:
+            records[i].update(status="generated", dup_of=None, similarity=None, split=None)
+    for local, i in enumerate(candidates):
+        status = result.status[local]
+        dup = result.dup_of[local]
+        records[i].update(status=status, dup_of=None if dup < 0 else records[candidates[dup]]["path"],
+                          similarity=None if dup < 0 else round(result.similarity[local], 4))  # fmt: skip
+        records[i]["split"] = None if status != "kept" else (
+            "heldout" if records[i]["role"] == "heldout" else _split_of(records[i]["path"], config))
+    files_dir = out / "files"
+    if files_dir.exists():
+        shutil.rmtree(files_dir)
+    for rec, data in zip(records, blobs):
+        if rec["status"] == "kept":
+            target = files_dir / rec["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+    summary = corpus_summary(records)
+    manifest = dict(config=asdict(config) | {"dedup": asdict(DedupConfig(threshold=config.near_threshold))},
+                    mirror=mirror or DEBIAN_MIRROR, summary=summary, files=records)  # fmt: skip
+    path = out / CORPUS_MANIFEST
+    path.write_text(json.dumps(manifest, indent=0) + "\n")
+    for src, s in summary["sources"].items():
+        say(f"{src}: {s['files']} files, kept {s['kept']} ({s['kept_bytes'] / 1e6:.1f} MB); removed: generated "
+            f"{s['generated']}, exact {s['exact']}, near {s['near']}")  # fmt: skip
+    say(f"splits: " + ", ".join(f"{k} {v['files']} files {v['bytes'] / 1e6:.1f} MB" for k, v in summary["splits"].items()))
+    return path
+
+
+def corpus_summary(records: list[dict]) -> dict:
+    """Per source: files, kept, the removed counts by reason and their share; per split: files and bytes."""
+    sources: dict[str, dict] = {}
+    for rec in records:
+        s = sources.setdefault(rec["source"], dict(version=rec["version"], license=rec["license"], role=rec["role"],
+                                                   files=0, bytes=0, kept=0, kept_bytes=0, generated=0, exact=0,
+                                                   near=0))  # fmt: skip
+        s["files"] += 1
+        s["bytes"] += rec["bytes"]
+        if rec["status"] == "kept":
+            s["kept"] += 1
+            s["kept_bytes"] += rec["bytes"]
+        else:
+            s[rec["status"]] += 1
+    for s in sources.values():
+        s["removed_share"] = round(1 - s["kept"] / s["files"], 4) if s["files"] else 0.0
+    splits = {k: dict(files=0, bytes=0) for k in SPLITS}
+    for rec in records:
+        if rec["status"] == "kept":
+            splits[rec["split"]]["files"] += 1
+            splits[rec["split"]]["bytes"] += rec["bytes"]
+    return dict(sources=sources, splits=splits)
+
+
+def load_corpus_split(split: str, corpus_dir: str | Path | None = None) -> list[SourceFile]:
+    """The kept files of one split ("train", "val", "test" or "heldout") of a built corpus, as SourceFile (relpath:
+    <source>/<install path>), each checked against the manifest's sha256."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    root = Path(corpus_dir) if corpus_dir is not None else default_corpus_dir()
+    path = root / CORPUS_MANIFEST
+    if not path.exists():
+        raise FileNotFoundError(f"no corpus at {root} ({CORPUS_MANIFEST} missing): `megacpp-lab data corpus` builds it")
+    out = []
+    for rec in json.loads(path.read_text())["files"]:
+        if rec["status"] == "kept" and rec["split"] == split:
+            data = (root / "files" / rec["path"]).read_bytes()
+            if hashlib.sha256(data).hexdigest() != rec["sha256"]:
+                raise ValueError(f"corpus file {rec['path']}: its sha256 differs from the manifest's (edited or "
+                                 "corrupt); rebuild with `megacpp-lab data corpus`")  # fmt: skip
+            out.append(SourceFile(relpath=rec["path"], data=data))
+    return out
