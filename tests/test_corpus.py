@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import tarfile
 from dataclasses import replace
 
@@ -192,3 +193,39 @@ def test_the_corpus_builds_from_the_debian_archive_and_splits_by_file_and_librar
         load_corpus_split("train", out)
     with pytest.raises(FileNotFoundError, match="megacpp-lab data corpus"):
         load_corpus_split("train", tmp_path / "none")
+
+
+def test_a_run_trains_on_a_built_corpus_and_reports_the_held_out_librarys_loss(tmp_path, monkeypatch):
+    """build_corpus end to end on two packages served from a file:// mirror (40 distinct synthetic headers split
+    between a training library and a held-out one), then a tiny run on it: validation from its val split, and the
+    held-out library's loss beside it at every evaluation."""
+    from megacpp_lab.model.train import tokenize_corpus, train
+    from megacpp_lab.model.train_config import TrainConfig
+
+    headers = {f"lib/h{i}.hpp": b"#pragma once\n" + _variants(100 + i, 300)[0] for i in range(40)}
+    names = sorted(headers)
+    halves = {"libtrain-dev": names[:30], "libheld-dev": names[30:]}
+    pinned = []
+    for name, part in halves.items():
+        blob = _deb({f"./usr/include/{n}": headers[n] for n in part})
+        pool = f"pool/main/x/{name}/{name}_1.0_all.deb"
+        (tmp_path / "mirror" / pool).parent.mkdir(parents=True)
+        (tmp_path / "mirror" / pool).write_bytes(blob)
+        pinned.append(DebPackage(name, "1.0", pool, len(blob), hashlib.sha256(blob).hexdigest(), "MIT",
+                                 role="heldout" if name == "libheld-dev" else "train"))  # fmt: skip
+    monkeypatch.setattr(debian, "PINNED", tuple(pinned))
+    out = build_corpus(tmp_path / "corpus", CorpusConfig(include_torch=False, val_fraction=0.2, test_fraction=0.1),
+                       mirror=(tmp_path / "mirror").as_uri(), use_apt=False).parent  # fmt: skip
+    summary = json.loads((out / CORPUS_MANIFEST).read_text())["summary"]
+    assert summary["sources"]["libheld-dev"]["kept"] == summary["splits"]["heldout"]["files"] > 0
+    assert all(f.relpath.startswith("libheld-dev/") for f in load_corpus_split("heldout", out))
+    assert not any(f.relpath.startswith("libheld-dev/") for f in load_corpus_split("train", out))
+    config = TrainConfig(preset="tiny", corpus=str(out), seq_len=64, batch_size=2, steps=4, warmup_steps=1, log_every=2,
+                         val_every=2, ckpt_every=4, val_batches=2, device="cpu", tensorboard=False,
+                         out_dir=str(tmp_path / "run"))  # fmt: skip
+    corpus = tokenize_corpus(config, cache_dir=None)
+    assert len(corpus.heldout) == summary["splits"]["heldout"]["files"] and len(corpus.val) == summary["splits"]["val"]["files"]
+    result = train(config, progress=False, corpus=corpus)
+    evals = [r for r in result.history if "val_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(math.isfinite(r["heldout_loss"]) and r["heldout_loss"] != r["val_loss"] for r in evals)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from megacpp_lab.data import PackedRowStream, load_bpe, load_corpus, next_token_targets, split_by_file, tokenize_files
+from megacpp_lab.data.corpus import CORPUS_MANIFEST, load_corpus_split
 from megacpp_lab.model.checkpoint_io import (CHECKPOINT_FILE, CHECKPOINT_FORMAT, check_resume, latest_checkpoint,
                                              load_train_state, save_checkpoint, sharded_state)  # fmt: skip
 from megacpp_lab.model.config import HybridConfig
@@ -73,31 +74,44 @@ class TokenizedCorpus:
     corpus: str | None
     max_files: int | None
     val_fraction: float
+    heldout: list[Any] = dataclasses.field(default_factory=list)  # a built corpus's held-out library (transfer)
 
 
 def tokenize_corpus(config: TrainConfig, *, progress: bool = False,
                     cache_dir: str | Path | None = TOKEN_CACHE) -> TokenizedCorpus:  # fmt: skip
-    """Read the corpus, hold out validation files by path, and tokenize both sides with the BPE. The token
-    ids are cached under cache_dir (data.tokenize_files; None: no cache), so every rank of a run and every
-    later run over the same files reads them instead of tokenizing again."""
-    files = load_corpus(config.corpus, max_files=config.max_files, progress=False)
-    train_files, val_files = split_by_file(files, config.val_fraction)
+    """Read the corpus, hold out validation files by path, and tokenize both sides with the BPE. A corpus built by
+    `megacpp-lab data corpus` (its manifest in config.corpus) brings its own splits: train, val, and the held-out
+    library (max_files caps each). The token ids are cached under cache_dir (data.tokenize_files; None: no cache),
+    so every rank of a run and every later run over the same files reads them instead of tokenizing again."""
     tok = load_bpe()
-    docs = [tokenize_files(part, tok, progress=progress, cache_dir=cache_dir) for part in (train_files, val_files)]
-    return TokenizedCorpus(*docs, config.corpus, config.max_files, config.val_fraction)
+    if config.corpus is not None and (Path(config.corpus) / CORPUS_MANIFEST).exists():  # `megacpp-lab data corpus`
+        parts = [load_corpus_split(split, config.corpus)[: config.max_files] for split in ("train", "val", "heldout")]
+    else:
+        files = load_corpus(config.corpus, max_files=config.max_files, progress=False)
+        parts = [*split_by_file(files, config.val_fraction), []]
+    train_docs, val_docs, heldout = (tokenize_files(part, tok, progress=progress, cache_dir=cache_dir) if part else []
+                                     for part in parts)  # fmt: skip
+    return TokenizedCorpus(train_docs, val_docs, config.corpus, config.max_files, config.val_fraction, heldout)
 
 
-def _data(config: TrainConfig, corpus: TokenizedCorpus, pad_id: int) -> tuple[PackedRowStream, list[Any]]:
-    """The training stream and the fixed validation batches (the first of the held-out files, in order)."""
+def _data(config: TrainConfig, corpus: TokenizedCorpus, pad_id: int
+          ) -> tuple[PackedRowStream, list[Any], list[Any]]:  # fmt: skip
+    """The training stream and the fixed evaluation batches: validation (the first of the held-out files, in
+    order) and, for a built corpus, the held-out library's (none otherwise)."""
     for name in ("corpus", "max_files", "val_fraction"):
         if getattr(corpus, name) != getattr(config, name):
             raise ValueError(f"the tokenized corpus was built with {name}={getattr(corpus, name)!r}, the run asks "
                              f"{getattr(config, name)!r}")  # fmt: skip
     stream = PackedRowStream(corpus.train, seq_len=config.seq_len, batch_size=config.batch_size, pad_id=pad_id,
                              seed=config.seed)  # fmt: skip
-    val = PackedRowStream(corpus.val, seq_len=config.seq_len, batch_size=config.batch_size, pad_id=pad_id,
-                          shuffle=False)  # fmt: skip
-    return stream, [next(val) for _ in range(min(config.val_batches, val.batches_per_epoch))]
+
+    def fixed(docs: list[Any]) -> list[Any]:
+        if not docs:
+            return []
+        rows = PackedRowStream(docs, seq_len=config.seq_len, batch_size=config.batch_size, pad_id=pad_id, shuffle=False)
+        return [next(rows) for _ in range(min(config.val_batches, rows.batches_per_epoch))]
+
+    return stream, fixed(corpus.val), fixed(corpus.heldout)
 
 
 def _targets(tokens: torch.Tensor, doc_ids: torch.Tensor, pad_id: int, ignore_index: int) -> torch.Tensor:
@@ -148,7 +162,7 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
 
     if corpus is None:
         corpus = tokenize_corpus(config, progress=progress and ranks.main)
-    stream, val_batches = _data(config, corpus, tok.pad_id)
+    stream, val_batches, heldout_batches = _data(config, corpus, tok.pad_id)
     torch.manual_seed(config.seed)
     model = parallelize(HybridLM(hcfg).to(device), config.parallel, device=device, fsdp=ranks.world > 1)
     opt = MasterWeightAdamW(model, config)
@@ -178,17 +192,17 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
         tokens, targets = (copy_to_device(t[rows], device) for t in (batch.tokens, targets))
         return tokens, ctx, targets, share
 
-    def validate() -> float:
+    def validate(batches: list[Any]) -> float:
         model.eval()
         total = torch.zeros((), device=device, dtype=torch.float64)
         with torch.no_grad():
-            for b in val_batches:
+            for b in batches:
                 tokens, ctx, targets, share = rank_batch(b)
                 # the next-token loss alone (the MTP modules skipped): with MTP the training objective adds their
                 # losses, and validation compares models with and without them
                 total += model(tokens, ctx, targets, with_mtp=False).lm_loss.double() * share
         model.train()
-        return float(all_reduce_sum(total, ranks)) / len(val_batches)
+        return float(all_reduce_sum(total, ranks)) / len(batches)
 
     def checkpoint(step: int) -> None:
         rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device == "cuda" else None}
@@ -205,7 +219,7 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
         if writer is not None:
             for key, value in row.items():
                 if key != "step":
-                    writer.add_scalar(key.replace("_", "/", 1) if key in ("train_loss", "val_loss") else key,
+                    writer.add_scalar(key.replace("_", "/", 1) if key in ("train_loss", "val_loss", "heldout_loss") else key,
                                       value, int(row["step"]))  # fmt: skip
 
     model.train()
@@ -303,7 +317,10 @@ def _train(config: TrainConfig, device: str, dtype: torch.dtype, ranks: Ranks, *
             t_log, s_log, r_log = time.perf_counter(), done, done
         if done % config.val_every == 0 or done == config.steps:
             t0 = time.perf_counter()
-            log(dict(step=done, val_loss=validate()))
+            row = dict(step=done, val_loss=validate(val_batches))
+            if heldout_batches:  # a built corpus: the held-out library's loss (transfer)
+                row["heldout_loss"] = validate(heldout_batches)
+            log(row)
             t_log += time.perf_counter() - t0  # validation time is not training throughput
         if done % config.ckpt_every == 0 or done == end:
             t0 = time.perf_counter()
@@ -357,12 +374,12 @@ def _trace(out: Path, steps: int, device: str) -> Any:
 
 
 def plot_history(history: list[dict[str, float]], path: str | Path, *, title: str = "") -> Path:
-    """Train and validation loss against the step, as a PNG."""
+    """Train, validation and (a built corpus) held-out-library loss against the step, as a PNG."""
     from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
 
     fig = Figure(figsize=(6.4, 3.6))
     ax = fig.subplots()
-    for key, style in (("train_loss", "-"), ("val_loss", "o-")):
+    for key, style in (("train_loss", "-"), ("val_loss", "o-"), ("heldout_loss", "s--")):
         rows = [r for r in history if key in r]
         if rows:
             ax.plot([r["step"] for r in rows], [r[key] for r in rows], style, label=key.replace("_", " "), ms=3)

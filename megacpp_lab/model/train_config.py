@@ -52,9 +52,11 @@ class TrainConfig:
     mtp_depth: int | None = option(None, "multi-token prediction modules after the stack (0: none)", shown="the preset's")
     mtp_loss_weight: float | None = option(None, "the MTP losses' weight in the training loss", shown="the preset's")
     # data
-    corpus: str | None = option(None, "directory of C++ files", shown="the installed torch's headers")
+    corpus: str | None = option(None, "directory of C++ files, or a corpus `megacpp-lab data corpus` built (its "
+                                "train, val and held-out library splits)", shown="the installed torch's headers")
     max_files: int | None = option(None, "read at most this many files of the corpus", shown="all")
-    val_fraction: float = option(0.05, "share of files held out for validation, by path")
+    val_fraction: float = option(0.05, "share of files held out for validation, by path (a plain directory; a built "
+                                 "corpus has its own splits)")
     seq_len: int = option(1024, "tokens per packed row, T")
     batch_size: int = option(8, "rows per batch, B")
     val_batches: int = option(8, "validation batches per evaluation")
