@@ -91,14 +91,20 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_corpus(args: argparse.Namespace) -> int:
-    from megacpp_lab.data.corpus import CorpusConfig, build_corpus
+    from megacpp_lab.data.corpus import CorpusConfig, archive_corpus, build_corpus, restore_corpus
 
+    if args.from_archive is not None:
+        path = restore_corpus(args.from_archive, args.out)
+        print(f"restored {path} from {args.from_archive}")
+        return 0
     packages = None if args.packages is None else tuple(n.strip() for n in args.packages.split(",") if n.strip())
     config = CorpusConfig(packages=packages, include_torch=not args.no_torch, near_threshold=args.near_threshold)
     path = build_corpus(args.out, config, mirror=args.mirror, use_apt=not args.no_apt, progress=not args.quiet)
     summary = json.loads(path.read_text())["summary"]
     splits = ", ".join(f"{k} {v['files']} files" for k, v in summary["splits"].items())
     print(f"wrote {path}: {splits}")
+    if args.archive is not None:
+        print(f"wrote {archive_corpus(path.parent, args.archive)}")
     return 0
 
 
@@ -365,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the least estimated Jaccard similarity of a near duplicate")  # fmt: skip
     c.add_argument("--mirror", default=DEBIAN_MIRROR, help="the Debian archive's root, for the HTTP download")
     c.add_argument("--no-apt", action="store_true", help="download over HTTP even where apt-get is present")
+    c.add_argument("--archive", default=None, help="also write the built corpus as one tar.xz here, to carry to a "
+                   "machine that cannot reach the archive (default: none)")  # fmt: skip
+    c.add_argument("--from-archive", default=None, help="restore a corpus from such a tar.xz into --out (each file "
+                   "checked against the manifest's sha256) instead of fetching (default: fetch)")  # fmt: skip
     c.add_argument("--quiet", action="store_true", help="no progress lines or bars")
     c.set_defaults(func=_cmd_corpus)
 

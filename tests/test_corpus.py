@@ -19,9 +19,13 @@ from megacpp_lab.data import debian
 from megacpp_lab.data.corpus import (
     CORPUS_MANIFEST,
     CorpusConfig,
+    archive_corpus,
     build_corpus,
+    describe_source,
     is_generated,
+    load_corpus,
     load_corpus_split,
+    restore_corpus,
 )
 from megacpp_lab.data.debian import DebPackage, cpp_members, fetch_deb, is_cpp_header, resolve_packages
 from megacpp_lab.data.dedup import DedupConfig, dedup, jaccard, minhash, shingles
@@ -220,6 +224,20 @@ def test_a_run_trains_on_a_built_corpus_and_reports_the_held_out_librarys_loss(t
     assert summary["sources"]["libheld-dev"]["kept"] == summary["splits"]["heldout"]["files"] > 0
     assert all(f.relpath.startswith("libheld-dev/") for f in load_corpus_split("heldout", out))
     assert not any(f.relpath.startswith("libheld-dev/") for f in load_corpus_split("train", out))
+    # what trains the tokenizer or fills the sample from a built corpus: its training split alone
+    assert [f.relpath for f in load_corpus(out)] == [f.relpath for f in load_corpus_split("train", out)]
+    assert describe_source(out)["corpus_sources"] == {"libtrain-dev": "1.0", "libheld-dev": "1.0"}
+    # carried as one archive to a machine without the Debian archive, and restored there byte for byte
+    archive = archive_corpus(out, tmp_path / "corpus.tar.xz")
+    moved = tmp_path / "moved"
+    assert main(["data", "corpus", "--from-archive", str(archive), "--out", str(moved), "--quiet"]) == 0
+    assert load_corpus_split("heldout", moved) == load_corpus_split("heldout", out)
+    assert (moved / CORPUS_MANIFEST).read_bytes() == (out / CORPUS_MANIFEST).read_bytes()
+    victim = next((moved / "files").rglob("*.hpp"))
+    victim.write_bytes(b"// altered")
+    archive_corpus(moved, tmp_path / "bad.tar.xz")  # the archive holds the altered file under the old manifest
+    with pytest.raises(ValueError, match=f"file {victim.relative_to(moved / 'files').as_posix()} is missing or differs"):
+        restore_corpus(tmp_path / "bad.tar.xz", tmp_path / "again")
     config = TrainConfig(preset="tiny", corpus=str(out), seq_len=64, batch_size=2, steps=4, warmup_steps=1, log_every=2,
                          val_every=2, ckpt_every=4, val_batches=2, device="cpu", tensorboard=False,
                          out_dir=str(tmp_path / "run"))  # fmt: skip

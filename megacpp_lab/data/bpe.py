@@ -27,6 +27,7 @@ import torch
 from megacpp_lab.checks import check_int
 from megacpp_lab.data.corpus import (
     MANIFEST_FILE,
+    describe_source,
     list_cpp_files,
     read_manifest,
     repo_data_dir,
@@ -250,7 +251,7 @@ def train_bpe(
         "tokenizers": __version__,
         "config": asdict(config),
         "corpus": {
-            "source_root": "torch/include" if root is None else str(src_root),
+            **describe_source(root),
             "torch": torch.__version__,
             "files": len(paths),
             "bytes": n_bytes,

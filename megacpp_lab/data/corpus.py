@@ -34,16 +34,41 @@ def torch_include_dir() -> Path:
 
 
 def list_cpp_files(root: str | Path, suffixes: tuple[str, ...] = CPP_SUFFIXES) -> list[Path]:
-    """Every C++ file under root, sorted by relative path so that corpora are reproducible."""
+    """Every C++ file under root, sorted by relative path so that corpora are reproducible. A corpus that
+    `megacpp-lab data corpus` built (its manifest in root): the files of its training split alone, so that what
+    trains the tokenizer or fills the sample never holds a validation, test or held-out file."""
     root = Path(root)
     if not root.exists():
         raise FileNotFoundError(f"corpus root {root} does not exist")
     if not root.is_dir():
         raise NotADirectoryError(f"corpus root {root} is not a directory")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
+    if (root / CORPUS_MANIFEST).exists():
+        records = json.loads((root / CORPUS_MANIFEST).read_text())["files"]
+        files = sorted(root / "files" / r["path"] for r in records if r["status"] == "kept" and r["split"] == "train")
+    else:
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
     if not files:
         raise ValueError(f"corpus root {root} holds no C++ files with suffixes {suffixes}")
     return files
+
+
+def describe_source(root: str | Path | None) -> dict:
+    """The manifest's words for where a sample's or tokenizer's files came from, the same on every machine: torch's
+    headers (root None), a built corpus's training split (its sources and versions), or a user directory."""
+    if root is None:
+        return {"source_root": "torch/include", "source": "torch/include of the installed torch"}
+    path = Path(root) / CORPUS_MANIFEST
+    if path.exists():
+        sources = json.loads(path.read_text())["summary"]["sources"]
+        return {"source_root": "megacpp-lab data corpus", "source": "the training split of the Debian C++ corpus",
+                "corpus_sources": {name: s["version"] for name, s in sources.items()}}  # fmt: skip
+    return {"source_root": str(root), "source": "user directory"}
+
+
+def corpus_base(root: str | Path) -> Path:
+    """What a file's relpath is relative to: root, or a built corpus's files/ (relpaths <source>/<path>)."""
+    root = Path(root)
+    return root / "files" if (root / CORPUS_MANIFEST).exists() else root
 
 
 def load_corpus(
@@ -75,7 +100,7 @@ def load_corpus(
         data = path.read_bytes()
         if len(data) < min_bytes:
             continue
-        docs.append(SourceFile(relpath=path.relative_to(root).as_posix(), data=data))
+        docs.append(SourceFile(relpath=path.relative_to(corpus_base(root)).as_posix(), data=data))
         total += len(data)
         if max_files is not None and len(docs) >= max_files:
             break
@@ -283,3 +308,56 @@ def load_corpus_split(split: str, corpus_dir: str | Path | None = None) -> list[
                                  "corrupt); rebuild with `megacpp-lab data corpus`")  # fmt: skip
             out.append(SourceFile(relpath=rec["path"], data=data))
     return out
+
+
+def archive_corpus(corpus_dir: str | Path | None, path: str | Path) -> Path:
+    """A built corpus (its manifest and kept files) as one tar.xz, to carry to a machine that cannot reach the
+    archive (a GPU box without a registry): `restore_corpus` puts it back. Members are sorted with zeroed
+    owners and times, so the same corpus gives the same archive."""
+    import tarfile
+
+    root = Path(corpus_dir) if corpus_dir is not None else default_corpus_dir()
+    manifest = root / CORPUS_MANIFEST
+    if not manifest.exists():
+        raise FileNotFoundError(f"no corpus at {root} ({CORPUS_MANIFEST} missing): `megacpp-lab data corpus` builds it")
+    kept = sorted(r["path"] for r in json.loads(manifest.read_text())["files"] if r["status"] == "kept")
+
+    def add(tf: tarfile.TarFile, src: Path, name: str) -> None:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode = src.stat().st_size, 0o644
+        with open(src, "rb") as f:
+            tf.addfile(info, f)
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:xz", preset=6) as tf:
+        add(tf, manifest, CORPUS_MANIFEST)
+        for rel in kept:
+            add(tf, root / "files" / rel, f"files/{rel}")
+    return path
+
+
+def restore_corpus(archive: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Unpack an `archive_corpus` archive into out_dir and check every kept file against the manifest's sha256
+    (a missing or altered file fails closed, naming it). Returns the manifest's path."""
+    import tarfile
+
+    out = Path(out_dir) if out_dir is not None else default_corpus_dir()
+    with tarfile.open(archive, "r:xz") as tf:
+        for member in tf:
+            name = Path(member.name)
+            if not member.isfile() or name.is_absolute() or ".." in name.parts or not (
+                    member.name == CORPUS_MANIFEST or member.name.startswith("files/")):  # fmt: skip
+                raise ValueError(f"corpus archive {archive}: unexpected member {member.name!r}")
+            target = out / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(tf.extractfile(member).read())
+    manifest = out / CORPUS_MANIFEST
+    if not manifest.exists():
+        raise ValueError(f"corpus archive {archive} holds no {CORPUS_MANIFEST}")
+    for rec in json.loads(manifest.read_text())["files"]:
+        if rec["status"] == "kept":
+            f = out / "files" / rec["path"]
+            if not f.exists() or hashlib.sha256(f.read_bytes()).hexdigest() != rec["sha256"]:
+                raise ValueError(f"corpus archive {archive}: file {rec['path']} is missing or differs from the manifest")
+    return manifest

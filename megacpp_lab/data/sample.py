@@ -19,6 +19,8 @@ from megacpp_lab.data.bpe import MANIFEST_KEY as BPE_TOKENIZER_KEY
 from megacpp_lab.data.bpe import BpeTokenizer, sha256_file
 from megacpp_lab.data.corpus import (
     MANIFEST_FILE,
+    corpus_base,
+    describe_source,
     list_cpp_files,
     read_manifest,
     repo_data_dir,
@@ -130,7 +132,7 @@ def build_sample(
         data = p.read_bytes()
         if not data or len(data) > config.max_file_bytes:
             continue
-        chosen.append((p.relative_to(src_root).as_posix(), data))
+        chosen.append((p.relative_to(corpus_base(src_root)).as_posix(), data))
         docs.append(tok.encode(data))
         n_tokens += len(docs[-1])
     if not chosen:
@@ -179,8 +181,7 @@ def build_sample(
     import triton
 
     fields = {
-        "source_root": "torch/include" if root is None else str(src_root),
-        "source": "torch/include of the installed torch" if root is None else "user directory",
+        **describe_source(root),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "tokenizer": _tokenizer_record(tok),

@@ -44,6 +44,7 @@ class TrainConfig:
     d_model: int | None = option(None, "model width", shown="the preset's")
     n_layers: int | None = option(None, "layers", shown="the preset's")
     engram_layers: str | None = option(None, "Engram layers, e.g. 1,5,9, or none", shown="the preset's")
+    ngram_layers: str | None = option(None, "hashed n-gram memory layers, e.g. 1,5,9, or none", shown="the preset's")
     m_block: str | None = option(None, "the M block's mixer: mamba3 or mamba2 (Mamba-2's SSD)", shown="the preset's")
     mimo_rank: int | None = option(None, "Mamba-3's MIMO rank: 1 (SISO), 2, 4 or 8", shown="the preset's")
     dsa_layers: str | None = option(None, "A layers that run DeepSeek Sparse Attention, e.g. 0,4, or none", shown="the preset's")
@@ -141,7 +142,7 @@ class TrainConfig:
         for name in ("tensorboard",):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "a bool")
-        for name in ("pattern", "engram_layers", "dsa_layers", "corpus"):
+        for name in ("pattern", "engram_layers", "ngram_layers", "dsa_layers", "corpus"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise fail(name, "a string or None")
         if not isinstance(self.out_dir, str) or not self.out_dir:
@@ -190,6 +191,8 @@ class TrainConfig:
             overrides["mamba3"] = dict(mimo_rank=self.mimo_rank)
         if self.engram_layers is not None:
             overrides["engram_layers"] = "" if self.engram_layers.strip().lower() == "none" else self.engram_layers
+        if self.ngram_layers is not None:
+            overrides["ngram_layers"] = "" if self.ngram_layers.strip().lower() == "none" else self.ngram_layers
         if self.dsa_layers is not None:
             overrides["dsa_layers"] = "" if self.dsa_layers.strip().lower() == "none" else self.dsa_layers
         dsa = {k: v for k, v in (("top_k", self.dsa_top_k), ("warmup_steps", self.dsa_warmup_steps)) if v is not None}
