@@ -255,22 +255,26 @@ interpreter, dynamo's aot_eager backend instead of inductor): about two minutes.
         BenchCommand(
             "train",
             "megacpp_lab.bench.train",
-            "HybridLM training receipt: the small preset with and without Engram over the same tokens",
+            "the Engram ablation: the small preset with Engram, without, and with the n-gram memory, three seeds each",
             """\
-The training receipt: `megacpp-lab train`'s loop on the small preset (12 layers, d=384, pattern AMRM,
-Engram at layers 1, 5, 9, vocab 32768) over the torch headers, validation files held out by path, and
-the Engram on/off ablation: the same run with engram_layers=none, from the same tokenized corpus, seed
-and batch order.
+The Engram ablation: `megacpp-lab train`'s loop on the small preset (12 layers, d=384, pattern AMRM,
+vocab 32768) over the Debian C++ corpus that `megacpp-lab data corpus` builds, in three arms: Engram at
+layers 1, 5, 9 (the preset); engram_layers=none; and the hashed n-gram memory at 1, 5, 9 in Engram's
+place. Three seeds per arm (the weights), one tokenized corpus and one batch order for all nine runs.
 
-Each arm: B=16, T=1024, 1500 steps, peak LR 2e-3 after 100 warmup steps, cosine to 10%, fused AdamW over
-fp32 master weights, bf16 with fp32-contract parameters, regional compile; train loss every 25 steps,
-validation loss every 100 on 8 fixed held-out batches. The receipt holds both arms' curves, final
-losses, tokens/s and how steadily the validation loss falls, and 160 sampled tokens (temperature 0.8,
-top-k 50) from the Engram arm's checkpoint, decoded with real per-layer state. Checkpoints go to
-build/bench-train/ (not receipts).
-Receipts under <out>/<device-slug>/train/: train_ablation.json/.png.
+Each run: B=16, T=1024, 400 steps (6.6M tokens), peak LR 2e-3 after 40 warmup steps, cosine to 10%, fused
+AdamW over fp32 master weights, bf16 with fp32-contract parameters, regional compile. Every 50 steps
+(fixed token counts) the loss on 8 fixed batches of the validation files and 8 of the held-out library
+(CGAL: transfer). The receipt holds per arm the mean and seed range of both losses at every evaluation,
+tokens/s, peak memory, 160 sampled tokens (seed 0, temperature 0.8, top-k 50), and each arm against no
+Engram: a direction is named only when the arms' seed ranges do not overlap.
+MEGACPP_BENCH_TRAIN_RUNS=arm:seed,... runs part of the nine (a piece per run, stamped with the commit;
+MEGACPP_BENCH_TRAIN_PIECES names earlier pieces); the receipt is written once all nine exist.
+Checkpoints go to build/bench-train/ (not receipts).
+Receipts under <out>/<device-slug>/train/: engram_ablation.json/.png.
 Run time on an H200: not measured yet.
---small (CPU, the tiny preset on 60 files, 24 steps of 2 x 64 tokens): about a minute.""",
+--small (CPU, the tiny preset on 40 files of the torch headers, 3 arms x 2 seeds x 4 steps of 2 x 64
+tokens, 24 sampled tokens): about a minute.""",
             triton_on_cpu=False,
         ),
         BenchCommand(

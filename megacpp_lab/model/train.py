@@ -103,7 +103,7 @@ def _data(config: TrainConfig, corpus: TokenizedCorpus, pad_id: int
             raise ValueError(f"the tokenized corpus was built with {name}={getattr(corpus, name)!r}, the run asks "
                              f"{getattr(config, name)!r}")  # fmt: skip
     stream = PackedRowStream(corpus.train, seq_len=config.seq_len, batch_size=config.batch_size, pad_id=pad_id,
-                             seed=config.seed)  # fmt: skip
+                             seed=config.seed if config.data_seed is None else config.data_seed)  # fmt: skip
 
     def fixed(docs: list[Any]) -> list[Any]:
         if not docs:

@@ -79,6 +79,8 @@ class TrainConfig:
     # Flags and flat keys of a config file with these names (compile, remat, ...) land here (TrainConfig.build)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     seed: int = option(0, "seed of the weights and of the data order")
+    data_seed: int | None = option(None, "seed of the data order alone (an ablation's seeds vary the weights over "
+                                   "the same batches)", shown="seed")
     log_every: int = option(10, "steps per logged training loss")
     val_every: int = option(100, "steps per validation")
     ckpt_every: int = option(200, "steps per checkpoint")
@@ -119,6 +121,8 @@ class TrainConfig:
         for name in ("warmup_steps", "seed", "trace_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise fail(name, "an int >= 0")
+        if self.data_seed is not None and (not is_int(self.data_seed) or self.data_seed < 0):
+            raise fail("data_seed", "an int >= 0 or None")
         if self.warmup_steps >= self.steps:
             raise fail("warmup_steps", f"fewer than steps={self.steps}")
         if self.trace_steps and self.trace_steps + 1 >= self.steps:  # +1: the profiler's warm-up step
