@@ -85,6 +85,16 @@ def test_tricky_bytes_round_trip_exactly(bpe, data):
     assert bpe.decode(ids) == data.decode("utf-8", errors="replace")
 
 
+def test_batch_encoding_is_encoding_one_at_a_time(bpe):
+    """encode_batch (the tokenizer's threads, what tokenize_files uses) gives each text encode's ids, across
+    invalid bytes, empty texts and special-token text, with and without bos/eos."""
+    texts = [b"", b"\xff\xfeint x; // \x80 latin-1 \xe9t\xe9\n", "std::vector<bos> v;".encode(), b"\xff",
+             *[d.data for d in load_corpus(max_files=40, stride=97)]]  # fmt: skip
+    for kw in ({}, {"add_bos": False, "add_eos": False}):
+        assert bpe.encode_batch(texts, **kw) == [bpe.encode(t, **kw) for t in texts]
+    assert bpe.encode_batch([]) == []
+
+
 def test_invalid_utf8_becomes_single_byte_tokens(bpe):
     ids = bpe.encode(b"int\xffx", add_bos=False, add_eos=False)
     assert [bpe.decode_bytes([i]) for i in ids] == [b"int", b"\xff", b"x"]

@@ -5,7 +5,8 @@ What it measures and writes, and how long it takes: `megacpp-lab bench train --h
 (megacpp_lab.bench.COMMANDS["train"]). Each run's checkpoint goes under build/bench-train/ (not a receipt).
 
 Pieces. A device call may not hold all nine runs: MEGACPP_BENCH_TRAIN_RUNS="engram:0,none:0" runs those alone and
-writes each as a piece (<out>/<device>/train/engram_ablation_runs/<arm>_s<seed>.json, stamped with the commit);
+writes each as a piece (<out>/<device>/train/engram_ablation_piece_<arm>_s<seed>.json, stamped with the commit;
+beside the receipt, not in a folder of its own: the device tool returns no deeper folder);
 MEGACPP_BENCH_TRAIN_PIECES names a directory of earlier pieces to read. The receipt is written once every run
 has a piece from this commit and device; until then the command says which runs remain.
 """
@@ -41,6 +42,7 @@ ARM_LABELS = {"engram": "Engram at the preset's Engram layers", "none": "no Engr
 SEEDS = (0, 1, 2)
 RUNS_ENV = "MEGACPP_BENCH_TRAIN_RUNS"
 PIECES_ENV = "MEGACPP_BENCH_TRAIN_PIECES"
+PIECE_PREFIX = "engram_ablation_piece_"  # a piece is no receipt: it holds no `results` (load_receipts skips it)
 # a GPU run: the small preset (12 layers, d=384, AMRM), 16 x 1024 tokens a step, evaluated every 50 steps (819,200
 # tokens) on 8 fixed validation batches and 8 of the held-out library. Sized so that nine runs fit one device call.
 FULL = TrainConfig.build(preset="small", seq_len=1024, batch_size=16, steps=400, warmup_steps=40, lr=2e-3,
@@ -233,7 +235,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     runs_dir = root / "train-runs" if small else RUNS_DIR
     here = stamp(device)
     commit, where = here["commit"], here["device"]
-    pieces_dir = root / device_slug(where) / "train" / "engram_ablation_runs"
+    pieces_dir = root / device_slug(where) / "train"
     pieces_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     corpus = tokenize_corpus(base, progress=True)
@@ -242,16 +244,16 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
         print(f"[bench train] {arm} seed {seed}: {ARM_LABELS[arm]}", file=sys.stderr, flush=True)
         piece = run_arm(base, arm, seed, corpus, runs_dir, sample_tokens=24 if small else 160)
         piece.update(commit=commit, device=where)
-        path = pieces_dir / f"{arm}_s{seed}.json"
+        path = pieces_dir / f"{PIECE_PREFIX}{arm}_s{seed}.json"
         path.write_text(json.dumps(piece, indent=1) + "\n")
         written.append(path)
     found: dict[tuple[str, int], dict[str, Any]] = {}
     for d in (Path(os.environ[PIECES_ENV]),) if os.environ.get(PIECES_ENV) else ():
-        for p in sorted(d.glob("*_s*.json")):
+        for p in sorted(d.glob(f"{PIECE_PREFIX}*.json")):
             piece = json.loads(p.read_text())
             if piece.get("commit") == commit and piece.get("device") == where:
                 found[(piece["arm"], piece["seed"])] = piece
-    for p in sorted(pieces_dir.glob("*_s*.json")):
+    for p in sorted(pieces_dir.glob(f"{PIECE_PREFIX}*.json")):
         piece = json.loads(p.read_text())
         if piece.get("commit") == commit and piece.get("device") == where:
             found[(piece["arm"], piece["seed"])] = piece
@@ -263,6 +265,6 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
         return written
     receipt = assemble(list(found.values()), base, _corpus_info(base, corpus))
     receipt["elapsed_s"] = time.perf_counter() - start
-    written = [write_receipt(receipt, root)]  # the pieces stay beside it, in engram_ablation_runs/
+    written = [write_receipt(receipt, root)]  # the pieces stay beside it
     written.append(save_figure(_plot(receipt), written[-1].with_suffix(".png")))
     return written

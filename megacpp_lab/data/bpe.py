@@ -164,6 +164,25 @@ class BpeTokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def encode_batch(self, texts: Sequence[str | bytes], *, add_bos: bool = True, add_eos: bool = True) -> list[list[int]]:
+        """`encode` of each text, the valid UTF-8 pieces of all of them through the tokenizer's batch encode (its
+        Rust threads): the same ids as encoding one at a time, many times faster over thousands of files."""
+        pieces = [list(utf8_segments(t)) for t in texts]
+        flat = [piece for segs in pieces for is_text, piece in segs if is_text]
+        encoded = iter(self._tok.encode_batch(flat, add_special_tokens=False)) if flat else iter(())
+        out = []
+        for segs in pieces:
+            ids = [self.bos_id] if add_bos else []
+            for is_text, piece in segs:
+                if is_text:
+                    ids.extend(next(encoded).ids)
+                else:  # invalid UTF-8: one single-byte token per byte
+                    ids.extend(self._byte_ids[ord(c) - 0xDC00] for c in piece)
+            if add_eos:
+                ids.append(self.eos_id)
+            out.append(ids)
+        return out
+
     def _check_ids(self, ids: list[int]) -> None:
         bad = next((i for i in ids if not 0 <= i < self._vocab_size), None)
         if bad is not None:

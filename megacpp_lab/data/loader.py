@@ -78,8 +78,14 @@ def tokenize_files(files: Sequence[SourceFile], tokenizer: Any, *, progress: boo
             with np.load(path) as saved:
                 flat, ends = saved["tokens"], saved["ends"]
             return np.split(flat, ends[:-1]) if len(ends) else []
-    docs = [np.asarray(tokenizer.encode(f.data), dtype=np.int32)
-            for f in tqdm(files, desc="tokenizing", unit="file", disable=not progress)]  # fmt: skip
+    docs: list[np.ndarray] = []
+    batch = 256 if hasattr(tokenizer, "encode_batch") else 1  # the BPE encodes a batch on all cores
+    with tqdm(total=len(files), desc="tokenizing", unit="file", disable=not progress) as bar:
+        for i in range(0, len(files), batch):
+            part = files[i : i + batch]
+            ids = tokenizer.encode_batch([f.data for f in part]) if batch > 1 else [tokenizer.encode(part[0].data)]
+            docs.extend(np.asarray(d, dtype=np.int32) for d in ids)
+            bar.update(len(part))
     if path is not None:  # written beside and renamed: a reader (another rank) sees a whole file or none
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
