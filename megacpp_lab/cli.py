@@ -52,6 +52,7 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 
 def _cmd_data(args: argparse.Namespace) -> int:
     from megacpp_lab.data.bpe import BpeTrainConfig, load_bpe, train_bpe
+    from megacpp_lab.data.corpus import CORPUS_MANIFEST, repo_data_dir
     from megacpp_lab.data.sample import BPE_SAMPLE_CONFIG, SampleConfig, build_sample, load_sample
 
     def config_for(kind: str) -> SampleConfig:
@@ -85,6 +86,11 @@ def _cmd_data(args: argparse.Namespace) -> int:
                 f"{fields['shape']['seq_len']} tokens, {fields['documents']} files, "
                 f"{fields['segments']} segments, {fields['pad_tokens']} pad tokens{per_byte}"
             )
+    if args.root is not None and (Path(args.root) / CORPUS_MANIFEST).exists():  # a built corpus: its numbers too
+        from megacpp_lab.data.corpus import write_corpus_summary
+
+        tok = load_bpe(args.out) if "bpe" in kinds else None
+        print(f"wrote {write_corpus_summary(args.root, args.out or repo_data_dir(), tok)}")
     if caught:
         warnings.warn("; ".join(str(w.message) for w in caught), caught[0].category, stacklevel=1)
     return 0
@@ -328,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=defaults.seq_len,
                    help=f"tokens per row, at least {MIN_SEQ_LEN} (a row must hold a document boundary with 4 tokens "
                    "on each side)")  # fmt: skip
-    p.add_argument("--stride", type=int, default=defaults.stride, help="take every n-th file in sorted order")
+    p.add_argument("--stride", type=int, default=defaults.stride,
+                   help="take every n-th file in an order fixed by a hash of each path")  # fmt: skip
     p.add_argument("--max-file-bytes", type=int, default=None,
                    help=f"skip files larger than this (default: {defaults.max_file_bytes} for sample.pt, "
                    f"{BPE_SAMPLE_CONFIG.max_file_bytes} for sample_bpe.pt, whose rows hold ~3.4x more bytes)")  # fmt: skip

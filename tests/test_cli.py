@@ -359,14 +359,22 @@ def test_data_build_is_byte_reproducible(tmp_path):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
 
 
-def test_data_default_build_reproduces_the_committed_sample(tmp_path):
+def test_data_build_reproduces_the_committed_sample(tmp_path):
+    """`megacpp-lab data --root <the Debian corpus>` rebuilds data/ byte for byte: both samples, the tokenizer
+    (trained again) and the manifest. The corpus is a download (`megacpp-lab data corpus`), so a machine without
+    it (CI) skips; the torch headers in it must be the installed torch's."""
+    from megacpp_lab.data.corpus import CORPUS_MANIFEST, default_corpus_dir
+
     committed = json.loads((repo_data_dir() / MANIFEST_FILE).read_text())
     import triton
 
     if (committed["torch"], committed["triton"]) != (torch.__version__, triton.__version__):
         pytest.skip(f"the committed sample was built with torch {committed['torch']}, triton {committed['triton']}")
-    assert main(["data", "--out", str(tmp_path), "--quiet"]) == 0
-    for name in (SAMPLE_FILE, MANIFEST_FILE):
+    corpus = default_corpus_dir()
+    if not (corpus / CORPUS_MANIFEST).exists():
+        pytest.skip(f"no Debian corpus at {corpus}: `megacpp-lab data corpus` builds it")
+    assert main(["data", "--root", str(corpus), "--out", str(tmp_path), "--train-tokenizer", "--quiet"]) == 0
+    for name in (SAMPLE_FILE, "sample_bpe.pt", "bpe-32768.json", "corpus_summary.json", MANIFEST_FILE):
         assert (tmp_path / name).read_bytes() == (repo_data_dir() / name).read_bytes(), name
 
 

@@ -70,7 +70,9 @@ def test_committed_sample_is_valid_real_cpp():
     rows, manifest = load_sample()
     b = rows.batch
     assert b.tokens.shape == (manifest["shape"]["rows"], manifest["shape"]["seq_len"])
-    assert manifest["source"] == "torch/include of the installed torch"
+    assert manifest["source"] == "the training split of the Debian C++ corpus"  # `megacpp-lab data --root <corpus>`
+    assert "libboost1.81-dev" in manifest["corpus_sources"] and "libcgal-dev" not in manifest["corpus_sources"]
+    assert {f["path"].split("/")[0] for f in manifest["files"]} <= set(manifest["corpus_sources"])
     assert manifest["documents"] >= 20
     assert (b.doc_ids.max(dim=1).values >= 1).float().mean() > 0.5  # most rows hold several documents
     text = ByteTokenizer().decode(b.tokens[0])

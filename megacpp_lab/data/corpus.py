@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 CPP_SUFFIXES = (".h", ".hpp", ".hh", ".hxx", ".cuh", ".cpp", ".cc", ".cxx", ".cu", ".inl", ".ipp")
 
@@ -61,7 +62,7 @@ def describe_source(root: str | Path | None) -> dict:
     if path.exists():
         sources = json.loads(path.read_text())["summary"]["sources"]
         return {"source_root": "megacpp-lab data corpus", "source": "the training split of the Debian C++ corpus",
-                "corpus_sources": {name: s["version"] for name, s in sources.items()}}  # fmt: skip
+                "corpus_sources": {name: s["version"] for name, s in sources.items() if s["role"] != "heldout"}}  # fmt: skip
     return {"source_root": str(root), "source": "user directory"}
 
 
@@ -361,3 +362,36 @@ def restore_corpus(archive: str | Path, out_dir: str | Path | None = None) -> Pa
             if not f.exists() or hashlib.sha256(f.read_bytes()).hexdigest() != rec["sha256"]:
                 raise ValueError(f"corpus archive {archive}: file {rec['path']} is missing or differs from the manifest")
     return manifest
+
+
+CORPUS_SUMMARY_FILE = "corpus_summary.json"
+_LENGTH_BINS = [2**k for k in range(6, 22)]  # 64 B .. 2 MiB: the upper edges of the file-length histogram
+
+
+def write_corpus_summary(corpus_dir: str | Path, out_dir: str | Path, tokenizer: Any | None = None) -> Path:
+    """out_dir/corpus_summary.json: what a notebook shows of a built corpus without the corpus (CI has none): its
+    summary (per source and split), the dedup settings, and per source and split histograms of the kept files'
+    bytes, and with a tokenizer of their tokens (tokens per byte per source). Deterministic: no times."""
+    import numpy as np
+
+    root = Path(corpus_dir)
+    manifest = json.loads((root / CORPUS_MANIFEST).read_text())
+    kept = [r for r in manifest["files"] if r["status"] == "kept"]
+    edges = [0, *_LENGTH_BINS, 2**62]
+    hist: dict[str, dict] = {}
+    for key in sorted({r["source"] for r in kept}):
+        rows = [r for r in kept if r["source"] == key]
+        entry = {"bytes_hist": np.histogram([r["bytes"] for r in rows], bins=edges)[0].tolist(),
+                 "files": len(rows), "bytes": sum(r["bytes"] for r in rows)}  # fmt: skip
+        if tokenizer is not None:
+            tokens = [len(ids) - 2 for ids in tokenizer.encode_batch([(root / "files" / r["path"]).read_bytes()
+                                                                      for r in rows])]  # fmt: skip
+            entry.update(tokens_hist=np.histogram(tokens, bins=edges)[0].tolist(), tokens=int(sum(tokens)),
+                         tokens_per_byte=round(sum(tokens) / max(1, entry["bytes"]), 4))  # fmt: skip
+        hist[key] = entry
+    out = {"summary": manifest["summary"], "config": manifest["config"], "bin_upper_edges": [*_LENGTH_BINS, None],
+           "per_source": hist,
+           "tokenizer": None if tokenizer is None else (getattr(tokenizer, "record", None) or {}).get("sha256")}  # fmt: skip
+    path = Path(out_dir) / CORPUS_SUMMARY_FILE
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return path

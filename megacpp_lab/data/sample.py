@@ -42,7 +42,7 @@ MIN_SEQ_LEN = 16
 
 @dataclass(frozen=True)
 class SampleConfig:
-    """How the committed sample is cut: rows x seq_len tokens from every `stride`-th file."""
+    """How the committed sample is cut: rows x seq_len tokens from every `stride`-th file (in build_sample's order)."""
 
     rows: int = 48
     seq_len: int = 2048
@@ -99,8 +99,10 @@ def build_sample(
 
     The byte tokenizer (default) writes sample.pt and the manifest's top-level fields; a BpeTokenizer
     (from load_bpe) writes sample_bpe.pt, the manifest's 'bpe_sample' section, and copies the tokenizer
-    file beside it. config defaults to SampleConfig() for bytes, BPE_SAMPLE_CONFIG for BPE. Both take files: every `stride`-th in sorted order, so the sample spans the
-    whole tree, skipping files over max_file_bytes so rows hold several whole documents; the BPE sample
+    file beside it. config defaults to SampleConfig() for bytes, BPE_SAMPLE_CONFIG for BPE. Both take files: every
+    `stride`-th in an order fixed by a hash of each relative path (so the files taken before the rows fill span the
+    whole tree, every library of a corpus, not its first directories), skipping files over max_file_bytes so rows
+    hold several whole documents; the BPE sample
     takes more of them, as its rows hold more bytes. When the files taken do not fill config.rows rows,
     the sample is smaller (the last row padded) and a UserWarning says what was produced against what
     was asked.
@@ -117,7 +119,9 @@ def build_sample(
     out.mkdir(parents=True, exist_ok=True)
     if is_bpe:
         _place_tokenizer(tok, out)
-    paths = all_paths[:: config.stride]
+    base = corpus_base(src_root)
+    order = sorted(all_paths, key=lambda p: hashlib.sha256(p.relative_to(base).as_posix().encode()).digest())
+    paths = order[:: config.stride]
     chosen: list[tuple[str, bytes]] = []
     docs: list[list[int]] = []
     n_tokens = 0
