@@ -55,8 +55,10 @@ test: $(STAMP)
 tour: $(STAMP)
 	$(BIN)/megacpp-lab tour --notebooks notebooks --out build
 
+# the corpus (a download, reused from its cache), then the tokenizer and the samples from its training split
 data: $(STAMP)
-	$(BIN)/megacpp-lab data
+	$(BIN)/megacpp-lab data corpus
+	$(BIN)/megacpp-lab data --root "$${MEGACPP_CORPUS_DIR:-$$HOME/.cache/megacpp-lab/corpus}" --train-tokenizer
 
 clean:
 	rm -rf build .pytest_cache

@@ -75,10 +75,20 @@ def test_topk_follows_the_scores_and_respects_causality() -> None:
     q, k, w = _inputs(16, 16, 2, 2, 16)
     scores = indexer_scores(q, k, w)
     idx = topk_keys(scores, 4)
-    ref_idx = indexer_scores_reference(q, k, w).topk(4, dim=-1).indices
+    # a stable sort: relu leaves many scores exactly 0, and equal scores rank by the lower key
+    ref_idx = torch.sort(indexer_scores_reference(q, k, w), dim=-1, descending=True, stable=True).indices[..., :4]
     assert torch.equal(idx.sort(-1).values, ref_idx.sort(-1).values)
     causal = topk_keys(scores, 1, causal=True)
     assert bool((causal[..., 0] <= torch.arange(16, device=DEV)).all())
+
+
+def test_topk_ranks_equal_scores_by_the_lower_key() -> None:
+    """The same token twice gives the same indexer key, so equal scores are common: the lower index wins, as in
+    the DSA selection (torch.topk's order among ties is unspecified)."""
+    scores = torch.tensor([[[1.0, 3.0, 3.0, 2.0, 3.0, 0.0]] * 6])  # [1, 6, 6]
+    assert topk_keys(scores, 2)[0, 0].tolist() == [1, 2]
+    assert topk_keys(scores, 4)[0, 0].tolist() == [1, 2, 4, 3]
+    assert topk_keys(scores, 2, causal=True)[0, 3].tolist() == [1, 2]
 
 
 def test_topk_never_selects_a_key_of_another_document() -> None:

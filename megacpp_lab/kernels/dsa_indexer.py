@@ -301,10 +301,12 @@ def topk_keys(scores: torch.Tensor, top_k: int, *, causal: bool = False,
 
     causal: future keys are excluded. doc_ids [b, s] (packed rows, sq == sk): keys of another document
     are excluded. Excluded keys score -inf, so they are picked only when a query has fewer than top_k
-    allowed keys; `allowed_keys` says which picks are real."""
+    allowed keys; `allowed_keys` says which picks are real. Equal scores rank by the lower key index (a stable
+    sort, as the DSA selection breaks ties; torch.topk's order among ties is unspecified)."""
     if not 1 <= top_k <= scores.shape[-1]:
         raise ValueError(f"top_k must be in [1, {scores.shape[-1]}], got {top_k}")
-    return scores.masked_fill(~allowed_keys(scores, causal=causal, doc_ids=doc_ids), float("-inf")).topk(top_k, dim=-1).indices
+    masked = scores.masked_fill(~allowed_keys(scores, causal=causal, doc_ids=doc_ids), float("-inf"))
+    return torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :top_k]
 
 
 def allowed_keys(scores: torch.Tensor, *, causal: bool = False, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
