@@ -99,13 +99,18 @@ def _cmd_data(args: argparse.Namespace) -> int:
 def _cmd_corpus(args: argparse.Namespace) -> int:
     from megacpp_lab.data.corpus import CorpusConfig, archive_corpus, build_corpus, restore_corpus
 
+    given = [flag for flag, value in (("--out", args.out), ("--root", args.root), ("--quiet", args.quiet),
+                                      ("--train-tokenizer", args.train_tokenizer)) if value]  # fmt: skip
+    if given:
+        raise ValueError(f"{', '.join(given)} before `corpus` are `data`'s (the sample's) flags; give the corpus's "
+                         "own after it: `megacpp-lab data corpus --out DIR --quiet`")  # fmt: skip
     if args.from_archive is not None:
-        path = restore_corpus(args.from_archive, args.out)
+        path = restore_corpus(args.from_archive, args.corpus_out)
         print(f"restored {path} from {args.from_archive}")
         return 0
     packages = None if args.packages is None else tuple(n.strip() for n in args.packages.split(",") if n.strip())
     config = CorpusConfig(packages=packages, include_torch=not args.no_torch, near_threshold=args.near_threshold)
-    path = build_corpus(args.out, config, mirror=args.mirror, use_apt=not args.no_apt, progress=not args.quiet)
+    path = build_corpus(args.corpus_out, config, mirror=args.mirror, use_apt=not args.no_apt, progress=not args.corpus_quiet)
     summary = json.loads(path.read_text())["summary"]
     splits = ", ".join(f"{k} {v['files']} files" for k, v in summary["splits"].items())
     print(f"wrote {path}: {splits}")
@@ -368,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         **common,
     )
-    c.add_argument("--out", default=None, help="corpus directory (default: $MEGACPP_CORPUS_DIR, else "
-                   "~/.cache/megacpp-lab/corpus)")  # fmt: skip
+    # own dests: `data`'s --out and --quiet would otherwise be overwritten by these defaults
+    c.add_argument("--out", dest="corpus_out", default=None, help="corpus directory (default: $MEGACPP_CORPUS_DIR, "
+                   "else ~/.cache/megacpp-lab/corpus)")  # fmt: skip
     c.add_argument("--packages", default=None,
                    help="comma-separated package names, a subset of the pinned ones (default: all of "
                    f"{', '.join(p.name for p in PINNED)})")  # fmt: skip
@@ -382,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "machine that cannot reach the archive (default: none)")  # fmt: skip
     c.add_argument("--from-archive", default=None, help="restore a corpus from such a tar.xz into --out (each file "
                    "checked against the manifest's sha256) instead of fetching (default: fetch)")  # fmt: skip
-    c.add_argument("--quiet", action="store_true", help="no progress lines or bars")
+    c.add_argument("--quiet", dest="corpus_quiet", action="store_true", help="no progress lines or bars")
     c.set_defaults(func=_cmd_corpus)
 
     p = sub.add_parser(

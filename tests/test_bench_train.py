@@ -50,3 +50,41 @@ def test_the_runs_of_a_call_are_chosen_by_name(monkeypatch):
         monkeypatch.setenv(bt.RUNS_ENV, bad)
         with pytest.raises(ValueError, match=f"{bt.RUNS_ENV}: '{bad}' is not a run of the ablation"):
             bt._selected_runs(bt.SEEDS)
+
+
+def test_a_receipt_gathers_only_pieces_of_the_same_code_device_and_run(tmp_path):
+    """Pieces from earlier device calls count only with the same commit, device and fingerprint (the corpus's
+    manifest, the tokenizer, torch and the settings), and only for a run of the ablation; the later directory
+    wins."""
+    import json
+
+    key = ("abc123", "NVIDIA H200", "f" * 64)
+    earlier, here = tmp_path / "earlier", tmp_path / "here"
+    earlier.mkdir()
+    here.mkdir()
+
+    def put(d, arm, seed, **stamp):
+        piece = {**_piece(arm, seed, 2.0), "commit": key[0], "device": key[1], "fingerprint": key[2], **stamp}
+        (d / f"{bt.PIECE_PREFIX}{arm}_s{seed}.json").write_text(json.dumps(piece))
+
+    put(earlier, "engram", 0)
+    put(earlier, "none", 0, fingerprint="0" * 64)  # another corpus or setting
+    put(earlier, "ngram", 0, commit="old")  # older code
+    put(earlier, "ngram", 7)  # not a seed of this ablation
+    put(here, "engram", 1)
+    put(here, "engram", 0, val_loss=9.0)  # measured again here: this one counts
+    found = bt.collect_pieces([earlier, here], key, bt.SEEDS)
+    assert sorted(found) == [("engram", 0), ("engram", 1)] and found[("engram", 0)]["val_loss"] == 9.0
+
+
+def test_pieces_evaluated_at_different_steps_are_refused():
+    a, b = _piece("engram", 0, 2.0), _piece("none", 0, 2.1)
+    b["evals"] = b["evals"][:1]
+    with pytest.raises(ValueError, match="evaluated at different steps"):
+        bt.assemble([a, b], bt.SMALL, {})
+
+
+def test_a_run_named_twice_is_refused(monkeypatch):
+    monkeypatch.setenv(bt.RUNS_ENV, "engram:0,engram:0")
+    with pytest.raises(ValueError, match="'engram:0' is named twice"):
+        bt._selected_runs(bt.SEEDS)

@@ -83,18 +83,27 @@ def test_a_deb_unpacks_in_python_to_its_cpp_headers(tmp_path):
     assert not is_cpp_header("usr/share/x/a.h", b"int a;")  # not under usr/include
 
 
-def test_a_corrupt_download_fails_closed_naming_the_package_and_is_deleted(tmp_path):
+def test_a_corrupt_download_fails_closed_naming_the_package_and_is_deleted(tmp_path, monkeypatch):
     good = _deb({"./usr/include/a.h": b"int a;"})
     pkg = _pinned_to(tmp_path, good)
     (tmp_path / "mirror" / pkg.pool_path).write_bytes(good[:-10] + b"corrupted!")  # the mirror now serves bad bytes
-    with pytest.raises(ValueError, match=r"package libfake-dev 1.0: the download's sha256 is [0-9a-f]{64}, the pin is"):
+    with pytest.raises(ValueError, match=r"package libfake-dev 1.0: the download is sha256 [0-9a-f]{64}, the pin"):
         fetch_deb(pkg, tmp_path / "cache", mirror=(tmp_path / "mirror").as_uri(), use_apt=False)
     assert list((tmp_path / "cache").iterdir()) == []
+    (tmp_path / "mirror" / pkg.pool_path).write_bytes(good[:-10])  # a truncated download
+    with pytest.raises(ValueError, match=f"package libfake-dev 1.0: the download is {len(good) - 10} bytes, the pin {len(good)}"):
+        fetch_deb(pkg, tmp_path / "cache", mirror=(tmp_path / "mirror").as_uri(), use_apt=False)
     # a cached copy that went bad is fetched again, not trusted
     (tmp_path / "mirror" / pkg.pool_path).write_bytes(good)
     (tmp_path / "cache" / pkg.file_name).write_bytes(b"stale")
     path = fetch_deb(pkg, tmp_path / "cache", mirror=(tmp_path / "mirror").as_uri(), use_apt=False)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == pkg.sha256
+    # apt's file that is not the pinned one (another architecture's build) is discarded for the pool's
+    path.unlink()
+    wrong = tmp_path / "apt-got.part"
+    monkeypatch.setattr(debian, "_apt_download", lambda p, d: (wrong.write_bytes(b"other build"), wrong)[1])
+    path = fetch_deb(pkg, tmp_path / "cache", mirror=(tmp_path / "mirror").as_uri(), use_apt=True)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == pkg.sha256 and not wrong.exists()
     with pytest.raises(OSError, match="package libfake-dev: download of .* failed"):
         fetch_deb(replace(pkg, pool_path="pool/none.deb"), tmp_path / "c2", mirror=(tmp_path / "mirror").as_uri(),
                   use_apt=False)  # fmt: skip
@@ -145,8 +154,9 @@ def test_dedup_keeps_the_first_copy_and_names_what_each_duplicates():
     assert 0.8 <= result.similarity[2] < 1.0 and result.similarity[3] == 1.0
     # the order decides the survivor
     assert dedup([near_a, a]).status == ["kept", "near"]
-    # an exact copy of a near duplicate points at what was kept
-    assert dedup([a, near_a, bytes(near_a)]).dup_of == [-1, 0, 0]
+    # an exact copy of a near duplicate points at what was kept, with the near duplicate's similarity to it
+    chained = dedup([a, near_a, bytes(near_a)])
+    assert chained.dup_of == [-1, 0, 0] and chained.similarity[2] == chained.similarity[1] < 1.0
     with pytest.raises(ValueError, match="DedupConfig.threshold"):
         DedupConfig(threshold=0)
 
@@ -158,7 +168,9 @@ def test_generated_files_are_recognised_by_their_marker():
     assert not is_generated(b"x" * 4096 + b"@generated")  # only a file's head says who wrote it
 
 
-def test_corpus_config_refuses_bad_fractions():
+def test_corpus_config_refuses_bad_fractions_and_thresholds():
+    with pytest.raises(ValueError, match="CorpusConfig.near_threshold"):
+        CorpusConfig(near_threshold=1.5)
     with pytest.raises(ValueError, match="CorpusConfig.val_fraction"):
         CorpusConfig(val_fraction=0.0)
     with pytest.raises(ValueError, match="CorpusConfig.test_fraction"):
@@ -206,7 +218,9 @@ def test_a_run_trains_on_a_built_corpus_and_reports_the_held_out_librarys_loss(t
     from megacpp_lab.model.train import tokenize_corpus, train
     from megacpp_lab.model.train_config import TrainConfig
 
-    headers = {f"lib/h{i}.hpp": b"#pragma once\n" + _variants(100 + i, 300)[0] for i in range(40)}
+    headers = {f"lib/h{i:02d}.hpp": b"#pragma once\n" + _variants(100 + i, 300)[0] for i in range(40)}
+    # the held-out library also ships a near copy of a training header: dropped there, kept in training
+    headers["lib/zz_copy.hpp"] = b"#pragma once\n" + _variants(100, 300)[1]
     names = sorted(headers)
     halves = {"libtrain-dev": names[:30], "libheld-dev": names[30:]}
     pinned = []
@@ -220,8 +234,11 @@ def test_a_run_trains_on_a_built_corpus_and_reports_the_held_out_librarys_loss(t
     monkeypatch.setattr(debian, "PINNED", tuple(pinned))
     out = build_corpus(tmp_path / "corpus", CorpusConfig(include_torch=False, val_fraction=0.2, test_fraction=0.1),
                        mirror=(tmp_path / "mirror").as_uri(), use_apt=False).parent  # fmt: skip
-    summary = json.loads((out / CORPUS_MANIFEST).read_text())["summary"]
+    manifest = json.loads((out / CORPUS_MANIFEST).read_text())
+    summary = manifest["summary"]
     assert summary["sources"]["libheld-dev"]["kept"] == summary["splits"]["heldout"]["files"] > 0
+    copy = next(f for f in manifest["files"] if f["path"].endswith("zz_copy.hpp"))
+    assert copy["status"] == "near" and copy["dup_of"] == "libtrain-dev/usr/include/lib/h00.hpp" and copy["split"] is None
     assert all(f.relpath.startswith("libheld-dev/") for f in load_corpus_split("heldout", out))
     assert not any(f.relpath.startswith("libheld-dev/") for f in load_corpus_split("train", out))
     # what trains the tokenizer or fills the sample from a built corpus: its training split alone
@@ -237,7 +254,25 @@ def test_a_run_trains_on_a_built_corpus_and_reports_the_held_out_librarys_loss(t
     victim.write_bytes(b"// altered")
     archive_corpus(moved, tmp_path / "bad.tar.xz")  # the archive holds the altered file under the old manifest
     with pytest.raises(ValueError, match=f"file {victim.relative_to(moved / 'files').as_posix()} is missing or differs"):
-        restore_corpus(tmp_path / "bad.tar.xz", tmp_path / "again")
+        restore_corpus(tmp_path / "bad.tar.xz", out)
+    assert (out / CORPUS_MANIFEST).exists() and load_corpus_split("train", out)  # the corpus there is untouched
+    import tarfile
+
+    for member, data in (("../escape.h", b"x"), ("files/../../escape.h", b"x"), ("notes.txt", b"x")):
+        with tarfile.open(tmp_path / "evil.tar.xz", "w:xz") as tf:
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+        with pytest.raises(ValueError, match=f"unexpected member {member!r}"):
+            restore_corpus(tmp_path / "evil.tar.xz", tmp_path / "evil")
+        assert not (tmp_path / "escape.h").exists() and not (tmp_path / "evil").exists()
+    with tarfile.open(tmp_path / "empty.tar.xz", "w:xz"):
+        pass
+    with pytest.raises(ValueError, match="holds no corpus_manifest.json"):
+        restore_corpus(tmp_path / "empty.tar.xz", tmp_path / "evil")
+    # the corpus's own flags come after `corpus`; `data`'s before it are refused, not silently dropped
+    assert main(["data", "--out", str(tmp_path / "x"), "corpus", "--from-archive", str(archive)]) == 2
+    assert not (tmp_path / "x").exists()
     config = TrainConfig(preset="tiny", corpus=str(out), seq_len=64, batch_size=2, steps=4, warmup_steps=1, log_every=2,
                          val_every=2, ckpt_every=4, val_batches=2, device="cpu", tensorboard=False,
                          out_dir=str(tmp_path / "run"))  # fmt: skip

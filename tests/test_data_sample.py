@@ -120,3 +120,14 @@ def test_manifest_has_no_wall_clock():
     """A rebuild of the same files must not dirty the checkout: nothing in the manifest may be a date."""
     manifest = json.loads((repo_data_dir() / "manifest.json").read_text())
     assert "created" not in manifest and "date" not in manifest
+
+
+def test_the_committed_samples_files_are_not_the_validation_files_of_their_own_split():
+    """The sample walks files in a salted hash order: walking them in the unsalted one (the order split_by_file and
+    the corpus's splits hash by) would make its files mostly validation files of any split of the sample."""
+    from megacpp_lab.data.loader import _unit_hash
+
+    for kind in ("byte", "bpe"):
+        files = load_sample(tokenizer=kind)[1]["files"]
+        share = sum(_unit_hash(f["path"]) < 0.2 for f in files) / len(files)
+        assert 0.05 < share < 0.4, (kind, share)  # about a fifth, as for any draw

@@ -47,7 +47,7 @@ PIECE_PREFIX = "engram_ablation_piece_"  # a piece is no receipt: it holds no `r
 # tokens) on 8 fixed validation batches and 8 of the held-out library. Sized so that nine runs fit one device call.
 FULL = TrainConfig.build(preset="small", seq_len=1024, batch_size=16, steps=400, warmup_steps=40, lr=2e-3,
                          log_every=25, val_every=50, ckpt_every=400, val_batches=8, data_seed=0, compile=True)  # fmt: skip
-# a CPU smoke run of the same code: the tiny preset on 60 files of a plain directory (no held-out library)
+# a CPU smoke run of the same code: the tiny preset on 40 files of a plain directory (no held-out library)
 SMALL = TrainConfig(preset="tiny", seq_len=64, batch_size=2, steps=4, warmup_steps=1, lr=2e-3, max_files=40,
                     val_fraction=0.2, log_every=2, val_every=2, ckpt_every=4, val_batches=2, data_seed=0,
                     device="cpu")  # fmt: skip
@@ -67,6 +67,8 @@ def _selected_runs(seeds: tuple[int, ...]) -> list[tuple[str, int]]:
         if (arm, int(seed) if seed.isdigit() else -1) not in every:
             raise ValueError(f"{RUNS_ENV}: {item!r} is not a run of the ablation (arm:seed with arm in {tuple(ARMS)} "
                              f"and seed in {seeds})")  # fmt: skip
+        if (arm, int(seed)) in runs:
+            raise ValueError(f"{RUNS_ENV}: {item.strip()!r} is named twice")
         runs.append((arm, int(seed)))
     return runs
 
@@ -126,6 +128,9 @@ def assemble(pieces: list[dict[str, Any]], base: TrainConfig, corpus_info: dict[
     """The receipt from one piece per run: per arm the mean and spread over seeds at every evaluation (fixed token
     counts), the final losses, rate and memory, the samples, and each arm against no Engram."""
     pieces = sorted(pieces, key=lambda p: (list(ARMS).index(p["arm"]), p["seed"]))
+    steps = {tuple(e["step"] for e in p["evals"]) for p in pieces}
+    if len(steps) != 1:
+        raise ValueError(f"the runs were evaluated at different steps ({sorted(steps)}): pieces of different configs")
     arms: dict[str, list[dict[str, Any]]] = {}
     for p in pieces:
         arms.setdefault(p["arm"], []).append(p)
@@ -203,6 +208,38 @@ def _plot(receipt: dict[str, Any]) -> Any:
     return fig
 
 
+def collect_pieces(dirs: list[Path], stamp_key: tuple[str, str, str], seeds: tuple[int, ...]
+                   ) -> dict[tuple[str, int], dict[str, Any]]:  # fmt: skip
+    """The pieces under dirs (later directories win) that belong to this receipt: measured by the same (commit,
+    device, run_fingerprint), of a run the ablation has (an arm of ARMS, a seed of seeds)."""
+    expected = {(a, s) for a in ARMS for s in seeds}
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    for path in [q for d in dirs for q in sorted(Path(d).glob(f"{PIECE_PREFIX}*.json"))]:
+        piece = json.loads(path.read_text())
+        same = (piece.get("commit"), piece.get("device"), piece.get("fingerprint")) == stamp_key
+        if same and (piece.get("arm"), piece.get("seed")) in expected:
+            found[(piece["arm"], piece["seed"])] = piece
+    return found
+
+
+def run_fingerprint(base: TrainConfig) -> str:
+    """What pieces of one receipt must share beyond the commit and the device: the corpus's manifest and the
+    tokenizer (files, not code), the torch version, and every setting but the seed and the output directory."""
+    import hashlib
+
+    import torch
+
+    from megacpp_lab.data import load_bpe
+
+    h = hashlib.sha256()
+    manifest = Path(base.corpus) / CORPUS_MANIFEST if base.corpus else None
+    h.update(manifest.read_bytes() if manifest is not None and manifest.exists() else str(base.corpus).encode())
+    h.update(str(load_bpe().record["sha256"]).encode() + torch.__version__.encode())
+    settings = {k: v for k, v in dataclasses.asdict(base).items() if k not in ("seed", "out_dir")}
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
 def _corpus_info(base: TrainConfig, corpus: TokenizedCorpus) -> dict[str, Any]:
     info = {"train_files": len(corpus.train), "val_files": len(corpus.val), "heldout_files": len(corpus.heldout),
             "train_tokens": int(sum(len(d) for d in corpus.train)), "val_tokens": int(sum(len(d) for d in corpus.val)),
@@ -235,28 +272,24 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     runs_dir = root / "train-runs" if small else RUNS_DIR
     here = stamp(device)
     commit, where = here["commit"], here["device"]
+    fingerprint = run_fingerprint(base)
     pieces_dir = root / device_slug(where) / "train"
     pieces_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     corpus = tokenize_corpus(base, progress=True)
+    if not small and not corpus.heldout:
+        raise ValueError(f"the corpus at {base.corpus} has no held-out library (built without libcgal-dev?): the "
+                         "ablation measures transfer on it; `megacpp-lab data corpus` builds it with every package")  # fmt: skip
     written = []
     for arm, seed in runs:
         print(f"[bench train] {arm} seed {seed}: {ARM_LABELS[arm]}", file=sys.stderr, flush=True)
         piece = run_arm(base, arm, seed, corpus, runs_dir, sample_tokens=24 if small else 160)
-        piece.update(commit=commit, device=where)
+        piece.update(commit=commit, device=where, fingerprint=fingerprint)
         path = pieces_dir / f"{PIECE_PREFIX}{arm}_s{seed}.json"
         path.write_text(json.dumps(piece, indent=1) + "\n")
         written.append(path)
-    found: dict[tuple[str, int], dict[str, Any]] = {}
-    for d in (Path(os.environ[PIECES_ENV]),) if os.environ.get(PIECES_ENV) else ():
-        for p in sorted(d.glob(f"{PIECE_PREFIX}*.json")):
-            piece = json.loads(p.read_text())
-            if piece.get("commit") == commit and piece.get("device") == where:
-                found[(piece["arm"], piece["seed"])] = piece
-    for p in sorted(pieces_dir.glob(f"{PIECE_PREFIX}*.json")):
-        piece = json.loads(p.read_text())
-        if piece.get("commit") == commit and piece.get("device") == where:
-            found[(piece["arm"], piece["seed"])] = piece
+    dirs = [Path(os.environ[PIECES_ENV])] if os.environ.get(PIECES_ENV) else []
+    found = collect_pieces([*dirs, pieces_dir], (commit, where, fingerprint), seeds)
     missing = [f"{a}:{s}" for a in ARMS for s in seeds if (a, s) not in found]
     if missing:
         print(f"[bench train] {len(found)} of {len(ARMS) * len(seeds)} runs measured at this commit on this device; "

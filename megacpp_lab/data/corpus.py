@@ -1,4 +1,5 @@
-"""A real C++ corpus: the headers shipped inside the installed torch package (or any directory)."""
+"""The C++ corpus: hand-written C++ from pinned Debian packages, deduplicated and split (`build_corpus`, `megacpp-lab
+data corpus`), the headers shipped inside the installed torch package, or any directory."""
 
 from __future__ import annotations
 
@@ -166,6 +167,9 @@ class CorpusConfig:
     test_fraction: float = 0.02
 
     def __post_init__(self) -> None:
+        t = self.near_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+            raise ValueError(f"CorpusConfig.near_threshold must be a number in (0, 1], got {t!r}")
         for name in ("val_fraction", "test_fraction"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 0.5:
@@ -339,29 +343,44 @@ def archive_corpus(corpus_dir: str | Path | None, path: str | Path) -> Path:
 
 
 def restore_corpus(archive: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Unpack an `archive_corpus` archive into out_dir and check every kept file against the manifest's sha256
-    (a missing or altered file fails closed, naming it). Returns the manifest's path."""
+    """Unpack an `archive_corpus` archive and check every kept file against the archive's own manifest (a missing
+    or altered file, an unexpected member, or no manifest fails closed, naming it). It unpacks beside out_dir and
+    replaces out_dir only once all is checked, so a bad archive leaves a corpus there untouched. Returns the
+    manifest's path."""
+    import shutil
     import tarfile
+    import tempfile
 
     out = Path(out_dir) if out_dir is not None else default_corpus_dir()
-    with tarfile.open(archive, "r:xz") as tf:
-        for member in tf:
-            name = Path(member.name)
-            if not member.isfile() or name.is_absolute() or ".." in name.parts or not (
-                    member.name == CORPUS_MANIFEST or member.name.startswith("files/")):  # fmt: skip
-                raise ValueError(f"corpus archive {archive}: unexpected member {member.name!r}")
-            target = out / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(tf.extractfile(member).read())
-    manifest = out / CORPUS_MANIFEST
-    if not manifest.exists():
-        raise ValueError(f"corpus archive {archive} holds no {CORPUS_MANIFEST}")
-    for rec in json.loads(manifest.read_text())["files"]:
-        if rec["status"] == "kept":
-            f = out / "files" / rec["path"]
-            if not f.exists() or hashlib.sha256(f.read_bytes()).hexdigest() != rec["sha256"]:
-                raise ValueError(f"corpus archive {archive}: file {rec['path']} is missing or differs from the manifest")
-    return manifest
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.restoring-", dir=out.parent))
+    try:
+        with tarfile.open(archive, "r:xz") as tf:
+            for member in tf:
+                name = Path(member.name)
+                if not member.isfile() or name.is_absolute() or ".." in name.parts or not (
+                        member.name == CORPUS_MANIFEST or member.name.startswith("files/")):  # fmt: skip
+                    raise ValueError(f"corpus archive {archive}: unexpected member {member.name!r}")
+                target = staging / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(tf.extractfile(member).read())
+        if not (staging / CORPUS_MANIFEST).exists():
+            raise ValueError(f"corpus archive {archive} holds no {CORPUS_MANIFEST}")
+        for rec in json.loads((staging / CORPUS_MANIFEST).read_text())["files"]:
+            if rec["status"] == "kept":
+                f = staging / "files" / rec["path"]
+                if not f.exists() or hashlib.sha256(f.read_bytes()).hexdigest() != rec["sha256"]:
+                    raise ValueError(f"corpus archive {archive}: file {rec['path']} is missing or differs from the "
+                                     "manifest")  # fmt: skip
+        if out.exists():
+            if (out / "debs").is_dir():  # the verified .deb cache stays
+                os.replace(out / "debs", staging / "debs")
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return out / CORPUS_MANIFEST
 
 
 CORPUS_SUMMARY_FILE = "corpus_summary.json"
@@ -370,8 +389,8 @@ _LENGTH_BINS = [2**k for k in range(6, 22)]  # 64 B .. 2 MiB: the upper edges of
 
 def write_corpus_summary(corpus_dir: str | Path, out_dir: str | Path, tokenizer: Any | None = None) -> Path:
     """out_dir/corpus_summary.json: what a notebook shows of a built corpus without the corpus (CI has none): its
-    summary (per source and split), the dedup settings, and per source and split histograms of the kept files'
-    bytes, and with a tokenizer of their tokens (tokens per byte per source). Deterministic: no times."""
+    summary (per source and split), the dedup settings, and per source histograms of the kept files' bytes, and
+    with a tokenizer of their tokens (tokens per byte per source). Deterministic: no times."""
     import numpy as np
 
     root = Path(corpus_dir)

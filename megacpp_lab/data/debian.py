@@ -141,23 +141,38 @@ def _http_download(pkg: DebPackage, dest: Path, mirror: str) -> Path:
     return target
 
 
+def _matches_pin(path: Path, pkg: DebPackage) -> tuple[bool, str]:
+    """(whether the file is the pinned one, what it is instead): its size, then its sha256."""
+    size = path.stat().st_size
+    if size != pkg.size:
+        return False, f"{size} bytes, the pin {pkg.size}"
+    got = _sha256(path)
+    return got == pkg.sha256, f"sha256 {got}, the pin {pkg.sha256}"
+
+
 def fetch_deb(pkg: DebPackage, cache_dir: str | Path, *, mirror: str = DEBIAN_MIRROR, use_apt: bool = True) -> Path:
-    """The package's verified `.deb` in cache_dir: the cached copy when its sha256 matches the pin, else
-    downloaded (apt-get download where apt is present and use_apt, else `mirror`/pool_path) and checked. A
-    sha256 that differs from the pin deletes the download and raises, naming the package."""
+    """The package's verified `.deb` in cache_dir: the cached copy when its size and sha256 match the pin, else
+    downloaded and checked: apt-get download where apt is present and use_apt (a file that is not the pinned one,
+    such as another architecture's build, is discarded), else `mirror`/pool_path. A download from the pool that is
+    not the pinned file is deleted and raises, naming the package."""
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     final = cache_dir / pkg.file_name
     if final.exists():
-        if _sha256(final) == pkg.sha256:
+        if _matches_pin(final, pkg)[0]:
             return final
         final.unlink()  # a stale or corrupt copy: fetched again below
-    part = (_apt_download(pkg, cache_dir) if use_apt else None) or _http_download(pkg, cache_dir, mirror)
-    got = _sha256(part)
-    if got != pkg.sha256:
-        part.unlink(missing_ok=True)
-        raise ValueError(f"package {pkg.name} {pkg.version}: the download's sha256 is {got}, the pin is {pkg.sha256} "
-                         "(a corrupt or substituted file; deleted)")  # fmt: skip
+    part = _apt_download(pkg, cache_dir) if use_apt else None
+    if part is not None and not _matches_pin(part, pkg)[0]:
+        part.unlink(missing_ok=True)  # apt's file is not the pinned one: the pool's is
+        part = None
+    if part is None:
+        part = _http_download(pkg, cache_dir, mirror)
+        ok, what = _matches_pin(part, pkg)
+        if not ok:
+            part.unlink(missing_ok=True)
+            raise ValueError(f"package {pkg.name} {pkg.version}: the download is {what} (a corrupt or substituted "
+                             "file; deleted)")  # fmt: skip
     os.replace(part, final)
     return final
 
@@ -171,7 +186,10 @@ def _ar_members(blob: bytes, where: str) -> Iterator[tuple[str, bytes]]:
         if len(header) < 60 or header[58:60] != b"`\n":
             raise ValueError(f"{where}: a truncated or malformed ar member header at byte {i}")
         name = header[:16].decode("ascii", "replace").strip().rstrip("/")
-        size = int(header[48:58])
+        try:
+            size = int(header[48:58])
+        except ValueError:
+            raise ValueError(f"{where}: ar member {name!r} at byte {i} has a malformed size field") from None
         i += 60
         if i + size > len(blob):
             raise ValueError(f"{where}: ar member {name!r} runs past the end of the file (byte {i + size})")

@@ -54,7 +54,8 @@ class DedupConfig:
 @dataclass
 class DedupResult:
     """Per document, in the input order: status ("kept", "exact", "near"), dup_of (the kept index, -1 when
-    kept) and similarity (the estimated Jaccard with dup_of: 1.0 for an exact copy, 0.0 when kept)."""
+    kept) and similarity (the estimated Jaccard with dup_of: 1.0 for an exact copy of a kept document, the near
+    duplicate's for an exact copy of one; 0.0 when kept)."""
 
     status: list[str] = field(default_factory=list)
     dup_of: list[int] = field(default_factory=list)
@@ -143,9 +144,10 @@ def dedup(docs: Sequence[bytes], config: DedupConfig = DedupConfig(), *, progres
         digest = hashlib.sha256(data).digest()
         if digest in first_by_hash:
             first = first_by_hash[digest]  # kept, or itself a near duplicate: point at what was kept
+            near = result.status[first] == "near"
             result.status.append("exact")
-            result.dup_of.append(first if result.status[first] == "kept" else result.dup_of[first])
-            result.similarity.append(1.0)
+            result.dup_of.append(result.dup_of[first] if near else first)
+            result.similarity.append(result.similarity[first] if near else 1.0)  # with what it points at
             continue
         first_by_hash[digest] = i
         sig = minhash(shingles(data, config.shingle, hasher), config.perms, _coef=coef)

@@ -120,7 +120,9 @@ def build_sample(
     if is_bpe:
         _place_tokenizer(tok, out)
     base = corpus_base(src_root)
-    order = sorted(all_paths, key=lambda p: hashlib.sha256(p.relative_to(base).as_posix().encode()).digest())
+    # salted: the unsalted hash of a path is what splits files into validation (loader.split_by_file, the corpus's
+    # splits), and the sample's first files by it would all be validation files of any split of the sample
+    order = sorted(all_paths, key=lambda p: hashlib.sha256(b"sample order\0" + p.relative_to(base).as_posix().encode()).digest())
     paths = order[:: config.stride]
     chosen: list[tuple[str, bytes]] = []
     docs: list[list[int]] = []

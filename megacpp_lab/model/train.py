@@ -16,6 +16,7 @@ history it writes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -81,17 +82,29 @@ def tokenize_corpus(config: TrainConfig, *, progress: bool = False,
                     cache_dir: str | Path | None = TOKEN_CACHE) -> TokenizedCorpus:  # fmt: skip
     """Read the corpus, hold out validation files by path, and tokenize both sides with the BPE. A corpus built by
     `megacpp-lab data corpus` (its manifest in config.corpus) brings its own splits: train, val, and the held-out
-    library (max_files caps each). The token ids are cached under cache_dir (data.tokenize_files; None: no cache),
+    library (max_files caps each, a draw across its libraries). The token ids are cached under cache_dir (data.tokenize_files; None: no cache),
     so every rank of a run and every later run over the same files reads them instead of tokenizing again."""
     tok = load_bpe()
     if config.corpus is not None and (Path(config.corpus) / CORPUS_MANIFEST).exists():  # `megacpp-lab data corpus`
-        parts = [load_corpus_split(split, config.corpus)[: config.max_files] for split in ("train", "val", "heldout")]
+        parts = [_capped(load_corpus_split(split, config.corpus), config.max_files) for split in ("train", "val", "heldout")]
+        for split, part in zip(("train", "val"), parts):
+            if not part:
+                raise ValueError(f"corpus {config.corpus}: its {split} split holds no file; a run needs both train and val "
+                                 "(build the corpus from more packages)")  # fmt: skip
     else:
         files = load_corpus(config.corpus, max_files=config.max_files, progress=False)
         parts = [*split_by_file(files, config.val_fraction), []]
     train_docs, val_docs, heldout = (tokenize_files(part, tok, progress=progress, cache_dir=cache_dir) if part else []
                                      for part in parts)  # fmt: skip
     return TokenizedCorpus(train_docs, val_docs, config.corpus, config.max_files, config.val_fraction, heldout)
+
+
+def _capped(files: list[Any], max_files: int | None) -> list[Any]:
+    """At most max_files of a split, a draw across its libraries (by a salted hash of each path), in path order."""
+    if max_files is None or len(files) <= max_files:
+        return files
+    keep = {f.relpath for f in sorted(files, key=lambda f: hashlib.sha256(b"cap\0" + f.relpath.encode()).digest())[:max_files]}
+    return [f for f in files if f.relpath in keep]
 
 
 def _data(config: TrainConfig, corpus: TokenizedCorpus, pad_id: int
