@@ -102,7 +102,10 @@ def test_debug_shows_the_traceback(tmp_path, capsys, where):
 
 
 def test_data_short_corpus_warns_what_it_wrote_against_what_was_asked(tmp_path, capsys):
-    assert main(["data", "--out", str(tmp_path), "--stride", "100000", "--quiet"]) == 0
+    src = tmp_path / "src"  # one small header: whichever file a stride lands on elsewhere may be over max_file_bytes
+    src.mkdir()
+    (src / "one.h").write_bytes(b"#pragma once\nint f(int x);  // a short corpus\n" * 4)
+    assert main(["data", "--root", str(src), "--out", str(tmp_path), "--stride", "100000", "--quiet"]) == 0
     out = capsys.readouterr()
     warning = out.err.strip().splitlines()
     assert len(warning) == 1 and warning[0].startswith("megacpp-lab: warning: asked for 48 rows x 2048 tokens")

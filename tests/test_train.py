@@ -148,7 +148,7 @@ def test_mismatched_checkpoints_name_the_field(runs, tmp_path):
 
     out = tmp_path / "run"
     shutil.copytree(runs["root"] / "straight", out)
-    with pytest.raises(ValueError, match=r"train_config\.lr' is 0\.001, this run has 0\.002"):
+    with pytest.raises(ValueError, match=r"train_config\.lr' is 0\.004, this run has 0\.002"):
         train(TrainConfig(**{**TINY, "lr": 2e-3}, out_dir=str(out)), progress=False)
     # a weight of the wrong shape, named
     state = load_checkpoint(out / CHECKPOINT_FILE)
