@@ -266,8 +266,7 @@ def test_a_run_trains_on_a_built_corpus_and_reports_the_held_out_librarys_loss(t
         with pytest.raises(ValueError, match=f"unexpected member {member!r}"):
             restore_corpus(tmp_path / "evil.tar.xz", tmp_path / "evil")
         assert not (tmp_path / "escape.h").exists() and not (tmp_path / "evil").exists()
-    with tarfile.open(tmp_path / "empty.tar.xz", "w:xz"):
-        pass
+    tarfile.open(tmp_path / "empty.tar.xz", "w:xz").close()  # an archive with no member at all
     with pytest.raises(ValueError, match="holds no corpus_manifest.json"):
         restore_corpus(tmp_path / "empty.tar.xz", tmp_path / "evil")
     # the corpus's own flags come after `corpus`; `data`'s before it are refused, not silently dropped
