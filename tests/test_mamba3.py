@@ -522,3 +522,33 @@ def test_the_triton_op_refuses_shapes_past_int32_indexing():
     with pytest.raises(ValueError, match=r"indexes in int32: x \(8, 16384\) x 4 ranks with H=32"):
         _mamba3_triton(big(B, T, R, H, P), big(B, T, H), big(H), big(B, T, R, G, N), big(B, T, R, G, N),
                        big(B, T, H, 8), big(H, R, N), big(H, R, N), big(B, T, H), big(B, T, H), big(H), None, 64)  # fmt: skip
+
+
+def test_the_bench_times_every_row_in_a_second_round_in_reverse_and_keeps_the_lower_median():
+    """bench/mamba3's second round: each row keeps both rounds' medians and takes the lower of each; the rows run
+    again in reverse order (so no contender is always timed first); a --small run (rep=1) keeps its one round."""
+    import time as time_mod
+
+    from megacpp_lab.bench.mamba3 import _second_round
+
+    calls = []
+
+    def sleeper(name: str, ms: float):
+        def call():
+            calls.append(name)
+            time_mod.sleep(ms / 1e3)
+
+        return call
+
+    timed = [({"contender": "first", "fwd_ms": 50.0, "ms": 60.0, "bwd_ms": 10.0}, sleeper("first fwd", 1.0),
+              sleeper("first fwd_bwd", 2.0)),
+             ({"contender": "second", "fwd_ms": 1.0, "ms": 2.0, "bwd_ms": 1.0}, sleeper("second fwd", 30.0),
+              sleeper("second fwd_bwd", 40.0))]  # fmt: skip
+    assert _second_round([(dict(r), f, b) for r, f, b in timed], device="cpu", rep=1) == [r for r, _, _ in timed]
+    assert not calls  # one round: nothing called again
+    first, second = _second_round(timed, device="cpu", rep=3)
+    assert calls[0] == "second fwd" and calls[-1] == "first fwd_bwd"  # reverse order
+    assert first["fwd_ms_rounds"][0] == 50.0 and 1.0 <= first["fwd_ms_rounds"][1] < 50.0
+    assert first["fwd_ms"] == first["fwd_ms_rounds"][1] and first["ms"] == first["ms_rounds"][1]
+    assert first["bwd_ms"] == pytest.approx(first["ms"] - first["fwd_ms"])
+    assert second["fwd_ms_rounds"][1] >= 30.0 and (second["fwd_ms"], second["ms"]) == (1.0, 2.0)  # the first round's
