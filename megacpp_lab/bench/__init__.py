@@ -108,7 +108,8 @@ shape) against mamba_ssm's mamba3_siso_combined (found through $MEGACPP_MAMBA3_P
 ../shared/peers/mamba3; its first call autotunes for minutes) and the lab's Mamba-2 SSD, at the shape
 above, at B=4 H=32 G=1 and at B=2 T=16384; MIMO R=2, 4 at the main shape. Errors against the fp32 chunked
 scan; bars in summary.bar: SISO fwd+bwd at most 1.0x mamba_ssm and forward at most 1.1x at each shape,
-MIMO R=4 at most 1.6x SISO, first call at most 30 s.
+MIMO R=4 at most 1.6x SISO, first call at most 30 s. Every row is timed in two rounds, the second in
+reverse order; each keeps both medians and takes the lower.
 Receipts under <out>/<device-slug>/ssd/: ssd_fwd_bwd.json/.png, ssd_seq_sweep.json/.png,
 mamba3_fwd_bwd.json/.png, ssd_triton.*.pt.trace.json. MEGACPP_BENCH_SSD_PARTS=ssd or =mamba3 runs one part
 (default both): on an H200 the Mamba-3 part took about 500 s, most of it mamba_ssm's autotuning, more than
