@@ -260,11 +260,15 @@ def test_bench_run_called_directly_refuses_without_the_interpreter(tmp_path):
 
 
 # engram compiles seven graphs on a cold inductor cache; mla compiles five and interprets seven kernels
-SLOW = {"engram", "mla", "compile"}
+SLOW = {"engram", "mla"}
+# `bench compile --small` is six processes of cold compiles by design (about two minutes of CI's two cores): CI
+# runs it in notebook 06 (bench_compile at the same size, plus the whole-model contender at the preset's depth),
+# and test_bench_compile_small_run_writes_its_receipt_plot_and_traces_under_build checks run()'s wiring here
+SMOKE_ELSEWHERE = {"compile"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
-                                  for n in sorted(COMMANDS)])  # fmt: skip
+                                  for n in sorted(set(COMMANDS) - SMOKE_ELSEWHERE)])  # fmt: skip
 def test_bench_small_runs_without_setup_and_writes_only_under_build(tmp_path, name):
     """`bench <name> --small` from a bare shell: no TRITON_INTERPRET exported, output under ./build/bench-small."""
     before = set(profiles_dir().rglob("*"))
@@ -290,6 +294,46 @@ def test_bench_small_runs_without_setup_and_writes_only_under_build(tmp_path, na
         receipt = json.loads((tmp_path / next(p for p in written if p.name == r)).read_text())
         assert receipt["device"].startswith("CPU") or torch.cuda.is_available()
         assert receipt["subsystem"] == name
+
+
+def test_bench_compile_small_run_writes_its_receipt_plot_and_traces_under_build(tmp_path, monkeypatch):
+    """bench compile's run(small=True) in process, bench_compile and the plot stubbed (the bench itself runs at this
+    size in notebook 06): the small settings reach bench_compile, with its caches and traces under
+    ./build/bench-small; the receipt, the plot and each trace a result names are written there, and the partial file
+    is gone; the help names the receipt and the traces' prefix; nothing goes into the repo's receipts."""
+    from megacpp_lab.bench import compile as bench_compile_mod
+    from megacpp_lab.receipts import make_receipt
+
+    seen = {}
+
+    def fake_bench_compile(**kwargs):
+        seen.update(kwargs)
+        kwargs["partial"].write_text("{}")  # what a run leaves while it goes
+        (kwargs["trace_dir"] / "compile_regional.1.pt.trace.json").write_text("{}")
+        return make_receipt("compile_step", "compile", shape={"preset": kwargs["preset"]}, dtype="float32", device="cpu",
+                            results=[{"contender": "regional cold", "ms": 1.0, "trace": "compile_regional.1.pt.trace.json"},
+                                     {"contender": "regional warm", "ms": 1.0}])  # fmt: skip
+
+    def fake_plot(receipt, path):
+        path.write_bytes(b"png")
+        return path
+
+    monkeypatch.setattr(bench_compile_mod, "bench_compile", fake_bench_compile)
+    monkeypatch.setattr(bench_compile_mod, "_plot", fake_plot)
+    monkeypatch.chdir(tmp_path)
+    before = set(profiles_dir().rglob("*"))
+    written = bench_compile_mod.run(small=True)
+    small_root = (tmp_path / SMALL_OUT).resolve()
+    folder = written[0].parent
+    assert [p.name for p in written] == ["compile_step.json", "compile_step.png", "compile_regional.1.pt.trace.json"]
+    assert all(p.resolve().is_relative_to(small_root) and p.is_file() for p in written)
+    assert not (folder / "compile_step.partial.json").exists()
+    assert (seen["preset"], seen["B"], seen["T"], seen["backend"], seen["warm_runs"]) == ("tiny", 1, 32, "aot_eager", 1)
+    assert Path(seen["caches"]) == Path(SMALL_OUT) and seen["trace_dir"] == folder
+    assert json.loads(written[0].read_text())["elapsed_s"] >= 0
+    text = " ".join(COMMANDS["compile"].description.split())
+    assert "compile_step.json" in text and "compile_regional.*.pt.trace.json" in text
+    assert set(profiles_dir().rglob("*")) == before
 
 
 @no_gpu
