@@ -47,9 +47,13 @@ lab: $(STAMP)
 
 # The regression packs' sentinels first, on the console (exit 1 on a deviation, naming the pack); then two runs so
 # the log shows the unit-test and the notebook (nbval) counts apart.
+# Each unit-test worker runs one intra-op thread: two workers of torch's default two threads put four spinning
+# OpenMP threads on CI's two cores. The unit tests at one commit on a 2-core machine: 16.6 min with one thread per
+# worker, 23.8 min without (a fresh clone; one run each, and such a machine's speed varies from run to run). The
+# notebooks, one at a time, keep both threads.
 test: $(STAMP)
 	$(BIN)/megacpp-lab tripwires
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
 	$(BIN)/python -m pytest --nbval-lax notebooks
 
 tour: $(STAMP)
