@@ -11,8 +11,10 @@ export PYTHONUNBUFFERED := 1
 LAB_IP ?= 127.0.0.1
 LAB_PORT ?= 8888
 LAB_ARGS ?=
-# pytest workers (pytest-xdist) for the unit tests, one file each at a time. The notebooks run serially: over two
-# workers nbval took 792 s against 459 s serial (two heavy kernels on two cores)
+# pytest workers (pytest-xdist), one file (a test file, or a notebook with its cells in order) each at a time, each
+# worker with one OpenMP thread. A notebook's kernel keeps one core busy: serially, at 3f4a787 on a 2-core machine, the
+# notebooks took 895 s; over two workers of one thread, 464 s (that run found the serial run's graphs in inductor's
+# cache, which CI's notebooks do not). An earlier measurement with two threads a worker: 792 s against 459 serial.
 TEST_WORKERS ?= 2
 
 .PHONY: install libibverbs lab test tour data clean
@@ -47,14 +49,13 @@ lab: $(STAMP)
 
 # The regression packs' sentinels first, on the console (exit 1 on a deviation, naming the pack); then two runs so
 # the log shows the unit-test and the notebook (nbval) counts apart.
-# Each unit-test worker runs one intra-op thread: two workers of torch's default two threads put four spinning
-# OpenMP threads on CI's two cores. The unit tests at one commit on a 2-core machine: 16.6 min with one thread per
-# worker, 23.8 min without (a fresh clone; one run each, and such a machine's speed varies from run to run). The
-# notebooks, one at a time, keep both threads.
+# One intra-op thread a worker: two workers of torch's default two threads put four spinning OpenMP threads on CI's
+# two cores. The unit tests at one commit on a 2-core machine: 16.6 min with one thread a worker, 23.8 min without (a
+# fresh clone; one run each, and such a machine's speed varies from run to run).
 test: $(STAMP)
 	$(BIN)/megacpp-lab tripwires
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
-	$(BIN)/python -m pytest --nbval-lax notebooks
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax notebooks -n $(TEST_WORKERS) --dist loadfile
 
 tour: $(STAMP)
 	$(BIN)/megacpp-lab tour --notebooks notebooks --out build
