@@ -339,6 +339,12 @@ class PackedContext:
     def n_seqs(self) -> int:
         return self.cu_seqlens_host.numel() - 1
 
+    @property
+    def doc_lengths(self) -> list[int]:
+        """Every document's length in tokens, in order, from the host copy of cu_seqlens (no device sync): what
+        HybridLM.flops_per_token counts attention over."""
+        return self.cu_seqlens_host.diff().tolist()
+
     def to(self, device: torch.device | str) -> PackedContext:
         """The same context on `device` (cu_seqlens_host stays on the host), copied without a host sync
         (copy_to_device). Build and validate on the host, then move: validation reads values, and on a GPU

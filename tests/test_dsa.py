@@ -200,6 +200,13 @@ def test_flops_count_a_dsa_layer_at_its_top_k_keys_plus_its_indexer():
     indexer_params = sum(p.numel() for p in sparse.blocks[0].mixer.indexer.parameters())
     expected = dense.flops_per_token(T)["A"] - per_key * (T // 2 - 8) + 3 * 2 * 2 * 16 * T // 2 + 6 * indexer_params
     assert sparse.flops_per_token(T)["A"] == expected
+    # per document: each query min(i, top_k) keys, the indexer every causal key of its document
+    lens = [8, 100, 916]
+    causal = sum(n * (n + 1) // 2 for n in lens) / T
+    picked = sum(min(n, 8) * (min(n, 8) + 1) // 2 + (n - min(n, 8)) * 8 for n in lens) / T
+    expected = (dense.flops_per_token(T, doc_lens=lens)["A"] - round(per_key * causal) + round(per_key * picked
+                + 3 * 2 * 2 * 16 * causal) + 6 * indexer_params)  # fmt: skip
+    assert sparse.flops_per_token(T, doc_lens=lens)["A"] == expected
 
 
 def test_a_compiled_dsa_model_trains_through_its_phase_switch_within_the_graphs_it_counts():

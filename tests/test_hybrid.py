@@ -151,6 +151,50 @@ def test_flops_per_token_by_block_kind():
     assert f1["M"] > 6 * params["M"] and f1["cblock"] > 0
 
 
+def _keys_by_mask(doc_ids: torch.Tensor, top_k: int | None = None) -> float:
+    """The keys a token attends on average, counted from the dense document-causal mask itself."""
+    T = doc_ids.shape[1]
+    allowed = torch.ones(T, T, dtype=torch.bool).tril() & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    per_query = allowed.sum(-1)
+    if top_k is not None:
+        per_query = per_query.clamp(max=top_k)
+    return per_query.double().mean().item()
+
+
+@pytest.mark.parametrize("top_k", [None, 1, 5, 64])
+def test_attended_keys_equal_a_count_over_the_document_causal_mask(top_k):
+    from megacpp_lab.model.hybrid import attended_keys
+    from megacpp_lab.varlen import doc_ids_from_cu_seqlens, packed_cu_seqlens
+
+    g = torch.Generator().manual_seed(3)
+    for B, T, docs in ((1, 64, 1), (2, 64, 5), (3, 40, 17), (1, 128, 64)):
+        cu = packed_cu_seqlens(B, T, docs, g)
+        doc_ids = doc_ids_from_cu_seqlens(cu, B, T)
+        lens = build_context(doc_ids).doc_lengths
+        assert sum(lens) == B * T and len(lens) == B * docs
+        assert attended_keys(lens, top_k=top_k) == pytest.approx(_keys_by_mask(doc_ids, top_k), rel=1e-12)
+    assert attended_keys([4]) == 2.5 and attended_keys([4], top_k=2) == 1.75
+
+
+def test_flops_per_token_counts_attention_per_document_and_the_upper_bound_without_them():
+    model = HybridLM(tiny())
+    a = model.config.mla
+    per_key = 3 * 2 * a.n_heads * (a.d_nope + a.d_rope + a.d_v)
+    T = 1024
+    bound, one_doc = model.flops_per_token(T), model.flops_per_token(T, doc_lens=[T])
+    eight = model.flops_per_token(T, doc_lens=[128] * 8)
+    n_a = model.config.blocks.count("A")
+    # the row's triangle counts T / 2 keys a token, one document of T tokens (T + 1) / 2: the diagonal too
+    assert one_doc["A"] - bound["A"] == round(n_a * per_key / 2)
+    # eight equal documents: (128 + 1) / 2 keys a token against (1024 + 1) / 2; nothing else changes
+    assert one_doc["A"] - eight["A"] == n_a * per_key * (1025 - 129) // 2
+    assert all(eight[k] == bound[k] for k in bound if k not in ("A", "total"))
+    assert eight["total"] == sum(v for k, v in eight.items() if k != "total")
+    for bad in ([], [0, T], [T + 1]):
+        with pytest.raises(ValueError, match="flops_per_token doc_lens"):
+            model.flops_per_token(T, doc_lens=bad)
+
+
 # ----------------------------------------------------------------------------- forward and training
 
 
@@ -280,6 +324,8 @@ def test_small_model_on_gpu_keeps_documents_apart_with_triton_scans(compiled, fe
         assert stats.graphs == len(structures) and stats.graph_breaks == 0, (stats, structures)
     assert (config.mamba3.kernel, config.m2rnn.kernel, config.d_model, config.n_layers) == ("triton", "triton", 384, 12)
     assert config.m_block == "mamba3"
+    # attn_impl 'auto': the A blocks attend through flex over the documents' block mask here
+    assert HybridLM(config).blocks[0].mixer.attends_through_flex(torch.device("cuda"))
     assert config.mhc == features and bool(config.cblock_layers) == features
     assert report.passed, str(report)
     assert report.n_docs_perturbed >= 4 and report.dependence.weakest > 10 * report.tol

@@ -18,7 +18,7 @@ SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d
 
 def _layer(**kw) -> MultiLatentAttention:
     torch.manual_seed(0)
-    return MultiLatentAttention(MLAConfig.build(**{**SMALL, **kw})).to(DEV)
+    return MultiLatentAttention(MLAConfig.build(**{**SMALL, "attn_impl": "sdpa", **kw})).to(DEV)  # sdpa: the reference
 
 
 def _grads(layer: nn.Module, x: torch.Tensor, **kw) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -8,6 +8,8 @@ configuration that FLEX_PROVEN does not list."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -24,7 +26,7 @@ REAL = dict(d_model=2048, n_heads=16, q_lora_rank=1536, kv_lora_rank=512, d_nope
 def _pair(device: str, dtype: torch.dtype = torch.float32, **kw) -> tuple[MultiLatentAttention, MultiLatentAttention]:
     """(sdpa layer, flex layer) with the same weights."""
     torch.manual_seed(0)
-    sdpa = MultiLatentAttention(MLAConfig.build(**kw)).to(device, dtype)
+    sdpa = MultiLatentAttention(MLAConfig.build(**kw, attn_impl="sdpa")).to(device, dtype)
     flex = MultiLatentAttention(MLAConfig.build(**kw, attn_impl="flex")).to(device, dtype)
     flex.load_state_dict(sdpa.state_dict())
     return sdpa, flex
@@ -119,6 +121,35 @@ def test_compiled_flex_refuses_a_length_off_the_block_grid(fullgraph: bool) -> N
         torch.compile(flex, fullgraph=fullgraph)(x, ctx=ctx)
     with torch.no_grad():  # eager flex masks partial blocks itself
         assert torch.isfinite(flex(x, ctx=ctx)).all()
+
+
+def _with_impl(layer: MultiLatentAttention, impl: str) -> MultiLatentAttention:
+    """A layer of the same weights with attn_impl `impl`."""
+    other = MultiLatentAttention(dataclasses.replace(layer.config, attn_impl=impl))
+    other.load_state_dict(layer.state_dict())
+    return other.to(layer.w_o.weight.device, layer.w_o.weight.dtype)
+
+
+def test_auto_attention_is_the_default_and_runs_sdpa_on_a_cpu() -> None:
+    """attn_impl='auto' (MLAConfig's default) on a CPU is sdpa, bit for bit, with gradients (flex has no CPU
+    backward); it asks for no block mask there, and would on a GPU."""
+    from megacpp_lab.model.config import hybrid_preset
+    from megacpp_lab.model.hybrid import HybridLM
+
+    assert MLAConfig.build(**SMALL).attn_impl == "auto"
+    sdpa, _ = _pair("cpu", **SMALL)
+    auto = _with_impl(sdpa, "auto")
+    assert not auto.attends_through_flex(torch.device("cpu")) and auto.attends_through_flex(torch.device("cuda"))
+    assert not sdpa.attends_through_flex(torch.device("cuda"))
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 3 + [1] * 4 + [2] * 9])
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    for ctx in (build_context(doc_ids), None):
+        y_auto, y_ref = auto(x, ctx=ctx), sdpa(x, ctx=ctx)
+        torch.testing.assert_close(y_auto, y_ref, atol=0, rtol=0)
+        g_auto, g_ref = (torch.autograd.grad(y.square().sum(), x)[0] for y in (y_auto, y_ref))
+        torch.testing.assert_close(g_auto, g_ref, atol=0, rtol=0)
+    model = HybridLM(hybrid_preset("tiny", m2rnn=dict(kernel="reference")))
+    assert model.config.mla.attn_impl == "auto" and not model.needs_block_mask  # a CPU model: sdpa, no mask
 
 
 def test_context_and_block_mask_mismatches_fail_closed() -> None:
@@ -222,3 +253,35 @@ def test_cuda_compiled_flex_fp32_is_refused() -> None:
 def test_cuda_eager_flex_bf16_equals_eager_sdpa(grad: bool) -> None:
     sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
     _check_against_sdpa(flex, sdpa, 2, 512, grad, seed=11)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_cuda_auto_attention_runs_flex_over_documents_and_sdpa_elsewhere(grad: bool) -> None:
+    """attn_impl='auto' on a GPU: compiled bf16 over a batch's documents it is flex (the same numbers as the flex
+    layer, bit for bit); eager, or with no context, it is sdpa; compiled fp32 (unproven for flex) it is sdpa,
+    not a refusal; and compiled off the block grid it refuses as flex does."""
+    torch._dynamo.reset()
+    sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
+    auto = _with_impl(flex, "auto")
+    T = 1024
+    x = torch.randn(2, T, REAL["d_model"], device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    ctx = build_context(_packed_doc_ids(2, T, "cuda", 1), block_mask=True)
+    with torch.set_grad_enabled(grad):
+        y_auto = torch.compile(auto, fullgraph=True)(x, ctx=ctx)
+        y_flex = torch.compile(flex, fullgraph=True)(x, ctx=ctx)
+        torch.testing.assert_close(y_auto, y_flex, atol=0, rtol=0)
+        torch.testing.assert_close(auto(x), sdpa(x), atol=0, rtol=0)  # one causal document a row: sdpa
+        torch.testing.assert_close(auto(x, ctx=ctx), sdpa(x, ctx=ctx), atol=0, rtol=0)  # eager: sdpa
+    _check_against_sdpa(torch.compile(auto, fullgraph=True), sdpa, 2, T, grad, seed=2)
+    sdpa32, auto32 = sdpa.float(), auto.float()
+    x32 = torch.randn(1, 256, REAL["d_model"], device="cuda")
+    ctx32 = build_context(_packed_doc_ids(1, 256, "cuda", 3), block_mask=True)
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(torch.compile(auto32, fullgraph=True)(x32, ctx=ctx32), sdpa32(x32, ctx=ctx32),
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+    auto = auto.bfloat16()
+    ctx_off = build_context(torch.zeros(1, 200, dtype=torch.long, device="cuda"), block_mask=True)
+    with pytest.raises(RuntimeError, match=REFUSED[True]):
+        torch.compile(auto, fullgraph=True)(torch.randn(1, 200, REAL["d_model"], device="cuda", dtype=torch.bfloat16),
+                                            ctx=ctx_off)  # fmt: skip

@@ -57,6 +57,8 @@ def _check_files(paths: dict[str, Path], receipt: dict[str, Any]) -> None:
     counts = [receipt["doc_counts"]["first_step"], *receipt["doc_counts"]["per_step"]]
     assert all(a != b for a, b in zip(counts, counts[1:])) and len(counts) == 1 + receipt["schedule"]["steps"]
     assert all(math.isfinite(v) for v in times["losses"])
+    row = receipt["results"][0]  # several documents a row: attention per document counts less than the row bound
+    assert 0 < row["mfu"] < row["mfu_upper_bound"] and row["tflops"] / row["mfu"] == pytest.approx(989.0)
 
 
 def test_small_compiled_run_writes_trace_receipt_and_plot(compiled):

@@ -195,7 +195,7 @@ T=4096, 8 documents of seeded-random lengths per row, bf16 under apply_mixed_pre
 M2RNN scans on their Triton kernels. Contenders: eager fwd+bwd (zero_grad, forward to the fused
 LM-head loss, backward), eager forward alone (no_grad), fwd+bwd + a fused AdamW step, and the
 per-batch build_context; median step time over 10 steps (CUDA events), tokens/s, TFLOP/s from
-HybridLM.flops_per_token, peak memory. One profiled fwd+bwd step gives each block kind's share of the
+HybridLM.flops_per_token (attention over each document's causal triangle), peak memory. One profiled fwd+bwd step gives each block kind's share of the
 step: every GPU kernel goes to the labelled module (block, Engram branch, final norm: forward or
 backward; embedding, LM head: forward) that launched it, as a share of the unprofiled step. Sweep: B = 1, 2, 4, 8 at T=4096; T = 2048, 8192 at B*T fixed; 1 and
 64 documents per row; fwd+bwd and forward alone. Leak check: the small preset on real packed BPE rows
@@ -226,7 +226,8 @@ documents per row, bf16, Triton scans, built by parallelize. Contenders:
                                structure traced once by dynamo's ahead-of-time compile and saved; the
                                Triton kernels compiled; then batches of 1, 2, 3, 17 and 64 documents per
                                row with and without gradients (graphs added: recompiles); the timed steps,
-                               MFU against 989 TFLOP/s; one profiled step; its Mega-Cache artifacts saved;
+                               MFU against 989 TFLOP/s (attention FLOPs per document; the old count over
+                               each row's whole causal triangle beside it as mfu_upper_bound); one profiled step; its Mega-Cache artifacts saved;
                                then the eager step of the same weights and batch (the
                                baseline: 10 CUDA-event-timed steps after 3 of warm-up)
   regional warm                a new process on the caches the cold run left: it loads the saved graphs and
@@ -245,7 +246,7 @@ bytecode (PYTHONDONTWRITEBYTECODE, a torch without .pyc files), every process ge
 once before the first contender, as a pip-installed torch has (summary.python_bytecode).
 The summary holds one bar per threshold: cold first step <= 40 s, warm first step <= 4 s, warm import +
 build + first step <= 10 s, 48 layers <= 1.15x 12 layers, regional <= 1/3 of whole-model at 48 layers,
-zero recompiles, the compiled step <= 0.8x eager.
+zero recompiles, the compiled step <= 0.8x eager, regional MFU >= 30% (attention FLOPs per document).
 Receipts under <out>/<device-slug>/compile/: compile_step.json, compile_step.png (phases per region, first
 steps), compile_regional.*.pt.trace.json; compile_step.partial.json while it runs.
 Run time on an H100 or H200: six to ten minutes (six processes; four cold compiles and a stopped one).

@@ -59,11 +59,11 @@ def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", wa
     model = build_model(config, device)
     tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=config.lm_head.ignore_index)
     n_tokens = shape.B * shape.T
-    flops = model.flops_per_token(shape.T)
     bar = tqdm(total=5 if trace_dir is not None else 4, desc=f"model {shape.preset} B={shape.B} T={shape.T}",
                disable=not progress)  # fmt: skip
     ctx_ms = sorted(step_times_ms(lambda: build_context(doc_ids), warmup=1, steps=steps, device=device))
     ctx = build_context(doc_ids)
+    flops = model.flops_per_token(shape.T, doc_lens=ctx.doc_lengths)
     step = TrainingStep(model, tokens, ctx, targets)
     bar.update()
     results = [_timed_row("eager fwd+bwd", step, step.release, n_tokens, flops["total"], device=device, warmup=warmup, steps=steps)]
@@ -128,8 +128,8 @@ def bench_model_step(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", wa
             "peak_mib: peak memory of one step beyond what was held before it (parameters, batch, optimizer state in "
             "its row; gradients freed first), "
             "peak_total_mib: the whole allocation peak. tflops = flops_per_token['total'] * tokens / time, with "
-            "HybridLM.flops_per_token (attention counted over the causal T/2 average, ignoring document masking: "
-            "an upper bound). block_time: one profiled step; each GPU kernel goes to the innermost labelled module "
+            "HybridLM.flops_per_token given the batch's document lengths (attention over each document's causal "
+            "triangle). block_time: one profiled step; each GPU kernel goes to the innermost labelled module "
             "range (forward or backward) that launched it; block_time.forward_ms / backward_ms: kernel time in the "
             "forward and backward ranges."
         ),
@@ -152,8 +152,9 @@ def bench_model_sweep(shapes: tuple[ModelShape, ...] = FULL_SWEEP, *, device: st
             by_preset[shape.preset] = config, build_model(config, device)
         config, model = by_preset[shape.preset]
         tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=config.lm_head.ignore_index)
-        step = TrainingStep(model, tokens, build_context(doc_ids), targets)
-        flops, n = model.flops_per_token(shape.T)["total"], shape.B * shape.T
+        ctx = build_context(doc_ids)
+        step = TrainingStep(model, tokens, ctx, targets)
+        flops, n = model.flops_per_token(shape.T, doc_lens=ctx.doc_lengths)["total"], shape.B * shape.T
         results.append({"shape": asdict(shape), **_timed_row("eager fwd+bwd", step, step.release, n, flops, device=device,
                                                              warmup=warmup, steps=steps)})  # fmt: skip
         results.append({"shape": asdict(shape), **_timed_row("eager forward (no_grad)", step.forward_only, step.release, n, flops // 3,
@@ -183,8 +184,9 @@ def bench_m_blocks(shape: ModelShape = FULL_SHAPE, *, device: str = "cuda", warm
         config = model_config(shape.preset, device, **overrides)
         model = build_model(config, device)
         tokens, doc_ids, targets = make_batch(shape, config.vocab_size, device, ignore_index=config.lm_head.ignore_index)
-        step = TrainingStep(model, tokens, build_context(doc_ids), targets)
-        flops = model.flops_per_token(shape.T)
+        ctx = build_context(doc_ids)
+        step = TrainingStep(model, tokens, ctx, targets)
+        flops = model.flops_per_token(shape.T, doc_lens=ctx.doc_lengths)
         row = _timed_row(f"eager fwd+bwd, M = {name}", step, step.release, shape.B * shape.T, flops["total"],
                          device=device, warmup=warmup, steps=steps)  # fmt: skip
         row |= {"variant": name, "parameters": model.num_parameters()["total"], "flops_per_token": flops["total"],

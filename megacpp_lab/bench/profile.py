@@ -4,7 +4,7 @@ One run: a fresh dynamo, the model built by parallelize (bf16 on a GPU, regional
 (compiling) step timed on its own, then wait + warmup + active steps under torch.profiler's schedule, every
 step on a batch with another number of documents per row (so a recompile would show). Writes, under
 <out>/<device-slug>/profile/: the TensorBoard `*.pt.trace.json` (torch-tb-profiler and Perfetto open it), a
-receipt `<name>.json` (top kernels, each block kind's share of the step, step times and tokens/s, the
+receipt `<name>.json` (top kernels, each block kind's share of the step, step times, tokens/s and MFU, the
 compiled regions: graphs, graph breaks, recompiles, cold compile per region from dynamo's own records) and
 `<name>.png`.
 """
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from megacpp_lab.bench import bench_device, output_root, require_triton_interpreter
+from megacpp_lab.bench.compile import PEAK_BF16_TFLOPS
 from megacpp_lab.bench.harness import FORWARD_ONLY, ModelShape, TrainingStep, build_model, make_batch, profile_labels
 from megacpp_lab.model.config import HYBRID_PRESETS, model_config
 from megacpp_lab.model.hybrid import HybridLM
@@ -288,6 +289,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
         "contender": f"{'regional compile' if compiled else 'eager'} fwd+bwd{' + AdamW' if optimizer else ''} (profiled)",
         "ms": ms, "ms_min": active_ms[0], "ms_max": active_ms[-1], "steps": active, "tokens_per_s": tokens_per_s,
         **({"peak_total_mib": peak_mib} if peak_mib is not None else {}),
+        **active_flops(model, T, B * T, [ctx.doc_lengths for _, ctx, _ in batches[-active:]], step_ms[-active:]),
     }  # fmt: skip
     compile_section = None
     if compiled:
@@ -323,13 +325,28 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
                "(with compiled=True it compiles every block structure; on a GPU it also autotunes the Triton "
                "kernels). Then torch.profiler's schedule (wait, warmup, active, repeat=1); step times are wall "
                "times of the profiled steps (synchronised), so they carry the profiler's overhead; ms / "
-               "tokens_per_s: the median active step. block_time: time_by_label over the trace (per block kind; "
+               "tokens_per_s: the median active step; mfu / tflops: the active steps' FLOPs over their summed "
+               "time (HybridLM.flops_per_token with each batch's document lengths: attention per document) against "
+               "989 TFLOP/s dense bf16, mfu_upper_bound the same with attention over each row's whole causal "
+               "triangle (the old count). block_time: time_by_label over the trace (per block kind; "
                "GPU: each kernel to the labelled range that launched it). compile: graphs, breaks and recompiles "
                "from dynamo's counters, cold compile per region from dynamo's CompilationMetrics."),
     )  # fmt: skip
     path = write_receipt(receipt, root)
     plot = _plot(receipt, path.with_suffix(".png"))
     return {"receipt": path, "trace": trace, "plot": plot}
+
+
+def active_flops(model: HybridLM, T: int, n_tokens: int, doc_lens: list[list[int]], ms: list[float]) -> dict[str, float]:
+    """The active steps' FLOP rate (their FLOPs over their summed time, each batch with its own documents): mfu
+    with attention per document (HybridLM.flops_per_token given the batch's document lengths), mfu_upper_bound
+    over each row's whole causal triangle. Against bench.compile's PEAK_BF16_TFLOPS."""
+    seconds = sum(ms) / 1e3
+    per_doc = sum(model.flops_per_token(T, doc_lens=lens)["total"] for lens in doc_lens) * n_tokens
+    per_row = model.flops_per_token(T)["total"] * n_tokens * len(doc_lens)
+    return {"tflops": per_doc / seconds / 1e12, "mfu": per_doc / seconds / 1e12 / PEAK_BF16_TFLOPS,
+            "tflops_upper_bound": per_row / seconds / 1e12, "mfu_upper_bound": per_row / seconds / 1e12 / PEAK_BF16_TFLOPS,
+            "flops_per_token": per_doc / n_tokens / len(doc_lens)}
 
 
 def _plot(receipt: dict[str, Any], path: Path) -> Path:

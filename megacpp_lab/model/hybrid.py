@@ -42,10 +42,13 @@ FLOPs per token (flops_per_token, forward + backward = 3 x forward):
             embedding, n-gram tables, the concept bank and its k/v projections, applied once per step);
             norm weights and biases are counted too (a small overcount); an E block's experts count
             top_k / n_experts of their parameters (the active ones)
-    A:      + 3 * 2 * H * (d_nope + d_rope + d_v) * T / 2   (QK^T and AV over the causal T/2 average;
-            document masking only lowers it, so this is an upper bound); a DSA layer attends min(top_k, T/2)
-            keys and adds its indexer's 3 * 2 * H_I * d_I * T / 2 (the sparse method's FLOPs: the reference
-            attention computes more)
+    A:      + 3 * 2 * H * (d_nope + d_rope + d_v) * K       (QK^T and AV over the K keys a token attends on
+            average). Given the batch's documents (doc_lens), K counts each document's own causal triangle:
+            sum_d L_d (L_d + 1) / 2 over sum_d L_d tokens, what document-sparse attention computes. Without
+            them, K = T / 2, the row's whole causal triangle: an upper bound that packed rows never reach (8
+            documents in a row of 4096 attend about 1/8 of it). A DSA layer's token at in-document position i
+            attends min(i, top_k) keys, and its indexer adds 3 * 2 * H_I * d_I * K (every causal key scored;
+            the sparse method's FLOPs: the reference attention computes more)
     M, E:   + 3 * 4 * H * P * N * R                           (state update B x^T and readout C h; R: Mamba-3's
                                                               MIMO rank, 1 for SISO and Mamba-2)
     R:      + 3 * H * (2 K V^2 + 4 K V)                       (h W, k (x) v, gate mix, q h)
@@ -55,7 +58,7 @@ FLOPs per token (flops_per_token, forward + backward = 3 x forward):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -76,11 +79,26 @@ from megacpp_lab.nn.primitives import SwiGLU
 from megacpp_lab.nn.ssm import SSD, SSDState
 from megacpp_lab.varlen import PackedContext
 
-__all__ = ["Block", "BlockState", "HybridLM", "MTPModule", "ModelOutput", "REMAT_BUDGET_ATTR", "tokens_ahead"]
+__all__ = ["Block", "BlockState", "HybridLM", "MTPModule", "ModelOutput", "REMAT_BUDGET_ATTR", "attended_keys",
+           "tokens_ahead"]
 
 REMAT_BUDGET_ATTR = "_megacpp_ac_budget"  # the activation_memory_budget apply_ac gives a block (regional compile)
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
+
+
+def attended_keys(doc_lens: Sequence[int], *, top_k: int | None = None) -> float:
+    """The keys a token attends on average under per-document causal masking: the token at position i (from 1) of
+    its document attends i keys (min(i, top_k) with a DSA layer's top_k), averaged over every token of the
+    documents doc_lens. A document of L tokens attends L (L + 1) / 2 keys in all, L k - k (k - 1) / 2 past top_k."""
+    total, tokens = 0, 0
+    for n in doc_lens:
+        k = n if top_k is None else min(n, top_k)
+        total += k * (k + 1) // 2 + (n - k) * k
+        tokens += n
+    if tokens == 0:
+        raise ValueError("attended_keys: no documents (doc_lens is empty)")
+    return total / tokens
 
 
 def _mixer(config: HybridConfig, kind: str, layer: int) -> nn.Module:
@@ -275,9 +293,11 @@ class HybridLM(nn.Module):
 
     @property
     def needs_block_mask(self) -> bool:
-        """Whether an attention layer reads the batch's flex block mask: a DSA layer's flex path, or MLA's flex."""
+        """Whether an attention layer reads the batch's flex block mask: a DSA layer's flex path, or MLA's flex (attn_impl
+        'flex', or 'auto' on a GPU; MTP modules' blocks are A blocks)."""
         c = self.config
-        return bool(c.dsa_layers and c.dsa.attn_impl != "reference") or ("A" in c.blocks and c.mla.attn_impl == "flex")
+        flex_mla = c.mla.attn_impl == "flex" or (c.mla.attn_impl == "auto" and self.embed.weight.is_cuda)
+        return bool(c.dsa_layers and c.dsa.attn_impl != "reference") or ("A" in c.blocks + "A" * c.mtp_depth and flex_mla)
 
     def attention_context(self, ctx: PackedContext) -> PackedContext:
         """ctx with the flex block mask built (once per batch, here, outside the compiled blocks) when the model
@@ -342,10 +362,17 @@ class HybridLM(nn.Module):
         """The parameters one token uses: all of them, but an E block's experts at top_k / n_experts."""
         return round(sum(p.numel() * self._active_share(name) for name, p in self.named_parameters()))
 
-    def flops_per_token(self, seq_len: int) -> dict[str, int]:
-        """Training (forward + backward) FLOPs per token, per bucket and 'total', at sequence length
-        seq_len (the attention term grows with it). The formula is in the module docstring."""
+    def flops_per_token(self, seq_len: int, *, doc_lens: Sequence[int] | None = None) -> dict[str, int]:
+        """Training (forward + backward) FLOPs per token, per bucket and 'total', at sequence length seq_len (the
+        attention term grows with it). doc_lens: the batch's document lengths (PackedContext.doc_lengths), for
+        attention over each document's causal triangle; None: over the row's (T / 2 keys, an upper bound). The
+        formula is in the module docstring."""
         c = self.config
+        if doc_lens is not None:
+            lens = [int(n) for n in doc_lens]
+            if not lens or min(lens) < 1 or max(lens) > seq_len:
+                raise ValueError(f"flops_per_token doc_lens: every document 1..{seq_len} tokens long (seq_len), got "
+                                 f"{len(lens)} lengths from {min(lens, default=None)} to {max(lens, default=None)}")  # fmt: skip
         lookups = ("embed.weight", ".tables", ".bank.weight", ".k_proj.weight", ".v_proj.weight")
         flops: dict[str, int] = {}
         for name, p in self.named_parameters():
@@ -357,12 +384,12 @@ class HybridLM(nn.Module):
         for i, kind in enumerate(c.blocks + "A" * c.mtp_depth):  # each MTP module's block is an A block
             if kind == "A":
                 a = c.mla
-                keys = seq_len // 2
-                extra = 0
+                causal = seq_len / 2 if doc_lens is None else attended_keys(lens)
+                keys, extra = causal, 0.0
                 if i in c.dsa_layers:  # DSA: each query attends at most top_k keys, after the indexer scores them all
-                    extra = 3 * 2 * c.dsa.n_heads * c.dsa.head_dim * seq_len // 2
-                    keys = min(keys, c.dsa.top_k)
-                extra += 3 * 2 * a.n_heads * (a.d_nope + a.d_rope + a.d_v) * keys
+                    extra = 3 * 2 * c.dsa.n_heads * c.dsa.head_dim * causal
+                    keys = min(keys, c.dsa.top_k) if doc_lens is None else attended_keys(lens, top_k=c.dsa.top_k)
+                extra = round(extra + 3 * 2 * a.n_heads * (a.d_nope + a.d_rope + a.d_v) * keys)
             elif kind in ("M", "E"):
                 s = c.mamba3 if c.m_block == "mamba3" else c.ssd
                 rank = c.mamba3.mimo_rank if c.m_block == "mamba3" else 1

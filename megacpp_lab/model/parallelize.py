@@ -252,7 +252,7 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, saved_graphs: boo
 
 
 def _attends_through_flex(block: nn.Module) -> bool:
-    """Whether the block's attention runs flex_attention: a DSA layer's flex path or MLA's attn_impl='flex'. Their
+    """Whether the block's attention runs flex_attention (MultiLatentAttention.attends_through_flex). Their
     saved graphs are not used: on an H200 (torch 2.11) loading one in another process failed with "TracingContext.get()
     must be called within an ongoing trace" (flex's graph does not survive save and load)."""
     from megacpp_lab.nn.mla import MultiLatentAttention
@@ -260,7 +260,7 @@ def _attends_through_flex(block: nn.Module) -> bool:
     mixer = getattr(block, "mixer", None)
     if not isinstance(mixer, MultiLatentAttention):
         return False
-    return mixer.config.attn_impl == "flex" or (mixer.indexer is not None and mixer.indexer.config.attn_impl != "reference")
+    return mixer.attends_through_flex(mixer.w_o.weight.device)
 
 
 def _compile_block(block: nn.Module, fullgraph: bool, compile_kwargs: dict[str, Any]) -> None:

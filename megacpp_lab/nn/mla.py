@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 ROPE_IMPLS = ("auto", "triton", "reference")
-ATTN_IMPLS = ("sdpa", "flex")
+ATTN_IMPLS = ("auto", "sdpa", "flex")
 
 
 _fail = functools.partial(config_error, "MLAConfig")
@@ -85,7 +85,16 @@ _fail = functools.partial(config_error, "MLAConfig")
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """MLA settings; build it with MLAConfig.build. Frozen, checked on construction."""
+    """MLA settings; build it with MLAConfig.build. Frozen, checked on construction.
+
+    attn_impl: "sdpa" (scaled_dot_product_attention with a dense [B,1,T,T] same-document causal mask: the
+    reference, and the CPU's path), "flex" (flex_attention over the batch's block mask, which skips the blocks no
+    document reaches: 8 documents in a row of 4096 leave about 1/8 of the row's causal triangle), or "auto" (the
+    default): compiled flex on a GPU wherever FLEX_PROVEN lists the (device, dtype, compiled, gradients) configuration and
+    the batch has documents, with flex's own refusals (a compiled call needs the context's block mask and T a
+    multiple of FLEX_BLOCK) under torch.compile; sdpa in eager mode (flex's eager path is an unfused reference
+    implementation, slower than sdpa), on a CPU, in an unproven configuration (compiled fp32), and with no context
+    (one causal document a row, where sdpa's causal kernel skips the upper triangle itself)."""
 
     d_model: int
     n_heads: int
@@ -102,7 +111,7 @@ class MLAConfig:
     recompute_kv_upproj: bool = True
     recompute_q_upproj: bool = False
     rope_impl: str = "auto"
-    attn_impl: str = "sdpa"
+    attn_impl: str = "auto"
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
@@ -389,14 +398,24 @@ class MultiLatentAttention(nn.Module):
         positions = ctx.positions if ctx is not None else positions
         return mla_rope_kv_reference(kv, k_pe, self.rope_cos, self.rope_sin, c.d_nope, positions=positions)
 
+    def attends_through_flex(self, device: torch.device) -> bool:
+        """Whether this layer's attention can run flex_attention on `device`: attn_impl 'flex', or 'auto' on a GPU
+        (compiled), or a DSA layer's flex path (what regional compile and HybridLM.needs_block_mask ask)."""
+        auto = self.config.attn_impl == "auto" and device.type == "cuda"
+        return self.config.attn_impl == "flex" or auto or (self.indexer is not None and self.indexer.config.attn_impl != "reference")
+
     def _attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: PackedContext | None) -> torch.Tensor:
         c = self.config
         q, key, value = (t.transpose(1, 2) for t in (q, key, value))
         scale = 1.0 / math.sqrt(c.d_nope + c.d_rope)
-        if c.attn_impl == "flex":
+        compiling = torch.compiler.is_compiling()
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
+        impl = c.attn_impl
+        if impl == "auto":  # compiled flex over the documents where a test proved it, else sdpa (MLAConfig.attn_impl)
+            proven = (q.device.type, q.dtype, compiling, grad) in FLEX_PROVEN
+            impl = "flex" if q.is_cuda and compiling and ctx is not None and proven else "sdpa"
+        if impl == "flex":
             block_mask = ctx.block_mask if ctx is not None else None
-            compiling = torch.compiler.is_compiling()
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
             reason = flex_refusal(q.device, q.dtype, compiled=compiling, grad=grad, seq_len=q.shape[2],
                                   has_block_mask=block_mask is not None)  # fmt: skip
             if reason is not None:
