@@ -28,7 +28,8 @@ def own_caches(tmp_path, monkeypatch):
 
 def _models(**overrides):
     # A, then M with Engram (the SSD scan reads the context's cu_seqlens, which build_context marks dynamic)
-    config = model_config("tiny", DEV, **{**TRITON, "n_layers": 2, **overrides})
+    # sdpa: on a GPU attn_impl 'auto' attends through flex, whose blocks compile with torch.compile, not saved graphs
+    config = model_config("tiny", DEV, **{**TRITON, "n_layers": 2, "mla": dict(attn_impl="sdpa"), **overrides})
     fp32 = ParallelConfig(dtype="fp32", compile=True, compile_workers=0)  # the graphs compared, not bf16 rounding
     return config, build_model(config, DEV, parallel=ParallelConfig(dtype="fp32")), lambda: build_model(config, DEV, parallel=fp32)
 
@@ -101,7 +102,7 @@ def test_hooks_run_around_a_saved_graph_and_a_guard_failure_past_the_limit_names
 
 @pytest.mark.slow
 def test_under_a_remat_budget_each_budget_gets_its_own_graph_and_the_step_equals_eager(own_caches):
-    config = model_config("tiny", DEV, **TRITON, n_layers=3, pattern="AAA", engram_layers=())
+    config = model_config("tiny", DEV, **TRITON, n_layers=3, pattern="AAA", engram_layers=(), mla=dict(attn_impl="sdpa"))
     tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 32, 3), config.vocab_size, DEV)
     reference = build_model(config, DEV, parallel=ParallelConfig(dtype="fp32"))
     ref_loss = TrainingStep(reference, tokens, build_context(doc_ids), targets)()
@@ -144,3 +145,16 @@ def test_saved_graphs_apply_to_inductor_alone_and_fail_closed_naming_the_field()
     assert "forward" not in vars(plain.blocks[0]) and plain.blocks[0]._compiled_call_impl is not None
     with pytest.raises(ValueError, match=r"ParallelConfig.saved_graphs must be a bool"):
         ParallelConfig(compile=True, saved_graphs="yes")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_an_auto_attention_block_compiles_with_torch_compile_and_the_rest_through_saved_graphs(own_caches):
+    """attn_impl 'auto' attends through flex in a compiled block on a GPU, and a saved graph holding flex fails to load
+    (parallelize._attends_through_flex): that block compiles with torch.compile, the others through saved graphs."""
+    config = model_config("tiny", "cuda", **TRITON, n_layers=2)
+    model = build_model(config, "cuda", parallel=ParallelConfig(compile=True, compile_workers=0))
+    assert model.needs_block_mask
+    assert not isinstance(model.blocks[0].forward, SavedForward) and isinstance(model.blocks[1].forward, SavedForward)
+    tokens, doc_ids, targets = make_batch(ModelShape("tiny", 2, 128, 3), config.vocab_size, "cuda")
+    loss = TrainingStep(model, tokens, build_context(doc_ids), targets)()
+    assert torch.isfinite(loss) and model.saved_graphs.summary()["compiled"] == 1

@@ -90,10 +90,11 @@ class MLAConfig:
     attn_impl: "sdpa" (scaled_dot_product_attention with a dense [B,1,T,T] same-document causal mask: the
     reference, and the CPU's path), "flex" (flex_attention over the batch's block mask, which skips the blocks no
     document reaches: 8 documents in a row of 4096 leave about 1/8 of the row's causal triangle), or "auto" (the
-    default): compiled flex on a GPU wherever FLEX_PROVEN lists the (device, dtype, compiled, gradients) configuration and
-    the batch has documents, with flex's own refusals (a compiled call needs the context's block mask and T a
-    multiple of FLEX_BLOCK) under torch.compile; sdpa in eager mode (flex's eager path is an unfused reference
-    implementation, slower than sdpa), on a CPU, in an unproven configuration (compiled fp32), and with no context
+    default): compiled flex on a GPU wherever FLEX_PROVEN lists the (device, dtype, compiled, gradients) configuration,
+    T is a multiple of FLEX_BLOCK and the batch has documents (a compiled call without the context's block mask is
+    refused, as flex's is); sdpa in eager mode (flex's eager path is an unfused reference
+    implementation, slower than sdpa), on a CPU, in an unproven configuration (compiled fp32, or T off the block
+    grid, where a compiled flex kernel once returned wrong numbers), and with no context
     (one causal document a row, where sdpa's causal kernel skips the upper triangle itself)."""
 
     d_model: int
@@ -412,7 +413,7 @@ class MultiLatentAttention(nn.Module):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
         impl = c.attn_impl
         if impl == "auto":  # compiled flex over the documents where a test proved it, else sdpa (MLAConfig.attn_impl)
-            proven = (q.device.type, q.dtype, compiling, grad) in FLEX_PROVEN
+            proven = (q.device.type, q.dtype, compiling, grad) in FLEX_PROVEN and q.shape[2] % FLEX_BLOCK == 0
             impl = "flex" if q.is_cuda and compiling and ctx is not None and proven else "sdpa"
         if impl == "flex":
             block_mask = ctx.block_mask if ctx is not None else None
