@@ -98,6 +98,9 @@ def test_scan_validation_names_the_field():
     q, k, v, f, W, h0 = (t.detach() for t in _inputs(1, 8, 1, 16, 16))
     with pytest.raises(ValueError, match=r"W must have shape \(1, 16, 16\)"):
         m2rnn_scan(q, k, v, f, W[:, :8], kernel="triton")
+    # doc_ids on the Triton kernel become a PackedContext (the cu_seqlens kernel's one path): bad ids fail there
+    with pytest.raises(ValueError, match="doc_ids go backwards at row 0, offset 4"):
+        m2rnn_scan(q, k, v, f, W, doc_ids=torch.tensor([[0, 0, 1, 1, 0, 0, 0, 0]], device=DEVICE), kernel="triton")
     with pytest.raises(ValueError, match="give only one of doc_ids, cu_seqlens and ctx"):
         m2rnn_scan(q, k, v, f, W, doc_ids=torch.zeros(1, 8, dtype=torch.long, device=DEVICE),
                    cu_seqlens=torch.tensor([0, 8], dtype=torch.int32, device=DEVICE))  # fmt: skip

