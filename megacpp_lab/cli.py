@@ -527,7 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
             "<out>/<device-slug>/profile/ a TensorBoard trace (*.pt.trace.json: open it with `tensorboard "
             "--logdir <that folder>` and the torch-tb-profiler plugin, or drop it on ui.perfetto.dev), a JSON "
             "summary (the top kernels, each block kind's share of the step, step times, tokens/s and MFU with "
-            "attention FLOPs per document (the row-triangle count beside it), and the compiled regions: count, graph breaks, recompiles, cold compile time per region) and a PNG.",
+            "attention FLOPs per document (the row-triangle count beside it), and the compiled regions: count, "
+            "graph breaks, recompiles, cold compile time per region) and a PNG.",
             "The defaults profile the base preset at B=4, T=4096 on a GPU; --small runs the tiny preset on a CPU.",
         ),
         **common,

@@ -195,8 +195,8 @@ T=4096, 8 documents of seeded-random lengths per row, bf16 under apply_mixed_pre
 M2RNN scans on their Triton kernels. Contenders: eager fwd+bwd (zero_grad, forward to the fused
 LM-head loss, backward), eager forward alone (no_grad), fwd+bwd + a fused AdamW step, and the
 per-batch build_context; median step time over 10 steps (CUDA events), tokens/s, TFLOP/s from
-HybridLM.flops_per_token (attention over each document's causal triangle), peak memory. One profiled fwd+bwd step gives each block kind's share of the
-step: every GPU kernel goes to the labelled module (block, Engram branch, final norm: forward or
+HybridLM.flops_per_token (attention over each document's causal triangle), peak memory. One profiled
+fwd+bwd step gives each block kind's share of the step: every GPU kernel goes to the labelled module (block, Engram branch, final norm: forward or
 backward; embedding, LM head: forward) that launched it, as a share of the unprofiled step. Sweep: B = 1, 2, 4, 8 at T=4096; T = 2048, 8192 at B*T fixed; 1 and
 64 documents per row; fwd+bwd and forward alone. Leak check: the small preset on real packed BPE rows
 (2 x 512 tokens of the committed sample), eager, bf16, Triton scans, with and without mHC, the n-gram
@@ -227,7 +227,8 @@ documents per row, bf16, Triton scans, built by parallelize. Contenders:
                                Triton kernels compiled; then batches of 1, 2, 3, 17 and 64 documents per
                                row with and without gradients (graphs added: recompiles); the timed steps,
                                MFU against 989 TFLOP/s (attention FLOPs per document; the old count over
-                               each row's whole causal triangle beside it as mfu_upper_bound); one profiled step; its Mega-Cache artifacts saved;
+                               each row's whole causal triangle beside it as mfu_upper_bound); one
+                               profiled step; its Mega-Cache artifacts saved;
                                then the eager step of the same weights and batch (the
                                baseline: 10 CUDA-event-timed steps after 3 of warm-up)
   regional warm                a new process on the caches the cold run left: it loads the saved graphs and
