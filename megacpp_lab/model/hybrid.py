@@ -293,11 +293,12 @@ class HybridLM(nn.Module):
 
     @property
     def needs_block_mask(self) -> bool:
-        """Whether an attention layer reads the batch's flex block mask: a DSA layer's flex path, or MLA's flex (attn_impl
-        'flex', or 'auto' on a GPU; MTP modules' blocks are A blocks)."""
-        c = self.config
-        flex_mla = c.mla.attn_impl == "flex" or (c.mla.attn_impl == "auto" and self.embed.weight.is_cuda)
-        return bool(c.dsa_layers and c.dsa.attn_impl != "reference") or ("A" in c.blocks + "A" * c.mtp_depth and flex_mla)
+        """Whether an attention layer (of the stack or an MTP module) reads the batch's flex block mask: the layers'
+        own rule, MultiLatentAttention.attends_through_flex (a DSA layer's flex path, attn_impl 'flex', or 'auto' on
+        a GPU)."""
+        device = self.embed.weight.device
+        return any(isinstance(b.mixer, MultiLatentAttention) and b.mixer.attends_through_flex(device)
+                   for b in self.all_blocks())
 
     def attention_context(self, ctx: PackedContext) -> PackedContext:
         """ctx with the flex block mask built (once per batch, here, outside the compiled blocks) when the model
