@@ -288,3 +288,18 @@ def test_cuda_auto_attention_runs_flex_over_documents_and_sdpa_elsewhere(grad: b
                                    atol=2e-2, rtol=2e-2)  # fmt: skip
         with pytest.raises(RuntimeError, match=REFUSED[True]):
             torch.compile(flex, fullgraph=True)(x_off, ctx=ctx_off)
+
+
+def test_needs_block_mask_sees_attention_through_wrapped_blocks() -> None:
+    """needs_block_mask asks every attention layer of the model, found among its modules: a block swapped for a
+    wrapper (bench profile's _Outside, a checkpoint wrapper) still answers, and a model without flex asks none."""
+    from megacpp_lab.bench.profile import _Outside
+    from megacpp_lab.model.config import hybrid_preset
+    from megacpp_lab.model.hybrid import HybridLM
+
+    for impl, wanted in (("flex", True), ("sdpa", False)):
+        model = HybridLM(hybrid_preset("tiny", mla=dict(attn_impl=impl), m2rnn=dict(kernel="reference")))
+        assert model.needs_block_mask is wanted
+        for i, block in enumerate(list(model.blocks)):
+            model.blocks[i] = _Outside(block)
+        assert model.needs_block_mask is wanted, impl

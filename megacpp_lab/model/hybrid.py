@@ -295,10 +295,9 @@ class HybridLM(nn.Module):
     def needs_block_mask(self) -> bool:
         """Whether an attention layer (of the stack or an MTP module) reads the batch's flex block mask: the layers'
         own rule, MultiLatentAttention.attends_through_flex (a DSA layer's flex path, attn_impl 'flex', or 'auto' on
-        a GPU)."""
+        a GPU). It walks modules(), not each block's mixer, so a wrapped block (bench profile's) still answers."""
         device = self.embed.weight.device
-        return any(isinstance(b.mixer, MultiLatentAttention) and b.mixer.attends_through_flex(device)
-                   for b in self.all_blocks())
+        return any(isinstance(m, MultiLatentAttention) and m.attends_through_flex(device) for m in self.modules())
 
     def attention_context(self, ctx: PackedContext) -> PackedContext:
         """ctx with the flex block mask built (once per batch, here, outside the compiled blocks) when the model
