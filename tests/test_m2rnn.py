@@ -73,6 +73,39 @@ def test_triton_matches_reference_varlen_cu_seqlens():
     _compare(dict(cu_seqlens=cu, chunk=4), dict(cu_seqlens=cu), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_k,z_mode", [(16, "scratch"), (16, "recompute"), (32, "recompute"), (0, "auto")])
+def test_every_launch_plan_matches_the_reference(block_k, z_mode):
+    """Each K-split (16 rows a program: fp32 partials summed; 32 = K: one program a pair) and either place for z
+    (kept in scratch, or recomputed in the reverse pass) computes the reference's y and every gradient."""
+    inputs = _inputs(2, 11, 2, 32, 16)
+    doc_ids = torch.tensor([[0] * 4 + [1] * 7, [0] * 2 + [1] * 2 + [2] * 7], device=DEVICE)
+    kw = dict(doc_ids=doc_ids, chunk=4, block_k=block_k, z_mode=z_mode)
+    _compare(kw, dict(doc_ids=doc_ids), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
+
+
+def test_launch_plan_rules_and_bad_plans_fail_closed():
+    """plan_block_k splits K only while there are fewer (range, head) pairs than SMs; plan_z_scratch recomputes
+    z once the two scratch buffers outgrow half of L2; an explicit plan is checked, naming the field."""
+    cpu = torch.device("cpu")  # one SM and an unbounded L2 under the interpreter
+    assert m2k.plan_block_k(1, 64, cpu) == 64 and m2k.plan_z_scratch(10**6, 64, 16, 16, cpu)
+    assert m2k.plan_block_k(1, 64, cpu, block_k=16) == 16
+    assert m2k.plan_z_scratch(1, 64, 16, 16, cpu, "recompute") is False
+    assert m2k.plan_warps(2, 16, 16) == 2 and m2k.plan_warps(2, 64, 32) == 8 and m2k.plan_warps(2, 16, 32) == 4
+    if ON_GPU:
+        sms, l2 = m2k._limits(torch.device("cuda"))
+        assert m2k.plan_block_k(sms, 64, torch.device("cuda")) == 64  # a pair per SM: no split
+        assert m2k.plan_block_k(max(1, sms // 4 - 1), 64, torch.device("cuda")) == 16
+        assert not m2k.plan_z_scratch(l2, 64, 16, 16, torch.device("cuda"))
+    for bad in (8, 24, 128):
+        with pytest.raises(ValueError, match=f"block_k must be a power of two >= 16 dividing K=64, got {bad}"):
+            m2k.plan_block_k(1, 64, cpu, block_k=bad)
+    q, k, v, f, W, _ = (t.detach() for t in _inputs(1, 8, 1, 16, 16))
+    with pytest.raises(ValueError, match="z_mode must be one of"):
+        m2rnn_scan(q, k, v, f, W, kernel="triton", z_mode="sometimes")
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 16 dividing K=16, got 32"):
+        m2rnn_scan(q, k, v, f, W, kernel="triton", block_k=32)
+
+
 def test_doc_resets_make_documents_independent():
     """Each document of a packed row gives what it gives alone, starting from h0."""
     q, k, v, f, W, h0 = (t.detach() for t in _inputs(1, 12, 1, 16, 16))
@@ -283,6 +316,8 @@ def test_triton_matches_reference_on_gpu_at_real_shapes(dtype):
     doc_ids[0, 333:] = 2
     tol = dict(fwd_tol=1e-4, grad_rtol=1e-4) if dtype == torch.float32 else dict(fwd_tol=0.06, grad_rtol=3e-2)
     _compare(dict(doc_ids=doc_ids), dict(doc_ids=doc_ids), inputs, **tol)
+    for block_k, z_mode in ((16, "scratch"), (64, "recompute"), (32, "scratch")):  # every launch plan, real shape
+        _compare(dict(doc_ids=doc_ids, block_k=block_k, z_mode=z_mode), dict(doc_ids=doc_ids), inputs, **tol)
 
 
 @pytest.mark.cuda

@@ -37,6 +37,9 @@ __all__ = [
     "m2rnn_scan_bwd",
     "m2rnn_scan_fwd",
     "m2rnn_scan_reference",
+    "plan_block_k",
+    "plan_warps",
+    "plan_z_scratch",
     "resolve_kernel",
 ]
 
@@ -190,10 +193,12 @@ def _m2rnn_bwd_kernel(
     dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
     H, n_rows, clip,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_H0: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr,
 ):  # fmt: skip
     # one program per (range, head, block of BK state rows): dq, dk, dh0 are row-local; dv, df and
-    # dW sum over rows, so each block writes fp32 partials [K/BK, ...] that the launcher adds up
+    # dW sum over rows, so each block writes fp32 partials [K/BK, ...] that the launcher adds up.
+    # Z_SCRATCH: the recompute pass stores z beside the previous state, or the reverse pass recomputes z
+    # from that state (one more MMA a step, off the dh chain; half the scratch traffic)
     p = tl.program_id(0)
     hd = tl.program_id(1)
     kb = tl.program_id(2)
@@ -232,17 +237,20 @@ def _m2rnn_bwd_kernel(
             h = tl.where(rt != 0, h0, h)
             z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :])
             tl.store(prev_ptr + scratch + (t - t0) * BK * V + local, h)
-            tl.store(z_ptr + scratch + (t - t0) * BK * V + local, z)
+            if Z_SCRATCH:
+                tl.store(z_ptr + scratch + (t - t0) * BK * V + local, z)
             h = ft * h + (1.0 - ft) * z
         # reverse over the chunk, next (earlier) step's inputs prefetched
         i = t1 - 1 - t0
         qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t1 - 1, hd, H, rk, rv, K, V)
         dyn = tl.load(dy_ptr + ((t1 - 1) * H + hd) * V + rv).to(tl.float32)
         hpn = tl.load(prev_ptr + scratch + i * BK * V + local)
-        zn = tl.load(z_ptr + scratch + i * BK * V + local)
+        zn = tl.load(z_ptr + scratch + i * BK * V + local) if Z_SCRATCH else hpn
         for tt in range(t0, t1):
             t = t1 - 1 - (tt - t0)
             qt, kt, vt, ft, rt, dyt, hp, z = qn, kn, vn, fn, rn, dyn, hpn, zn
+            if not Z_SCRATCH:
+                z = _tanh(_state_times_w(hp, W, PRECISION) + kt[:, None] * vt[None, :])
             tp = tl.maximum(t - 1, t0)
             ta = tl.maximum(t - L2_AHEAD, t0)
             _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, ta, hd, H, kb * BK, K, V)
@@ -250,7 +258,8 @@ def _m2rnn_bwd_kernel(
             qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
             dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
             hpn = tl.load(prev_ptr + scratch + (tp - t0) * BK * V + local)
-            zn = tl.load(z_ptr + scratch + (tp - t0) * BK * V + local)
+            if Z_SCRATCH:
+                zn = tl.load(z_ptr + scratch + (tp - t0) * BK * V + local)
             row = t * H + hd
             ht = ft * hp + (1.0 - ft) * z
             dh = dh + qt[:, None] * dyt[None, :]
@@ -277,11 +286,59 @@ def _m2rnn_bwd_kernel(
 
 # ----------------------------------------------------------------------------- launchers
 
-# num_warps per kernel and state-matmul precision, picked on an H100 (megacpp-lab bench m2rnn)
+# num_warps per kernel and state-matmul precision at 16 state rows a program, picked on an H100 (megacpp-lab
+# bench m2rnn at B=2 H=8: few (range, head) pairs, where splitting K four ways is what fills the GPU)
 FWD_WARPS = {"tf32": 2, "ieee": 4}
-FWD_BLOCK_K = {"tf32": 16, "ieee": 16}  # state rows per forward program (K-split when < K)
-BWD_WARPS = {"tf32": 2, "ieee": 2}  # with BWD_BLOCK_K: the H100 sweep's fastest
-BWD_BLOCK_K = {"tf32": 16, "ieee": 16}  # state rows per backward program
+BWD_WARPS = {"tf32": 2, "ieee": 2}
+MIN_BLOCK_K = 16  # the smallest K-split block (tl.dot's smallest M)
+MAX_WARPS = 8
+Z_MODES = ("auto", "scratch", "recompute")
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_limits(index: int) -> tuple[int, int]:
+    """(SM count, L2 bytes) of CUDA device `index`; on a CPU (the interpreter) one SM and no L2 to spill from."""
+    if index < 0:
+        return 1, 1 << 62
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.L2_cache_size
+
+
+def _limits(device: torch.device) -> tuple[int, int]:
+    return _gpu_limits(-1 if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device())
+
+
+def plan_block_k(pairs: int, K: int, device: torch.device, block_k: int = 0) -> int:
+    """State rows per program (block_k, when given, else the plan): one program runs one (range, head) pair's
+    BK rows, so a pair split K/BK ways fills an SM each when there are fewer pairs than SMs. With enough pairs
+    the split buys nothing and costs K/BK times the step's loads and an fp32 partial of y, dv and df each: the
+    largest BK that still gives every SM a program."""
+    if block_k:
+        if block_k < MIN_BLOCK_K or K % block_k or block_k & (block_k - 1):
+            raise ValueError(f"block_k must be a power of two >= {MIN_BLOCK_K} dividing K={K}, got {block_k}")
+        return block_k
+    sms, _ = _limits(device)
+    bk = K
+    while bk > MIN_BLOCK_K and pairs * (K // bk) < sms:
+        bk //= 2
+    return max(min(bk, K), min(MIN_BLOCK_K, K))
+
+
+def plan_warps(base: int, bk: int, V: int) -> int:
+    """num_warps for BK x V state blocks: the tuned count at 16 x 16 rows, scaled with the block's size."""
+    return max(1, min(MAX_WARPS, base * max(1, (bk * V) // (MIN_BLOCK_K * 16))))
+
+
+def plan_z_scratch(programs: int, chunk: int, bk: int, V: int, device: torch.device, z_mode: str = "auto") -> bool:
+    """Whether the backward keeps z in scratch beside the previous state (z_mode 'scratch') or recomputes it in the
+    reverse pass ('recompute'). 'auto' keeps it while both scratch buffers, written and read back a chunk later,
+    fit in half of L2: past that they go to DRAM, twice, and one more MMA a step is the cheaper side."""
+    if z_mode not in Z_MODES:
+        raise ValueError(f"z_mode must be one of {Z_MODES}, got {z_mode!r}")
+    if z_mode != "auto":
+        return z_mode == "scratch"
+    _, l2 = _limits(device)
+    return 2 * programs * chunk * bk * V * 4 <= l2 // 2
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -300,20 +357,23 @@ def _ckpt_layout(ranges: torch.Tensor, chunk: int, total: int) -> tuple[torch.Te
 @torch.library.custom_op("megacpp::m2rnn_scan_fwd", mutates_args=())
 def m2rnn_scan_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
-    ranges: torch.Tensor, reset: torch.Tensor, chunk: int, save: bool, clip: float,
+    ranges: torch.Tensor, reset: torch.Tensor, chunk: int, save: bool, clip: float, block_k: int = 0,
+    z_mode: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,S,H,V] and the every-`chunk`-steps state checkpoints (empty unless save).
 
     h0 [P,H,K,V] fp32, or None: every range starts from zeros, made inside the kernel. (A zeros h0 made by
     the caller would be a [P,...] tensor in the compiled graph, P the number of documents: its contiguity
     check guards P != 1, and a batch of one document recompiled the graph.)
-    clip is only carried to the backward (gradient clipping of the state)."""
+    clip and z_mode are only carried to the backward (gradient clipping of the state; where z is kept).
+    block_k: state rows per program, 0 = plan_block_k's choice (P is concrete here, inside the op, also under
+    torch.compile: the plan follows the batch's documents without a recompile)."""
     B, S, H, K = q.shape
     V = v.shape[-1]
     P = ranges.numel() - 1
     precision = _precision(q.dtype)
-    bk, warps = FWD_BLOCK_K[precision], FWD_WARPS[precision]
-    bk = min(bk, K)
+    bk = plan_block_k(P * H, K, q.device, block_k)
+    warps = plan_warps(FWD_WARPS[precision], bk, V)
     y = torch.empty_like(v) if bk == K else torch.empty((K // bk, B * S * H, V), device=q.device, dtype=torch.float32)
     offsets, slots = _ckpt_layout(ranges, chunk, B * S)
     ckpt = torch.empty((slots if save else 0, H, K, V), device=q.device, dtype=torch.float32)
@@ -328,7 +388,7 @@ def m2rnn_scan_fwd(
 
 
 @m2rnn_scan_fwd.register_fake
-def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip):
+def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k=0, z_mode="auto"):
     B, S, H, K = q.shape
     slots = B * S // chunk + ranges.shape[0] - 1
     return torch.empty_like(v), q.new_empty((slots if save else 0, H, K, v.shape[-1]), dtype=torch.float32)
@@ -338,6 +398,7 @@ def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip):
 def m2rnn_scan_bwd(
     dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor,
     h0: torch.Tensor | None, ranges: torch.Tensor, reset: torch.Tensor, ckpt: torch.Tensor, chunk: int, clip: float,
+    block_k: int = 0, z_mode: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients for q, k, v, f, W and h0. With h0=None (zeros, the forward's) the last is an empty
     [0,H,K,V] tensor: no [P,...] tensor enters the backward graph either."""
@@ -346,19 +407,22 @@ def m2rnn_scan_bwd(
     P = ranges.numel() - 1
     offsets, _ = _ckpt_layout(ranges, chunk, B * S)
     precision = _precision(q.dtype)
-    bk, warps = min(BWD_BLOCK_K[precision], K), BWD_WARPS[precision]
+    bk = plan_block_k(P * H, K, q.device, block_k)
+    warps = plan_warps(BWD_WARPS[precision], bk, V)
     nkb, n_rows = K // bk, B * S * H
+    z_scratch = plan_z_scratch(P * H * nkb, chunk, bk, V, q.device, z_mode)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dv = torch.empty_like(v) if nkb == 1 else torch.empty((nkb, n_rows, V), device=q.device, dtype=torch.float32)
     df = torch.empty((nkb, n_rows), device=f.device, dtype=torch.float32)
     dW = torch.empty((P, H, nkb, V, V), device=q.device, dtype=torch.float32)
     dh0 = torch.empty((0 if h0 is None else P, H, K, V), device=q.device, dtype=torch.float32)
     prev = torch.empty((P * H * nkb * chunk, bk, V), device=q.device, dtype=torch.float32)
-    zbuf = torch.empty_like(prev)
+    zbuf = torch.empty_like(prev) if z_scratch else prev  # recomputed: a placeholder pointer, never read
     _m2rnn_bwd_kernel[(P, H, nkb)](
         q, k, v, f, W, W if h0 is None else h0, ranges, reset, offsets, ckpt, dy.contiguous(),
         dq, dk, dv, df, dW, dh0, prev, zbuf, H, n_rows, float(clip),
-        K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision, HAS_H0=h0 is not None, num_warps=warps,
+        K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision, HAS_H0=h0 is not None,
+        Z_SCRATCH=z_scratch, num_warps=warps,
     )  # fmt: skip
     if nkb > 1:
         dv = dv.sum(0).view(v.shape).to(v.dtype)
@@ -366,25 +430,25 @@ def m2rnn_scan_bwd(
 
 
 @m2rnn_scan_bwd.register_fake
-def _(dy, q, k, v, f, W, h0, ranges, reset, ckpt, chunk, clip):
+def _(dy, q, k, v, f, W, h0, ranges, reset, ckpt, chunk, clip, block_k=0, z_mode="auto"):
     dh0 = q.new_empty((0, *q.shape[2:], v.shape[-1]), dtype=torch.float32) if h0 is None else torch.empty_like(h0)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
             torch.empty_like(W), dh0)  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, f, W, h0, ranges, reset, chunk, save, clip = inputs
+    q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k, z_mode = inputs
     ctx.save_for_backward(q, k, v, f, W, h0, ranges, reset, output[1])
-    ctx.chunk = chunk
-    ctx.clip = clip
+    ctx.chunk, ctx.clip, ctx.block_k, ctx.z_mode = chunk, clip, block_k, z_mode
 
 
 def _backward(ctx, dy, _dckpt):
     q, k, v, f, W, h0, ranges, reset, ckpt = ctx.saved_tensors
     if ckpt.numel() == 0:
         raise RuntimeError("m2rnn_scan_fwd ran with save=False; its output cannot be differentiated")
-    dq, dk, dv, df, dW, dh0 = m2rnn_scan_bwd(dy, q, k, v, f, W, h0, ranges, reset, ckpt, ctx.chunk, ctx.clip)
-    return dq, dk, dv, df, dW, None if h0 is None else dh0, None, None, None, None, None
+    dq, dk, dv, df, dW, dh0 = m2rnn_scan_bwd(dy, q, k, v, f, W, h0, ranges, reset, ckpt, ctx.chunk, ctx.clip,
+                                             ctx.block_k, ctx.z_mode)  # fmt: skip
+    return dq, dk, dv, df, dW, None if h0 is None else dh0, None, None, None, None, None, None, None
 
 
 m2rnn_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -448,6 +512,8 @@ def m2rnn_scan(
     chunk: int = 64,
     grad_clip: float = 0.0,
     kernel: str = "auto",
+    block_k: int = 0,
+    z_mode: str = "auto",
 ) -> torch.Tensor:
     """The M2RNN recurrence over [B,S,H,*] inputs; returns y [B,S,H,V] in q's dtype.
 
@@ -458,6 +524,10 @@ def m2rnn_scan(
     sequence; checked here, varlen.check_cu_seqlens), or ctx, the batch's PackedContext (the rows are
     flattened and scanned one program per document, from its cu_seqlens, validated when it was built;
     h0 is [N,H,K,V]), or none (each row is one document). h0=None means zeros.
+
+    block_k and z_mode are the Triton kernel's launch plan, for benchmarks and tests: state rows per program
+    (0: plan_block_k's choice from the documents, heads and the GPU's SMs) and where the backward keeps z
+    (plan_z_scratch). Every plan computes the same recurrence.
     """
     if q.dim() != 4:
         raise ValueError(f"q must be [B,S,H,K], got shape {tuple(q.shape)}")
@@ -474,6 +544,10 @@ def m2rnn_scan(
         raise ValueError("give only one of doc_ids, cu_seqlens and ctx")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if z_mode not in Z_MODES:
+        raise ValueError(f"z_mode must be one of {Z_MODES}, got {z_mode!r}")
+    if block_k:
+        plan_block_k(1, K, q.device, block_k)  # checked here, before any kernel
     if doc_ids is not None and resolve_kernel(kernel, q.device) != "reference":
         # one path for documents: the rows' documents become a context (built and checked here, a host sync), so
         # the kernel runs one program per document as with cu_seqlens, where one program per row walked every
@@ -496,7 +570,7 @@ def m2rnn_scan(
         N = B * S
         y = _scan(q.reshape(1, N, H, K), k.reshape(1, N, H, K), v.reshape(1, N, H, V), f.reshape(1, N, H), W, h0,
                   ctx.cu_seqlens, ctx.starts.reshape(1, N), ctx.seq_index.view(1, N), chunk, grad_clip,
-                  kernel)  # fmt: skip
+                  kernel, block_k, z_mode)  # fmt: skip
         return y.view(B, S, H, V)
     dev = q.device
     if cu_seqlens is not None:
@@ -520,12 +594,12 @@ def m2rnn_scan(
             reset2d = torch.zeros((B, S), dtype=torch.bool, device=dev)
             reset2d[:, 0] = True
         h0_index = torch.arange(B, device=dev).view(B, 1).expand(B, S)
-    return _scan(q, k, v, f, W, h0, ranges, reset2d, h0_index, chunk, grad_clip, kernel)
+    return _scan(q, k, v, f, W, h0, ranges, reset2d, h0_index, chunk, grad_clip, kernel, block_k, z_mode)
 
 
 def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
           ranges: torch.Tensor, reset2d: torch.Tensor, h0_index: torch.Tensor, chunk: int, grad_clip: float,
-          kernel: str) -> torch.Tensor:  # fmt: skip
+          kernel: str, block_k: int = 0, z_mode: str = "auto") -> torch.Tensor:  # fmt: skip
     """The scan over sequences [ranges[i], ranges[i+1]) of the flattened tokens, resetting at reset2d."""
     B, S, H, K = q.shape
     V = v.shape[-1]
@@ -553,5 +627,6 @@ def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W:
     y, _ = m2rnn_scan_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), f.contiguous(), W.contiguous(),
         None if h0 is None else h0.float().contiguous(), ranges, reset, chunk, needs_grad, float(grad_clip),
+        block_k, z_mode,
     )  # fmt: skip
     return y
