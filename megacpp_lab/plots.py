@@ -54,6 +54,39 @@ def plot_sweep(
 LABEL_X = 1.03  # axes fraction of the label column's left edge (right of the axes)
 
 
+def plot_grid(receipt: dict[str, Any], metric: str = "ms", *, ax: Any = None, title: str | None = None) -> Any:
+    """Grouped horizontal bars: one group per grid point (rows carry a `point` label), one bar per contender, with
+    the p20-p80 spread as error bars where the rows hold `<metric>_p20` / `<metric>_p80`."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in receipt["results"] if "point" in r and metric in r]
+    if not rows:
+        raise ValueError(f"receipt {receipt['name']!r} has no grid rows with metric {metric!r}")
+    points = list(dict.fromkeys(r["point"] for r in rows))
+    names = list(dict.fromkeys(r["contender"] for r in rows))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.3 * len(points) * len(names) + 1.5))
+    height = 0.8 / len(names)
+    for j, name in enumerate(names):
+        ys, vals, lo, hi = [], [], [], []
+        for i, point in enumerate(points):
+            row = next((r for r in rows if r["point"] == point and r["contender"] == name), None)
+            if row is None:
+                continue
+            ys.append(i + j * height)
+            vals.append(row[metric])
+            lo.append(row[metric] - row.get(f"{metric}_p20", row[metric]))
+            hi.append(row.get(f"{metric}_p80", row[metric]) - row[metric])
+        ax.barh(ys, vals, height=height, xerr=[lo, hi], capsize=2, label=name)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(points))], points, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{metric} (log)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(title or f"{receipt['name']} ({receipt['dtype']})\n{receipt['device']}", fontsize=9)
+    return ax
+
+
 def segments_cross(p1: tuple[float, float], p2: tuple[float, float], q1: tuple[float, float], q2: tuple[float, float]) -> bool:
     """Whether segments p1-p2 and q1-q2 cross at a point inside both (touching ends do not count)."""
 

@@ -47,6 +47,30 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 3, rep: int = 20, device:
     return statistics.median(samples)
 
 
+def time_spread_ms(fn: Callable[[], object], *, warmup: int = 3, rep: int = 20,
+                   device: torch.device | str | None = None) -> dict[str, float]:  # fmt: skip
+    """{"ms": median, "ms_p20", "ms_p80"} of fn() after warm-up: time_ms's measurement with its spread (do_bench's
+    quantiles on a GPU, L2 flushed between runs; perf_counter samples on a CPU)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if warmup < 0 or rep < 1:
+        raise ValueError(f"warmup must be >= 0 and rep >= 1, got warmup={warmup}, rep={rep}")
+    for _ in range(warmup):
+        fn()
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+
+        torch.cuda.synchronize(dev)
+        p20, med, p80 = do_bench(fn, warmup=25, rep=max(rep * 5, 100), quantiles=[0.2, 0.5, 0.8])
+        return {"ms": float(med), "ms_p20": float(p20), "ms_p80": float(p80)}
+    samples = []
+    for _ in range(rep):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    qs = statistics.quantiles(samples, n=5, method="inclusive") if len(samples) > 1 else [samples[0]] * 4
+    return {"ms": statistics.median(samples), "ms_p20": qs[0], "ms_p80": qs[3]}
+
+
 def kernel_ms(fn: Callable[[], object], *, calls: int = 5) -> float:
     """The GPU kernels' time of one call of fn in ms: the durations of every kernel, memcpy and memset the profiler
     records over `calls` calls (after one untimed call), summed and divided by `calls`; no host time. Beside a

@@ -331,3 +331,45 @@ def test_layer_on_gpu_bf16_leak_free_and_compiles_without_breaks():
     ctx = build_context(doc_ids)
     compiled = torch.compile(layer, fullgraph=True)
     assert torch.allclose(compiled(x, ctx=ctx).float(), layer(x, ctx=ctx).float(), atol=5e-2)
+
+
+# ------------------------------------------------------------------ the benchmark's peer adapter
+
+
+def test_xma_adapter_computes_the_labs_recurrence_with_and_without_documents():
+    """bench m2rnn's call of XMA (its argument order, its varlen layout over cu_seqlens) gives the lab's reference
+    y on the same inputs: run here on XMA's torch backend (its Triton one needs a GPU), so the grid times the
+    same recurrence on both sides. Skipped where no XMA checkout is found."""
+    import importlib
+
+    from megacpp_lab.bench import peer_checkout
+    from megacpp_lab.bench.m2rnn import XMA_ENV, xma_call
+    from megacpp_lab.varlen import doc_ids_from_cu_seqlens, packed_cu_seqlens
+
+    where = peer_checkout(XMA_ENV, "xma", "xma/layers/m2rnn")
+    if where is None:
+        pytest.skip("no XMA checkout (../shared/peers/xma or $MEGACPP_XMA_PEER)")
+    sys.path.insert(0, str(where))
+    try:
+        xma = importlib.import_module("xma")
+        m2rnn = importlib.import_module("xma.layers.m2rnn").m2rnn
+    finally:
+        sys.path.remove(str(where))
+    def torch_backend(q, k, v, W, f, cu_seqlens=None, max_seqlen=None):
+        """XMA's torch backend; it has no varlen mode, so its documented one (T,N,* over cu_seqlens) runs it on
+        each document as a batch of one, concatenated: the contract the Triton backend implements."""
+        run = lambda *a: m2rnn(*a, kernel_backend=xma.KernelBackend.torch)
+        if cu_seqlens is None:
+            return run(q, k, v, W, f)
+        assert q.dim() == 3 and max_seqlen == int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        bounds = cu_seqlens.tolist()
+        ys = [run(*(t[None, a:b] for t in (q, k, v)), W, f[None, a:b])[0][0] for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(ys), None
+
+    q, k, v, f, W, _ = (t.detach().cpu() for t in _inputs(2, 10, 2, 16, 16, device="cpu"))
+    for docs in (1, 3):
+        cu = packed_cu_seqlens(2, 10, docs, torch.Generator().manual_seed(docs))
+        ctx = build_context(doc_ids_from_cu_seqlens(cu, 2, 10))
+        ref = m2rnn_scan(q, k, v, f, W, ctx=ctx, kernel="reference")
+        got = xma_call(torch_backend, None if docs == 1 else cu)(q, k, v, f, W)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

@@ -233,6 +233,21 @@ def test_time_ms_and_profile_trace(tmp_path):
     assert summary == sorted(summary, key=lambda r: -r["total_us"])
 
 
+def test_time_spread_brackets_the_median_of_calls_that_differ():
+    """time_spread_ms: median with p20 <= median <= p80, over calls whose times really differ (every third sleeps
+    5 ms), and the same argument checks as time_ms."""
+    import time as _time
+
+    from megacpp_lab.profiling import time_spread_ms
+
+    calls = iter(range(10**6))
+    out = time_spread_ms(lambda: _time.sleep(0.005 if next(calls) % 3 == 0 else 0.0), warmup=0, rep=9, device="cpu")
+    assert set(out) == {"ms", "ms_p20", "ms_p80"}
+    assert out["ms_p20"] <= out["ms"] <= out["ms_p80"] and out["ms_p80"] >= 4.0 > out["ms"], out
+    with pytest.raises(ValueError, match="warmup must be >= 0 and rep >= 1"):
+        time_spread_ms(lambda: None, rep=0, device="cpu")
+
+
 def test_plots_of_a_receipt_are_saved(tmp_path):
     from megacpp_lab.plots import plot_contenders, save_figure
 

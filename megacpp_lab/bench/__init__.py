@@ -69,18 +69,28 @@ length, took 48 s).""",
         BenchCommand(
             "m2rnn",
             "megacpp_lab.bench.m2rnn",
-            "M2RNN scan: Triton kernel vs the reference step loop",
+            "M2RNN scan: Triton kernel vs the reference step loop and XMA",
             """\
-M2RNN recurrence (m2rnn_scan): the Triton scan against the reference step loop, same inputs.
+M2RNN recurrence (m2rnn_scan): the Triton scan against the reference step loop, same inputs; then
+against XMA's m2rnn over a shape grid.
 
 Shape: B=2, S=4096, H=8, K=64, V=16, bf16; speed curve over S = 512 ... 16384 (the reference loop
 up to 2048). Contenders: the Triton scan storing its fp32 state every 1, 16, 64 (the default,
 'triton') and 256 steps, and the reference loop; forward and forward+backward time, peak memory,
 output error and per-input gradient error against the fp32 reference loop.
+Peer grid: seven shapes, many heads over short rows (B=16 S=1024 H=32 K=64 with V = 16, 32, 64; B=8
+S=512 H=64), few heads over long packed rows (B=4 S=8192 H=4, 16 documents a row), the main shape and
+the base model's R block (B=4 S=4096 H=16, 8 documents a row). Contenders at each: the lab's scan over
+the batch's PackedContext under its launch plan ('triton') and two fixed plans, and XMA's m2rnn on
+its Triton backend (open-lm-engine/accelerated-model-architectures, found through
+$MEGACPP_XMA_PEER, ../shared/peers/xma or .peers/xma; recorded as missing without a GPU or a
+checkout); time with its p20-p80 spread, peak memory, errors against the fp32 reference loop. The
+bar: 'triton' forward+backward at most 1.0x XMA's at every point.
 Receipts under <out>/<device-slug>/m2rnn/: m2rnn_fwd_bwd.json/.png, m2rnn_seq_sweep.json/.png,
-m2rnn_triton.*.pt.trace.json.
-Run time on an H100: under a minute; the reference loop dominates (about 5 s per forward+backward at
-the main shape in the committed receipt, timed twice; the S sweep took 12 s).""",
+m2rnn_peer_grid.json/.png, m2rnn_triton.*.pt.trace.json.
+Run time on an H100: under a minute for the first two receipts, the reference loop dominating; the
+grid is not timed on a GPU yet (its reference loops run at every point, and XMA autotunes 24
+configurations per kernel on its first call at each V).""",
             triton_on_cpu=True,
         ),
         BenchCommand(
@@ -428,6 +438,15 @@ def require_triton_interpreter(name: str) -> None:
             "imported without TRITON_INTERPRET=1; run it as `megacpp-lab bench ... --small`, which sets it up, "
             "or set TRITON_INTERPRET=1 before importing megacpp_lab"
         )
+
+
+def peer_checkout(env: str, folder: str, marker: str) -> Path | None:
+    """A benchmark peer's checkout: the folder named by $env, else ../shared/peers/<folder> beside the repository,
+    else .peers/<folder> inside it (a copy carried to a GPU box); the first that holds `marker` (a path inside
+    it), or None. Peers are contenders, never dependencies: the library imports none of them."""
+    root = Path(__file__).resolve().parents[2]
+    candidates = [os.environ.get(env), root.parent / "shared" / "peers" / folder, root / ".peers" / folder]
+    return next((Path(c) for c in candidates if c and (Path(c) / marker).exists()), None)
 
 
 def output_root(out: str | Path | None, small: bool) -> Path:

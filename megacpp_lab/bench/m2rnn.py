@@ -1,4 +1,4 @@
-"""M2RNN benchmark: Triton scan vs the reference step loop, one run, one receipt.
+"""M2RNN benchmark: Triton scan vs the reference step loop, and vs XMA over a shape grid, one run.
 
 What it measures and writes, and how long it takes: `megacpp-lab bench m2rnn --help`
 (megacpp_lab.bench.COMMANDS["m2rnn"]).
@@ -6,19 +6,26 @@ What it measures and writes, and how long it takes: `megacpp-lab bench m2rnn --h
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from megacpp_lab.bench import bench_device, output_root, require_triton_interpreter
+from megacpp_lab.bench import bench_device, output_root, peer_checkout, require_triton_interpreter
 from megacpp_lab.kernels.m2rnn import m2rnn_scan
-from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
+from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms, time_spread_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
+from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
 BAR = {"ms": 7.0, "fwd_ms": 1.7, "max_abs_err": 0.06, "peak_mib": 150.0}
+PEER_BAR = 1.0  # the lab's forward+backward over XMA's, at most, at every grid point
+XMA_ENV = "MEGACPP_XMA_PEER"  # a checkout of accelerated-model-architectures (../shared/peers/xma)
+XMA = "xma m2rnn"
+XMA_SOURCE = "open-lm-engine/accelerated-model-architectures at 384ed0a7 (Apache-2.0)"
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,33 @@ class M2RNNShape:
 
 FULL_SHAPE = M2RNNShape(B=2, S=4096, H=8, K=64, V=16)
 SMALL_SHAPE = M2RNNShape(B=1, S=32, H=2, K=16, V=16)
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One shape of the peer grid: docs documents of seeded-random lengths in each row."""
+
+    shape: M2RNNShape
+    docs: int = 1
+
+    @property
+    def label(self) -> str:
+        s = self.shape
+        return f"B={s.B} S={s.S} H={s.H} K={s.K} V={s.V}" + (f", {self.docs} docs" if self.docs > 1 else "")
+
+
+# many heads over short rows (H >= 32, S <= 1024, V of 16, 32 and 64), few heads over long packed rows, the
+# lab's main shape and the base model's R block (B=4 T=4096, 16 heads of 64 x 16, 8 documents a row)
+PEER_GRID = (
+    GridPoint(M2RNNShape(16, 1024, 32, 64, 16)),
+    GridPoint(M2RNNShape(16, 1024, 32, 64, 32)),
+    GridPoint(M2RNNShape(16, 1024, 32, 64, 64)),
+    GridPoint(M2RNNShape(8, 512, 64, 64, 32), docs=2),
+    GridPoint(M2RNNShape(4, 8192, 4, 64, 32), docs=16),
+    GridPoint(FULL_SHAPE),
+    GridPoint(M2RNNShape(4, 4096, 16, 64, 16), docs=8),
+)
+SMALL_GRID = (GridPoint(M2RNNShape(2, 12, 4, 32, 16)), GridPoint(M2RNNShape(1, 16, 2, 32, 32), docs=3))
 # A --small run is a smoke test under the Triton interpreter, where one scan takes seconds: one timed call each.
 SMALL_CHUNKS, SMALL_SEQ_LENS, SMALL_REP = (8, 64), (16, 32), 1
 
@@ -39,7 +73,7 @@ SMALL_CHUNKS, SMALL_SEQ_LENS, SMALL_REP = (8, 64), (16, 32), 1
 def make_inputs(shape: M2RNNShape, dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
     """q, k, v, f, W with the scales the layer produces (q, k / sqrt(K); f near 0.9; W as initialised)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    B, S, H, K, V = asdict(shape).values()
+    B, S, H, K, V = shape.B, shape.S, shape.H, shape.K, shape.V
     rnd = lambda *s: torch.randn(*s, generator=g, device=device)
     q = (rnd(B, S, H, K) / K**0.5).to(dtype)
     k = (rnd(B, S, H, K) / K**0.5).to(dtype)
@@ -144,11 +178,127 @@ def bench_m2rnn_sweep(shape: M2RNNShape = FULL_SHAPE, seq_lens: tuple[int, ...] 
                         results=results, device=device)  # fmt: skip
 
 
+def find_xma(device: str) -> tuple[Callable[..., Any] | None, str | None]:
+    """(a call of XMA's m2rnn on its Triton backend, None), or (None, why not): the checkout named by
+    $MEGACPP_XMA_PEER, else ../shared/peers/xma, else .peers/xma (a copy carried to a GPU box). XMA's Triton
+    backend asserts a CUDA device, so on a CPU it is recorded as missing, never timed on another backend."""
+    where = peer_checkout(XMA_ENV, "xma", "xma/layers/m2rnn")
+    if where is None:
+        return None, f"not found (set {XMA_ENV} to a checkout of accelerated-model-architectures)"
+    if device != "cuda":
+        return None, "needs CUDA: its Triton backend asserts a GPU"
+    if str(where) not in sys.path:
+        sys.path.insert(0, str(where))
+    try:
+        m2rnn = importlib.import_module("xma.layers.m2rnn").m2rnn
+        backend = importlib.import_module("xma").KernelBackend.triton
+    except Exception as exc:  # noqa: BLE001  (a peer that cannot import is recorded, never faked)
+        return None, f"import failed: {type(exc).__name__}: {exc}"
+    return lambda *a, **kw: m2rnn(*a, **kw, kernel_backend=backend), None
+
+
+def xma_call(m2rnn: Callable[..., Any], cu_seqlens: torch.Tensor | None) -> Callable[..., torch.Tensor]:
+    """The peer on the lab's inputs (q, k, v, f, W): without documents its [B,S,N,*] layout; with them the
+    batch flattened to [B*S,N,*] over cu_seqlens (its varlen layout), y given back as [B,S,N,V]."""
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        if cu_seqlens is None:
+            return m2rnn(q, k, v, W, f)[0]
+        B, S, H, K = q.shape
+        flat = lambda t: t.reshape(B * S, *t.shape[2:])
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        y = m2rnn(flat(q), flat(k), flat(v), W, flat(f), cu_seqlens=cu_seqlens, max_seqlen=max_len)[0]
+        return y.view(B, S, H, v.shape[-1])
+
+    return call
+
+
+def lab_plans(K: int) -> dict[str, tuple[int, str]]:
+    """The lab's contenders: its launch plan ('triton') and two fixed plans beside it (kernels.m2rnn.plan_block_k,
+    plan_z_scratch), so the receipt shows what the plan chose against what it could have."""
+    return {"triton": (0, "auto"), "triton (16 rows a program, z in scratch)": (16, "scratch"),
+            f"triton ({K} rows a program, z recomputed)": (K, "recompute")}  # fmt: skip
+
+
+def _errors(y: torch.Tensor, grads: tuple[torch.Tensor, ...], y_ref: torch.Tensor,
+            grads_ref: tuple[torch.Tensor, ...]) -> dict[str, Any]:  # fmt: skip
+    return {"max_abs_err": float((y.detach().float() - y_ref).abs().max()),
+            "grad_rel_err": {n: float((a.float() - b).norm() / b.norm().clamp_min(1e-30))
+                             for n, a, b in zip(("q", "k", "v", "f", "W"), grads, grads_ref)}}  # fmt: skip
+
+
+def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.dtype = torch.bfloat16,
+                      device: str = "cuda", rep: int = 10, progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """At each grid point, same inputs: the lab's scan as the model calls it (the batch's PackedContext) under its
+    launch plan and two fixed plans, and XMA's m2rnn; forward and forward+backward time with their spread, peak
+    memory, and each one's y and gradient error against the fp32 reference loop."""
+    from tqdm.auto import tqdm
+
+    xma, missing = find_xma(device)
+    results: list[dict[str, Any]] = []
+    ratios: dict[str, float] = {}
+    bar = tqdm(total=len(grid), desc="m2rnn vs xma grid", disable=not progress)
+    for i, point in enumerate(grid):
+        s = point.shape
+        inputs = make_inputs(s, dtype, device, seed=i)
+        grad = torch.randn_like(inputs[2])
+        cu = packed_cu_seqlens(s.B, s.S, point.docs, torch.Generator().manual_seed(i))
+        ctx = build_context(doc_ids_from_cu_seqlens(cu, s.B, s.S).to(device))
+        ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+        y_ref = m2rnn_scan(*ref_inputs, ctx=ctx, kernel="reference")
+        grads_ref = torch.autograd.grad(y_ref, ref_inputs, grad.float())
+        y_ref = y_ref.detach()
+        calls: dict[str, Callable[..., torch.Tensor]] = {
+            name: (lambda *a, bk=bk, zm=zm: m2rnn_scan(*a, ctx=ctx, kernel="triton", block_k=bk, z_mode=zm))
+            for name, (bk, zm) in lab_plans(s.K).items()
+        }  # fmt: skip
+        if xma is not None:
+            calls[XMA] = xma_call(xma, None if point.docs == 1 else cu.to(device))
+        for name, call in calls.items():
+            def fwd(call=call) -> torch.Tensor:
+                with torch.no_grad():
+                    return call(*inputs)
+
+            def fwd_bwd(call=call) -> None:
+                torch.autograd.grad(call(*inputs), inputs, grad)
+
+            row: dict[str, Any] = {"contender": name, "point": point.label, "docs": point.docs, "shape": asdict(s)}
+            y = call(*inputs)
+            row.update(_errors(y, torch.autograd.grad(y, inputs, grad), y_ref, grads_ref))
+            del y
+            warmup = 0 if rep == 1 else 2  # a single-call smoke run: the error pass above was its warm-up
+            row.update(time_spread_ms(fwd_bwd, warmup=warmup, rep=rep, device=device))
+            row.update({f"fwd_{k}": v for k, v in time_spread_ms(fwd, warmup=warmup, rep=rep, device=device).items()})
+            if device == "cuda":
+                row["peak_mib"] = peak_extra_mib(fwd_bwd)
+            results.append(row)
+        if xma is not None:
+            lab_ms = next(r["ms"] for r in results if r["point"] == point.label and r["contender"] == "triton")
+            ratios[point.label] = lab_ms / next(r["ms"] for r in results if r["point"] == point.label and r["contender"] == XMA)
+        del inputs, ref_inputs, grads_ref, y_ref
+        bar.update()
+    bar.close()
+    text = f"'triton' forward+backward <= {PEER_BAR:.1f}x {XMA}'s at every one of the {len(grid)} grid points"
+    summary = {"lab_over_xma": ratios, "worst_lab_over_xma": max(ratios.values()) if ratios else None,
+               "xma": missing or "measured", "bar": {text: bool(ratios) and max(ratios.values()) <= PEER_BAR}}  # fmt: skip
+    return make_receipt(
+        "m2rnn_peer_grid", "m2rnn", shape={"grid": [p.label for p in grid]}, dtype=dtype, results=results,
+        device=device, summary=summary, peers={XMA: XMA_SOURCE},
+        notes=(
+            "every contender on the same inputs at each point; 'triton' is the lab's scan as the model calls it "
+            "(the batch's PackedContext: one program per document) under its launch plan, the two other triton rows "
+            "fixed plans; xma m2rnn on its Triton backend (autotuned on the first call, in the warm-up), in its "
+            "[B,S,N,*] layout for one document a row and its varlen layout over cu_seqlens for more; ms / fwd_ms are "
+            "do_bench medians with p20 / p80; max_abs_err / grad_rel_err against the fp32 reference loop (the lab's "
+            "state is fp32; XMA's is in the input dtype); peak_mib = peak extra memory of one forward+backward"
+        ),
+    )  # fmt: skip
+
+
 def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool = True) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    from megacpp_lab.plots import plot_contenders, plot_sweep, save_figure
+    from megacpp_lab.plots import plot_contenders, plot_grid, plot_sweep, save_figure
 
     device = bench_device("m2rnn", small)
     if device == "cpu":
@@ -168,6 +318,9 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
                               rep=SMALL_REP if small else 10)  # fmt: skip
     written.append(write_receipt(sweep, root))
     written.append(save_figure(plot_sweep(sweep, "S", "ms"), written[-1].with_suffix(".png")))
+    grid = bench_m2rnn_peers(SMALL_GRID if small else PEER_GRID, dtype=dtype, device=device, rep=SMALL_REP if small else 10)
+    written.append(write_receipt(grid, root))
+    written.append(save_figure(plot_grid(grid, "ms"), written[-1].with_suffix(".png")))
     if trace:
         inputs = make_inputs(shape, dtype, device)
         grad = torch.randn_like(inputs[2])

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megacpp_lab.bench import peer_checkout
 from megacpp_lab.bench.harness import measure_fwd_bwd, timed_call
 from megacpp_lab.kernels import mamba3 as m3_kernels
 from megacpp_lab.kernels.mamba3 import mamba3_scan
@@ -99,9 +100,7 @@ def make_inputs(s: Mamba3Shape, dtype: torch.dtype, device: str, *, rank: int = 
 def find_peer() -> tuple[Callable[..., Any] | None, str | None]:
     """(mamba3_siso_combined, None), or (None, why not): the checkout named by $MEGACPP_MAMBA3_PEER, else
     ../shared/peers/mamba3 beside the repository, else .peers/mamba3 inside it (a copy carried to a GPU box)."""
-    root = Path(__file__).resolve().parents[2]
-    candidates = [os.environ.get(PEER_ENV), root.parent / "shared" / "peers" / "mamba3", root / ".peers" / "mamba3"]
-    where = next((Path(c) for c in candidates if c and (Path(c) / "mamba_ssm").is_dir()), None)
+    where = peer_checkout(PEER_ENV, "mamba3", "mamba_ssm")
     if where is None:
         return None, f"not found (set {PEER_ENV} to a mamba_ssm checkout with ops/triton/mamba3)"
     if str(where) not in sys.path:
