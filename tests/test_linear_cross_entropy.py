@@ -162,19 +162,51 @@ def test_filtered_block_sparse_path_matches_its_eager_twin(chunk: int) -> None:
     t[::37] = 650  # a few rare targets keep their blocks alive
     t[::7] = -100
     x, w, t = x.to(DEV), w.to(DEV), t.to(DEV)
-    kw = dict(chunk_size=chunk, filter_eps=1e-3, reduction="mean")
+    kw = dict(chunk_size=chunk, filter_eps=1e-3, reduction="mean", filter_max_kept=1.0)  # the filter, ungated
     eager = _both(fused_linear_cross_entropy, x, w, t, impl="eager", **kw)
     tri = _both(fused_linear_cross_entropy, x, w, t, impl="triton", **kw)
     for a, b in zip(tri, eager):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     exact = _both(fused_linear_cross_entropy, x, w, t, impl="eager", chunk_size=chunk)
     torch.testing.assert_close(tri[0], exact[0])  # the loss is never filtered
-    assert 0 < _rel(tri[2], exact[2]) < 0.2 and 0 < _rel(tri[1], exact[1]) < 0.2  # dropped mass: present, bounded
+    assert 1e-6 < _rel(tri[2], exact[2]) < 0.2 and 1e-6 < _rel(tri[1], exact[1]) < 0.2  # dropped mass: present, bounded
     # the flags keep a strict subset of the blocks here (the filter is not vacuous)
     buf = (x[:64] @ w.t()).clone()
     L._ce_grad_torch_(buf, t[:64], torch.tensor(1.0, device=DEV), -100, 0.0)
     keep = L.block_filter_(buf, torch.tensor(1.0, device=DEV), 1e-3)
     assert 0 < int(keep.sum()) < keep.numel()
+
+
+@pytest.mark.parametrize("impl", ["eager", "triton"])
+def test_the_filter_gate_runs_exact_where_the_first_chunk_keeps_too_many_blocks(impl: str, monkeypatch) -> None:
+    """filter_eps where it cannot pay: the first chunk keeps more than filter_max_kept of its blocks, so the whole
+    call runs exact (dx and dW equal the unfiltered path's), with one warning per process naming the share; at or
+    above that share it filters (the gradients differ from exact). The gate reads the first chunk only."""
+    g = torch.Generator().manual_seed(5)
+    T, H, V = 150, 32, 700
+    x, w = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    x[:, 0], w[:, 0] = 3.0, torch.where(torch.arange(V) < 200, 1.5, -1.5)  # the same peaked head as above
+    t = torch.randint(0, 200, (T,), generator=g)
+    x, w, t = x.to(DEV), w.to(DEV), t.to(DEV)
+    buf = (x[:50] @ w.t()).clone()
+    L._ce_grad_torch_(buf, t[:50], torch.tensor(1.0, device=DEV), -100, 0.0)
+    kept = float(L.block_keep(buf, torch.tensor(1.0, device=DEV), 1e-3).float().mean())
+    assert 0 < kept < 1 and not L.filter_pays(kept, kept / 2) and L.filter_pays(kept, kept)
+    exact = _both(fused_linear_cross_entropy, x, w, t, impl=impl, chunk_size=50)
+    monkeypatch.setattr(L, "_SKIPPED_FILTER_WARNED", False)
+    with pytest.warns(RuntimeWarning, match=f"filter_eps skipped, the gradients exact: the first chunk keeps {kept:.1%}"):
+        gated = _both(fused_linear_cross_entropy, x, w, t, impl=impl, chunk_size=50, filter_eps=1e-3,
+                      filter_max_kept=kept / 2)  # fmt: skip
+    for a, b in zip(gated, exact):
+        torch.testing.assert_close(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # said once per process: not again
+        _both(fused_linear_cross_entropy, x, w, t, impl=impl, chunk_size=50, filter_eps=1e-3, filter_max_kept=kept / 2)
+        filtered = _both(fused_linear_cross_entropy, x, w, t, impl=impl, chunk_size=50, filter_eps=1e-3,
+                         filter_max_kept=kept)  # fmt: skip
+    assert _rel(filtered[1], exact[1]) > 1e-6 and _rel(filtered[2], exact[2]) > 1e-6
+    with pytest.raises(ValueError, match="filter_max_kept must be in"):
+        fused_linear_cross_entropy(x, w, t, filter_eps=1e-3, filter_max_kept=1.5)
 
 
 def test_strided_targets_and_a_scaled_incoming_gradient() -> None:
@@ -241,7 +273,7 @@ def test_cuda_filtered_path_matches_its_eager_twin_and_bounds_the_dropped_mass(d
     t = torch.randint(0, 2000, (T,), generator=g)
     t[::29] = torch.randint(2000, V, (t[::29].numel(),), generator=g)
     x, w, t = x.to(DEV, dtype), w.to(DEV, dtype), t.to(DEV)
-    kw = dict(chunk_size=256, filter_eps=L.BF16_FILTER_EPS)
+    kw = dict(chunk_size=256, filter_eps=L.BF16_FILTER_EPS, filter_max_kept=1.0)  # the filter, ungated
     tri = _both(fused_linear_cross_entropy, x, w, t, impl="triton", **kw)
     eager = _both(fused_linear_cross_entropy, x, w, t, impl="eager", **kw)
     exact = _both(fused_linear_cross_entropy, x, w, t, impl="triton", chunk_size=256)

@@ -20,16 +20,30 @@ from megacpp_lab.kernels.dsa_indexer import (
 )
 from megacpp_lab.kernels.linear_cross_entropy import (
     BF16_FILTER_EPS,
+    FILTER_MAX_KEPT,
     default_chunk_size,
+    filter_pays,
     fused_linear_cross_entropy,
     kept_block_fraction,
     linear_cross_entropy_reference,
 )
-from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms
+from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms, time_spread_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 
 FLCE_BAR = {"ms": 60.0, "peak_mib": 1.3 * 1024}
 DSA_BAR = {"ms": 10.0, "peak_mib": 1024.0}
+LIGER = "liger-kernel"
+EXACT, FILTERED = "fused (default chunk)", "fused, filter_eps (default chunk)"
+# long-T small-H heads: the peer bar's shape, the model's own head (B=4 x T=4096, d=1024, its vocabulary), and a
+# wide one; the peer bar: the exact fused path at most PEER_BAR x Liger's time at the first two
+PEER_SHAPES = ((32768, 1024, 50304), (16384, 1024, 32768), (8192, 4096, 65536))
+SMALL_PEER_SHAPES = ((96, 32, 640), (64, 32, 384))
+PEER_BAR = 1.0
+GATE_SLACK = 1.02  # the gate's cost where it skips the filter: the first chunk's keep-flags and one host read
+# the break-even sweep: the gradient's mass on a band of this share of the vocabulary (its blocks kept, the
+# rest dropped), at an eps below 1 / band so the band's blocks stay above it
+BAND_SHARES = (0.02, 0.05, 0.1, 0.2, 0.4)
+SWEEP_EPS = 2.0**-17
 
 
 def _peers() -> dict[str, Callable[..., torch.Tensor]]:
@@ -104,8 +118,11 @@ def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dt
         x.grad = w.grad = None
         results.append(row)
     # the bar, read on the exact default and (when measured) on the filtered default, each on both metrics at once
+    filtered_row = next((r for r in results if r["contender"] == FILTERED), None)
+    if filtered_row is not None:  # what the gate did with these inputs (the first chunk's kept share)
+        filtered_row["filter_ran"] = filter_pays(filtered_row["kept_block_frac"])
     meets = {}
-    for label, name in (("exact", "fused (default chunk)"), ("filter_eps", "fused, filter_eps (default chunk)")):
+    for label, name in (("exact", EXACT), ("filter_eps", FILTERED)):
         row = next((r for r in results if r["contender"] == name), None)
         if row is not None and "peak_mib" in row:
             meets[label] = bool(all(row[k] <= v for k, v in FLCE_BAR.items()))
@@ -118,6 +135,86 @@ def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dt
                                "memory trade; the filter_eps row drops gradient "
                                "blocks below eps (kept_block_frac = share kept on the first chunk: these random inputs "
                                "give a near-uniform softmax, the filter's best case)"))  # fmt: skip
+
+
+def bench_flce_peers(shapes: tuple[tuple[int, int, int], ...] = PEER_SHAPES, *, dtype: torch.dtype = torch.bfloat16,
+                     device: str = "cuda", rep: int = 5, progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """At each (T, H, V): the materialised logits, the exact fused path, the filtered one through its gate, and
+    the installed peers (Liger the bar's), same inputs; the bars: exact at most PEER_BAR x Liger at the first two
+    shapes, and filtered never slower than exact (within GATE_SLACK) at every shape."""
+    from tqdm.auto import tqdm
+
+    rows: list[dict[str, Any]] = []
+    for T, H, V in tqdm(shapes, desc="flce peer shapes", disable=not progress):
+        one = bench_flce(T, H, V, dtype=dtype, device=device, rep=rep, peers=True, filtered=True, progress=False)
+        rows += [{**r, "point": f"T={T} H={H} V={V}", "shape": {"T": T, "H": H, "V": V}} for r in one["results"]]
+    at = lambda point, name: next((r for r in rows if r["point"] == point and r["contender"] == name), None)
+    points = [f"T={T} H={H} V={V}" for T, H, V in shapes]
+    bar: dict[str, bool] = {}
+    over_liger: dict[str, float] = {}
+    for point in points[:2]:
+        exact, liger = at(point, EXACT), at(point, LIGER)
+        if liger is not None:
+            over_liger[point] = exact["ms"] / liger["ms"]
+        bar[f"exact fused <= {PEER_BAR:.1f}x {LIGER} at {point}"] = point in over_liger and over_liger[point] <= PEER_BAR
+    filtered_over_exact = {p: at(p, FILTERED)["ms"] / at(p, EXACT)["ms"] for p in points}
+    bar[f"filter_eps never slower than exact (<= {GATE_SLACK:g}x: the gate's one host read) at every shape"] = (
+        max(filtered_over_exact.values()) <= GATE_SLACK)  # fmt: skip
+    summary = {"exact_over_liger": over_liger, "filtered_over_exact": filtered_over_exact,
+               "filter_ran": {p: at(p, FILTERED)["filter_ran"] for p in points}, "filter_max_kept": FILTER_MAX_KEPT,
+               "liger": "measured" if over_liger else "not installed (pip install liger-kernel)", "bar": bar}  # fmt: skip
+    return make_receipt("flce_peer_shapes", "loss", shape={"grid": points}, dtype=dtype, results=rows, device=device,
+                        summary=summary,
+                        notes=("bench_flce at each shape (its notes hold): ms is the do_bench median of forward+backward; "
+                               "the filter_eps row goes through the gate (filter_ran: whether the first chunk's kept share "
+                               "let it filter; where it did not, the call ran exact after reading the flags)"))  # fmt: skip
+
+
+def band_inputs(T: int, H: int, V: int, share: float, *, dtype: torch.dtype, device: str,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x, w, targets whose softmax mass sits on a band of `share` of the vocabulary (ids below share * V, nine
+    nats above the rest) with the targets in it: the filter keeps about that share of the gradient's blocks."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    band = max(1, int(share * V))
+    x = torch.randn(T, H, generator=g) / H**0.25
+    w = torch.randn(V, H, generator=g) / H**0.5
+    x[:, 0], w[:, 0] = 3.0, torch.where(torch.arange(V) < band, 1.5, -1.5)
+    t = torch.randint(0, band, (T,), generator=g)
+    return x.to(device, dtype).requires_grad_(), w.to(device, dtype).requires_grad_(), t.to(device)
+
+
+def bench_filter_break_even(T: int = 16384, H: int = 1024, V: int = 32768, *, shares: tuple[float, ...] = BAND_SHARES,
+                            dtype: torch.dtype = torch.bfloat16, device: str = "cuda", rep: int = 5,
+                            progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """The filtered path forced on (filter_max_kept=1.0) against the exact one as the kept share grows: where the
+    block-sparse GEMMs stop paying, the number FILTER_MAX_KEPT stands for. One row per (share, contender)."""
+    from tqdm.auto import tqdm
+
+    rows: list[dict[str, Any]] = []
+    for share in tqdm(shares, desc="filter break-even", disable=not progress):
+        x, w, t = band_inputs(T, H, V, share, dtype=dtype, device=device)
+        kept = kept_block_fraction(x, w, t, SWEEP_EPS)
+        for name, kw in (("exact", {}), ("filtered (ungated)", {"filter_eps": SWEEP_EPS, "filter_max_kept": 1.0})):
+            def step(kw=kw) -> None:
+                x.grad = w.grad = None
+                fused_linear_cross_entropy(x, w, t, **kw).backward()
+
+            rows.append({"contender": name, "band_share": share, "kept_block_frac": kept,
+                         **time_spread_ms(step, warmup=2, rep=rep, device=device)})  # fmt: skip
+        del x, w, t
+    ratio = {r["kept_block_frac"]: r["ms"] / next(e["ms"] for e in rows if e["contender"] == "exact"
+                                                  and e["band_share"] == r["band_share"])
+             for r in rows if r["contender"] != "exact"}  # fmt: skip
+    paying = [k for k, v in ratio.items() if v < 1.0]
+    summary = {"filtered_over_exact": {f"{k:.3f}": v for k, v in ratio.items()},
+               "largest_kept_share_that_pays": max(paying) if paying else None, "filter_max_kept": FILTER_MAX_KEPT,
+               "bar": {f"FILTER_MAX_KEPT={FILTER_MAX_KEPT:g} is no larger than the largest kept share that pays here":
+                       bool(paying) and FILTER_MAX_KEPT <= max(paying)}}  # fmt: skip
+    return make_receipt("flce_filter_break_even", "loss", shape={"T": T, "H": H, "V": V, "band_share": list(shares)},
+                        dtype=dtype, results=rows, device=device, summary=summary, filter_eps=SWEEP_EPS,
+                        notes=("the gradient's mass on a band of band_share of the vocabulary (band_inputs); kept_block_frac "
+                               "= the first chunk's kept share at filter_eps; the filtered rows force the filter on "
+                               "(filter_max_kept=1.0); ms = do_bench median of forward+backward with p20 / p80"))  # fmt: skip
 
 
 def bench_dsa(sq: int = 4096, b: int = 8, h: int = 32, d: int = 64, *, device: str = "cuda", rep: int = 10,
@@ -183,7 +280,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
     import matplotlib
 
     matplotlib.use("Agg")
-    from megacpp_lab.plots import plot_contenders, plot_sweep, save_figure
+    from megacpp_lab.plots import plot_contenders, plot_grid, plot_sweep, save_figure
 
     if which not in ("loss", "dsa"):
         raise ValueError(f"which must be 'loss' or 'dsa', got {which!r}")
@@ -206,6 +303,13 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
                           dtype=dtype, results=rows, device=device)  # fmt: skip
         written.append(write_receipt(vs, root))
         written.append(save_figure(plot_sweep(vs, "V", "peak_mib" if device == "cuda" else "ms"), written[-1].with_suffix(".png")))
+        peers = bench_flce_peers(SMALL_PEER_SHAPES if small else PEER_SHAPES, dtype=dtype, device=device,
+                                 rep=2 if small else 5)  # fmt: skip
+        written.append(write_receipt(peers, root))
+        written.append(save_figure(plot_grid(peers, "ms"), written[-1].with_suffix(".png")))
+        even = bench_filter_break_even(*((256, 32, 2048) if small else (16384, 1024, 32768)), dtype=dtype, device=device,
+                                       shares=(0.05, 0.4) if small else BAND_SHARES, rep=2 if small else 5)  # fmt: skip
+        written.append(write_receipt(even, root))
         if trace:
             g = torch.Generator(device=device).manual_seed(0)
             Tt, V = (64, 512) if small else (2048, 151552)

@@ -31,7 +31,10 @@ __all__ = [
     "IMPLS",
     "REDUCTIONS",
     "block_filter_",
+    "block_keep",
     "default_chunk_size",
+    "FILTER_MAX_KEPT",
+    "filter_pays",
     "fused_linear_cross_entropy",
     "kept_block_fraction",
     "linear_cross_entropy_reference",
@@ -50,6 +53,12 @@ CHUNK_MULTIPLE = 64  # GEMM-tile friendly row count
 # dropped from dx and dW, and the block-sparse GEMMs skip it: no W read, no dW read-modify-write for it.
 FILTER_ROWS, FILTER_COLS = 64, 128
 BF16_FILTER_EPS = 2.0**-12
+# The filter is skipped (the call runs exact) when the first chunk keeps more than this share of its blocks: the
+# block-sparse GEMMs cost more per kept block than cuBLAS's dense ones, so past a kept share they are slower than
+# the exact path. On the H100 (profiles/nvidia-h100-80gb-hbm3/loss/flce_fwd_bwd.json) a 5.4% kept share ran the
+# loss in 0.51x the exact time at H=4096; a held-out run at H=1024 keeping about 15% took twice the exact time.
+# bench loss's kept-share sweep measures the break-even at the LM-head shapes.
+FILTER_MAX_KEPT = 0.10
 
 
 def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
@@ -85,13 +94,22 @@ def block_filter_(grad: torch.Tensor, scale: torch.Tensor, filter_eps: float) ->
     """Zero every FILTER_ROWS x FILTER_COLS block of the scaled gradient whose entries are all below
     filter_eps * scale in magnitude; returns the int32 keep-flags [ceil(C/FR), ceil(V/FC)]. The torch
     twin of the flags that `_ce_grad_inplace_kernel` raises and the block-sparse GEMMs read."""
+    keep = block_keep(grad, scale, filter_eps)
+    _drop_blocks_(grad, keep)
+    return keep.int()
+
+
+def block_keep(grad: torch.Tensor, scale: torch.Tensor, filter_eps: float) -> torch.Tensor:
+    """The bool keep-flags [ceil(C/FR), ceil(V/FC)] of block_filter_, the gradient left as it is."""
     C, V = grad.shape
     nr, nc = -(-C // FILTER_ROWS), -(-V // FILTER_COLS)
     padded = F.pad(grad.float().abs(), (0, nc * FILTER_COLS - V, 0, nr * FILTER_ROWS - C))
-    keep = padded.view(nr, FILTER_ROWS, nc, FILTER_COLS).amax(dim=(1, 3)) >= filter_eps * scale
-    mask = keep.repeat_interleave(FILTER_ROWS, 0).repeat_interleave(FILTER_COLS, 1)[:C, :V]
-    grad.mul_(mask)
-    return keep.int()
+    return padded.view(nr, FILTER_ROWS, nc, FILTER_COLS).amax(dim=(1, 3)) >= filter_eps * scale
+
+
+def _drop_blocks_(grad: torch.Tensor, keep: torch.Tensor) -> None:
+    C, V = grad.shape
+    grad.mul_(keep.repeat_interleave(FILTER_ROWS, 0).repeat_interleave(FILTER_COLS, 1)[:C, :V])
 
 
 @triton.jit
@@ -232,9 +250,30 @@ def resolve_impl(impl: str, x: torch.Tensor) -> str:
     return "triton"
 
 
+def filter_pays(kept_fraction: float, filter_max_kept: float = FILTER_MAX_KEPT) -> bool:
+    """Whether gradient filtering runs for a call whose first chunk keeps kept_fraction of its blocks."""
+    return kept_fraction <= filter_max_kept
+
+
+_SKIPPED_FILTER_WARNED = False
+
+
+def _gate(kept_fraction: float, filter_max_kept: float) -> bool:
+    """filter_pays, saying once per process when it turns the filter off (the call then runs exact)."""
+    global _SKIPPED_FILTER_WARNED
+    pays = filter_pays(kept_fraction, filter_max_kept)
+    if not pays and not _SKIPPED_FILTER_WARNED:
+        _SKIPPED_FILTER_WARNED = True
+        warn_at_caller(f"fused_linear_cross_entropy: filter_eps skipped, the gradients exact: the first chunk keeps "
+                       f"{kept_fraction:.1%} of its blocks, above filter_max_kept={filter_max_kept:g}, where the "
+                       f"block-sparse GEMMs would be slower than the dense ones (said once per process)")  # fmt: skip
+    return pays
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, ignore_index, reduction, z_loss, chunk, impl, need_dx, need_dw, filter_eps):
+    def forward(ctx, x, weight, target, ignore_index, reduction, z_loss, chunk, impl, need_dx, need_dw, filter_eps,
+                filter_max_kept):  # fmt: skip
         T, V = x.shape[0], weight.shape[0]
         dx = torch.empty_like(x) if need_dx else None
         dw = torch.zeros_like(weight) if need_dw else None
@@ -246,21 +285,29 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         flags = None
         if filter_eps is not None:
             flags = torch.empty((triton.cdiv(min(chunk, T), FILTER_ROWS), triton.cdiv(V, FILTER_COLS)), device=x.device, dtype=torch.int32)
+        filtering = filter_eps is not None and (need_dx or need_dw)
         for s in range(0, T, chunk):
             xc, tc = x[s : s + chunk], target[s : s + chunk]
             logits = buf[: xc.shape[0]]
             torch.mm(xc, weight.t(), out=logits)
-            sparse = flags is not None and impl == "triton"
-            if sparse:
+            if filtering and impl == "triton":
                 fl = flags[: triton.cdiv(xc.shape[0], FILTER_ROWS)]
                 fl.zero_()
                 losses[s : s + chunk] = _ce_grad_triton_(logits, tc, scale, ignore_index, z_loss, fl, filter_eps)
-                _block_sparse_grads_(logits, fl, weight, xc, None if dx is None else dx[s : s + chunk], dw)
-                continue
-            grad_step = _ce_grad_triton_ if impl == "triton" else _ce_grad_torch_
-            losses[s : s + chunk] = grad_step(logits, tc, scale, ignore_index, z_loss)  # logits -> dlogits * scale
-            if filter_eps is not None:  # eager twin of the block-sparse path: drop the same blocks, dense GEMMs
-                block_filter_(logits, scale, filter_eps)
+                if s == 0:  # the gate: one host read a call, on the first chunk's keep-flags (filter_pays)
+                    filtering = _gate(float(fl.float().mean()), filter_max_kept)
+                if filtering:
+                    _block_sparse_grads_(logits, fl, weight, xc, None if dx is None else dx[s : s + chunk], dw)
+                    continue
+            else:
+                grad_step = _ce_grad_triton_ if impl == "triton" else _ce_grad_torch_
+                losses[s : s + chunk] = grad_step(logits, tc, scale, ignore_index, z_loss)  # logits -> dlogits * scale
+            if filtering:  # eager twin of the block-sparse path: the same gate, the same blocks dropped, dense GEMMs
+                keep = block_keep(logits, scale, filter_eps)
+                if s == 0:
+                    filtering = _gate(float(keep.float().mean()), filter_max_kept)
+                if filtering:
+                    _drop_blocks_(logits, keep)
             if dx is not None:
                 torch.mm(logits, weight, out=dx[s : s + chunk])
             if dw is not None:
@@ -281,7 +328,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             dx.mul_(s)
         if dw is not None:
             dw.mul_(s)
-        return dx, dw, None, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None
 
 
 def default_chunk_size(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
@@ -305,7 +352,8 @@ def kept_block_fraction(x: torch.Tensor, weight: torch.Tensor, target: torch.Ten
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                                ignore_index: int = -100, reduction: str = "mean", z_loss: float = 0.0,
                                chunk_size: int | None = None, impl: str = "auto",
-                               filter_eps: float | None = None) -> torch.Tensor:  # fmt: skip
+                               filter_eps: float | None = None,
+                               filter_max_kept: float = FILTER_MAX_KEPT) -> torch.Tensor:  # fmt: skip
     """Drop-in LM-head loss: x [..., H] hidden states, weight [V, H] (the LM head), target [...] int64.
 
     Returns the scalar loss (mean over non-ignored tokens, or sum) plus z_loss * lse^2 on the same
@@ -314,7 +362,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     filter_eps (default None: exact) opts into gradient filtering: FILTER_ROWS x FILTER_COLS blocks of
     the gradient whose every |softmax - onehot| is below filter_eps are dropped from dx and dW (the loss
     is unaffected). 2**-12 (`BF16_FILTER_EPS`) is bf16's resolution near 1 over 32. The dropped mass
-    is real: the notebook and the receipt show its effect on the gradients."""
+    is real: the notebook and the receipt show its effect on the gradients. The filter runs only where it
+    pays (filter_pays): when the first chunk keeps more than filter_max_kept of its blocks, the whole call runs
+    exact, said once per process with a warning (filter_max_kept=1.0 always filters)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -329,6 +379,8 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     if filter_eps is not None and not 0 < filter_eps < 1:
         raise ValueError(f"filter_eps must be in (0, 1) or None, got {filter_eps}")
+    if not 0 <= filter_max_kept <= 1:
+        raise ValueError(f"filter_max_kept must be in [0, 1], got {filter_max_kept}")
     V = weight.shape[0]
     x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1).long().contiguous()  # the kernel reads targets at stride 1
     if x2.device.type == "cpu" and t2.numel():
@@ -348,4 +400,5 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     grad_on = torch.is_grad_enabled()  # under no_grad the gradients are not computed at all
     return _FusedLinearCrossEntropy.apply(x2, weight, t2, ignore_index, reduction, float(z_loss), int(chunk_size), which,
                                           grad_on and x2.requires_grad, grad_on and weight.requires_grad,
-                                          None if filter_eps is None else float(filter_eps))  # fmt: skip
+                                          None if filter_eps is None else float(filter_eps),
+                                          float(filter_max_kept))  # fmt: skip
