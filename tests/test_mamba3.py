@@ -552,3 +552,26 @@ def test_the_bench_times_every_row_in_a_second_round_in_reverse_and_keeps_the_lo
     assert first["fwd_ms"] == first["fwd_ms_rounds"][1] and first["ms"] == first["ms_rounds"][1]
     assert first["bwd_ms"] == pytest.approx(first["ms"] - first["fwd_ms"])
     assert second["fwd_ms_rounds"][1] >= 30.0 and (second["fwd_ms"], second["ms"]) == (1.0, 2.0)  # the first round's
+
+
+def test_the_bench_summary_reads_the_m_block_scan_bar_on_the_compiled_siso_row():
+    """The issue's M-block bar (fwd+bwd <= 2.0 ms at main) reads the compiled SISO row, not the eager one or a peer:
+    synthetic rows on either side of the threshold flip it, and its text names the shape it was read at."""
+    from megacpp_lab.bench.mamba3 import FULL_SHAPES, LAB, LAB_EAGER, MAMBA2, PEER, _summary
+
+    def rows(lab_ms: float) -> list[dict]:
+        out = []
+        for label in FULL_SHAPES:
+            out += [{"contender": LAB, "shape": label, "ms": lab_ms, "fwd_ms": 0.5, "first_call_s": 5.0},
+                    {"contender": LAB_EAGER, "shape": label, "ms": 0.1, "fwd_ms": 0.05, "first_call_s": 0.0},
+                    {"contender": PEER, "shape": label, "ms": 0.2, "fwd_ms": 0.1},
+                    {"contender": MAMBA2, "shape": label, "ms": 0.3, "fwd_ms": 0.1}]  # fmt: skip
+        out += [{"contender": f"lab mamba3 MIMO R={r}", "shape": "main", "rank": r, "ms": lab_ms * r, "fwd_ms": 1.0,
+                 "first_call_s": 5.0} for r in (2, 4)]  # fmt: skip
+        return out
+
+    main = FULL_SHAPES["main"]
+    key = (f"the M block's scan (mamba3 SISO, compiled) fwd+bwd <= 2 ms at B={main.B} T={main.T} H={main.H} "
+           f"P={main.P} N={main.N}, {main.docs} docs/row")
+    assert _summary(rows(1.9), FULL_SHAPES, None, {})["bar"][key] is True
+    assert _summary(rows(2.1), FULL_SHAPES, None, {})["bar"][key] is False
