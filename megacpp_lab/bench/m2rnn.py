@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from megacpp_lab.bench import bench_device, output_root, peer_checkout, require_triton_interpreter
-from megacpp_lab.kernels.m2rnn import m2rnn_scan
+from megacpp_lab.kernels.m2rnn import m2rnn_scan, plan_block_k, plan_z_scratch
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms, time_spread_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
@@ -65,6 +65,7 @@ PEER_GRID = (
     GridPoint(FULL_SHAPE),
     GridPoint(M2RNNShape(4, 4096, 16, 64, 16), docs=8),
 )
+GRID_CHUNK = 64  # the layer's default state interval (M2RNNConfig.chunk)
 SMALL_GRID = (GridPoint(M2RNNShape(2, 12, 4, 32, 16)), GridPoint(M2RNNShape(1, 16, 2, 32, 32), docs=3))
 # A --small run is a smoke test under the Triton interpreter, where one scan takes seconds: one timed call each.
 SMALL_CHUNKS, SMALL_SEQ_LENS, SMALL_REP = (8, 64), (16, 32), 1
@@ -248,7 +249,8 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
         grads_ref = torch.autograd.grad(y_ref, ref_inputs, grad.float())
         y_ref = y_ref.detach()
         calls: dict[str, Callable[..., torch.Tensor]] = {
-            name: (lambda *a, bk=bk, zm=zm: m2rnn_scan(*a, ctx=ctx, kernel="triton", block_k=bk, z_mode=zm))
+            name: (lambda *a, bk=bk, zm=zm: m2rnn_scan(*a, ctx=ctx, chunk=GRID_CHUNK, kernel="triton", block_k=bk,
+                                                       z_mode=zm))  # fmt: skip
             for name, (bk, zm) in lab_plans(s.K).items()
         }  # fmt: skip
         if xma is not None:
@@ -262,6 +264,11 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
                 torch.autograd.grad(call(*inputs), inputs, grad)
 
             row: dict[str, Any] = {"contender": name, "point": point.label, "docs": point.docs, "shape": asdict(s)}
+            if name in lab_plans(s.K):  # the launch plan this row ran (the backward's: its z placement too)
+                block_k, z_mode = lab_plans(s.K)[name]
+                bk = plan_block_k(ctx.n_seqs * s.H, s.K, inputs[0].device, block_k)
+                row["plan"] = {"block_k": bk, "z_in_scratch": plan_z_scratch(ctx.n_seqs * s.H * (s.K // bk), GRID_CHUNK, bk, s.V,
+                                                                             inputs[0].device, z_mode)}  # fmt: skip
             y = call(*inputs)
             row.update(_errors(y, torch.autograd.grad(y, inputs, grad), y_ref, grads_ref))
             del y
