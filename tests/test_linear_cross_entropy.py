@@ -199,11 +199,14 @@ def test_the_filter_gate_runs_exact_where_the_first_chunk_keeps_too_many_blocks(
                       filter_max_kept=kept / 2)  # fmt: skip
     for a, b in zip(gated, exact):
         torch.testing.assert_close(a, b)
+    gate = L.last_filter_gate()  # the decision the call made, on its own flags at the loss's scale
+    assert gate["filtered"] is False and gate["kept_fraction"] == pytest.approx(kept, abs=0.02)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # said once per process: not again
         _both(fused_linear_cross_entropy, x, w, t, impl=impl, chunk_size=50, filter_eps=1e-3, filter_max_kept=kept / 2)
         filtered = _both(fused_linear_cross_entropy, x, w, t, impl=impl, chunk_size=50, filter_eps=1e-3,
-                         filter_max_kept=kept)  # fmt: skip
+                         filter_max_kept=min(1.0, kept + 0.05))  # a margin: a block on the eps edge may round over
+    assert L.last_filter_gate()["filtered"] is True
     assert _rel(filtered[1], exact[1]) > 1e-6 and _rel(filtered[2], exact[2]) > 1e-6
     with pytest.raises(ValueError, match="filter_max_kept must be in"):
         fused_linear_cross_entropy(x, w, t, filter_eps=1e-3, filter_max_kept=1.5)

@@ -104,6 +104,12 @@ def test_launch_plan_rules_and_bad_plans_fail_closed():
         m2rnn_scan(q, k, v, f, W, kernel="triton", z_mode="sometimes")
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16 dividing K=16, got 32"):
         m2rnn_scan(q, k, v, f, W, kernel="triton", block_k=32)
+    for K, V in ((24, 16), (48, 16), (16, 8)):  # no K-split of 24 or 48 rows tiles them; tl.dot needs 16
+        q, k, v, f, W, _ = (t.detach() for t in _inputs(1, 4, 1, K, V))
+        name, size = ("K", K) if K != 16 else ("V", V)
+        with pytest.raises(ValueError, match=f"the Triton kernel needs {name} .* a power of two >= 16, got {name}={size}"):
+            m2rnn_scan(q, k, v, f, W, kernel="triton")
+        m2rnn_scan(q, k, v, f, W, kernel="reference")  # the reference takes any size
 
 
 def test_doc_resets_make_documents_independent():

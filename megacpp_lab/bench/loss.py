@@ -22,9 +22,9 @@ from megacpp_lab.kernels.linear_cross_entropy import (
     BF16_FILTER_EPS,
     FILTER_MAX_KEPT,
     default_chunk_size,
-    filter_pays,
     fused_linear_cross_entropy,
     kept_block_fraction,
+    last_filter_gate,
     linear_cross_entropy_reference,
 )
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms, time_spread_ms
@@ -115,12 +115,12 @@ def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dt
         fn().backward()  # the gradients against the materialised path's
         row["dx_rel_err"] = float((x.grad.float() - ref_dx).norm() / ref_dx.norm())
         row["dw_rel_err"] = float((w.grad.float() - ref_dw).norm() / ref_dw.norm())
+        if name == FILTERED:  # what the gate decided on this call (its own flags, at the loss's scale)
+            gate = last_filter_gate()
+            row["filter_ran"], row["gate_kept_fraction"] = bool(gate["filtered"]), float(gate["kept_fraction"])
         x.grad = w.grad = None
         results.append(row)
     # the bar, read on the exact default and (when measured) on the filtered default, each on both metrics at once
-    filtered_row = next((r for r in results if r["contender"] == FILTERED), None)
-    if filtered_row is not None:  # what the gate did with these inputs (the first chunk's kept share)
-        filtered_row["filter_ran"] = filter_pays(filtered_row["kept_block_frac"])
     meets = {}
     for label, name in (("exact", EXACT), ("filter_eps", FILTERED)):
         row = next((r for r in results if r["contender"] == name), None)
@@ -202,11 +202,12 @@ def bench_filter_break_even(T: int = 16384, H: int = 1024, V: int = 32768, *, sh
             rows.append({"contender": name, "band_share": share, "kept_block_frac": kept,
                          **time_spread_ms(step, warmup=2, rep=rep, device=device)})  # fmt: skip
         del x, w, t
-    ratio = {r["kept_block_frac"]: r["ms"] / next(e["ms"] for e in rows if e["contender"] == "exact"
-                                                  and e["band_share"] == r["band_share"])
+    ratio = {r["band_share"]: r["ms"] / next(e["ms"] for e in rows if e["contender"] == "exact"
+                                             and e["band_share"] == r["band_share"])
              for r in rows if r["contender"] != "exact"}  # fmt: skip
-    paying = [k for k, v in ratio.items() if v < 1.0]
-    summary = {"filtered_over_exact": {f"{k:.3f}": v for k, v in ratio.items()},
+    kept_at = {r["band_share"]: r["kept_block_frac"] for r in rows}
+    paying = [kept_at[b] for b, v in ratio.items() if v < 1.0]
+    summary = {"filtered_over_exact": {f"band {b:g}, kept {kept_at[b]:.3f}": v for b, v in ratio.items()},
                "largest_kept_share_that_pays": max(paying) if paying else None, "filter_max_kept": FILTER_MAX_KEPT,
                "bar": {f"FILTER_MAX_KEPT={FILTER_MAX_KEPT:g} is no larger than the largest kept share that pays here":
                        bool(paying) and FILTER_MAX_KEPT <= max(paying)}}  # fmt: skip

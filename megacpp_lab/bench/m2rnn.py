@@ -201,12 +201,14 @@ def find_xma(device: str) -> tuple[Callable[..., Any] | None, str | None]:
 def xma_call(m2rnn: Callable[..., Any], cu_seqlens: torch.Tensor | None) -> Callable[..., torch.Tensor]:
     """The peer on the lab's inputs (q, k, v, f, W): without documents its [B,S,N,*] layout; with them the
     batch flattened to [B*S,N,*] over cu_seqlens (its varlen layout), y given back as [B,S,N,V]."""
+    # its max_seqlen, read here once (not a device read inside every timed call)
+    max_len = None if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
         if cu_seqlens is None:
             return m2rnn(q, k, v, W, f)[0]
         B, S, H, K = q.shape
         flat = lambda t: t.reshape(B * S, *t.shape[2:])
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         y = m2rnn(flat(q), flat(k), flat(v), W, flat(f), cu_seqlens=cu_seqlens, max_seqlen=max_len)[0]
         return y.view(B, S, H, v.shape[-1])
 

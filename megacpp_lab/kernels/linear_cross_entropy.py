@@ -35,6 +35,7 @@ __all__ = [
     "default_chunk_size",
     "FILTER_MAX_KEPT",
     "filter_pays",
+    "last_filter_gate",
     "fused_linear_cross_entropy",
     "kept_block_fraction",
     "linear_cross_entropy_reference",
@@ -256,12 +257,20 @@ def filter_pays(kept_fraction: float, filter_max_kept: float = FILTER_MAX_KEPT) 
 
 
 _SKIPPED_FILTER_WARNED = False
+_LAST_GATE: dict[str, float | bool] = {}
+
+
+def last_filter_gate() -> dict[str, float | bool]:
+    """What the gate saw on the last call with filter_eps that computed gradients: {"kept_fraction", "filtered"}
+    (empty before any): benchmarks report the decision the call made, not one predicted beside it."""
+    return dict(_LAST_GATE)
 
 
 def _gate(kept_fraction: float, filter_max_kept: float) -> bool:
     """filter_pays, saying once per process when it turns the filter off (the call then runs exact)."""
     global _SKIPPED_FILTER_WARNED
     pays = filter_pays(kept_fraction, filter_max_kept)
+    _LAST_GATE.update(kept_fraction=kept_fraction, filtered=pays)
     if not pays and not _SKIPPED_FILTER_WARNED:
         _SKIPPED_FILTER_WARNED = True
         warn_at_caller(f"fused_linear_cross_entropy: filter_eps skipped, the gradients exact: the first chunk keeps "

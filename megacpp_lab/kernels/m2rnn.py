@@ -619,6 +619,10 @@ def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W:
         return m2rnn_scan_reference(q, k, v, f, W, h0, reset2d, h0_index, grad_clip)
     if q.dtype == torch.float64:
         raise ValueError("the Triton kernel takes float32, bfloat16 or float16 inputs; float64 is for kernel='reference'")
+    for name, size in (("K", K), ("V", V)):  # its blocks are tl.arange ranges and tl.dot operands
+        if size < MIN_BLOCK_K or size & (size - 1):
+            raise ValueError(f"the Triton kernel needs {name} (the head's {'key' if name == 'K' else 'value'} dim) a power "
+                             f"of two >= {MIN_BLOCK_K}, got {name}={size}; kernel='reference' takes any size")  # fmt: skip
     # no generator expression: dynamo on torch 2.11 cannot trace one under fullgraph
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or f.requires_grad or W.requires_grad
