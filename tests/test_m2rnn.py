@@ -73,14 +73,28 @@ def test_triton_matches_reference_varlen_cu_seqlens():
     _compare(dict(cu_seqlens=cu, chunk=4), dict(cu_seqlens=cu), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
 
 
+@pytest.mark.parametrize("bwd_order", ["serial", "interleaved"])
 @pytest.mark.parametrize("block_k,z_mode", [(16, "scratch"), (16, "recompute"), (32, "recompute"), (0, "auto")])
-def test_every_launch_plan_matches_the_reference(block_k, z_mode):
-    """Each K-split (16 rows a program: fp32 partials summed; 32 = K: one program a pair) and either place for z
-    (kept in scratch, or recomputed in the reverse pass) computes the reference's y and every gradient."""
-    inputs = _inputs(2, 11, 2, 32, 16)
-    doc_ids = torch.tensor([[0] * 4 + [1] * 7, [0] * 2 + [1] * 2 + [2] * 7], device=DEVICE)
-    kw = dict(doc_ids=doc_ids, chunk=4, block_k=block_k, z_mode=z_mode)
-    _compare(kw, dict(doc_ids=doc_ids), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
+def test_every_launch_plan_matches_the_reference(block_k, z_mode, bwd_order):
+    """Each K-split (16 rows a program: fp32 partials summed; 32 = K: one program a pair), either place for z
+    (kept in scratch, or recomputed in the reverse pass) and either order of the backward's passes (interleaved:
+    chunk c reversed while chunk c-1 is recomputed) computes the reference's y and every gradient: documents of
+    1 to 7 steps over chunks of 4 (a partial last chunk, a single-chunk document), a non-zero h0."""
+    inputs = _inputs(2, 11, 2, 32, 16, n_h0=5)
+    doc_ids = torch.tensor([[0] * 4 + [1] * 7, [0] * 1 + [1] * 3 + [2] * 7], device=DEVICE)
+    ctx = build_context(doc_ids)
+    kw = dict(ctx=ctx, chunk=4, block_k=block_k, z_mode=z_mode, bwd_order=bwd_order)
+    _compare(kw, dict(ctx=ctx), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_interleaved_backward_with_clipping_and_one_or_many_chunks_a_document(chunk):
+    """The interleaved backward where a document is one chunk (chunk 16), many (chunk 1: every state a checkpoint)
+    or a non-divisor (3), with the state gradient clipped, against the reference loop's hooks."""
+    inputs = _inputs(1, 13, 2, 16, 16)
+    doc_ids = torch.tensor([[0] * 6 + [1] * 7], device=DEVICE)
+    kw = dict(doc_ids=doc_ids, grad_clip=0.05)
+    _compare(kw | dict(chunk=chunk, bwd_order="interleaved"), kw, inputs, fwd_tol=1e-5, grad_rtol=1e-5)
 
 
 def test_launch_plan_rules_and_bad_plans_fail_closed():
@@ -102,6 +116,8 @@ def test_launch_plan_rules_and_bad_plans_fail_closed():
     q, k, v, f, W, _ = (t.detach() for t in _inputs(1, 8, 1, 16, 16))
     with pytest.raises(ValueError, match="z_mode must be one of"):
         m2rnn_scan(q, k, v, f, W, kernel="triton", z_mode="sometimes")
+    with pytest.raises(ValueError, match="bwd_order must be one of"):
+        m2rnn_scan(q, k, v, f, W, kernel="triton", bwd_order="backwards")
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16 dividing K=16, got 32"):
         m2rnn_scan(q, k, v, f, W, kernel="triton", block_k=32)
     for K, V in ((24, 16), (48, 16), (16, 8)):  # no K-split of 24 or 48 rows tiles them; tl.dot needs 16
@@ -323,7 +339,9 @@ def test_triton_matches_reference_on_gpu_at_real_shapes(dtype):
     tol = dict(fwd_tol=1e-4, grad_rtol=1e-4) if dtype == torch.float32 else dict(fwd_tol=0.06, grad_rtol=3e-2)
     _compare(dict(doc_ids=doc_ids), dict(doc_ids=doc_ids), inputs, **tol)
     for block_k, z_mode in ((16, "scratch"), (64, "recompute"), (32, "scratch")):  # every launch plan, real shape
-        _compare(dict(doc_ids=doc_ids, block_k=block_k, z_mode=z_mode), dict(doc_ids=doc_ids), inputs, **tol)
+        for bwd_order in ("serial", "interleaved"):
+            _compare(dict(doc_ids=doc_ids, block_k=block_k, z_mode=z_mode, bwd_order=bwd_order), dict(doc_ids=doc_ids),
+                     inputs, **tol)  # fmt: skip
 
 
 @pytest.mark.cuda

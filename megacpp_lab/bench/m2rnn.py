@@ -215,11 +215,13 @@ def xma_call(m2rnn: Callable[..., Any], cu_seqlens: torch.Tensor | None) -> Call
     return call
 
 
-def lab_plans(K: int) -> dict[str, tuple[int, str]]:
-    """The lab's contenders: its launch plan ('triton') and two fixed plans beside it (kernels.m2rnn.plan_block_k,
-    plan_z_scratch), so the receipt shows what the plan chose against what it could have."""
-    return {"triton": (0, "auto"), "triton (16 rows a program, z in scratch)": (16, "scratch"),
-            f"triton ({K} rows a program, z recomputed)": (K, "recompute")}  # fmt: skip
+def lab_plans(K: int) -> dict[str, tuple[int, str, str]]:
+    """The lab's contenders, (block_k, z_mode, bwd_order) each: its launch plan ('triton'), two fixed plans beside
+    it (kernels.m2rnn.plan_block_k, plan_z_scratch) and the plan with the interleaved backward, so the receipt
+    shows what the plan chose against what it could have."""
+    return {"triton": (0, "auto", "serial"), "triton (16 rows a program, z in scratch)": (16, "scratch", "serial"),
+            f"triton ({K} rows a program, z recomputed)": (K, "recompute", "serial"),
+            "triton (the plan, interleaved backward)": (0, "auto", "interleaved")}  # fmt: skip
 
 
 def _errors(y: torch.Tensor, grads: tuple[torch.Tensor, ...], y_ref: torch.Tensor,
@@ -233,7 +235,7 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
                       device: str = "cuda", rep: int = 10, progress: bool = True,
                       on_point: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """At each grid point, same inputs: the lab's scan as the model calls it (the batch's PackedContext) under its
-    launch plan and two fixed plans, and XMA's m2rnn; forward and forward+backward time with their spread, peak
+    launch plan, two fixed plans and the plan with the interleaved backward, and XMA's m2rnn; forward and forward+backward time with their spread, peak
     memory, and each one's y and gradient error against the fp32 reference loop. on_point gets the receipt of the
     points measured so far after each (run() writes it, so a run cut short keeps what it measured)."""
     from tqdm.auto import tqdm
@@ -253,9 +255,9 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
         grads_ref = torch.autograd.grad(y_ref, ref_inputs, grad.float())
         y_ref = y_ref.detach()
         calls: dict[str, Callable[..., torch.Tensor]] = {
-            name: (lambda *a, bk=bk, zm=zm: m2rnn_scan(*a, ctx=ctx, chunk=GRID_CHUNK, kernel="triton", block_k=bk,
-                                                       z_mode=zm))  # fmt: skip
-            for name, (bk, zm) in lab_plans(s.K).items()
+            name: (lambda *a, bk=bk, zm=zm, order=order: m2rnn_scan(*a, ctx=ctx, chunk=GRID_CHUNK, kernel="triton",
+                                                                     block_k=bk, z_mode=zm, bwd_order=order))
+            for name, (bk, zm, order) in lab_plans(s.K).items()
         }  # fmt: skip
         if xma is not None:
             calls[XMA] = xma_call(xma, None if point.docs == 1 else cu.to(device))
@@ -269,10 +271,12 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
 
             row: dict[str, Any] = {"contender": name, "point": point.label, "docs": point.docs, "shape": asdict(s)}
             if name in lab_plans(s.K):  # the launch plan this row ran (the backward's: its z placement too)
-                block_k, z_mode = lab_plans(s.K)[name]
+                block_k, z_mode, order = lab_plans(s.K)[name]
                 bk = plan_block_k(ctx.n_seqs * s.H, s.K, inputs[0].device, block_k)
-                row["plan"] = {"block_k": bk, "z_in_scratch": plan_z_scratch(ctx.n_seqs * s.H * (s.K // bk), GRID_CHUNK, bk, s.V,
-                                                                             inputs[0].device, z_mode)}  # fmt: skip
+                depth = GRID_CHUNK * (2 if order == "interleaved" else 1)  # the launcher's scratch depth
+                row["plan"] = {"block_k": bk, "bwd_order": order,
+                               "z_in_scratch": plan_z_scratch(ctx.n_seqs * s.H * (s.K // bk), depth, bk, s.V,
+                                                              inputs[0].device, z_mode)}  # fmt: skip
             y = call(*inputs)
             row.update(_errors(y, torch.autograd.grad(y, inputs, grad), y_ref, grads_ref))
             del y
@@ -306,8 +310,9 @@ def _peer_grid_receipt(grid: tuple[GridPoint, ...], measured: int, results: list
         device=device, summary=summary, peers={XMA: XMA_SOURCE},
         notes=(
             "every contender on the same inputs at each point; 'triton' is the lab's scan as the model calls it "
-            "(the batch's PackedContext: one program per document) under its launch plan, the two other triton rows "
-            "fixed plans; xma m2rnn on its Triton backend (autotuned on the first call, in the warm-up), in its "
+            "(the batch's PackedContext: one program per document) under its launch plan, two other triton rows "
+            "fixed plans, the last the plan with the interleaved backward (kernels.m2rnn.BWD_ORDERS); xma m2rnn on "
+            "its Triton backend (autotuned on the first call, in the warm-up), in its "
             "[B,S,N,*] layout for one document a row and its varlen layout over cu_seqlens for more; ms / fwd_ms are "
             "do_bench medians with p20 / p80; max_abs_err / grad_rel_err against the fp32 reference loop (the lab's "
             "state is fp32; XMA's is in the input dtype); peak_mib = peak extra memory of one forward+backward"

@@ -15,7 +15,9 @@ inside a range. One program runs one (range, head) from start to end.
 
 Backward states: the forward stores the state every CHUNK steps (fp32); the backward walks the
 chunks in reverse, recomputes the chunk's states into a scratch buffer, then runs the reverse
-recurrence over it. CHUNK=1 degenerates to storing every state.
+recurrence over it. CHUNK=1 degenerates to storing every state. The interleaved backward
+(bwd_order="interleaved") overlaps the two: it reverses chunk c while it recomputes chunk c-1, two
+independent chains in one loop, with two chunks of scratch (_m2rnn_bwd_kernel's INTERLEAVED).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from megacpp_lab.kernels import INTERPRETED, TRITON_INTERPRET, warn_at_caller
 from megacpp_lab.varlen import PackedContext, build_context, check_cu_seqlens
 
 __all__ = [
+    "BWD_ORDERS",
     "DEFAULT_KERNEL",
     "KERNELS",
     "m2rnn_scan",
@@ -188,21 +191,51 @@ def _m2rnn_fwd_kernel(
 
 
 @triton.jit
-def _m2rnn_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, ckpt_ptr, dy_ptr,
-    dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
-    H, n_rows, clip,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr,
-):  # fmt: skip
-    # one program per (range, head, block of BK state rows): dq, dk, dh0 are row-local; dv, df and
-    # dW sum over rows, so each block writes fp32 partials [K/BK, ...] that the launcher adds up.
-    # Z_SCRATCH: the recompute pass stores z beside the previous state, or the reverse pass recomputes z
-    # from that state (one more MMA a step, off the dh chain; half the scratch traffic)
+def _recompute_step(h, h0, kt, vt, rt, W, PRECISION: tl.constexpr):
+    """A forward step from the state before it: the state the step used (h0 at a document start), and z."""
+    hp = tl.where(rt != 0, h0, h)
+    return hp, _tanh(_state_times_w(hp, W, PRECISION) + kt[:, None] * vt[None, :])
+
+
+@triton.jit
+def _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, row, kb, n_rows, rk, rv, valid,
+                  dq_ptr, dk_ptr, dv_ptr, df_ptr, K: tl.constexpr, V: tl.constexpr, NKB: tl.constexpr,
+                  CLIP: tl.constexpr, PRECISION: tl.constexpr, HAS_H0: tl.constexpr):  # fmt: skip
+    """One step of the reverse recurrence for the state rows rk, from the state the step used (hp) and its z:
+    stores dq and dk, dv (an fp32 partial when K is split) and df's partial, and returns dh (the gradient of the
+    state before the step), dW and dh0 summed on. valid False (a step outside the range: the interleaved
+    kernel's rounds without one) stores nothing and returns the sums as they were."""
+    ht = ft * hp + (1.0 - ft) * z
+    g = dh + qt[:, None] * dyt[None, :]
+    if CLIP:
+        g = tl.minimum(tl.maximum(g, -clip), clip)
+    # the masks as comparisons: the interpreter's `&` of a vector and a scalar mask gives a dtype its stores reject
+    on_k, on_v = rk >= tl.where(valid, 0, K), rv >= tl.where(valid, 0, V)
+    tl.store(dq_ptr + row * K + rk, tl.sum(ht * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty), mask=on_k)
+    tl.store(df_ptr + kb * n_rows + row, tl.sum(tl.sum(g * (hp - z), axis=1), axis=0), mask=valid)
+    da = g * (1.0 - ft) * (1.0 - z * z)
+    tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty), mask=on_k)
+    dvt = tl.sum(da * kt[:, None], axis=0)
+    if NKB == 1:
+        tl.store(dv_ptr + row * V + rv, dvt.to(dv_ptr.dtype.element_ty), mask=on_v)
+    else:
+        tl.store(dv_ptr + (kb * n_rows + row) * V + rv, dvt, mask=on_v)
+    dW = tl.where(valid, dW + tl.dot(tl.trans(hp), da, input_precision=PRECISION), dW)
+    dprev = ft * g + tl.dot(da, tl.trans(W), input_precision=PRECISION)
+    if HAS_H0:
+        dh0 = tl.where(valid & (rt != 0), dh0 + dprev, dh0)
+    return tl.where(valid, tl.where(rt != 0, 0.0, dprev), dh), dW, dh0
+
+
+@triton.jit
+def _bwd_program(w_ptr, h0_ptr, ranges_ptr, ckpt_off_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 HAS_H0: tl.constexpr):  # fmt: skip
+    """A backward program's (range p, head hd, row block kb), its range [start, end), its rows rk and columns rv,
+    its state offsets (kv in the [K, V] state, local in a [BK, V] block), W and h0 (zeros without one: h0_ptr and
+    dh0_ptr are placeholders then, never read or written), its first checkpoint slot and its program index."""
     p = tl.program_id(0)
     hd = tl.program_id(1)
     kb = tl.program_id(2)
-    NKB: tl.constexpr = K // BK
     start = tl.load(ranges_ptr + p)
     end = tl.load(ranges_ptr + p + 1)
     rk = kb * BK + tl.arange(0, BK)
@@ -212,73 +245,124 @@ def _m2rnn_bwd_kernel(
     W = tl.load(w_ptr + hd * V * V + rv[:, None] * V + rv[None, :]).to(tl.float32)
     if HAS_H0:
         h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
-    else:  # zeros, and no dh0 (h0_ptr and dh0_ptr are placeholders, never read or written)
+    else:
         h0 = tl.zeros((BK, V), dtype=tl.float32)
-    slot = tl.load(ckpt_off_ptr + p)
-    prog = (p * H + hd) * NKB + kb
-    scratch = prog * CHUNK * BK * V
+    return p, hd, kb, start, end, rk, rv, kv, local, W, h0, tl.load(ckpt_off_ptr + p), (p * H + hd) * (K // BK) + kb
+
+
+@triton.jit
+def _m2rnn_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, ckpt_ptr, dy_ptr,
+    dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
+    H, n_rows, clip,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    # one program per (range, head, block of BK state rows): dq, dk, dh0 are row-local; dv, df and
+    # dW sum over rows, so each block writes fp32 partials [K/BK, ...] that the launcher adds up.
+    # Z_SCRATCH: the recompute pass stores z beside the previous state, or the reverse pass recomputes z
+    # from that state (one more MMA a step, off the dh chain; half the scratch traffic).
+    # INTERLEAVED: the two passes overlapped. Round cc reverses chunk n-cc while it recomputes chunk n-1-cc from
+    # that chunk's checkpoint, two chains independent of each other, so each hides the other's latency and a
+    # program's dependent chain is about S + CHUNK steps, not 2 S. The scratch holds two chunks, the one being
+    # reversed and the one being recomputed (chunk c in half c % 2). The first round has no chunk to reverse and
+    # the last none to recompute: that half runs masked (nothing stored, no sum changed).
+    NKB: tl.constexpr = K // BK
+    p, hd, kb, start, end, rk, rv, kv, local, W, h0, slot, prog = _bwd_program(
+        w_ptr, h0_ptr, ranges_ptr, ckpt_off_ptr, H, K, V, BK, HAS_H0)
+    scratch = prog * (2 if INTERLEAVED else 1) * CHUNK * BK * V
     dh = tl.zeros((BK, V), dtype=tl.float32)
     dW = tl.zeros((V, V), dtype=tl.float32)
     dh0 = tl.zeros((BK, V), dtype=tl.float32)
-    n_chunks = (end - start + CHUNK - 1) // CHUNK
-    for cc in range(0, n_chunks):
-        c = n_chunks - 1 - cc
-        t0 = start + c * CHUNK
-        t1 = tl.minimum(t0 + CHUNK, end)
-        # recompute the chunk: the previous state each step used (after any reset), and z
-        h = tl.load(ckpt_ptr + ((slot + c) * H + hd) * K * V + kv)
-        qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t0, hd, H, rk, rv, K, V)
-        for t in range(t0, t1):
-            qt, kt, vt, ft, rt = qn, kn, vn, fn, rn
-            _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + L2_AHEAD, t1 - 1), hd, H, kb * BK, K, V)
-            qn, kn, vn, fn, rn = _load_step(
-                q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, t1 - 1), hd, H, rk, rv, K, V
-            )
-            h = tl.where(rt != 0, h0, h)
-            z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :])
-            tl.store(prev_ptr + scratch + (t - t0) * BK * V + local, h)
-            if Z_SCRATCH:
-                tl.store(z_ptr + scratch + (t - t0) * BK * V + local, z)
-            h = ft * h + (1.0 - ft) * z
-        # reverse over the chunk, next (earlier) step's inputs prefetched
-        i = t1 - 1 - t0
-        qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t1 - 1, hd, H, rk, rv, K, V)
-        dyn = tl.load(dy_ptr + ((t1 - 1) * H + hd) * V + rv).to(tl.float32)
-        hpn = tl.load(prev_ptr + scratch + i * BK * V + local)
-        zn = tl.load(z_ptr + scratch + i * BK * V + local) if Z_SCRATCH else hpn
-        for tt in range(t0, t1):
-            t = t1 - 1 - (tt - t0)
-            qt, kt, vt, ft, rt, dyt, hp, z = qn, kn, vn, fn, rn, dyn, hpn, zn
-            if not Z_SCRATCH:
-                z = _tanh(_state_times_w(hp, W, PRECISION) + kt[:, None] * vt[None, :])
-            tp = tl.maximum(t - 1, t0)
-            ta = tl.maximum(t - L2_AHEAD, t0)
-            _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, ta, hd, H, kb * BK, K, V)
-            _prefetch_l2(dy_ptr + (ta * H + hd) * V)
-            qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
-            dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
-            hpn = tl.load(prev_ptr + scratch + (tp - t0) * BK * V + local)
-            if Z_SCRATCH:
-                zn = tl.load(z_ptr + scratch + (tp - t0) * BK * V + local)
-            row = t * H + hd
-            ht = ft * hp + (1.0 - ft) * z
-            dh = dh + qt[:, None] * dyt[None, :]
-            if CLIP:
-                dh = tl.minimum(tl.maximum(dh, -clip), clip)
-            tl.store(dq_ptr + row * K + rk, tl.sum(ht * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty))
-            tl.store(df_ptr + kb * n_rows + row, tl.sum(tl.sum(dh * (hp - z), axis=1), axis=0))
-            da = dh * (1.0 - ft) * (1.0 - z * z)
-            tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty))
-            dvt = tl.sum(da * kt[:, None], axis=0)
-            if NKB == 1:
-                tl.store(dv_ptr + row * V + rv, dvt.to(dv_ptr.dtype.element_ty))
-            else:
-                tl.store(dv_ptr + (kb * n_rows + row) * V + rv, dvt)
-            dW += tl.dot(tl.trans(hp), da, input_precision=PRECISION)
-            dprev = ft * dh + tl.dot(da, tl.trans(W), input_precision=PRECISION)
-            if HAS_H0:
-                dh0 += tl.where(rt != 0, dprev, 0.0)
-            dh = tl.where(rt != 0, 0.0, dprev)
+    if INTERLEAVED:
+        n_chunks = (end - start + CHUNK - 1) // CHUNK
+        for cc in range(0, n_chunks + 1):
+            cr = n_chunks - cc  # reversed this round (none when cc == 0)
+            cf = cr - 1  # recomputed this round (none when cc == n_chunks)
+            r0 = start + cr * CHUNK
+            r1 = tl.minimum(r0 + CHUNK, end)
+            f0 = start + cf * CHUNK
+            f1 = tl.minimum(f0 + CHUNK, end)
+            half_r = scratch + (cr % 2) * CHUNK * BK * V
+            half_f = scratch + ((cf + 2) % 2) * CHUNK * BK * V
+            h = tl.load(ckpt_ptr + ((slot + tl.maximum(cf, 0)) * H + hd) * K * V + kv)
+            # as many steps as the longer of the round's two chunks (only the last chunk can be short)
+            steps = tl.maximum(tl.where(cc > 0, r1 - r0, 0), tl.where(cf >= 0, f1 - f0, 0))
+            for i in range(0, steps):
+                # the recompute's step i of chunk cf
+                tf = f0 + i
+                on_f = (cf >= 0) & (tf < f1)
+                tfc = tl.minimum(tl.maximum(tf, start), end - 1)
+                _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(tfc + L2_AHEAD, end - 1), hd, H, kb * BK, K, V)
+                _, kf, vf, ff, rf = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tfc, hd, H, rk, rv, K, V)
+                hpf, zf = _recompute_step(h, h0, kf, vf, rf, W, PRECISION)
+                on_state = local >= tl.where(on_f, 0, BK * V)  # (the interpreter's vector & scalar: see _reverse_step)
+                tl.store(prev_ptr + half_f + i * BK * V + local, hpf, mask=on_state)
+                if Z_SCRATCH:
+                    tl.store(z_ptr + half_f + i * BK * V + local, zf, mask=on_state)
+                h = ff * hpf + (1.0 - ff) * zf
+                # the reverse's step i of chunk cr: t = r1 - 1 - i, what the recompute of the last round stored
+                t = r1 - 1 - i
+                on_r = (cc > 0) & (t >= r0)
+                tc = tl.minimum(tl.maximum(t, start), end - 1)
+                at = tl.minimum(tl.maximum(t - r0, 0), CHUNK - 1)
+                ta = tl.maximum(tc - L2_AHEAD, start)
+                _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, ta, hd, H, kb * BK, K, V)
+                _prefetch_l2(dy_ptr + (ta * H + hd) * V)
+                qt, kt, vt, ft, rt = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tc, hd, H, rk, rv, K, V)
+                dyt = tl.load(dy_ptr + (tc * H + hd) * V + rv).to(tl.float32)
+                stored = local >= tl.where(on_r, 0, BK * V)  # a round without a chunk to reverse: its half is unwritten
+                hp = tl.load(prev_ptr + half_r + at * BK * V + local, mask=stored, other=0.0)
+                if Z_SCRATCH:
+                    z = tl.load(z_ptr + half_r + at * BK * V + local, mask=stored, other=0.0)
+                else:
+                    z = _tanh(_state_times_w(hp, W, PRECISION) + kt[:, None] * vt[None, :])
+                dh, dW, dh0 = _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, tc * H + hd, kb, n_rows,
+                                            rk, rv, on_r, dq_ptr, dk_ptr, dv_ptr, df_ptr, K, V, NKB, CLIP, PRECISION,
+                                            HAS_H0)  # fmt: skip
+    else:
+        n_chunks = (end - start + CHUNK - 1) // CHUNK
+        for cc in range(0, n_chunks):
+            c = n_chunks - 1 - cc
+            t0 = start + c * CHUNK
+            t1 = tl.minimum(t0 + CHUNK, end)
+            # recompute the chunk: the previous state each step used (after any reset), and z
+            h = tl.load(ckpt_ptr + ((slot + c) * H + hd) * K * V + kv)
+            qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t0, hd, H, rk, rv, K, V)
+            for t in range(t0, t1):
+                qt, kt, vt, ft, rt = qn, kn, vn, fn, rn
+                _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + L2_AHEAD, t1 - 1), hd, H, kb * BK, K, V)
+                qn, kn, vn, fn, rn = _load_step(
+                    q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, t1 - 1), hd, H, rk, rv, K, V
+                )
+                h, z = _recompute_step(h, h0, kt, vt, rt, W, PRECISION)
+                tl.store(prev_ptr + scratch + (t - t0) * BK * V + local, h)
+                if Z_SCRATCH:
+                    tl.store(z_ptr + scratch + (t - t0) * BK * V + local, z)
+                h = ft * h + (1.0 - ft) * z
+            # reverse over the chunk, next (earlier) step's inputs prefetched
+            i = t1 - 1 - t0
+            qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t1 - 1, hd, H, rk, rv, K, V)
+            dyn = tl.load(dy_ptr + ((t1 - 1) * H + hd) * V + rv).to(tl.float32)
+            hpn = tl.load(prev_ptr + scratch + i * BK * V + local)
+            zn = tl.load(z_ptr + scratch + i * BK * V + local) if Z_SCRATCH else hpn
+            for tt in range(t0, t1):
+                t = t1 - 1 - (tt - t0)
+                qt, kt, vt, ft, rt, dyt, hp, z = qn, kn, vn, fn, rn, dyn, hpn, zn
+                if not Z_SCRATCH:
+                    z = _tanh(_state_times_w(hp, W, PRECISION) + kt[:, None] * vt[None, :])
+                tp = tl.maximum(t - 1, t0)
+                ta = tl.maximum(t - L2_AHEAD, t0)
+                _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, ta, hd, H, kb * BK, K, V)
+                _prefetch_l2(dy_ptr + (ta * H + hd) * V)
+                qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
+                dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
+                hpn = tl.load(prev_ptr + scratch + (tp - t0) * BK * V + local)
+                if Z_SCRATCH:
+                    zn = tl.load(z_ptr + scratch + (tp - t0) * BK * V + local)
+                dh, dW, dh0 = _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, t * H + hd, kb, n_rows,
+                                            rk, rv, t >= t0, dq_ptr, dk_ptr, dv_ptr, df_ptr, K, V, NKB, CLIP, PRECISION,
+                                            HAS_H0)  # fmt: skip
     tl.store(dw_ptr + prog * V * V + rv[:, None] * V + rv[None, :], dW)
     if HAS_H0:
         tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
@@ -293,6 +377,9 @@ BWD_WARPS = {"tf32": 2, "ieee": 2}
 MIN_BLOCK_K = 16  # the smallest K-split block (tl.dot's smallest M)
 MAX_WARPS = 8
 Z_MODES = ("auto", "scratch", "recompute")
+# the backward's order: its recompute pass then its reverse pass, chunk by chunk, or the two overlapped
+# (_m2rnn_bwd_kernel INTERLEAVED); serial stays the default until bench m2rnn's grid has timed both
+BWD_ORDERS = ("serial", "interleaved")
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,14 +445,15 @@ def _ckpt_layout(ranges: torch.Tensor, chunk: int, total: int) -> tuple[torch.Te
 def m2rnn_scan_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
     ranges: torch.Tensor, reset: torch.Tensor, chunk: int, save: bool, clip: float, block_k: int = 0,
-    z_mode: str = "auto",
+    z_mode: str = "auto", bwd_order: str = "serial",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,S,H,V] and the every-`chunk`-steps state checkpoints (empty unless save).
 
     h0 [P,H,K,V] fp32, or None: every range starts from zeros, made inside the kernel. (A zeros h0 made by
     the caller would be a [P,...] tensor in the compiled graph, P the number of documents: its contiguity
     check guards P != 1, and a batch of one document recompiled the graph.)
-    clip and z_mode are only carried to the backward (gradient clipping of the state; where z is kept).
+    clip, z_mode and bwd_order are only carried to the backward (gradient clipping of the state; where z is
+    kept; the order of its two passes).
     block_k: state rows per program, 0 = plan_block_k's choice (P is concrete here, inside the op, also under
     torch.compile: the plan follows the batch's documents without a recompile)."""
     B, S, H, K = q.shape
@@ -388,7 +476,7 @@ def m2rnn_scan_fwd(
 
 
 @m2rnn_scan_fwd.register_fake
-def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k=0, z_mode="auto"):
+def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k=0, z_mode="auto", bwd_order="serial"):
     B, S, H, K = q.shape
     slots = B * S // chunk + ranges.shape[0] - 1
     return torch.empty_like(v), q.new_empty((slots if save else 0, H, K, v.shape[-1]), dtype=torch.float32)
@@ -398,7 +486,7 @@ def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k=0, z_mode="au
 def m2rnn_scan_bwd(
     dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor,
     h0: torch.Tensor | None, ranges: torch.Tensor, reset: torch.Tensor, ckpt: torch.Tensor, chunk: int, clip: float,
-    block_k: int = 0, z_mode: str = "auto",
+    block_k: int = 0, z_mode: str = "auto", bwd_order: str = "serial",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients for q, k, v, f, W and h0. With h0=None (zeros, the forward's) the last is an empty
     [0,H,K,V] tensor: no [P,...] tensor enters the backward graph either."""
@@ -410,19 +498,21 @@ def m2rnn_scan_bwd(
     bk = plan_block_k(P * H, K, q.device, block_k)
     warps = plan_warps(BWD_WARPS[precision], bk, V)
     nkb, n_rows = K // bk, B * S * H
-    z_scratch = plan_z_scratch(P * H * nkb, chunk, bk, V, q.device, z_mode)
+    interleaved = bwd_order == "interleaved"
+    depth = 2 * chunk if interleaved else chunk  # scratch steps a program holds: two chunks when interleaved
+    z_scratch = plan_z_scratch(P * H * nkb, depth, bk, V, q.device, z_mode)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dv = torch.empty_like(v) if nkb == 1 else torch.empty((nkb, n_rows, V), device=q.device, dtype=torch.float32)
     df = torch.empty((nkb, n_rows), device=f.device, dtype=torch.float32)
     dW = torch.empty((P, H, nkb, V, V), device=q.device, dtype=torch.float32)
     dh0 = torch.empty((0 if h0 is None else P, H, K, V), device=q.device, dtype=torch.float32)
-    prev = torch.empty((P * H * nkb * chunk, bk, V), device=q.device, dtype=torch.float32)
+    prev = torch.empty((P * H * nkb * depth, bk, V), device=q.device, dtype=torch.float32)
     zbuf = torch.empty_like(prev) if z_scratch else prev  # recomputed: a placeholder pointer, never read
     _m2rnn_bwd_kernel[(P, H, nkb)](
         q, k, v, f, W, W if h0 is None else h0, ranges, reset, offsets, ckpt, dy.contiguous(),
         dq, dk, dv, df, dW, dh0, prev, zbuf, H, n_rows, float(clip),
         K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision, HAS_H0=h0 is not None,
-        Z_SCRATCH=z_scratch, num_warps=warps,
+        Z_SCRATCH=z_scratch, INTERLEAVED=interleaved, num_warps=warps,
     )  # fmt: skip
     if nkb > 1:
         dv = dv.sum(0).view(v.shape).to(v.dtype)
@@ -430,16 +520,16 @@ def m2rnn_scan_bwd(
 
 
 @m2rnn_scan_bwd.register_fake
-def _(dy, q, k, v, f, W, h0, ranges, reset, ckpt, chunk, clip, block_k=0, z_mode="auto"):
+def _(dy, q, k, v, f, W, h0, ranges, reset, ckpt, chunk, clip, block_k=0, z_mode="auto", bwd_order="serial"):
     dh0 = q.new_empty((0, *q.shape[2:], v.shape[-1]), dtype=torch.float32) if h0 is None else torch.empty_like(h0)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
             torch.empty_like(W), dh0)  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k, z_mode = inputs
+    q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k, z_mode, bwd_order = inputs
     ctx.save_for_backward(q, k, v, f, W, h0, ranges, reset, output[1])
-    ctx.chunk, ctx.clip, ctx.block_k, ctx.z_mode = chunk, clip, block_k, z_mode
+    ctx.chunk, ctx.clip, ctx.block_k, ctx.z_mode, ctx.bwd_order = chunk, clip, block_k, z_mode, bwd_order
 
 
 def _backward(ctx, dy, _dckpt):
@@ -447,8 +537,8 @@ def _backward(ctx, dy, _dckpt):
     if ckpt.numel() == 0:
         raise RuntimeError("m2rnn_scan_fwd ran with save=False; its output cannot be differentiated")
     dq, dk, dv, df, dW, dh0 = m2rnn_scan_bwd(dy, q, k, v, f, W, h0, ranges, reset, ckpt, ctx.chunk, ctx.clip,
-                                             ctx.block_k, ctx.z_mode)  # fmt: skip
-    return dq, dk, dv, df, dW, None if h0 is None else dh0, None, None, None, None, None, None, None
+                                             ctx.block_k, ctx.z_mode, ctx.bwd_order)  # fmt: skip
+    return dq, dk, dv, df, dW, None if h0 is None else dh0, None, None, None, None, None, None, None, None
 
 
 m2rnn_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -514,6 +604,7 @@ def m2rnn_scan(
     kernel: str = "auto",
     block_k: int = 0,
     z_mode: str = "auto",
+    bwd_order: str = "serial",
 ) -> torch.Tensor:
     """The M2RNN recurrence over [B,S,H,*] inputs; returns y [B,S,H,V] in q's dtype.
 
@@ -525,9 +616,10 @@ def m2rnn_scan(
     flattened and scanned one program per document, from its cu_seqlens, validated when it was built;
     h0 is [N,H,K,V]), or none (each row is one document). h0=None means zeros.
 
-    block_k and z_mode are the Triton kernel's launch plan, for benchmarks and tests: state rows per program
-    (0: plan_block_k's choice from the documents, heads and the GPU's SMs) and where the backward keeps z
-    (plan_z_scratch). Every plan computes the same recurrence.
+    block_k, z_mode and bwd_order are the Triton kernel's launch plan, for benchmarks and tests: state rows per
+    program (0: plan_block_k's choice from the documents, heads and the GPU's SMs), where the backward keeps z
+    (plan_z_scratch), and the order of the backward's passes (BWD_ORDERS). Every plan computes the same
+    recurrence.
     """
     if q.dim() != 4:
         raise ValueError(f"q must be [B,S,H,K], got shape {tuple(q.shape)}")
@@ -546,6 +638,8 @@ def m2rnn_scan(
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if z_mode not in Z_MODES:
         raise ValueError(f"z_mode must be one of {Z_MODES}, got {z_mode!r}")
+    if bwd_order not in BWD_ORDERS:
+        raise ValueError(f"bwd_order must be one of {BWD_ORDERS}, got {bwd_order!r}")
     if block_k:
         plan_block_k(1, K, q.device, block_k)  # checked here, before any kernel
     if doc_ids is not None and resolve_kernel(kernel, q.device) != "reference":
@@ -570,7 +664,7 @@ def m2rnn_scan(
         N = B * S
         y = _scan(q.reshape(1, N, H, K), k.reshape(1, N, H, K), v.reshape(1, N, H, V), f.reshape(1, N, H), W, h0,
                   ctx.cu_seqlens, ctx.starts.reshape(1, N), ctx.seq_index.view(1, N), chunk, grad_clip,
-                  kernel, block_k, z_mode)  # fmt: skip
+                  kernel, block_k, z_mode, bwd_order)  # fmt: skip
         return y.view(B, S, H, V)
     dev = q.device
     if cu_seqlens is not None:
@@ -594,12 +688,12 @@ def m2rnn_scan(
             reset2d = torch.zeros((B, S), dtype=torch.bool, device=dev)
             reset2d[:, 0] = True
         h0_index = torch.arange(B, device=dev).view(B, 1).expand(B, S)
-    return _scan(q, k, v, f, W, h0, ranges, reset2d, h0_index, chunk, grad_clip, kernel, block_k, z_mode)
+    return _scan(q, k, v, f, W, h0, ranges, reset2d, h0_index, chunk, grad_clip, kernel, block_k, z_mode, bwd_order)
 
 
 def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
           ranges: torch.Tensor, reset2d: torch.Tensor, h0_index: torch.Tensor, chunk: int, grad_clip: float,
-          kernel: str, block_k: int = 0, z_mode: str = "auto") -> torch.Tensor:  # fmt: skip
+          kernel: str, block_k: int = 0, z_mode: str = "auto", bwd_order: str = "serial") -> torch.Tensor:  # fmt: skip
     """The scan over sequences [ranges[i], ranges[i+1]) of the flattened tokens, resetting at reset2d."""
     B, S, H, K = q.shape
     V = v.shape[-1]
@@ -631,6 +725,6 @@ def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W:
     y, _ = m2rnn_scan_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), f.contiguous(), W.contiguous(),
         None if h0 is None else h0.float().contiguous(), ranges, reset, chunk, needs_grad, float(grad_clip),
-        block_k, z_mode,
+        block_k, z_mode, bwd_order,
     )  # fmt: skip
     return y
