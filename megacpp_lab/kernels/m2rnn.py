@@ -200,19 +200,21 @@ def _recompute_step(h, h0, kt, vt, rt, W, PRECISION: tl.constexpr):
 @triton.jit
 def _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, row, kb, n_rows, rk, rv, valid,
                   dq_ptr, dk_ptr, dv_ptr, df_ptr, K: tl.constexpr, V: tl.constexpr, NKB: tl.constexpr,
-                  CLIP: tl.constexpr, PRECISION: tl.constexpr, HAS_H0: tl.constexpr):  # fmt: skip
+                  CLIP: tl.constexpr, PRECISION: tl.constexpr, HAS_H0: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One step of the reverse recurrence for the state rows rk, from the state the step used (hp) and its z:
     stores dq and dk, dv (an fp32 partial when K is split) and df's partial, and returns dh (the gradient of the
-    state before the step), dW and dh0 summed on. valid False (a step outside the range: the interleaved
-    kernel's rounds without one) stores nothing and returns the sums as they were."""
+    state before the step), dW and dh0 summed on. MASKED (the interleaved order, whose rounds may hold no step):
+    where valid is False nothing is stored and the sums come back as they were; unmasked, valid is not read."""
     ht = ft * hp + (1.0 - ft) * z
     g = dh + qt[:, None] * dyt[None, :]
     if CLIP:
         g = tl.minimum(tl.maximum(g, -clip), clip)
     # the masks as comparisons: the interpreter's `&` of a vector and a scalar mask gives a dtype its stores reject
-    on_k, on_v = rk >= tl.where(valid, 0, K), rv >= tl.where(valid, 0, V)
+    on_k, on_v, on = None, None, None
+    if MASKED:
+        on_k, on_v, on = rk >= tl.where(valid, 0, K), rv >= tl.where(valid, 0, V), valid
     tl.store(dq_ptr + row * K + rk, tl.sum(ht * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty), mask=on_k)
-    tl.store(df_ptr + kb * n_rows + row, tl.sum(tl.sum(g * (hp - z), axis=1), axis=0), mask=valid)
+    tl.store(df_ptr + kb * n_rows + row, tl.sum(tl.sum(g * (hp - z), axis=1), axis=0), mask=on)
     da = g * (1.0 - ft) * (1.0 - z * z)
     tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty), mask=on_k)
     dvt = tl.sum(da * kt[:, None], axis=0)
@@ -220,11 +222,16 @@ def _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, row, kb,
         tl.store(dv_ptr + row * V + rv, dvt.to(dv_ptr.dtype.element_ty), mask=on_v)
     else:
         tl.store(dv_ptr + (kb * n_rows + row) * V + rv, dvt, mask=on_v)
-    dW = tl.where(valid, dW + tl.dot(tl.trans(hp), da, input_precision=PRECISION), dW)
     dprev = ft * g + tl.dot(da, tl.trans(W), input_precision=PRECISION)
+    if MASKED:
+        dW = tl.where(valid, dW + tl.dot(tl.trans(hp), da, input_precision=PRECISION), dW)
+        if HAS_H0:
+            dh0 = tl.where(valid & (rt != 0), dh0 + dprev, dh0)
+        return tl.where(valid, tl.where(rt != 0, 0.0, dprev), dh), dW, dh0
+    dW += tl.dot(tl.trans(hp), da, input_precision=PRECISION)
     if HAS_H0:
-        dh0 = tl.where(valid & (rt != 0), dh0 + dprev, dh0)
-    return tl.where(valid, tl.where(rt != 0, 0.0, dprev), dh), dW, dh0
+        dh0 += tl.where(rt != 0, dprev, 0.0)
+    return tl.where(rt != 0, 0.0, dprev), dW, dh0
 
 
 @triton.jit
@@ -319,7 +326,7 @@ def _m2rnn_bwd_kernel(
                     z = _tanh(_state_times_w(hp, W, PRECISION) + kt[:, None] * vt[None, :])
                 dh, dW, dh0 = _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, tc * H + hd, kb, n_rows,
                                             rk, rv, on_r, dq_ptr, dk_ptr, dv_ptr, df_ptr, K, V, NKB, CLIP, PRECISION,
-                                            HAS_H0)  # fmt: skip
+                                            HAS_H0, True)  # fmt: skip
     else:
         n_chunks = (end - start + CHUNK - 1) // CHUNK
         for cc in range(0, n_chunks):
@@ -362,7 +369,7 @@ def _m2rnn_bwd_kernel(
                     zn = tl.load(z_ptr + scratch + (tp - t0) * BK * V + local)
                 dh, dW, dh0 = _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, t * H + hd, kb, n_rows,
                                             rk, rv, t >= t0, dq_ptr, dk_ptr, dv_ptr, df_ptr, K, V, NKB, CLIP, PRECISION,
-                                            HAS_H0)  # fmt: skip
+                                            HAS_H0, False)  # fmt: skip
     tl.store(dw_ptr + prog * V * V + rv[:, None] * V + rv[None, :], dW)
     if HAS_H0:
         tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
