@@ -104,7 +104,8 @@ def test_launch_plan_rules_and_bad_plans_fail_closed():
     assert m2k.plan_block_k(1, 64, cpu) == 64 and m2k.plan_z_scratch(10**6, 64, 16, 16, cpu)
     assert m2k.plan_block_k(1, 64, cpu, block_k=16) == 16
     assert m2k.plan_z_scratch(1, 64, 16, 16, cpu, "recompute") is False
-    assert m2k.plan_warps(2, 16, 16) == 2 and m2k.plan_warps(2, 64, 32) == 8 and m2k.plan_warps(2, 16, 32) == 4
+    assert m2k.plan_warps(2, 16, 16) == 2 and m2k.plan_warps(2, 64, 16) == 2 and m2k.plan_warps(2, 16, 32) == 2
+    assert m2k.plan_warps(2, 64, 32) == 4 and m2k.plan_warps(2, 64, 64) == 8 and m2k.plan_warps(4, 16, 16) == 4
     if ON_GPU:
         sms, l2 = m2k._limits(torch.device("cuda"))
         assert m2k.plan_block_k(sms, 64, torch.device("cuda")) == 64  # a pair per SM: no split

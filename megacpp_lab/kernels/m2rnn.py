@@ -227,11 +227,13 @@ def _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, row, kb,
         dW = tl.where(valid, dW + tl.dot(tl.trans(hp), da, input_precision=PRECISION), dW)
         if HAS_H0:
             dh0 = tl.where(valid & (rt != 0), dh0 + dprev, dh0)
-        return tl.where(valid, tl.where(rt != 0, 0.0, dprev), dh), dW, dh0
-    dW += tl.dot(tl.trans(hp), da, input_precision=PRECISION)
-    if HAS_H0:
-        dh0 += tl.where(rt != 0, dprev, 0.0)
-    return tl.where(rt != 0, 0.0, dprev), dW, dh0
+        dh = tl.where(valid, tl.where(rt != 0, 0.0, dprev), dh)
+    else:
+        dW += tl.dot(tl.trans(hp), da, input_precision=PRECISION)
+        if HAS_H0:
+            dh0 += tl.where(rt != 0, dprev, 0.0)
+        dh = tl.where(rt != 0, 0.0, dprev)
+    return dh, dW, dh0
 
 
 @triton.jit
@@ -419,8 +421,11 @@ def plan_block_k(pairs: int, K: int, device: torch.device, block_k: int = 0) -> 
 
 
 def plan_warps(base: int, bk: int, V: int) -> int:
-    """num_warps for BK x V state blocks: the tuned count at 16 x 16 rows, scaled with the block's size."""
-    return max(1, min(MAX_WARPS, base * max(1, (bk * V) // (MIN_BLOCK_K * 16))))
+    """num_warps for BK x V state blocks: the tuned count (at 16 x 16), raised only as far as keeps each of the
+    block's fp32 tensors at 16 elements a thread. More warps buy no occupancy: the backward holds 160 to 255
+    registers a thread whatever the block (compiled for sm90), so an SM keeps 8 to 12 of its warps resident and
+    a program of 8 warps is alone on its SM; past 16 elements a thread it spills."""
+    return max(base, min(MAX_WARPS, (bk * V) // (32 * 16)))
 
 
 def plan_z_scratch(programs: int, chunk: int, bk: int, V: int, device: torch.device, z_mode: str = "auto") -> bool:
