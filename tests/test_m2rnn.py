@@ -398,3 +398,25 @@ def test_xma_adapter_computes_the_labs_recurrence_with_and_without_documents():
         ref = m2rnn_scan(q, k, v, f, W, ctx=ctx, kernel="reference")
         got = xma_call(torch_backend, None if docs == 1 else cu)(q, k, v, f, W)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_xma_triton_backend_through_the_adapter_computes_the_labs_recurrence_on_gpu():
+    """On a GPU, XMA's Triton backend through bench m2rnn's adapter, its own varlen mode over cu_seqlens included
+    (the contract the CPU test above emulates), against the lab's reference loop: the peer grid times one
+    recurrence on both sides. Skipped where no XMA checkout is found."""
+    from megacpp_lab.bench import peer_checkout
+    from megacpp_lab.bench.m2rnn import XMA_ENV, find_xma, xma_call
+    from megacpp_lab.varlen import doc_ids_from_cu_seqlens, packed_cu_seqlens
+
+    if peer_checkout(XMA_ENV, "xma", "xma/layers/m2rnn") is None:
+        pytest.skip("no XMA checkout (../shared/peers/xma, .peers/xma or $MEGACPP_XMA_PEER)")
+    xma, why = find_xma("cuda")
+    assert xma is not None, why
+    q, k, v, f, W, _ = (t.detach() for t in _inputs(2, 96, 4, 64, 32, device="cuda"))
+    for docs in (1, 5):
+        cu = packed_cu_seqlens(2, 96, docs, torch.Generator().manual_seed(docs))
+        ctx = build_context(doc_ids_from_cu_seqlens(cu, 2, 96).cuda())
+        ref = m2rnn_scan(q, k, v, f, W, ctx=ctx, kernel="reference")
+        got = xma_call(xma, None if docs == 1 else cu.cuda())(q, k, v, f, W)
+        torch.testing.assert_close(got.float(), ref.float(), atol=5e-3, rtol=5e-3)  # its dots may run TF32
