@@ -144,6 +144,14 @@ def _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, hd, H, rk, rv, K: tl.co
 
 
 @triton.jit
+def _next_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, last, hd, H, rk, rv, k0, K: tl.constexpr, V: tl.constexpr):
+    """Software pipelining by hand, in a loop forward over steps: step t + 1's inputs (clamped to `last`), loaded
+    before step t's math, off the state's critical path, and step t + L2_AHEAD's pulled into L2."""
+    _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + L2_AHEAD, last), hd, H, k0, K, V)
+    return _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, last), hd, H, rk, rv, K, V)
+
+
+@triton.jit
 def _m2rnn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr,
     y_ptr, ckpt_ptr,
@@ -172,10 +180,7 @@ def _m2rnn_fwd_kernel(
     qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, start, hd, H, rk, rv, K, V)
     for t in range(start, end):
         qt, kt, vt, ft, rt = qn, kn, vn, fn, rn
-        _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + L2_AHEAD, end - 1), hd, H, kb * BK, K, V)
-        qn, kn, vn, fn, rn = _load_step(
-            q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, end - 1), hd, H, rk, rv, K, V
-        )
+        qn, kn, vn, fn, rn = _next_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, end - 1, hd, H, rk, rv, kb * BK, K, V)
         if SAVE:
             rel = t - start
             if rel % CHUNK == 0:
@@ -340,10 +345,8 @@ def _m2rnn_bwd_kernel(
             qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t0, hd, H, rk, rv, K, V)
             for t in range(t0, t1):
                 qt, kt, vt, ft, rt = qn, kn, vn, fn, rn
-                _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + L2_AHEAD, t1 - 1), hd, H, kb * BK, K, V)
-                qn, kn, vn, fn, rn = _load_step(
-                    q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(t + 1, t1 - 1), hd, H, rk, rv, K, V
-                )
+                qn, kn, vn, fn, rn = _next_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, t1 - 1, hd, H, rk, rv, kb * BK,
+                                                K, V)  # fmt: skip
                 h, z = _recompute_step(h, h0, kt, vt, rt, W, PRECISION)
                 tl.store(prev_ptr + scratch + (t - t0) * BK * V + local, h)
                 if Z_SCRATCH:
