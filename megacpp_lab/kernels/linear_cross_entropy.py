@@ -28,16 +28,16 @@ from megacpp_lab.kernels import TRITON_INTERPRET, warn_at_caller
 __all__ = [
     "BF16_FILTER_EPS",
     "DEFAULT_CHUNK_BYTES",
+    "FILTER_MAX_KEPT",
     "IMPLS",
     "REDUCTIONS",
     "block_filter_",
     "block_keep",
     "default_chunk_size",
-    "FILTER_MAX_KEPT",
     "filter_pays",
-    "last_filter_gate",
     "fused_linear_cross_entropy",
     "kept_block_fraction",
+    "last_filter_gate",
     "linear_cross_entropy_reference",
     "resolve_impl",
 ]
