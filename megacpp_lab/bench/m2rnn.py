@@ -235,9 +235,10 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
                       device: str = "cuda", rep: int = 10, progress: bool = True,
                       on_point: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """At each grid point, same inputs: the lab's scan as the model calls it (the batch's PackedContext) under its
-    launch plan, two fixed plans and the plan with the interleaved backward, and XMA's m2rnn; forward and forward+backward time with their spread, peak
-    memory, and each one's y and gradient error against the fp32 reference loop. on_point gets the receipt of the
-    points measured so far after each (run() writes it, so a run cut short keeps what it measured)."""
+    launch plan, two fixed plans and the plan with the interleaved backward, and XMA's m2rnn; forward and
+    forward+backward time with their spread, peak memory, and each one's y and gradient error against the fp32
+    reference loop. on_point gets the receipt of the points measured so far after each (run() writes it, so a run
+    cut short keeps what it measured)."""
     from tqdm.auto import tqdm
 
     xma, missing = find_xma(device)
