@@ -104,8 +104,15 @@ def test_launch_plan_rules_and_bad_plans_fail_closed():
     assert m2k.plan_block_k(1, 64, cpu) == 64 and m2k.plan_z_scratch(10**6, 64, 16, 16, cpu)
     assert m2k.plan_block_k(1, 64, cpu, block_k=16) == 16
     assert m2k.plan_z_scratch(1, 64, 16, 16, cpu, "recompute") is False
-    assert m2k.plan_warps(2, 16, 16) == 2 and m2k.plan_warps(2, 64, 16) == 2 and m2k.plan_warps(2, 16, 32) == 2
-    assert m2k.plan_warps(2, 64, 32) == 4 and m2k.plan_warps(2, 64, 64) == 8 and m2k.plan_warps(4, 16, 16) == 4
+    # the backward's register cap: at most BWD_MAX_BLOCK state elements a program, whatever the pairs
+    assert m2k.plan_bwd_block_k(1, 64, 16, cpu) == 64 and m2k.plan_bwd_block_k(1, 64, 32, cpu) == 64
+    assert m2k.plan_bwd_block_k(1, 64, 64, cpu) == 32 and m2k.plan_bwd_block_k(1, 64, 256, cpu) == 16
+    assert m2k.plan_bwd_block_k(1, 64, 64, cpu, block_k=64) == 64  # an override is taken as given
+    assert m2k.plan_block_k(1, 64, cpu, max_rows=16) == 16 and m2k.plan_block_k(1, 32, cpu, max_rows=64) == 32
+    # warps: the tuned count up to BWD_MAX_BLOCK elements, one warp per BWD_ELEMENTS_PER_WARP past it
+    assert m2k.plan_warps(2, 16, 16) == 2 and m2k.plan_warps(2, 64, 16) == 2 and m2k.plan_warps(2, 64, 32) == 2
+    assert m2k.plan_warps(2, 32, 64) == 2 and m2k.plan_warps(2, 64, 64) == 4 and m2k.plan_warps(4, 16, 16) == 4
+    assert m2k.plan_warps(2, 128, 128) == m2k.MAX_WARPS
     if ON_GPU:
         sms, l2 = m2k._limits(torch.device("cuda"))
         assert m2k.plan_block_k(sms, 64, torch.device("cuda")) == 64  # a pair per SM: no split

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from megacpp_lab.bench import bench_device, output_root, peer_checkout, require_triton_interpreter
-from megacpp_lab.kernels.m2rnn import m2rnn_scan, plan_block_k, plan_z_scratch
+from megacpp_lab.kernels.m2rnn import m2rnn_scan, plan_bwd_block_k, plan_z_scratch
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms, time_spread_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
@@ -217,7 +217,7 @@ def xma_call(m2rnn: Callable[..., Any], cu_seqlens: torch.Tensor | None) -> Call
 
 def lab_plans(K: int) -> dict[str, tuple[int, str, str]]:
     """The lab's contenders, (block_k, z_mode, bwd_order) each: its launch plan ('triton'), two fixed plans beside
-    it (kernels.m2rnn.plan_block_k, plan_z_scratch) and the plan with the interleaved backward, so the receipt
+    it (kernels.m2rnn.plan_bwd_block_k, plan_z_scratch) and the plan with the interleaved backward, so the receipt
     shows what the plan chose against what it could have."""
     return {"triton": (0, "auto", "serial"), "triton (16 rows a program, z in scratch)": (16, "scratch", "serial"),
             f"triton ({K} rows a program, z recomputed)": (K, "recompute", "serial"),
@@ -273,7 +273,7 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
             row: dict[str, Any] = {"contender": name, "point": point.label, "docs": point.docs, "shape": asdict(s)}
             if name in lab_plans(s.K):  # the launch plan this row ran (the backward's: its z placement too)
                 block_k, z_mode, order = lab_plans(s.K)[name]
-                bk = plan_block_k(ctx.n_seqs * s.H, s.K, inputs[0].device, block_k)
+                bk = plan_bwd_block_k(ctx.n_seqs * s.H, s.K, s.V, inputs[0].device, block_k)
                 depth = GRID_CHUNK * (2 if order == "interleaved" else 1)  # the launcher's scratch depth
                 row["plan"] = {"block_k": bk, "bwd_order": order,
                                "z_in_scratch": plan_z_scratch(ctx.n_seqs * s.H * (s.K // bk), depth, bk, s.V,

@@ -41,6 +41,7 @@ __all__ = [
     "m2rnn_scan_fwd",
     "m2rnn_scan_reference",
     "plan_block_k",
+    "plan_bwd_block_k",
     "plan_warps",
     "plan_z_scratch",
     "resolve_kernel",
@@ -382,15 +383,23 @@ def _m2rnn_bwd_kernel(
 
 # ----------------------------------------------------------------------------- launchers
 
-# num_warps per kernel and state-matmul precision at 16 state rows a program, picked on an H100 (megacpp-lab
-# bench m2rnn at B=2 H=8: few (range, head) pairs, where splitting K four ways is what fills the GPU)
+# num_warps per kernel and state-matmul precision. bf16 (tf32) measured on an H200 (bench m2rnn's peer grid,
+# B=16 S=1024 H=32 V in {16, 32, 64}, and B=8 S=512 H=64): two warps a program are fastest at every state block
+# in the forward and up to 2048 state elements in the backward; more warps only add cross-warp reductions and
+# barriers to each serial step, and cost resident programs. fp32 (ieee) kept from the H100 tuning.
 FWD_WARPS = {"tf32": 2, "ieee": 4}
 BWD_WARPS = {"tf32": 2, "ieee": 2}
+# The backward's state block: at most this many elements (BK x V). Past it a 2-warp program spills: at V=64 on the
+# H200 grid, 32 rows a program at 2 warps ran forward+backward in 0.94x the time of 64 rows at 4 warps, 0.55x of 64
+# rows at 2 warps, and 0.73x of the earlier plan (64 rows at 8 warps).
+BWD_MAX_BLOCK = 2048
+BWD_ELEMENTS_PER_WARP = 1024  # an override past BWD_MAX_BLOCK gets one warp per this many state elements
 MIN_BLOCK_K = 16  # the smallest K-split block (tl.dot's smallest M)
 MAX_WARPS = 8
 Z_MODES = ("auto", "scratch", "recompute")
 # the backward's order: its recompute pass then its reverse pass, chunk by chunk, or the two overlapped
-# (_m2rnn_bwd_kernel INTERLEAVED); serial stays the default until bench m2rnn's grid has timed both
+# (_m2rnn_bwd_kernel INTERLEAVED). Serial is the default: on the H200 grid (bench m2rnn, B=16 S=1024 H=32 and
+# B=8 S=512 H=64) the interleaved order took 1.1x to 1.35x serial's forward+backward time at every point
 BWD_ORDERS = ("serial", "interleaved")
 
 
@@ -407,28 +416,33 @@ def _limits(device: torch.device) -> tuple[int, int]:
     return _gpu_limits(-1 if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device())
 
 
-def plan_block_k(pairs: int, K: int, device: torch.device, block_k: int = 0) -> int:
+def plan_block_k(pairs: int, K: int, device: torch.device, block_k: int = 0, max_rows: int = 0) -> int:
     """State rows per program (block_k, when given, else the plan): one program runs one (range, head) pair's
     BK rows, so a pair split K/BK ways fills an SM each when there are fewer pairs than SMs. With enough pairs
     the split buys nothing and costs K/BK times the step's loads and an fp32 partial of y, dv and df each: the
-    largest BK that still gives every SM a program."""
+    largest BK that still gives every SM a program. max_rows (> 0) caps the plan's BK: the backward's register
+    budget (BWD_MAX_BLOCK // V rows)."""
     if block_k:
         if block_k < MIN_BLOCK_K or K % block_k or block_k & (block_k - 1):
             raise ValueError(f"block_k must be a power of two >= {MIN_BLOCK_K} dividing K={K}, got {block_k}")
         return block_k
     sms, _ = _limits(device)
     bk = K
-    while bk > MIN_BLOCK_K and pairs * (K // bk) < sms:
+    while bk > MIN_BLOCK_K and (pairs * (K // bk) < sms or (max_rows and bk > max_rows)):
         bk //= 2
     return max(min(bk, K), min(MIN_BLOCK_K, K))
 
 
+def plan_bwd_block_k(pairs: int, K: int, V: int, device: torch.device, block_k: int = 0) -> int:
+    """The backward's state rows per program: plan_block_k under the register cap of BWD_MAX_BLOCK elements."""
+    return plan_block_k(pairs, K, device, block_k, max_rows=max(MIN_BLOCK_K, BWD_MAX_BLOCK // V))
+
+
 def plan_warps(base: int, bk: int, V: int) -> int:
-    """num_warps for BK x V state blocks: the tuned count (at 16 x 16), raised only as far as keeps each of the
-    block's fp32 tensors at 16 elements a thread. More warps buy no occupancy: the backward holds 160 to 255
-    registers a thread whatever the block (compiled for sm90), so an SM keeps 8 to 12 of its warps resident and
-    a program of 8 warps is alone on its SM; past 16 elements a thread it spills."""
-    return max(base, min(MAX_WARPS, (bk * V) // (32 * 16)))
+    """The backward's num_warps for BK x V state blocks: the tuned count, raised only for a block past
+    BWD_MAX_BLOCK (a block_k override), one warp per BWD_ELEMENTS_PER_WARP elements, so it does not spill. The
+    forward runs its tuned count at every block."""
+    return max(base, min(MAX_WARPS, (bk * V) // BWD_ELEMENTS_PER_WARP))
 
 
 def plan_z_scratch(programs: int, chunk: int, bk: int, V: int, device: torch.device, z_mode: str = "auto") -> bool:
@@ -476,7 +490,7 @@ def m2rnn_scan_fwd(
     P = ranges.numel() - 1
     precision = _precision(q.dtype)
     bk = plan_block_k(P * H, K, q.device, block_k)
-    warps = plan_warps(FWD_WARPS[precision], bk, V)
+    warps = FWD_WARPS[precision]
     y = torch.empty_like(v) if bk == K else torch.empty((K // bk, B * S * H, V), device=q.device, dtype=torch.float32)
     offsets, slots = _ckpt_layout(ranges, chunk, B * S)
     ckpt = torch.empty((slots if save else 0, H, K, V), device=q.device, dtype=torch.float32)
@@ -510,7 +524,7 @@ def m2rnn_scan_bwd(
     P = ranges.numel() - 1
     offsets, _ = _ckpt_layout(ranges, chunk, B * S)
     precision = _precision(q.dtype)
-    bk = plan_block_k(P * H, K, q.device, block_k)
+    bk = plan_bwd_block_k(P * H, K, V, q.device, block_k)
     warps = plan_warps(BWD_WARPS[precision], bk, V)
     nkb, n_rows = K // bk, B * S * H
     interleaved = bwd_order == "interleaved"
