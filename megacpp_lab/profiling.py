@@ -76,10 +76,17 @@ def kernel_ms(fn: Callable[[], object], *, calls: int = 5) -> float:
     records over `calls` calls (after one untimed call), summed and divided by `calls`; no host time. Beside a
     wall-clock time (time_ms) it tells where the GPU waited on the host: a launch-bound contender's wall time is
     well above its kernel time. Kernels on concurrent streams would count twice; CUDA only."""
+    return sum(kernel_times_ms(fn, calls=calls).values())
+
+
+def kernel_times_ms(fn: Callable[[], object], *, calls: int = 5) -> dict[str, float]:
+    """kernel_ms by kernel name: each kernel's (memcpy's, memset's) time in one call of fn, in ms, the largest first."""
+    from collections import defaultdict
+
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
-        raise RuntimeError("kernel_ms reads CUDA kernel times: it needs a CUDA device")
+        raise RuntimeError("kernel_times_ms reads CUDA kernel times: it needs a CUDA device")
     if calls < 1:
         raise ValueError(f"calls must be >= 1, got {calls}")
     fn()
@@ -88,8 +95,11 @@ def kernel_ms(fn: Callable[[], object], *, calls: int = 5) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total_us / 1e3 / calls
+    by_name: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name] += e.self_device_time_total / 1e3 / calls
+    return dict(sorted(by_name.items(), key=lambda kv: -kv[1]))
 
 
 def step_times_ms(fn: Callable[[], object], *, warmup: int = 2, steps: int = 10,

@@ -242,6 +242,16 @@ def test_kernel_keep_flags_equal_block_filter() -> None:
     assert torch.equal(flags, keep) and 0 < int(keep.sum()) < keep.numel(), (flags, keep)
 
 
+@pytest.mark.parametrize("V, dtype", [(50304, torch.bfloat16), (32768, torch.bfloat16), (151552, torch.bfloat16),
+                                      (50304, torch.float32), (8_000_000, torch.float32)])
+def test_default_chunk_is_the_largest_power_of_two_whose_buffer_fits(V: int, dtype: torch.dtype) -> None:
+    elt = torch.tensor([], dtype=dtype).element_size()
+    c = L.default_chunk_size(1 << 20, V, dtype)
+    assert c >= 16 and c & (c - 1) == 0, c
+    assert c == 16 or c * V * elt <= L.DEFAULT_CHUNK_BYTES < 2 * c * V * elt, (c, V)
+    assert L.default_chunk_size(100, V, dtype) == min(100, c)  # fewer tokens than a chunk: one chunk holds them
+
+
 def test_a_second_backward_fails_instead_of_scaling_twice() -> None:
     x, w, t = _inputs(12, 8, 13, torch.float32)
     xa = x.clone().requires_grad_()

@@ -39,6 +39,9 @@ EXACT, FILTERED = "fused (default chunk)", "fused, filter_eps (default chunk)"
 PEER_SHAPES = ((32768, 1024, 50304), (16384, 1024, 32768), (8192, 4096, 65536))
 SMALL_PEER_SHAPES = ((96, 32, 640), (64, 32, 384))
 PEER_BAR = 1.0
+# the exact path's chunk rows at the peer shapes (beside the default chunk's, which is not repeated): the trade
+# kernels/linear_cross_entropy.DEFAULT_CHUNK_BYTES stands on
+PEER_CHUNKS = (1024, 2048, 4096)
 GATE_SLACK = 1.02  # the gate's cost where it skips the filter: the first chunk's keep-flags and one host read
 # the break-even sweep: the gradient's mass on a band of this share of the vocabulary (its blocks kept, the
 # rest dropped), at an eps below 1 / band so the band's blocks stay above it
@@ -138,15 +141,19 @@ def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dt
 
 
 def bench_flce_peers(shapes: tuple[tuple[int, int, int], ...] = PEER_SHAPES, *, dtype: torch.dtype = torch.bfloat16,
-                     device: str = "cuda", rep: int = 5, progress: bool = True) -> dict[str, Any]:  # fmt: skip
-    """At each (T, H, V): the materialised logits, the exact fused path, the filtered one through its gate, and
-    the installed peers (Liger the bar's), same inputs; the bars: exact at most PEER_BAR x Liger at the first two
-    shapes, and filtered never slower than exact (within GATE_SLACK) at every shape."""
+                     device: str = "cuda", rep: int = 5, progress: bool = True,
+                     chunk_sizes: tuple[int, ...] = PEER_CHUNKS) -> dict[str, Any]:  # fmt: skip
+    """At each (T, H, V): the materialised logits, the exact fused path at its default chunk and at each of
+    chunk_sizes below T (the default's own not repeated), the filtered one through its gate, and the installed
+    peers (Liger the bar's), same inputs; the bars: exact (its default chunk) at most PEER_BAR x Liger at the first
+    two shapes, and filtered never slower than exact (within GATE_SLACK) at every shape."""
     from tqdm.auto import tqdm
 
     rows: list[dict[str, Any]] = []
     for T, H, V in tqdm(shapes, desc="flce peer shapes", disable=not progress):
-        one = bench_flce(T, H, V, dtype=dtype, device=device, rep=rep, peers=True, filtered=True, progress=False)
+        chunks = tuple(c for c in chunk_sizes if c != default_chunk_size(T, V, dtype) and c < T)
+        one = bench_flce(T, H, V, dtype=dtype, device=device, rep=rep, peers=True, filtered=True, progress=False,
+                         chunk_sizes=chunks)  # fmt: skip
         rows += [{**r, "point": f"T={T} H={H} V={V}", "shape": {"T": T, "H": H, "V": V}} for r in one["results"]]
     at = lambda point, name: next((r for r in rows if r["point"] == point and r["contender"] == name), None)
     points = [f"T={T} H={H} V={V}" for T, H, V in shapes]
@@ -305,7 +312,7 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
         written.append(write_receipt(vs, root))
         written.append(save_figure(plot_sweep(vs, "V", "peak_mib" if device == "cuda" else "ms"), written[-1].with_suffix(".png")))
         peers = bench_flce_peers(SMALL_PEER_SHAPES if small else PEER_SHAPES, dtype=dtype, device=device,
-                                 rep=2 if small else 5)  # fmt: skip
+                                 rep=2 if small else 5, chunk_sizes=(32,) if small else PEER_CHUNKS)  # fmt: skip
         written.append(write_receipt(peers, root))
         written.append(save_figure(plot_grid(peers, "ms"), written[-1].with_suffix(".png")))
         even = bench_filter_break_even(*((256, 32, 2048) if small else (16384, 1024, 32768)), dtype=dtype, device=device,

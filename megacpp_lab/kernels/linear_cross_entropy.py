@@ -44,11 +44,13 @@ __all__ = [
 
 REDUCTIONS = ("mean", "sum")
 IMPLS = ("auto", "triton", "eager")
-# The one reused [C, V] logits/gradient buffer. 80 MiB gives C = 256 at V = 151552 in bf16: with dW (V x H)
-# and dx that keeps the LM-head loss under 1.3 GiB of extra memory at T=8192, H=4096. A larger chunk
-# is faster (fewer passes over W and dW; see profiles/*/loss/flce_fwd_bwd.json) and costs C * V * 2 bytes.
-DEFAULT_CHUNK_BYTES = 80 * 2**20
-CHUNK_MULTIPLE = 64  # GEMM-tile friendly row count
+# The one reused [C, V] logits/gradient buffer: C is the largest power of two whose buffer fits 256 MiB (C = 2048 at
+# V = 50304 in bf16, 4096 at V = 32768, 512 at V = 151552). A larger chunk is faster: each chunk reads and rewrites
+# all of dW ([V, H], 4 V H bytes), so dW's traffic over the GEMMs' time falls as 1/C, and a power of two fills whole
+# GEMM tiles (the chunk rows of profiles/<device>/loss/flce_peer_shapes.json and flce_fwd_bwd.json time the trade).
+# The buffer costs C * V * 2 bytes; with dW (V x H) and dx the loss's extra memory at T=8192, H=4096, V=151552 in
+# bf16 is 1.4 GiB.
+DEFAULT_CHUNK_BYTES = 256 * 2**20
 # Gradient filtering (opt-in, filter_eps): the [C, V] gradient is cut into FILTER_ROWS x FILTER_COLS blocks;
 # a block whose every |softmax * (1 + 2 z lse) - onehot| (before the mean's 1/n) is below filter_eps is
 # dropped from dx and dW, and the block-sparse GEMMs skip it: no W read, no dW read-modify-write for it.
@@ -152,7 +154,12 @@ def _ce_grad_inplace_kernel(
             big = tl.reshape(tl.where(c < V, tl.abs(g.to(tl.float32)), 0.0), (BLOCK_V // FC, FC))
             keep = tl.max(big, axis=1) >= filter_eps * tl.load(scale_ptr)
             fcol = v0 // FC + tl.arange(0, BLOCK_V // FC)
-            tl.atomic_or(flags_ptr + (row // FR) * n_fcols + fcol, keep.to(tl.int32), mask=keep & (fcol < n_fcols))
+            at = flags_ptr + (row // FR) * n_fcols + fcol
+            # only flags still down: once a block is kept, the FR rows of its row block need not each raise it (a
+            # dense gradient raised every flag FR times over, FR atomics to one address; a stale read only costs
+            # one redundant atomic, since flags only rise)
+            down = tl.load(at, mask=fcol < n_fcols, other=1) == 0
+            tl.atomic_or(at, keep.to(tl.int32), mask=keep & down & (fcol < n_fcols))
 
 
 def _ce_grad_triton_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int,
@@ -341,9 +348,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 def default_chunk_size(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
-    """Rows per chunk whose [C, V] buffer fits DEFAULT_CHUNK_BYTES, rounded down to CHUNK_MULTIPLE."""
+    """Rows per chunk: the largest power of two (at least 16) whose [C, V] buffer fits DEFAULT_CHUNK_BYTES, and no
+    more than the tokens (one chunk then holds them all)."""
     rows = DEFAULT_CHUNK_BYTES // (vocab * torch.tensor([], dtype=dtype).element_size())
-    return max(16, min(n_tokens, rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE or rows))
+    return max(16, min(n_tokens, 1 << max(rows, 1).bit_length() - 1))
 
 
 def kept_block_fraction(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, filter_eps: float, *,

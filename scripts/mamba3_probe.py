@@ -1,0 +1,123 @@
+"""Where the Mamba-3 scan's time goes, per kernel: SISO and MIMO at bench ssd's main shape, compiled as the bench
+runs them, one process (the probe behind kernel work; the receipts come from `megacpp-lab bench ssd`).
+
+    PYTHONPATH=. python scripts/mamba3_probe.py [--variants siso,r4c64,...] [--out DIR]
+
+Each variant: forward+backward median ms (do_bench), the GPU kernels' time by kernel name over 5 calls, and each
+Triton kernel's registers and spills. A variant is `siso`, or `r<R>c<chunk>` (MIMO rank R, chunk in sub-tokens),
+optionally followed by `:NAME=VALUE+NAME=VALUE` setting kernels/mamba3's or kernels/ssd's launch constants for it
+(e.g. `siso:M3_BWD_WARPS=8+M3_BWD_BLOCK_N=32`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megacpp_lab.bench.mamba3 import MAIN, make_inputs
+from megacpp_lab.kernels.mamba3 import mamba3_scan
+from megacpp_lab.profiling import kernel_times_ms, time_spread_ms
+from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens
+
+
+def _triton_resources() -> dict[str, dict[str, int]]:
+    """Registers and spills of every compiled lab Triton kernel (kernels/ssd, kernels/mamba3)."""
+    from megacpp_lab.kernels import mamba3 as m3, ssd
+
+    out = {}
+    for mod in (ssd, m3):
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            caches = getattr(fn, "device_caches", None)
+            if not caches:
+                continue
+            for dev_cache in caches.values():
+                for i, kernel in enumerate(dev_cache[0].values()):
+                    out[f"{name}#{i}"] = {"regs": int(getattr(kernel, "n_regs", -1)),
+                                          "spills": int(getattr(kernel, "n_spills", -1)),
+                                          "warps": int(kernel.metadata.num_warps)}  # fmt: skip
+    return out
+
+
+def _with_constants(overrides: str):
+    """Set the launch constants NAME=VALUE(+...) on kernels/mamba3 or kernels/ssd; returns the undo list."""
+    from megacpp_lab.kernels import mamba3 as m3, ssd
+
+    undo = []
+    for item in filter(None, overrides.split("+")):
+        name, value = item.split("=")
+        mod = m3 if hasattr(m3, name) else ssd
+        if not hasattr(mod, name):
+            raise ValueError(f"no launch constant {name} in kernels/mamba3 or kernels/ssd")
+        undo.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, type(getattr(mod, name))(int(value) if value.isdigit() else value == "True"))
+    return undo
+
+
+def run(variant: str) -> dict:
+    base, _, overrides = variant.partition(":")
+    undo = _with_constants(overrides)
+    try:
+        return _run(base) | {"variant": variant}
+    finally:
+        for mod, name, value in undo:
+            setattr(mod, name, value)
+
+
+def _run(variant: str) -> dict:
+    rank, chunk = (1, MAIN.chunk) if variant == "siso" else map(int, variant[1:].split("c"))
+    s = MAIN.__class__(**{**MAIN.__dict__, "chunk": chunk})
+    a, cu = make_inputs(s, torch.bfloat16, "cuda", rank=rank)
+    ctx = build_context(doc_ids_from_cu_seqlens(cu, s.B, s.T), cu_seqlens=cu)
+    shape = (s.B, s.T, s.H, s.P) if rank == 1 else (s.B, s.T, rank, s.H, s.P)
+    dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    scan = torch.compile(lambda **k: mamba3_scan(**k, ctx=ctx, chunk=chunk, kernel="triton"), fullgraph=True)
+    leaves = [v for v in a.values() if v.requires_grad]
+
+    def fwd_bwd():
+        return torch.autograd.grad(scan(**a), leaves, dy)
+
+    def fwd():
+        with torch.no_grad():
+            return scan(**a)
+
+    fwd_bwd()
+    fwd()
+    return {"variant": variant, "rank": rank, "chunk": chunk, "fwd_bwd": time_spread_ms(fwd_bwd, device="cuda"),
+            "fwd": time_spread_ms(fwd, device="cuda"), "kernels_fwd_bwd": kernel_times_ms(fwd_bwd)}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", default="siso,r2c64,r4c64")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    torch._dynamo.config.recompile_limit = 64
+    rows = []
+    for v in args.variants.split(","):
+        print(f"probe: {v} (compiling)", file=sys.stderr, flush=True)
+        try:
+            rows.append(run(v))
+        except Exception as exc:  # noqa: BLE001  (a variant that fails is reported, the others still run)
+            rows.append({"variant": v, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        Path(args.out, "mamba3_probe.json").write_text(json.dumps({"rows": rows, "triton": _triton_resources(),
+                                                                   "device": torch.cuda.get_device_name()}, indent=1))
+        r = rows[-1]
+        if "error" in r:
+            print(f"{v}: {r['error']}")
+            continue
+        print(f"== {v}: fwd+bwd {r['fwd_bwd']['ms']:.3f} ms [{r['fwd_bwd']['ms_p20']:.3f}, {r['fwd_bwd']['ms_p80']:.3f}]"
+              f"  fwd {r['fwd']['ms']:.3f} ms")
+        for name, ms in list(r["kernels_fwd_bwd"].items())[:14]:
+            print(f"   {ms:7.3f}  {name[:70]}")
+    for name, res in _triton_resources().items():
+        print(f"{name:40s} {res}")
+
+
+if __name__ == "__main__":
+    main()
