@@ -148,10 +148,13 @@ def test_no_grad_computes_the_loss_without_the_gradient_gemms() -> None:
     assert sum("mm" in op for op in ops.seen) == 9
 
 
-@pytest.mark.parametrize("chunk", [50, 200])
-def test_filtered_block_sparse_path_matches_its_eager_twin(chunk: int) -> None:
+@pytest.mark.parametrize("chunk, gate_rows", [(50, 256), (200, 256), (150, 64)])
+def test_filtered_block_sparse_path_matches_its_eager_twin(chunk: int, gate_rows: int, monkeypatch) -> None:
     """The Triton flags and block-sparse GEMMs drop exactly the blocks `block_filter_` drops. Peaked
-    logits (a trained head's shape) leave some blocks above eps and most below, so both branches run."""
+    logits (a trained head's shape) leave some blocks above eps and most below, so both branches run. With gate
+    rows fewer than the first chunk's, only they raise flags in the row kernel and the rest of that chunk's flags
+    come from its stored gradient: the same blocks dropped."""
+    monkeypatch.setattr(L, "GATE_ROWS", gate_rows)
     g = torch.Generator().manual_seed(5)
     T, H, V = 150, 32, 700  # V and the chunk rows are not multiples of the 64 x 128 filter blocks
     x = torch.randn(T, H, generator=g)
@@ -181,7 +184,8 @@ def test_filtered_block_sparse_path_matches_its_eager_twin(chunk: int) -> None:
 def test_the_filter_gate_runs_exact_where_the_first_chunk_keeps_too_many_blocks(impl: str, monkeypatch) -> None:
     """filter_eps where it cannot pay: the first chunk keeps more than filter_max_kept of its blocks, so the whole
     call runs exact (dx and dW equal the unfiltered path's), with one warning per process naming the share; at or
-    above that share it filters (the gradients differ from exact). The gate reads the first chunk only."""
+    above that share it filters (the gradients differ from exact). The gate reads the first chunk only (its 50 rows:
+    fewer than GATE_ROWS)."""
     g = torch.Generator().manual_seed(5)
     T, H, V = 150, 32, 700
     x, w = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g) * 0.3
@@ -194,7 +198,7 @@ def test_the_filter_gate_runs_exact_where_the_first_chunk_keeps_too_many_blocks(
     assert 0 < kept < 1 and not L.filter_pays(kept, kept / 2) and L.filter_pays(kept, kept)
     exact = _both(fused_linear_cross_entropy, x, w, t, impl=impl, chunk_size=50)
     monkeypatch.setattr(L, "_SKIPPED_FILTER_WARNED", False)
-    with pytest.warns(RuntimeWarning, match=f"filter_eps skipped, the gradients exact: the first chunk keeps {kept:.1%}"):
+    with pytest.warns(RuntimeWarning, match=f"filter_eps skipped, the gradients exact: the first {L.GATE_ROWS} rows keep {kept:.1%}"):
         gated = _both(fused_linear_cross_entropy, x, w, t, impl=impl, chunk_size=50, filter_eps=1e-3,
                       filter_max_kept=kept / 2)  # fmt: skip
     for a, b in zip(gated, exact):

@@ -42,7 +42,7 @@ PEER_BAR = 1.0
 # the exact path's chunk rows at the peer shapes (beside the default chunk's, which is not repeated): the trade
 # kernels/linear_cross_entropy.DEFAULT_CHUNK_BYTES stands on
 PEER_CHUNKS = (1024, 2048, 4096)
-GATE_SLACK = 1.02  # the gate's cost where it skips the filter: the first chunk's keep-flags and one host read
+GATE_SLACK = 1.02  # the gate's cost where it skips the filter: the keep-flags of GATE_ROWS rows and one host read
 # the break-even sweep: the gradient's mass on a band of this share of the vocabulary (its blocks kept, the
 # rest dropped), at an eps below 1 / band so the band's blocks stay above it
 BAND_SHARES = (0.02, 0.05, 0.1, 0.2, 0.4)
@@ -173,7 +173,7 @@ def bench_flce_peers(shapes: tuple[tuple[int, int, int], ...] = PEER_SHAPES, *, 
     return make_receipt("flce_peer_shapes", "loss", shape={"grid": points}, dtype=dtype, results=rows, device=device,
                         summary=summary,
                         notes=("bench_flce at each shape (its notes hold): ms is the do_bench median of forward+backward; "
-                               "the filter_eps row goes through the gate (filter_ran: whether the first chunk's kept share "
+                               "the filter_eps row goes through the gate (filter_ran: whether the kept share of its first GATE_ROWS rows "
                                "let it filter; where it did not, the call ran exact after reading the flags)"))  # fmt: skip
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "BF16_FILTER_EPS",
     "DEFAULT_CHUNK_BYTES",
     "FILTER_MAX_KEPT",
+    "GATE_ROWS",
     "IMPLS",
     "REDUCTIONS",
     "block_filter_",
@@ -56,12 +57,17 @@ DEFAULT_CHUNK_BYTES = 256 * 2**20
 # dropped from dx and dW, and the block-sparse GEMMs skip it: no W read, no dW read-modify-write for it.
 FILTER_ROWS, FILTER_COLS = 64, 128
 BF16_FILTER_EPS = 2.0**-12
-# The filter is skipped (the call runs exact) when the first chunk keeps more than this share of its blocks: the
+# The filter is skipped (the call runs exact) when the gate's rows (GATE_ROWS) keep more than this share of their blocks: the
 # block-sparse GEMMs cost more per kept block than cuBLAS's dense ones, so past a kept share they are slower than
 # the exact path. On the H100 (profiles/nvidia-h100-80gb-hbm3/loss/flce_fwd_bwd.json) a 5.4% kept share ran the
 # loss in 0.51x the exact time at H=4096; a held-out run at H=1024 keeping about 15% took twice the exact time.
 # bench loss's kept-share sweep measures the break-even at the LM-head shapes.
 FILTER_MAX_KEPT = 0.10
+# The gate reads the keep-flags of the first chunk's first GATE_ROWS rows (a whole number of FILTER_ROWS blocks): only
+# they run the flag-raising variant of the row kernel before the decision, so a call the gate turns exact pays for
+# flags over those rows alone, not over a whole chunk (4096 rows at the model's head). Where it filters, the rest of
+# the first chunk's flags come from its stored gradient (block_keep: the same flags the kernel raises).
+GATE_ROWS = 4 * FILTER_ROWS
 
 
 def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
@@ -259,7 +265,8 @@ def resolve_impl(impl: str, x: torch.Tensor) -> str:
 
 
 def filter_pays(kept_fraction: float, filter_max_kept: float = FILTER_MAX_KEPT) -> bool:
-    """Whether gradient filtering runs for a call whose first chunk keeps kept_fraction of its blocks."""
+    """Whether gradient filtering runs for a call whose gate rows (the first GATE_ROWS) keep kept_fraction of their
+    blocks."""
     return kept_fraction <= filter_max_kept
 
 
@@ -280,8 +287,8 @@ def _gate(kept_fraction: float, filter_max_kept: float) -> bool:
     _LAST_GATE.update(kept_fraction=kept_fraction, filtered=pays)
     if not pays and not _SKIPPED_FILTER_WARNED:
         _SKIPPED_FILTER_WARNED = True
-        warn_at_caller(f"fused_linear_cross_entropy: filter_eps skipped, the gradients exact: the first chunk keeps "
-                       f"{kept_fraction:.1%} of its blocks, above filter_max_kept={filter_max_kept:g}, where the "
+        warn_at_caller(f"fused_linear_cross_entropy: filter_eps skipped, the gradients exact: the first {GATE_ROWS} rows keep "
+                       f"{kept_fraction:.1%} of their blocks, above filter_max_kept={filter_max_kept:g}, where the "
                        f"block-sparse GEMMs would be slower than the dense ones (said once per process)")  # fmt: skip
     return pays
 
@@ -309,9 +316,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if filtering and impl == "triton":
                 fl = flags[: triton.cdiv(xc.shape[0], FILTER_ROWS)]
                 fl.zero_()
-                losses[s : s + chunk] = _ce_grad_triton_(logits, tc, scale, ignore_index, z_loss, fl, filter_eps)
-                if s == 0:  # the gate: one host read a call, on the first chunk's keep-flags (filter_pays)
-                    filtering = _gate(float(fl.float().mean()), filter_max_kept)
+                if s == 0:  # the gate: one host read a call, on the keep-flags of the first GATE_ROWS rows
+                    g = min(GATE_ROWS, xc.shape[0])
+                    losses[:g] = _ce_grad_triton_(logits[:g], tc[:g], scale, ignore_index, z_loss, fl, filter_eps)
+                    if xc.shape[0] > g:
+                        losses[g : xc.shape[0]] = _ce_grad_triton_(logits[g:], tc[g:], scale, ignore_index, z_loss)
+                    filtering = _gate(float(fl[: triton.cdiv(g, FILTER_ROWS)].float().mean()), filter_max_kept)
+                    if filtering and xc.shape[0] > g:
+                        fl[g // FILTER_ROWS :] = block_keep(logits[g:], scale, filter_eps)
+                else:
+                    losses[s : s + chunk] = _ce_grad_triton_(logits, tc, scale, ignore_index, z_loss, fl, filter_eps)
                 if filtering:
                     _block_sparse_grads_(logits, fl, weight, xc, None if dx is None else dx[s : s + chunk], dw)
                     continue
@@ -320,8 +334,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 losses[s : s + chunk] = grad_step(logits, tc, scale, ignore_index, z_loss)  # logits -> dlogits * scale
             if filtering:  # eager twin of the block-sparse path: the same gate, the same blocks dropped, dense GEMMs
                 keep = block_keep(logits, scale, filter_eps)
-                if s == 0:
-                    filtering = _gate(float(keep.float().mean()), filter_max_kept)
+                if s == 0:  # the same sample as the Triton path's gate
+                    filtering = _gate(float(keep[: triton.cdiv(GATE_ROWS, FILTER_ROWS)].float().mean()), filter_max_kept)
                 if filtering:
                     _drop_blocks_(logits, keep)
             if dx is not None:
@@ -380,7 +394,7 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     the gradient whose every |softmax - onehot| is below filter_eps are dropped from dx and dW (the loss
     is unaffected). 2**-12 (`BF16_FILTER_EPS`) is bf16's resolution near 1 over 32. The dropped mass
     is real: the notebook and the receipt show its effect on the gradients. The filter runs only where it
-    pays (filter_pays): when the first chunk keeps more than filter_max_kept of its blocks, the whole call runs
+    pays (filter_pays): when the first GATE_ROWS rows keep more than filter_max_kept of their blocks, the whole call runs
     exact, said once per process with a warning (filter_max_kept=1.0 always filters)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
