@@ -17,6 +17,7 @@ silently. The reference is `linear_cross_entropy_reference`, F.cross_entropy ove
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -293,6 +294,24 @@ def _gate(kept_fraction: float, filter_max_kept: float) -> bool:
     return pays
 
 
+def _to_host(value: torch.Tensor) -> Callable[[], float]:
+    """A scalar's host read that waits for the work queued up to here alone: a copy into pinned memory and an event
+    on CUDA, so the kernels queued after it keep the GPU busy while the host waits (a plain float() waited for the
+    whole stream, leaving the GPU idle until the host queued more); float() elsewhere."""
+    if not value.is_cuda:
+        return lambda: float(value)
+    host = torch.empty((), dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+
+    def read() -> float:
+        ready.synchronize()
+        return float(host)
+
+    return read
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, ignore_index, reduction, z_loss, chunk, impl, need_dx, need_dw, filter_eps,
@@ -319,9 +338,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 if s == 0:  # the gate: one host read a call, on the keep-flags of the first GATE_ROWS rows
                     g = min(GATE_ROWS, xc.shape[0])
                     losses[:g] = _ce_grad_triton_(logits[:g], tc[:g], scale, ignore_index, z_loss, fl, filter_eps)
-                    if xc.shape[0] > g:
+                    share = _to_host(fl[: triton.cdiv(g, FILTER_ROWS)].float().mean())
+                    if xc.shape[0] > g:  # queued before the host waits: the GPU works on while the host reads the share
                         losses[g : xc.shape[0]] = _ce_grad_triton_(logits[g:], tc[g:], scale, ignore_index, z_loss)
-                    filtering = _gate(float(fl[: triton.cdiv(g, FILTER_ROWS)].float().mean()), filter_max_kept)
+                    filtering = _gate(share(), filter_max_kept)
                     if filtering and xc.shape[0] > g:
                         fl[g // FILTER_ROWS :] = block_keep(logits[g:], scale, filter_eps)
                 else:

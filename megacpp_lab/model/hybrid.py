@@ -72,7 +72,7 @@ from megacpp_lab.nn.hyper_connections import HyperConnection, collapse_streams, 
 from megacpp_lab.nn.lm_head import LMHead
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNState
 from megacpp_lab.nn.mamba3 import Mamba3, Mamba3State
-from megacpp_lab.nn.mla import MLAKVCache, MultiLatentAttention
+from megacpp_lab.nn.mla import MLAKVCache, MultiLatentAttention, reads_block_mask
 from megacpp_lab.nn.moe import MoE
 from megacpp_lab.nn.ngram_hash import NgramHashMemory, NgramHashState
 from megacpp_lab.nn.primitives import SwiGLU
@@ -296,8 +296,7 @@ class HybridLM(nn.Module):
         """Whether an attention layer (of the stack or an MTP module) reads the batch's flex block mask: the layers'
         own rule, MultiLatentAttention.attends_through_flex (a DSA layer's flex path, attn_impl 'flex', or 'auto' on
         a GPU). It walks modules(), not each block's mixer, so a wrapped block (bench profile's) still answers."""
-        device = self.embed.weight.device
-        return any(isinstance(m, MultiLatentAttention) and m.attends_through_flex(device) for m in self.modules())
+        return reads_block_mask(self, self.embed.weight.device)
 
     def attention_context(self, ctx: PackedContext) -> PackedContext:
         """ctx with the flex block mask built (once per batch, here, outside the compiled blocks) when the model

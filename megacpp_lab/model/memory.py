@@ -51,6 +51,7 @@ from megacpp_lab.model.config import HybridConfig
 from megacpp_lab.model.hybrid import Block, HybridLM
 from megacpp_lab.model.precision import apply_precision
 from megacpp_lab.model.remat import remat_plan
+from megacpp_lab.nn.mla import reads_block_mask
 from megacpp_lab.nn.moe import moe_activation_fields
 from megacpp_lab.profiling import saved_storages
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
@@ -266,6 +267,15 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
     x, tokens, ctx = _block_input(config, batch, seq_len, docs, device, dtype)
     cache = trace_cache if trace_cache is not None else {}
     shared: dict[Any, int] = cache.setdefault(("shared", config, batch, seq_len, docs, device), {})
+    with_mask: list[Any] = []
+
+    def masked_ctx() -> Any:
+        """ctx with its flex block mask, built once (on a CPU the attention layers take no mask: ctx as it is)."""
+        if device != "cuda":
+            return ctx
+        if not with_mask:
+            with_mask.append(ctx.with_block_mask())
+        return with_mask[0]
 
     def traced(layer: int, entry: Entry, offload: bool, drop: str | None = None) -> tuple[int, int]:
         structure = tuple(f for f in _structure(config, layer) if f != drop)  # a bare twin is that structure
@@ -277,7 +287,9 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
                 apply_precision(block, torch.bfloat16)
             if drop is not None:
                 _without(block, drop)
-            cache[key] = _block_bytes(block, entry, x, tokens, ctx, shared, compiled=compiled, offload=offload,
+            # the block mask as HybridLM.attention_context builds it, where the block's attention reads it
+            block_ctx = masked_ctx() if reads_block_mask(block, torch.device(device)) else ctx
+            cache[key] = _block_bytes(block, entry, x, tokens, block_ctx, shared, compiled=compiled, offload=offload,
                                       backend=backend)
             del block
         return cache[key]

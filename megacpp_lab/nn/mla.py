@@ -74,6 +74,7 @@ __all__ = [
     "MultiLatentAttention",
     "cache_bytes_per_token",
     "flex_refusal",
+    "reads_block_mask",
 ]
 
 ROPE_IMPLS = ("auto", "triton", "reference")
@@ -568,3 +569,10 @@ class MultiLatentAttention(nn.Module):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), key.transpose(1, 2), kv[..., c.d_nope :].transpose(1, 2),
                                                  attn_mask=visible, scale=scale).transpose(1, 2)  # fmt: skip
         return self.w_o(out.reshape(B, T_new, c.n_heads * c.d_v))
+
+
+def reads_block_mask(module: nn.Module, device: torch.device) -> bool:
+    """Whether an attention layer in `module` (itself included) reads the batch's flex block mask on `device`
+    (MultiLatentAttention.attends_through_flex): whoever calls such a module compiled must hand it a context whose
+    block mask was built outside the compiled region (PackedContext.with_block_mask)."""
+    return any(isinstance(m, MultiLatentAttention) and m.attends_through_flex(device) for m in module.modules())
