@@ -256,6 +256,18 @@ def test_default_chunk_is_the_largest_power_of_two_whose_buffer_fits(V: int, dty
     assert L.default_chunk_size(100, V, dtype) == min(100, c)  # fewer tokens than a chunk: one chunk holds them
 
 
+def test_keep_flags_kernel_equals_block_keep() -> None:
+    g = torch.Generator().manual_seed(9)
+    grad = (torch.randn(150, 700, generator=g) * 1e-4).to(DEV)
+    grad[70:80, 300:310] = 0.5  # one block of row block 1, column block 2 far above eps; the rest mostly below
+    grad[149, 699] = -0.01  # the ragged corner block, by its last entry
+    scale = torch.tensor(0.5, device=DEV)
+    flags = torch.full((3, 6), 7, dtype=torch.int32, device=DEV)  # poisoned: every flag must be written
+    L._keep_flags_triton(grad, scale, 1e-3, flags)
+    keep = L.block_keep(grad, scale, 1e-3)
+    assert torch.equal(flags, keep.int()) and 0 < int(keep.sum()) < keep.numel(), (flags, keep)
+
+
 def test_a_second_backward_fails_instead_of_scaling_twice() -> None:
     x, w, t = _inputs(12, 8, 13, torch.float32)
     xa = x.clone().requires_grad_()

@@ -67,7 +67,7 @@ FILTER_MAX_KEPT = 0.10
 # The gate reads the keep-flags of the first chunk's first GATE_ROWS rows (a whole number of FILTER_ROWS blocks): only
 # they run the flag-raising variant of the row kernel before the decision, so a call the gate turns exact pays for
 # flags over those rows alone, not over a whole chunk (4096 rows at the model's head). Where it filters, the rest of
-# the first chunk's flags come from its stored gradient (block_keep: the same flags the kernel raises).
+# the first chunk's flags come from its stored gradient (_keep_flags_kernel: block_keep's flags, the kernel's too).
 GATE_ROWS = 4 * FILTER_ROWS
 
 
@@ -167,6 +167,28 @@ def _ce_grad_inplace_kernel(
             # one redundant atomic, since flags only rise)
             down = tl.load(at, mask=fcol < n_fcols, other=1) == 0
             tl.atomic_or(at, keep.to(tl.int32), mask=keep & down & (fcol < n_fcols))
+
+
+@triton.jit
+def _keep_flags_kernel(g_ptr, flags_ptr, scale_ptr, C, V, stride_row, n_fcols, filter_eps,
+                       FR: tl.constexpr, FC: tl.constexpr):  # fmt: skip
+    """flags[rb, cb] = 1 where the stored gradient's FR x FC block (rb, cb) holds an entry >= filter_eps * scale in
+    magnitude (block_keep's rule on the same rounded values), else 0: one program per block, nothing materialised."""
+    rb, cb = tl.program_id(0), tl.program_id(1)
+    rows = rb * FR + tl.arange(0, FR)
+    cols = cb * FC + tl.arange(0, FC)
+    m = (rows < C)[:, None] & (cols < V)[None, :]
+    g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    keep = tl.max(tl.max(tl.abs(g), axis=1), axis=0) >= filter_eps * tl.load(scale_ptr)
+    tl.store(flags_ptr + rb * n_fcols + cb, keep.to(tl.int32))
+
+
+def _keep_flags_triton(grad: torch.Tensor, scale: torch.Tensor, filter_eps: float, flags: torch.Tensor) -> None:
+    """block_keep's flags of the stored gradient [C, V] written into flags [ceil(C/FR), ceil(V/FC)] int32 by one
+    Triton pass (block_keep's fp32 copy of a [C, V] chunk cost 300 MiB at V=151552)."""
+    C, V = grad.shape
+    _keep_flags_kernel[tuple(flags.shape)](grad, flags, scale, C, V, grad.stride(0), flags.shape[1], filter_eps,
+                                           FR=FILTER_ROWS, FC=FILTER_COLS, num_warps=4)  # fmt: skip
 
 
 def _ce_grad_triton_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int,
@@ -343,7 +365,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                         losses[g : xc.shape[0]] = _ce_grad_triton_(logits[g:], tc[g:], scale, ignore_index, z_loss)
                     filtering = _gate(share(), filter_max_kept)
                     if filtering and xc.shape[0] > g:
-                        fl[g // FILTER_ROWS :] = block_keep(logits[g:], scale, filter_eps)
+                        _keep_flags_triton(logits[g:], scale, filter_eps, fl[g // FILTER_ROWS :])
                 else:
                     losses[s : s + chunk] = _ce_grad_triton_(logits, tc, scale, ignore_index, z_loss, fl, filter_eps)
                 if filtering:
