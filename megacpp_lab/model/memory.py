@@ -37,6 +37,7 @@ between a GPU (Triton scans, fused RoPE, bf16) and a CPU (reference paths, fp32)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,15 +268,11 @@ def estimate_memory(config: HybridConfig, *, batch: int, seq_len: int, docs: int
     x, tokens, ctx = _block_input(config, batch, seq_len, docs, device, dtype)
     cache = trace_cache if trace_cache is not None else {}
     shared: dict[Any, int] = cache.setdefault(("shared", config, batch, seq_len, docs, device), {})
-    with_mask: list[Any] = []
 
+    @functools.cache
     def masked_ctx() -> Any:
         """ctx with its flex block mask, built once (on a CPU the attention layers take no mask: ctx as it is)."""
-        if device != "cuda":
-            return ctx
-        if not with_mask:
-            with_mask.append(ctx.with_block_mask())
-        return with_mask[0]
+        return ctx.with_block_mask() if device == "cuda" else ctx
 
     def traced(layer: int, entry: Entry, offload: bool, drop: str | None = None) -> tuple[int, int]:
         structure = tuple(f for f in _structure(config, layer) if f != drop)  # a bare twin is that structure
