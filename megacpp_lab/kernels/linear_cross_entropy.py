@@ -60,9 +60,8 @@ FILTER_ROWS, FILTER_COLS = 64, 128
 BF16_FILTER_EPS = 2.0**-12
 # The filter is skipped (the call runs exact) when the gate's rows (GATE_ROWS) keep more than this share of their blocks: the
 # block-sparse GEMMs cost more per kept block than cuBLAS's dense ones, so past a kept share they are slower than
-# the exact path. On the H100 (profiles/nvidia-h100-80gb-hbm3/loss/flce_fwd_bwd.json) a 5.4% kept share ran the
-# loss in 0.51x the exact time at H=4096; a held-out run at H=1024 keeping about 15% took twice the exact time.
-# bench loss's kept-share sweep measures the break-even at the LM-head shapes.
+# the exact path. bench loss's kept-share sweep (profiles/<device>/loss/flce_filter_break_even.json) measures where,
+# at the model's head shape; flce_fwd_bwd.json's filtered row is one point at H=4096.
 FILTER_MAX_KEPT = 0.10
 # The gate reads the keep-flags of the first chunk's first GATE_ROWS rows (a whole number of FILTER_ROWS blocks): only
 # they run the flag-raising variant of the row kernel before the decision, so a call the gate turns exact pays for
