@@ -9,7 +9,7 @@ import torch
 
 import megacpp_lab.kernels.m2rnn as m2k
 from megacpp_lab.data import boundary_windows, load_sample
-from megacpp_lab.kernels.m2rnn import m2rnn_scan_reference, m2rnn_scan, resolve_kernel
+from megacpp_lab.kernels.m2rnn import BWD_ORDERS, m2rnn_scan_reference, m2rnn_scan, resolve_kernel
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, M2RNNMegatronMixer
 from megacpp_lab.testing import check_leaks, each_document_alone, with_doc_ids
 from megacpp_lab.varlen import build_context
@@ -73,12 +73,12 @@ def test_triton_matches_reference_varlen_cu_seqlens():
     _compare(dict(cu_seqlens=cu, chunk=4), dict(cu_seqlens=cu), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
 
 
-@pytest.mark.parametrize("bwd_order", ["serial", "interleaved"])
+@pytest.mark.parametrize("bwd_order", BWD_ORDERS)
 @pytest.mark.parametrize("block_k,z_mode", [(16, "scratch"), (16, "recompute"), (32, "recompute"), (0, "auto")])
 def test_every_launch_plan_matches_the_reference(block_k, z_mode, bwd_order):
     """Each K-split (16 rows a program: fp32 partials summed; 32 = K: one program a pair), either place for z
-    (kept in scratch, or recomputed in the reverse pass) and either order of the backward's passes (interleaved:
-    chunk c reversed while chunk c-1 is recomputed) computes the reference's y and every gradient: documents of
+    (kept in scratch, or recomputed in the reverse pass) and either order of the backward's passes (parallel: every
+    chunk recomputed at once, then one reverse chain; serial: chunk by chunk) computes the reference's y and every gradient: documents of
     1 to 7 steps over chunks of 4 (a partial last chunk, a single-chunk document), a non-zero h0."""
     inputs = _inputs(2, 11, 2, 32, 16, n_h0=5)
     doc_ids = torch.tensor([[0] * 4 + [1] * 7, [0] * 1 + [1] * 3 + [2] * 7], device=DEVICE)
@@ -87,14 +87,29 @@ def test_every_launch_plan_matches_the_reference(block_k, z_mode, bwd_order):
     _compare(kw, dict(ctx=ctx), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
 
 
+@pytest.mark.parametrize("bwd_order", BWD_ORDERS)
 @pytest.mark.parametrize("chunk", [1, 3, 16])
-def test_interleaved_backward_with_clipping_and_one_or_many_chunks_a_document(chunk):
-    """The interleaved backward where a document is one chunk (chunk 16), many (chunk 1: every state a checkpoint)
+def test_backward_orders_with_clipping_and_one_or_many_chunks_a_document(chunk, bwd_order):
+    """Either backward order where a document is one chunk (chunk 16), many (chunk 1: every state a checkpoint)
     or a non-divisor (3), with the state gradient clipped, against the reference loop's hooks."""
     inputs = _inputs(1, 13, 2, 16, 16)
     doc_ids = torch.tensor([[0] * 6 + [1] * 7], device=DEVICE)
     kw = dict(doc_ids=doc_ids, grad_clip=0.05)
-    _compare(kw | dict(chunk=chunk, bwd_order="interleaved"), kw, inputs, fwd_tol=1e-5, grad_rtol=1e-5)
+    _compare(kw | dict(chunk=chunk, bwd_order=bwd_order), kw, inputs, fwd_tol=1e-5, grad_rtol=1e-5)
+
+
+@pytest.mark.parametrize("dots_in_input_dtype", [True, False])
+@pytest.mark.parametrize("bwd_order", BWD_ORDERS)
+def test_bf16_backward_operands_against_the_reference(monkeypatch, bwd_order, dots_in_input_dtype):
+    """bf16 inputs, packed documents: the reverse pass's MMAs with bf16 operands (the default; the parallel order's
+    states stored in bf16 too) or fp32 operands: y and every gradient within bf16's own error of the fp32 reference
+    loop (under the interpreter the operands' rounding is emulated: its dot of 16-bit floats multiplies their raw
+    bits, which this test caught as gradient errors of 1e11)."""
+    monkeypatch.setattr(m2k, "BWD_DOTS_IN_INPUT_DTYPE", dots_in_input_dtype)
+    inputs = _inputs(2, 13, 2, 32, 16, dtype=torch.bfloat16)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 8, [0] * 9 + [1] * 4], device=DEVICE)
+    _compare(dict(doc_ids=doc_ids, chunk=4, bwd_order=bwd_order), dict(doc_ids=doc_ids), inputs, fwd_tol=0.03,
+             grad_rtol=1.5e-2)  # fmt: skip
 
 
 def test_launch_plan_rules_and_bad_plans_fail_closed():
@@ -106,10 +121,11 @@ def test_launch_plan_rules_and_bad_plans_fail_closed():
     assert m2k.plan_z_scratch(1, 64, 16, 16, cpu, "recompute") is False
     # the backward's register cap: at most BWD_MAX_BLOCK state elements a program, whatever the pairs
     assert m2k.plan_bwd_block_k(1, 64, 16, cpu) == 64 and m2k.plan_bwd_block_k(1, 64, 32, cpu) == 64
-    assert m2k.plan_bwd_block_k(1, 64, 64, cpu) == 32 and m2k.plan_bwd_block_k(1, 64, 256, cpu) == 16
+    assert m2k.plan_bwd_block_k(1, 64, 64, cpu) == 64 and m2k.plan_bwd_block_k(1, 64, 128, cpu) == 32
+    assert m2k.plan_bwd_block_k(1, 64, 256, cpu) == 16
     assert m2k.plan_bwd_block_k(1, 64, 64, cpu, block_k=64) == 64  # an override is taken as given
     assert m2k.plan_block_k(1, 64, cpu, max_rows=16) == 16 and m2k.plan_block_k(1, 32, cpu, max_rows=64) == 32
-    # warps: the tuned count up to BWD_MAX_BLOCK elements, one warp per BWD_ELEMENTS_PER_WARP past it
+    # warps: one per BWD_ELEMENTS_PER_WARP state elements, at least the tuned count
     assert m2k.plan_warps(2, 16, 16) == 2 and m2k.plan_warps(2, 64, 16) == 2 and m2k.plan_warps(2, 64, 32) == 2
     assert m2k.plan_warps(2, 32, 64) == 2 and m2k.plan_warps(2, 64, 64) == 4 and m2k.plan_warps(4, 16, 16) == 4
     assert m2k.plan_warps(2, 128, 128) == m2k.MAX_WARPS
@@ -347,7 +363,7 @@ def test_triton_matches_reference_on_gpu_at_real_shapes(dtype):
     tol = dict(fwd_tol=1e-4, grad_rtol=1e-4) if dtype == torch.float32 else dict(fwd_tol=0.06, grad_rtol=3e-2)
     _compare(dict(doc_ids=doc_ids), dict(doc_ids=doc_ids), inputs, **tol)
     for block_k, z_mode in ((16, "scratch"), (64, "recompute"), (32, "scratch")):  # every launch plan, real shape
-        for bwd_order in ("serial", "interleaved"):
+        for bwd_order in BWD_ORDERS:
             _compare(dict(doc_ids=doc_ids, block_k=block_k, z_mode=z_mode, bwd_order=bwd_order), dict(doc_ids=doc_ids),
                      inputs, **tol)  # fmt: skip
 

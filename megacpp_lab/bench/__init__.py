@@ -81,8 +81,9 @@ output error and per-input gradient error against the fp32 reference loop.
 Peer grid: seven shapes, many heads over short rows (B=16 S=1024 H=32 K=64 with V = 16, 32, 64; B=8
 S=512 H=64), few heads over long packed rows (B=4 S=8192 H=4, 16 documents a row), the main shape and
 the base model's R block (B=4 S=4096 H=16, 8 documents a row). Contenders at each: the lab's scan over
-the batch's PackedContext under its launch plan ('triton'), two fixed plans and the plan with the
-interleaved backward (recompute and reverse passes overlapped), and XMA's m2rnn on
+the batch's PackedContext under its launch plan ('triton'), two fixed plans, the plan with the serial
+backward (a chunk of scratch a program, not the parallel order's every-step buffer) and the plan with fp32
+MMA operands in the backward, and XMA's m2rnn on
 its Triton backend (open-lm-engine/accelerated-model-architectures, found through
 $MEGACPP_XMA_PEER, ../shared/peers/xma or .peers/xma; recorded as missing without a GPU or a
 checkout); time with its p20-p80 spread, peak memory, errors against the fp32 reference loop. The

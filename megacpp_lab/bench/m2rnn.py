@@ -9,14 +9,15 @@ from __future__ import annotations
 import importlib
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from megacpp_lab.bench import bench_device, output_root, peer_checkout, require_triton_interpreter
-from megacpp_lab.kernels.m2rnn import m2rnn_scan, plan_bwd_block_k, plan_z_scratch
+from megacpp_lab.kernels.m2rnn import m2rnn_scan, plan_backward
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms, time_spread_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
@@ -215,13 +216,30 @@ def xma_call(m2rnn: Callable[..., Any], cu_seqlens: torch.Tensor | None) -> Call
     return call
 
 
-def lab_plans(K: int) -> dict[str, tuple[int, str, str]]:
-    """The lab's contenders, (block_k, z_mode, bwd_order) each: its launch plan ('triton'), two fixed plans beside
-    it (kernels.m2rnn.plan_bwd_block_k, plan_z_scratch) and the plan with the interleaved backward, so the receipt
-    shows what the plan chose against what it could have."""
-    return {"triton": (0, "auto", "serial"), "triton (16 rows a program, z in scratch)": (16, "scratch", "serial"),
-            f"triton ({K} rows a program, z recomputed)": (K, "recompute", "serial"),
-            "triton (the plan, interleaved backward)": (0, "auto", "interleaved")}  # fmt: skip
+def lab_plans(K: int) -> dict[str, tuple[int, str, str, bool]]:
+    """The lab's contenders, (block_k, z_mode, bwd_order, the backward's MMA operands in the inputs' dtype) each: its
+    launch plan ('triton'), two fixed plans beside it (kernels.m2rnn.plan_bwd_block_k, plan_z_scratch), the plan
+    with the serial backward, and the plan with fp32 MMA operands in the backward (kernels.m2rnn.
+    BWD_DOTS_IN_INPUT_DTYPE off), so the receipt shows what the plan chose against what it could have, in time and
+    in the gradients' error."""
+    return {"triton": (0, "auto", "parallel", True),
+            "triton (16 rows a program, z in scratch)": (16, "scratch", "parallel", True),
+            f"triton ({K} rows a program, z recomputed)": (K, "recompute", "parallel", True),
+            "triton (the plan, serial backward)": (0, "auto", "serial", True),
+            "triton (the plan, fp32 MMA operands in the backward)": (0, "auto", "parallel", False)}  # fmt: skip
+
+
+@contextmanager
+def backward_operands(in_input_dtype: bool) -> Iterator[None]:
+    """kernels.m2rnn.BWD_DOTS_IN_INPUT_DTYPE set for the calls inside (a launch constant the backward's launcher
+    reads when it runs), restored after: the peer grid's row with fp32 MMA operands in the backward."""
+    from megacpp_lab.kernels import m2rnn as m2k
+
+    saved, m2k.BWD_DOTS_IN_INPUT_DTYPE = m2k.BWD_DOTS_IN_INPUT_DTYPE, in_input_dtype
+    try:
+        yield
+    finally:
+        m2k.BWD_DOTS_IN_INPUT_DTYPE = saved
 
 
 def _errors(y: torch.Tensor, grads: tuple[torch.Tensor, ...], y_ref: torch.Tensor,
@@ -235,8 +253,8 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
                       device: str = "cuda", rep: int = 10, progress: bool = True,
                       on_point: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """At each grid point, same inputs: the lab's scan as the model calls it (the batch's PackedContext) under its
-    launch plan, two fixed plans and the plan with the interleaved backward, and XMA's m2rnn; forward and
-    forward+backward time with their spread, peak memory, and each one's y and gradient error against the fp32
+    launch plan, two fixed plans, the plan with the serial backward and with fp32 backward MMA operands (lab_plans),
+    and XMA's m2rnn; forward and forward+backward time with their spread, peak memory, and each one's y and gradient error against the fp32
     reference loop. on_point gets the receipt of the points measured so far after each (run() writes it, so a run
     cut short keeps what it measured)."""
     from tqdm.auto import tqdm
@@ -258,7 +276,7 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
         calls: dict[str, Callable[..., torch.Tensor]] = {
             name: (lambda *a, bk=bk, zm=zm, order=order: m2rnn_scan(*a, ctx=ctx, chunk=GRID_CHUNK, kernel="triton",
                                                                      block_k=bk, z_mode=zm, bwd_order=order))
-            for name, (bk, zm, order) in lab_plans(s.K).items()
+            for name, (bk, zm, order, _) in lab_plans(s.K).items()
         }  # fmt: skip
         if xma is not None:
             calls[XMA] = xma_call(xma, None if point.docs == 1 else cu.to(device))
@@ -271,21 +289,23 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
                 torch.autograd.grad(call(*inputs), inputs, grad)
 
             row: dict[str, Any] = {"contender": name, "point": point.label, "docs": point.docs, "shape": asdict(s)}
+            operands = nullcontext()
             if name in lab_plans(s.K):  # the launch plan this row ran (the backward's: its z placement too)
-                block_k, z_mode, order = lab_plans(s.K)[name]
-                bk = plan_bwd_block_k(ctx.n_seqs * s.H, s.K, s.V, inputs[0].device, block_k)
-                depth = GRID_CHUNK * (2 if order == "interleaved" else 1)  # the launcher's scratch depth
-                row["plan"] = {"block_k": bk, "bwd_order": order,
-                               "z_in_scratch": plan_z_scratch(ctx.n_seqs * s.H * (s.K // bk), depth, bk, s.V,
-                                                              inputs[0].device, z_mode)}  # fmt: skip
-            y = call(*inputs)
-            row.update(_errors(y, torch.autograd.grad(y, inputs, grad), y_ref, grads_ref))
-            del y
-            warmup = 0 if rep == 1 else 2  # a single-call smoke run: the error pass above was its warm-up
-            row.update(time_spread_ms(fwd_bwd, warmup=warmup, rep=rep, device=device))
-            row.update({f"fwd_{k}": v for k, v in time_spread_ms(fwd, warmup=warmup, rep=rep, device=device).items()})
-            if device == "cuda":
-                row["peak_mib"] = peak_extra_mib(fwd_bwd)
+                block_k, z_mode, order, low_dots = lab_plans(s.K)[name]
+                bk, z_scratch = plan_backward(ctx.n_seqs * s.H, s.B * s.S, s.H, s.K, s.V, GRID_CHUNK, inputs[0].device,
+                                              block_k=block_k, z_mode=z_mode, bwd_order=order)  # fmt: skip
+                row["plan"] = {"block_k": bk, "bwd_order": order, "z_in_scratch": z_scratch,
+                               "bwd_mma_operands": "input dtype" if low_dots else "fp32"}  # fmt: skip
+                operands = backward_operands(low_dots)
+            with operands:
+                y = call(*inputs)
+                row.update(_errors(y, torch.autograd.grad(y, inputs, grad), y_ref, grads_ref))
+                del y
+                warmup = 0 if rep == 1 else 2  # a single-call smoke run: the error pass above was its warm-up
+                row.update(time_spread_ms(fwd_bwd, warmup=warmup, rep=rep, device=device))
+                row.update({f"fwd_{k}": v for k, v in time_spread_ms(fwd, warmup=warmup, rep=rep, device=device).items()})
+                if device == "cuda":
+                    row["peak_mib"] = peak_extra_mib(fwd_bwd)
             results.append(row)
         if xma is not None:
             lab_ms = next(r["ms"] for r in results if r["point"] == point.label and r["contender"] == "triton")
@@ -312,7 +332,8 @@ def _peer_grid_receipt(grid: tuple[GridPoint, ...], measured: int, results: list
         notes=(
             "every contender on the same inputs at each point; 'triton' is the lab's scan as the model calls it "
             "(the batch's PackedContext: one program per document) under its launch plan, two other triton rows "
-            "fixed plans, the last the plan with the interleaved backward (kernels.m2rnn.BWD_ORDERS); xma m2rnn on "
+            "fixed plans, then the plan with the serial backward (kernels.m2rnn.BWD_ORDERS) and with fp32 MMA "
+            "operands in the backward (kernels.m2rnn.BWD_DOTS_IN_INPUT_DTYPE off); xma m2rnn on "
             "its Triton backend (autotuned on the first call, in the warm-up), in its "
             "[B,S,N,*] layout for one document a row and its varlen layout over cu_seqlens for more; ms / fwd_ms are "
             "do_bench medians with p20 / p80; max_abs_err / grad_rel_err against the fp32 reference loop (the lab's "

@@ -13,11 +13,17 @@ The kernels see the flattened time axis split into *ranges* (rows, or varlen seq
 cu_seqlens), each with its own h0 [P,H,K,V], and a per-token reset flag for document starts
 inside a range. One program runs one (range, head) from start to end.
 
-Backward states: the forward stores the state every CHUNK steps (fp32); the backward walks the
-chunks in reverse, recomputes the chunk's states into a scratch buffer, then runs the reverse
-recurrence over it. CHUNK=1 degenerates to storing every state. The interleaved backward
-(bwd_order="interleaved") overlaps the two: it reverses chunk c while it recomputes chunk c-1, two
-independent chains in one loop, with two chunks of scratch (_m2rnn_bwd_kernel's INTERLEAVED).
+Backward states: the forward stores the state every CHUNK steps (fp32). The backward (bwd_order="parallel", the
+default) first recomputes every chunk of every document at once from its checkpoint (_m2rnn_recompute_kernel: the
+state each step used, into one [B*S, H, K, V] buffer, and dq), then runs the reverse recurrence as one chain of S steps
+a document. bwd_order="serial" keeps only a chunk of scratch a program: it walks the chunks in reverse, recomputing
+each before reversing it, two chains of S steps (for memory: the parallel order's buffer is B*S*H*K*V states).
+CHUNK=1 degenerates to storing every state.
+
+Precision: the state is fp32 in every path. For 16-bit inputs the state matmuls run on TF32, tanh is the GPU's
+tanh.approx.f32 (relative error about 2**-11, the order of TF32's own rounding; the exact form under the interpreter
+and for fp32 inputs), and the backward's reverse pass takes its three MMAs with operands in the inputs' dtype and
+reads the parallel order's states stored in it (BWD_DOTS_IN_INPUT_DTYPE; fp32 accumulation, fp32 state gradient).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "m2rnn_scan_bwd",
     "m2rnn_scan_fwd",
     "m2rnn_scan_reference",
+    "plan_backward",
     "plan_block_k",
     "plan_bwd_block_k",
     "plan_warps",
@@ -91,7 +98,12 @@ def m2rnn_scan_reference(
 
 
 @triton.jit
-def _tanh(x):
+def _tanh(x, PRECISION: tl.constexpr):
+    """tanh for the state update: for 16-bit inputs (PRECISION "tf32") the GPU's tanh.approx.f32, one MUFU op
+    (relative error about 2**-11, TF32's own order; on the H200 peer grid it took the forward+backward from 1.17x to
+    0.92x XMA's at V=64); the exact form for fp32 inputs and under the interpreter."""
+    if PRECISION == "tf32" and not INTERPRETED:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
@@ -103,6 +115,17 @@ def _state_times_w(h, W, PRECISION: tl.constexpr):
     default TF32 precision, so the precision is chosen here, explicitly.)
     """
     return tl.dot(h, W, input_precision=PRECISION)
+
+
+@triton.jit
+def _mma(a, b, PRECISION: tl.constexpr, DOT: tl.constexpr):
+    """a @ b accumulated in fp32, its operands in DOT: fp32 at PRECISION (the forward's), or the inputs' 16-bit
+    dtype (the backward's reverse pass with BWD_DOTS_IN_INPUT_DTYPE: twice the MMA rate, half the registers)."""
+    if DOT == tl.float32:
+        return tl.dot(a, b, input_precision=PRECISION)
+    if INTERPRETED:  # the interpreter multiplies 16-bit floats' raw bits: the same rounding, the products in fp32
+        return tl.dot(a.to(DOT).to(tl.float32), b.to(DOT).to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(DOT), b.to(DOT), out_dtype=tl.float32)
 
 
 L2_AHEAD = tl.constexpr(8)  # steps between the L2 prefetch and the use
@@ -187,7 +210,7 @@ def _m2rnn_fwd_kernel(
             if rel % CHUNK == 0:
                 tl.store(ckpt_ptr + ((slot + rel // CHUNK) * H + hd) * K * V + kv, h)
         h = tl.where(rt != 0, h0, h)
-        z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :])
+        z = _tanh(_state_times_w(h, W, PRECISION) + kt[:, None] * vt[None, :], PRECISION)
         h = ft * h + (1.0 - ft) * z
         yt = tl.sum(qt[:, None] * h, axis=0)
         if BK == K:
@@ -200,46 +223,37 @@ def _m2rnn_fwd_kernel(
 def _recompute_step(h, h0, kt, vt, rt, W, PRECISION: tl.constexpr):
     """A forward step from the state before it: the state the step used (h0 at a document start), and z."""
     hp = tl.where(rt != 0, h0, h)
-    return hp, _tanh(_state_times_w(hp, W, PRECISION) + kt[:, None] * vt[None, :])
+    return hp, _tanh(_state_times_w(hp, W, PRECISION) + kt[:, None] * vt[None, :], PRECISION)
 
 
 @triton.jit
-def _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, row, kb, n_rows, rk, rv, valid,
+def _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, row, kb, n_rows, rk, rv,
                   dq_ptr, dk_ptr, dv_ptr, df_ptr, K: tl.constexpr, V: tl.constexpr, NKB: tl.constexpr,
-                  CLIP: tl.constexpr, PRECISION: tl.constexpr, HAS_H0: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                  CLIP: tl.constexpr, PRECISION: tl.constexpr, HAS_H0: tl.constexpr, DOT: tl.constexpr,
+                  STORE_DQ: tl.constexpr):  # fmt: skip
     """One step of the reverse recurrence for the state rows rk, from the state the step used (hp) and its z:
-    stores dq and dk, dv (an fp32 partial when K is split) and df's partial, and returns dh (the gradient of the
-    state before the step), dW and dh0 summed on. MASKED (the interleaved order, whose rounds may hold no step):
-    where valid is False nothing is stored and the sums come back as they were; unmasked, valid is not read."""
-    ht = ft * hp + (1.0 - ft) * z
+    stores dk, dv (an fp32 partial when K is split), df's partial and (STORE_DQ: unless the parallel order's
+    recompute pass stored it) dq, and returns dh (the gradient of the state before the step), dW and dh0 summed on.
+    The three MMAs take their operands in DOT (_mma)."""
     g = dh + qt[:, None] * dyt[None, :]
     if CLIP:
         g = tl.minimum(tl.maximum(g, -clip), clip)
-    # the masks as comparisons: the interpreter's `&` of a vector and a scalar mask gives a dtype its stores reject
-    on_k, on_v, on = None, None, None
-    if MASKED:
-        on_k, on_v, on = rk >= tl.where(valid, 0, K), rv >= tl.where(valid, 0, V), valid
-    tl.store(dq_ptr + row * K + rk, tl.sum(ht * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty), mask=on_k)
-    tl.store(df_ptr + kb * n_rows + row, tl.sum(tl.sum(g * (hp - z), axis=1), axis=0), mask=on)
+    if STORE_DQ:
+        ht = ft * hp + (1.0 - ft) * z
+        tl.store(dq_ptr + row * K + rk, tl.sum(ht * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty))
+    tl.store(df_ptr + kb * n_rows + row, tl.sum(tl.sum(g * (hp - z), axis=1), axis=0))
     da = g * (1.0 - ft) * (1.0 - z * z)
-    tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty), mask=on_k)
+    tl.store(dk_ptr + row * K + rk, tl.sum(da * vt[None, :], axis=1).to(dk_ptr.dtype.element_ty))
     dvt = tl.sum(da * kt[:, None], axis=0)
     if NKB == 1:
-        tl.store(dv_ptr + row * V + rv, dvt.to(dv_ptr.dtype.element_ty), mask=on_v)
+        tl.store(dv_ptr + row * V + rv, dvt.to(dv_ptr.dtype.element_ty))
     else:
-        tl.store(dv_ptr + (kb * n_rows + row) * V + rv, dvt, mask=on_v)
-    dprev = ft * g + tl.dot(da, tl.trans(W), input_precision=PRECISION)
-    if MASKED:
-        dW = tl.where(valid, dW + tl.dot(tl.trans(hp), da, input_precision=PRECISION), dW)
-        if HAS_H0:
-            dh0 = tl.where(valid & (rt != 0), dh0 + dprev, dh0)
-        dh = tl.where(valid, tl.where(rt != 0, 0.0, dprev), dh)
-    else:
-        dW += tl.dot(tl.trans(hp), da, input_precision=PRECISION)
-        if HAS_H0:
-            dh0 += tl.where(rt != 0, dprev, 0.0)
-        dh = tl.where(rt != 0, 0.0, dprev)
-    return dh, dW, dh0
+        tl.store(dv_ptr + (kb * n_rows + row) * V + rv, dvt)
+    dprev = ft * g + _mma(da, tl.trans(W), PRECISION, DOT)
+    dW += _mma(tl.trans(hp), da, PRECISION, DOT)
+    if HAS_H0:
+        dh0 += tl.where(rt != 0, dprev, 0.0)
+    return tl.where(rt != 0, 0.0, dprev), dW, dh0
 
 
 @triton.jit
@@ -266,76 +280,114 @@ def _bwd_program(w_ptr, h0_ptr, ranges_ptr, ckpt_off_ptr, H, K: tl.constexpr, V:
 
 
 @triton.jit
+def _reverse_span(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, dy_ptr, prev_ptr, z_ptr, dq_ptr, dk_ptr, dv_ptr, df_ptr,
+                  t0, t1, base, stride, offs, dh, dW, dh0, W, clip, hd, H, kb, n_rows, rk, rv, K: tl.constexpr,
+                  V: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, CLIP: tl.constexpr, PRECISION: tl.constexpr,
+                  HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr, DOT: tl.constexpr, STORE_DQ: tl.constexpr):  # fmt: skip
+    """The reverse recurrence over steps t1 - 1 down to t0 (t1 > t0), from the state each step used, stored at
+    prev_ptr + base + (t - t0) * stride + offs (z beside it in z_ptr, or recomputed from it); the next (earlier)
+    step's inputs and state loaded before this step's math, off the dh chain, and those L2_AHEAD steps back pulled
+    into L2. Returns dh, dW and dh0 summed on."""
+    qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t1 - 1, hd, H, rk, rv, K, V)
+    dyn = tl.load(dy_ptr + ((t1 - 1) * H + hd) * V + rv).to(tl.float32)
+    at = base + tl.cast(t1 - 1 - t0, tl.int64) * stride + offs  # int64: the parallel order's buffer spans B*S*H*K*V
+    hpn = tl.load(prev_ptr + at).to(tl.float32)
+    zn = tl.load(z_ptr + at) if Z_SCRATCH else hpn
+    for tt in range(t0, t1):
+        t = t1 - 1 - (tt - t0)
+        qt, kt, vt, ft, rt, dyt, hp, z = qn, kn, vn, fn, rn, dyn, hpn, zn
+        if not Z_SCRATCH:
+            z = _tanh(_mma(hp, W, PRECISION, DOT) + kt[:, None] * vt[None, :], PRECISION)
+        tp = tl.maximum(t - 1, t0)
+        ta = tl.maximum(t - L2_AHEAD, t0)
+        _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, ta, hd, H, kb * BK, K, V)
+        _prefetch_l2(dy_ptr + (ta * H + hd) * V)
+        qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
+        dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
+        at = base + tl.cast(tp - t0, tl.int64) * stride + offs
+        hpn = tl.load(prev_ptr + at).to(tl.float32)
+        if Z_SCRATCH:
+            zn = tl.load(z_ptr + at)
+        dh, dW, dh0 = _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, t * H + hd, kb, n_rows,
+                                    rk, rv, dq_ptr, dk_ptr, dv_ptr, df_ptr, K, V, NKB, CLIP, PRECISION, HAS_H0,
+                                    DOT, STORE_DQ)  # fmt: skip
+    return dh, dW, dh0
+
+
+@triton.jit
+def _m2rnn_recompute_kernel(
+    k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, slot_range_ptr, ckpt_ptr, dy_ptr,
+    prev_ptr, z_ptr, dq_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr,
+):  # fmt: skip
+    """The parallel order's first pass: one program per (checkpoint slot, head, block of BK state rows) recomputes
+    its chunk from the checkpoint, every chunk of every document at once, and stores the state each step used
+    (after any reset) at [token, head] of the full [B*S, H, K, V] buffer, in its dtype (z beside it with Z_SCRATCH).
+    It also stores dq = h_t dy_t, which needs no state gradient: the reverse pass's serial steps skip that reduction
+    (on the H200 peer grid, 15% of the forward+backward at V=32). Slots past a document's chunks (the slot count is
+    a bound) store nothing."""
+    s = tl.program_id(0)
+    hd = tl.program_id(1)
+    kb = tl.program_id(2)
+    p = tl.load(slot_range_ptr + s)
+    start = tl.load(ranges_ptr + p)
+    end = tl.load(ranges_ptr + p + 1)
+    t0 = start + (s - tl.load(ckpt_off_ptr + p)) * CHUNK
+    t1 = tl.minimum(t0 + CHUNK, end)
+    rk = kb * BK + tl.arange(0, BK)
+    rv = tl.arange(0, V)
+    kv = rk[:, None] * V + rv[None, :]
+    if t0 < t1:
+        W = tl.load(w_ptr + hd * V * V + rv[:, None] * V + rv[None, :]).to(tl.float32)
+        if HAS_H0:
+            h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
+        else:
+            h0 = tl.zeros((BK, V), dtype=tl.float32)
+        h = tl.load(ckpt_ptr + (s * H + hd) * K * V + kv)
+        _, kn, vn, fn, rn = _load_step(k_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t0, hd, H, rk, rv, K, V)
+        for t in range(t0, t1):
+            kt, vt, ft, rt = kn, vn, fn, rn
+            _, kn, vn, fn, rn = _next_step(k_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, t1 - 1, hd, H, rk, rv, kb * BK, K, V)
+            hp, z = _recompute_step(h, h0, kt, vt, rt, W, PRECISION)
+            at = (tl.cast(t, tl.int64) * H + hd) * (K * V) + kv
+            tl.store(prev_ptr + at, hp.to(prev_ptr.dtype.element_ty))
+            if Z_SCRATCH:
+                tl.store(z_ptr + at, z)
+            h = ft * hp + (1.0 - ft) * z
+            dyt = tl.load(dy_ptr + (t * H + hd) * V + rv).to(tl.float32)
+            tl.store(dq_ptr + (t * H + hd) * K + rk, tl.sum(h * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _m2rnn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, ckpt_ptr, dy_ptr,
     dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
     H, n_rows, clip,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr, INTERLEAVED: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr, PARALLEL: tl.constexpr,
+    DOT: tl.constexpr,
 ):  # fmt: skip
     # one program per (range, head, block of BK state rows): dq, dk, dh0 are row-local; dv, df and
     # dW sum over rows, so each block writes fp32 partials [K/BK, ...] that the launcher adds up.
     # Z_SCRATCH: the recompute pass stores z beside the previous state, or the reverse pass recomputes z
     # from that state (one more MMA a step, off the dh chain; half the scratch traffic).
-    # INTERLEAVED: the two passes overlapped. Round cc reverses chunk n-cc while it recomputes chunk n-1-cc from
-    # that chunk's checkpoint, two chains independent of each other, so each hides the other's latency and a
-    # program's dependent chain is about S + CHUNK steps, not 2 S. The scratch holds two chunks, the one being
-    # reversed and the one being recomputed (chunk c in half c % 2). The first round has no chunk to reverse and
-    # the last none to recompute: that half runs masked (nothing stored, no sum changed).
+    # PARALLEL: _m2rnn_recompute_kernel has already stored every step's state (and z) in the full [B*S, H, K, V]
+    # buffer, and dq, all chunks at once; this kernel is the reverse pass alone, one chain of S steps. Otherwise
+    # (serial) each chunk, last first, is recomputed into a chunk of scratch and then reversed: two chains.
     NKB: tl.constexpr = K // BK
     p, hd, kb, start, end, rk, rv, kv, local, W, h0, slot, prog = _bwd_program(
         w_ptr, h0_ptr, ranges_ptr, ckpt_off_ptr, H, K, V, BK, HAS_H0)
-    scratch = prog * (2 if INTERLEAVED else 1) * CHUNK * BK * V
     dh = tl.zeros((BK, V), dtype=tl.float32)
     dW = tl.zeros((V, V), dtype=tl.float32)
     dh0 = tl.zeros((BK, V), dtype=tl.float32)
-    if INTERLEAVED:
-        n_chunks = (end - start + CHUNK - 1) // CHUNK
-        for cc in range(0, n_chunks + 1):
-            cr = n_chunks - cc  # reversed this round (none when cc == 0)
-            cf = cr - 1  # recomputed this round (none when cc == n_chunks)
-            r0 = start + cr * CHUNK
-            r1 = tl.minimum(r0 + CHUNK, end)
-            f0 = start + cf * CHUNK
-            f1 = tl.minimum(f0 + CHUNK, end)
-            half_r = scratch + (cr % 2) * CHUNK * BK * V
-            half_f = scratch + ((cf + 2) % 2) * CHUNK * BK * V
-            h = tl.load(ckpt_ptr + ((slot + tl.maximum(cf, 0)) * H + hd) * K * V + kv)
-            # as many steps as the longer of the round's two chunks (only the last chunk can be short)
-            steps = tl.maximum(tl.where(cc > 0, r1 - r0, 0), tl.where(cf >= 0, f1 - f0, 0))
-            for i in range(0, steps):
-                # the recompute's step i of chunk cf
-                tf = f0 + i
-                on_f = (cf >= 0) & (tf < f1)
-                tfc = tl.minimum(tl.maximum(tf, start), end - 1)
-                _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tl.minimum(tfc + L2_AHEAD, end - 1), hd, H, kb * BK, K, V)
-                _, kf, vf, ff, rf = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tfc, hd, H, rk, rv, K, V)
-                hpf, zf = _recompute_step(h, h0, kf, vf, rf, W, PRECISION)
-                on_state = local >= tl.where(on_f, 0, BK * V)  # (the interpreter's vector & scalar: see _reverse_step)
-                tl.store(prev_ptr + half_f + i * BK * V + local, hpf, mask=on_state)
-                if Z_SCRATCH:
-                    tl.store(z_ptr + half_f + i * BK * V + local, zf, mask=on_state)
-                h = ff * hpf + (1.0 - ff) * zf
-                # the reverse's step i of chunk cr: t = r1 - 1 - i, what the recompute of the last round stored
-                t = r1 - 1 - i
-                on_r = (cc > 0) & (t >= r0)
-                tc = tl.minimum(tl.maximum(t, start), end - 1)
-                at = tl.minimum(tl.maximum(t - r0, 0), CHUNK - 1)
-                ta = tl.maximum(tc - L2_AHEAD, start)
-                _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, ta, hd, H, kb * BK, K, V)
-                _prefetch_l2(dy_ptr + (ta * H + hd) * V)
-                qt, kt, vt, ft, rt = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tc, hd, H, rk, rv, K, V)
-                dyt = tl.load(dy_ptr + (tc * H + hd) * V + rv).to(tl.float32)
-                stored = local >= tl.where(on_r, 0, BK * V)  # a round without a chunk to reverse: its half is unwritten
-                hp = tl.load(prev_ptr + half_r + at * BK * V + local, mask=stored, other=0.0)
-                if Z_SCRATCH:
-                    z = tl.load(z_ptr + half_r + at * BK * V + local, mask=stored, other=0.0)
-                else:
-                    z = _tanh(_state_times_w(hp, W, PRECISION) + kt[:, None] * vt[None, :])
-                dh, dW, dh0 = _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, tc * H + hd, kb, n_rows,
-                                            rk, rv, on_r, dq_ptr, dk_ptr, dv_ptr, df_ptr, K, V, NKB, CLIP, PRECISION,
-                                            HAS_H0, True)  # fmt: skip
+    if PARALLEL:
+        if start < end:
+            dh, dW, dh0 = _reverse_span(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, dy_ptr, prev_ptr, z_ptr, dq_ptr, dk_ptr,
+                                        dv_ptr, df_ptr, start, end, (tl.cast(start, tl.int64) * H + hd) * (K * V),
+                                        H * K * V, kv, dh, dW, dh0, W, clip, hd, H, kb, n_rows, rk, rv, K, V, BK, NKB,
+                                        CLIP, PRECISION, HAS_H0, Z_SCRATCH, DOT, False)  # fmt: skip
     else:
+        scratch = prog * CHUNK * BK * V
         n_chunks = (end - start + CHUNK - 1) // CHUNK
         for cc in range(0, n_chunks):
             c = n_chunks - 1 - cc
@@ -349,33 +401,15 @@ def _m2rnn_bwd_kernel(
                 qn, kn, vn, fn, rn = _next_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, t1 - 1, hd, H, rk, rv, kb * BK,
                                                 K, V)  # fmt: skip
                 h, z = _recompute_step(h, h0, kt, vt, rt, W, PRECISION)
-                tl.store(prev_ptr + scratch + (t - t0) * BK * V + local, h)
+                tl.store(prev_ptr + scratch + (t - t0) * BK * V + local, h.to(prev_ptr.dtype.element_ty))
                 if Z_SCRATCH:
                     tl.store(z_ptr + scratch + (t - t0) * BK * V + local, z)
                 h = ft * h + (1.0 - ft) * z
             # reverse over the chunk, next (earlier) step's inputs prefetched
-            i = t1 - 1 - t0
-            qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t1 - 1, hd, H, rk, rv, K, V)
-            dyn = tl.load(dy_ptr + ((t1 - 1) * H + hd) * V + rv).to(tl.float32)
-            hpn = tl.load(prev_ptr + scratch + i * BK * V + local)
-            zn = tl.load(z_ptr + scratch + i * BK * V + local) if Z_SCRATCH else hpn
-            for tt in range(t0, t1):
-                t = t1 - 1 - (tt - t0)
-                qt, kt, vt, ft, rt, dyt, hp, z = qn, kn, vn, fn, rn, dyn, hpn, zn
-                if not Z_SCRATCH:
-                    z = _tanh(_state_times_w(hp, W, PRECISION) + kt[:, None] * vt[None, :])
-                tp = tl.maximum(t - 1, t0)
-                ta = tl.maximum(t - L2_AHEAD, t0)
-                _prefetch_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, ta, hd, H, kb * BK, K, V)
-                _prefetch_l2(dy_ptr + (ta * H + hd) * V)
-                qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, tp, hd, H, rk, rv, K, V)
-                dyn = tl.load(dy_ptr + (tp * H + hd) * V + rv).to(tl.float32)
-                hpn = tl.load(prev_ptr + scratch + (tp - t0) * BK * V + local)
-                if Z_SCRATCH:
-                    zn = tl.load(z_ptr + scratch + (tp - t0) * BK * V + local)
-                dh, dW, dh0 = _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, t * H + hd, kb, n_rows,
-                                            rk, rv, t >= t0, dq_ptr, dk_ptr, dv_ptr, df_ptr, K, V, NKB, CLIP, PRECISION,
-                                            HAS_H0, False)  # fmt: skip
+            dh, dW, dh0 = _reverse_span(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, dy_ptr, prev_ptr, z_ptr, dq_ptr, dk_ptr,
+                                        dv_ptr, df_ptr, t0, t1, scratch, BK * V, local, dh, dW, dh0, W, clip, hd, H,
+                                        kb, n_rows, rk, rv, K, V, BK, NKB, CLIP, PRECISION, HAS_H0, Z_SCRATCH, DOT,
+                                        True)  # fmt: skip
     tl.store(dw_ptr + prog * V * V + rv[:, None] * V + rv[None, :], dW)
     if HAS_H0:
         tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
@@ -389,18 +423,27 @@ def _m2rnn_bwd_kernel(
 # barriers to each serial step, and cost resident programs. fp32 (ieee) kept from the H100 tuning.
 FWD_WARPS = {"tf32": 2, "ieee": 4}
 BWD_WARPS = {"tf32": 2, "ieee": 2}
-# The backward's state block: at most this many elements (BK x V). Past it a 2-warp program spills: at V=64 on the
-# H200 grid, 32 rows a program at 2 warps ran forward+backward in 0.94x the time of 64 rows at 4 warps, 0.55x of 64
-# rows at 2 warps, and 0.73x of the earlier plan (64 rows at 8 warps).
-BWD_MAX_BLOCK = 2048
-BWD_ELEMENTS_PER_WARP = 1024  # an override past BWD_MAX_BLOCK gets one warp per this many state elements
+# The backward's state block: at most this many elements (BK x V), one warp per BWD_ELEMENTS_PER_WARP of them past
+# the tuned count (plan_warps). With the reverse pass's MMA operands in the inputs' dtype (half the registers), 64 rows
+# at 4 warps beat 32 rows at 2 at V=64 on the H200 grid (14.8 against 16.9 ms, the parallel order); the fp32-operand
+# kernel had spilled past 2048 elements at 2 warps.
+BWD_MAX_BLOCK = 4096
+BWD_ELEMENTS_PER_WARP = 1024
 MIN_BLOCK_K = 16  # the smallest K-split block (tl.dot's smallest M)
 MAX_WARPS = 8
 Z_MODES = ("auto", "scratch", "recompute")
-# the backward's order: its recompute pass then its reverse pass, chunk by chunk, or the two overlapped
-# (_m2rnn_bwd_kernel INTERLEAVED). Serial is the default: on the H200 grid (bench m2rnn, B=16 S=1024 H=32 and
-# B=8 S=512 H=64) the interleaved order took 1.1x to 1.35x serial's forward+backward time at every point
-BWD_ORDERS = ("serial", "interleaved")
+# the backward's order (module docstring): "parallel" (every chunk recomputed at once, then one reverse chain: a
+# [B*S, H, K, V] buffer of states) or "serial" (a chunk of scratch a program, two chains). Parallel is the default: on
+# the H200 peer grid it took 0.76x to 0.91x serial's forward+backward time at every point (bench m2rnn keeps a serial
+# row beside the plan). A third order, chunk c reversed while chunk c-1 was recomputed in one loop, took 1.1x to 1.35x
+# serial's there and was removed.
+BWD_ORDERS = ("parallel", "serial")
+# the reverse pass's three MMAs (z from the stored state, the state gradient through W, dW) with operands in the inputs'
+# 16-bit dtype, and the parallel order's stored states in it too (the MMAs round them to it; df's hp - z is the one
+# other reader): fp32 accumulation, fp32 state gradient. False: fp32 operands (TF32, the forward's precision) and fp32
+# states. bench m2rnn's peer grid measures the other setting beside the default, with both gradients' errors.
+BWD_DOTS_IN_INPUT_DTYPE = True
+_BWD_DOT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @functools.lru_cache(maxsize=None)
@@ -439,9 +482,9 @@ def plan_bwd_block_k(pairs: int, K: int, V: int, device: torch.device, block_k: 
 
 
 def plan_warps(base: int, bk: int, V: int) -> int:
-    """The backward's num_warps for BK x V state blocks: the tuned count, raised only for a block past
-    BWD_MAX_BLOCK (a block_k override), one warp per BWD_ELEMENTS_PER_WARP elements, so it does not spill. The
-    forward runs its tuned count at every block."""
+    """The backward's num_warps for BK x V state blocks: one warp per BWD_ELEMENTS_PER_WARP elements, at least the
+    tuned count, so a large block (64 x 64 at BWD_MAX_BLOCK, or a block_k override) does not spill. The forward runs
+    its tuned count at every block."""
     return max(base, min(MAX_WARPS, (bk * V) // BWD_ELEMENTS_PER_WARP))
 
 
@@ -455,6 +498,17 @@ def plan_z_scratch(programs: int, chunk: int, bk: int, V: int, device: torch.dev
         return z_mode == "scratch"
     _, l2 = _limits(device)
     return 2 * programs * chunk * bk * V * 4 <= l2 // 2
+
+
+def plan_backward(pairs: int, tokens: int, H: int, K: int, V: int, chunk: int, device: torch.device, *,
+                  block_k: int = 0, z_mode: str = "auto", bwd_order: str = "parallel") -> tuple[int, bool]:
+    """The backward's (state rows a program, z kept in scratch) for `pairs` (range, head) pairs over `tokens`
+    flattened tokens: plan_bwd_block_k, and plan_z_scratch over the order's buffers (the parallel order's holds
+    every step of every head, the serial order's a chunk a program)."""
+    bk = plan_bwd_block_k(pairs, K, V, device, block_k)
+    if bwd_order == "parallel":
+        return bk, plan_z_scratch(tokens * H * (K // bk), 1, bk, V, device, z_mode)
+    return bk, plan_z_scratch(pairs * (K // bk), chunk, bk, V, device, z_mode)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -474,7 +528,7 @@ def _ckpt_layout(ranges: torch.Tensor, chunk: int, total: int) -> tuple[torch.Te
 def m2rnn_scan_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
     ranges: torch.Tensor, reset: torch.Tensor, chunk: int, save: bool, clip: float, block_k: int = 0,
-    z_mode: str = "auto", bwd_order: str = "serial",
+    z_mode: str = "auto", bwd_order: str = "parallel",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,S,H,V] and the every-`chunk`-steps state checkpoints (empty unless save).
 
@@ -505,7 +559,7 @@ def m2rnn_scan_fwd(
 
 
 @m2rnn_scan_fwd.register_fake
-def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k=0, z_mode="auto", bwd_order="serial"):
+def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k=0, z_mode="auto", bwd_order="parallel"):
     B, S, H, K = q.shape
     slots = B * S // chunk + ranges.shape[0] - 1
     return torch.empty_like(v), q.new_empty((slots if save else 0, H, K, v.shape[-1]), dtype=torch.float32)
@@ -515,7 +569,7 @@ def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k=0, z_mode="au
 def m2rnn_scan_bwd(
     dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor,
     h0: torch.Tensor | None, ranges: torch.Tensor, reset: torch.Tensor, ckpt: torch.Tensor, chunk: int, clip: float,
-    block_k: int = 0, z_mode: str = "auto", bwd_order: str = "serial",
+    block_k: int = 0, z_mode: str = "auto", bwd_order: str = "parallel",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients for q, k, v, f, W and h0. With h0=None (zeros, the forward's) the last is an empty
     [0,H,K,V] tensor: no [P,...] tensor enters the backward graph either."""
@@ -524,24 +578,39 @@ def m2rnn_scan_bwd(
     P = ranges.numel() - 1
     offsets, _ = _ckpt_layout(ranges, chunk, B * S)
     precision = _precision(q.dtype)
-    bk = plan_bwd_block_k(P * H, K, V, q.device, block_k)
+    bk, z_scratch = plan_backward(P * H, B * S, H, K, V, chunk, q.device, block_k=block_k, z_mode=z_mode,
+                                  bwd_order=bwd_order)  # fmt: skip
     warps = plan_warps(BWD_WARPS[precision], bk, V)
     nkb, n_rows = K // bk, B * S * H
-    interleaved = bwd_order == "interleaved"
-    depth = 2 * chunk if interleaved else chunk  # scratch steps a program holds: two chunks when interleaved
-    z_scratch = plan_z_scratch(P * H * nkb, depth, bk, V, q.device, z_mode)
+    parallel = bwd_order == "parallel"
+    low = BWD_DOTS_IN_INPUT_DTYPE and q.dtype != torch.float32  # the reverse pass's MMA operands in the inputs' dtype
+    dot = _BWD_DOT[q.dtype] if low else tl.float32
+    dy = dy.contiguous()
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dv = torch.empty_like(v) if nkb == 1 else torch.empty((nkb, n_rows, V), device=q.device, dtype=torch.float32)
     df = torch.empty((nkb, n_rows), device=f.device, dtype=torch.float32)
     dW = torch.empty((P, H, nkb, V, V), device=q.device, dtype=torch.float32)
     dh0 = torch.empty((0 if h0 is None else P, H, K, V), device=q.device, dtype=torch.float32)
-    prev = torch.empty((P * H * nkb * depth, bk, V), device=q.device, dtype=torch.float32)
-    zbuf = torch.empty_like(prev) if z_scratch else prev  # recomputed: a placeholder pointer, never read
+    h0_arg = W if h0 is None else h0  # a placeholder pointer when HAS_H0 is off
+    if parallel:  # every step's state, recomputed from the checkpoints all chunks at once, in one [B*S,H,K,V] buffer
+        prev = torch.empty((B * S, H, K, V), device=q.device, dtype=q.dtype if low else torch.float32)
+        zbuf = torch.empty(prev.shape, device=q.device, dtype=torch.float32) if z_scratch else prev  # else never read
+        slots = ckpt.shape[0]
+        slot_range = (torch.searchsorted(offsets, torch.arange(slots, device=q.device, dtype=torch.int32), right=True)
+                      - 1).to(torch.int32)  # fmt: skip
+        _m2rnn_recompute_kernel[(slots, H, nkb)](
+            k, v, f, W, h0_arg, ranges, reset, offsets, slot_range, ckpt, dy, prev, zbuf, dq, H,
+            K=K, V=V, BK=bk, CHUNK=chunk, PRECISION=precision, HAS_H0=h0 is not None, Z_SCRATCH=z_scratch,
+            num_warps=FWD_WARPS[precision],
+        )  # fmt: skip
+    else:
+        prev = torch.empty((P * H * nkb * chunk, bk, V), device=q.device, dtype=torch.float32)
+        zbuf = torch.empty_like(prev) if z_scratch else prev
     _m2rnn_bwd_kernel[(P, H, nkb)](
-        q, k, v, f, W, W if h0 is None else h0, ranges, reset, offsets, ckpt, dy.contiguous(),
+        q, k, v, f, W, h0_arg, ranges, reset, offsets, ckpt, dy,
         dq, dk, dv, df, dW, dh0, prev, zbuf, H, n_rows, float(clip),
         K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision, HAS_H0=h0 is not None,
-        Z_SCRATCH=z_scratch, INTERLEAVED=interleaved, num_warps=warps,
+        Z_SCRATCH=z_scratch, PARALLEL=parallel, DOT=dot, num_warps=warps,
     )  # fmt: skip
     if nkb > 1:
         dv = dv.sum(0).view(v.shape).to(v.dtype)
@@ -549,7 +618,7 @@ def m2rnn_scan_bwd(
 
 
 @m2rnn_scan_bwd.register_fake
-def _(dy, q, k, v, f, W, h0, ranges, reset, ckpt, chunk, clip, block_k=0, z_mode="auto", bwd_order="serial"):
+def _(dy, q, k, v, f, W, h0, ranges, reset, ckpt, chunk, clip, block_k=0, z_mode="auto", bwd_order="parallel"):
     dh0 = q.new_empty((0, *q.shape[2:], v.shape[-1]), dtype=torch.float32) if h0 is None else torch.empty_like(h0)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
             torch.empty_like(W), dh0)  # fmt: skip
@@ -633,7 +702,7 @@ def m2rnn_scan(
     kernel: str = "auto",
     block_k: int = 0,
     z_mode: str = "auto",
-    bwd_order: str = "serial",
+    bwd_order: str = "parallel",
 ) -> torch.Tensor:
     """The M2RNN recurrence over [B,S,H,*] inputs; returns y [B,S,H,V] in q's dtype.
 
@@ -722,7 +791,7 @@ def m2rnn_scan(
 
 def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
           ranges: torch.Tensor, reset2d: torch.Tensor, h0_index: torch.Tensor, chunk: int, grad_clip: float,
-          kernel: str, block_k: int = 0, z_mode: str = "auto", bwd_order: str = "serial") -> torch.Tensor:  # fmt: skip
+          kernel: str, block_k: int = 0, z_mode: str = "auto", bwd_order: str = "parallel") -> torch.Tensor:  # fmt: skip
     """The scan over sequences [ranges[i], ranges[i+1]) of the flattened tokens, resetting at reset2d."""
     B, S, H, K = q.shape
     V = v.shape[-1]
