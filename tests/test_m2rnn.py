@@ -112,6 +112,22 @@ def test_bf16_backward_operands_against_the_reference(monkeypatch, bwd_order, do
              grad_rtol=1.5e-2)  # fmt: skip
 
 
+@pytest.mark.parametrize("block_k,z_mode", [(16, "scratch"), (0, "auto")])
+def test_parallel_backward_in_segments_matches_the_reference(monkeypatch, block_k, z_mode):
+    """The parallel order with its buffer over budget: segments of 4 steps (a chunk) reversed last first, the reverse
+    chain's state and its dW and dh0 sums carried between them, over documents of 1, 11 and 12 steps (one inside a
+    segment, two across three: six segments over the 24 tokens, the last ones empty), a non-zero h0, a K split and
+    both places for z, with the state gradient clipped, against the reference loop."""
+    monkeypatch.setattr(m2k, "PARALLEL_BUFFER_BYTES", 1)
+    monkeypatch.setattr(m2k, "PARALLEL_MIN_SEGMENT", 4)
+    inputs = _inputs(2, 12, 2, 32, 16, n_h0=3)
+    doc_ids = torch.tensor([[0] * 1 + [1] * 11, [0] * 12], device=DEVICE)
+    ctx = build_context(doc_ids)
+    assert m2k.plan_segments(ctx.n_seqs, 24, 4, 2 * 32 * 16 * 4) == (4, 6)
+    kw = dict(ctx=ctx, chunk=4, block_k=block_k, z_mode=z_mode, bwd_order="parallel", grad_clip=0.5)
+    _compare(kw, dict(ctx=ctx, grad_clip=0.5), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
+
+
 def test_launch_plan_rules_and_bad_plans_fail_closed():
     """plan_block_k splits K only while there are fewer (range, head) pairs than SMs; plan_z_scratch recomputes
     z once the two scratch buffers outgrow half of L2; an explicit plan is checked, naming the field."""
@@ -125,6 +141,11 @@ def test_launch_plan_rules_and_bad_plans_fail_closed():
     assert m2k.plan_bwd_block_k(1, 64, 256, cpu) == 16
     assert m2k.plan_bwd_block_k(1, 64, 64, cpu, block_k=64) == 64  # an override is taken as given
     assert m2k.plan_block_k(1, 64, cpu, max_rows=16) == 16 and m2k.plan_block_k(1, 32, cpu, max_rows=64) == 32
+    # the parallel order's segments: one while its buffer fits PARALLEL_BUFFER_BYTES or segments cannot shrink it
+    step = 8 * 64 * 16 * 2  # bytes a token at H=8, K=64, V=16, bf16 states
+    assert m2k.plan_segments(2, 8192, 64, step) == (2048, 4)  # B=2 rows of 4096: 64 MiB of 128
+    assert m2k.plan_segments(2, 2048, 64, step) == (2048, 1)  # 32 MiB: one segment
+    assert m2k.plan_segments(32, 16384, 64, step) == (16384, 1)  # many documents: no segment would shrink it
     # warps: one per BWD_ELEMENTS_PER_WARP state elements, at least the tuned count
     assert m2k.plan_warps(2, 16, 16) == 2 and m2k.plan_warps(2, 64, 16) == 2 and m2k.plan_warps(2, 64, 32) == 2
     assert m2k.plan_warps(2, 32, 64) == 2 and m2k.plan_warps(2, 64, 64) == 4 and m2k.plan_warps(4, 16, 16) == 4

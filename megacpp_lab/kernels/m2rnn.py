@@ -49,6 +49,7 @@ __all__ = [
     "plan_backward",
     "plan_block_k",
     "plan_bwd_block_k",
+    "plan_segments",
     "plan_warps",
     "plan_z_scratch",
     "resolve_kernel",
@@ -314,26 +315,30 @@ def _reverse_span(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, dy_ptr, prev_ptr, z_ptr
     return dh, dW, dh0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seg", "SEG"])
 def _m2rnn_recompute_kernel(
     k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, slot_range_ptr, ckpt_ptr, dy_ptr,
-    prev_ptr, z_ptr, dq_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr,
+    prev_ptr, z_ptr, dq_ptr, seg_off_ptr, seg, SEG, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr,
 ):  # fmt: skip
-    """The parallel order's first pass: one program per (checkpoint slot, head, block of BK state rows) recomputes
-    its chunk from the checkpoint, every chunk of every document at once, and stores the state each step used
-    (after any reset) at [token, head] of the full [B*S, H, K, V] buffer, in its dtype (z beside it with Z_SCRATCH).
-    It also stores dq = h_t dy_t, which needs no state gradient: the reverse pass's serial steps skip that reduction
-    (on the H200 peer grid, 15% of the forward+backward at V=32). Slots past a document's chunks (the slot count is
-    a bound) store nothing."""
+    """The parallel order's first pass over segment `seg` (steps [seg * SEG, (seg + 1) * SEG) of every document): one
+    program per (checkpoint slot, head, block of BK state rows) recomputes its chunk from the checkpoint, every chunk
+    of the segment at once, and stores the state each step used (after any reset) in the buffer's row of that step
+    (document p's steps of the segment from row seg_off[p]), in the buffer's dtype (z beside it with Z_SCRATCH). It
+    also stores dq = h_t dy_t, which needs no state gradient: the reverse pass's serial steps skip that reduction (on
+    the H200 peer grid, 15% of the forward+backward at V=32). Slots outside the segment, or past a document's chunks
+    (the slot count is a bound), store nothing."""
     s = tl.program_id(0)
     hd = tl.program_id(1)
     kb = tl.program_id(2)
     p = tl.load(slot_range_ptr + s)
     start = tl.load(ranges_ptr + p)
     end = tl.load(ranges_ptr + p + 1)
-    t0 = start + (s - tl.load(ckpt_off_ptr + p)) * CHUNK
+    c = s - tl.load(ckpt_off_ptr + p)
+    t0 = start + c * CHUNK
     t1 = tl.minimum(t0 + CHUNK, end)
+    t1 = tl.where(c // (SEG // CHUNK) == seg, t1, t0)  # another segment's chunk: no steps
+    row0 = tl.load(seg_off_ptr + p) - (start + seg * SEG)  # the buffer row of step t is row0 + t
     rk = kb * BK + tl.arange(0, BK)
     rv = tl.arange(0, V)
     kv = rk[:, None] * V + rv[None, :]
@@ -349,7 +354,7 @@ def _m2rnn_recompute_kernel(
             kt, vt, ft, rt = kn, vn, fn, rn
             _, kn, vn, fn, rn = _next_step(k_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, t1 - 1, hd, H, rk, rv, kb * BK, K, V)
             hp, z = _recompute_step(h, h0, kt, vt, rt, W, PRECISION)
-            at = (tl.cast(t, tl.int64) * H + hd) * (K * V) + kv
+            at = (tl.cast(row0 + t, tl.int64) * H + hd) * (K * V) + kv
             tl.store(prev_ptr + at, hp.to(prev_ptr.dtype.element_ty))
             if Z_SCRATCH:
                 tl.store(z_ptr + at, z)
@@ -358,22 +363,25 @@ def _m2rnn_recompute_kernel(
             tl.store(dq_ptr + (t * H + hd) * K + rk, tl.sum(h * dyt[None, :], axis=1).to(dq_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seg", "SEG"])
 def _m2rnn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, ckpt_ptr, dy_ptr,
-    dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr,
+    dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr, seg_off_ptr, carry_ptr, seg, SEG,
     H, n_rows, clip,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
     PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr, PARALLEL: tl.constexpr,
-    DOT: tl.constexpr,
+    CARRY: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     # one program per (range, head, block of BK state rows): dq, dk, dh0 are row-local; dv, df and
     # dW sum over rows, so each block writes fp32 partials [K/BK, ...] that the launcher adds up.
     # Z_SCRATCH: the recompute pass stores z beside the previous state, or the reverse pass recomputes z
     # from that state (one more MMA a step, off the dh chain; half the scratch traffic).
-    # PARALLEL: _m2rnn_recompute_kernel has already stored every step's state (and z) in the full [B*S, H, K, V]
-    # buffer, and dq, all chunks at once; this kernel is the reverse pass alone, one chain of S steps. Otherwise
-    # (serial) each chunk, last first, is recomputed into a chunk of scratch and then reversed: two chains.
+    # PARALLEL: _m2rnn_recompute_kernel has already stored the state (and z) of every step of segment `seg` (steps
+    # [seg * SEG, (seg + 1) * SEG) of each document, document p's from buffer row seg_off[p]), and dq; this kernel
+    # is the reverse pass over the segment, one chain. CARRY (more than one segment, launched last first): dh, dW
+    # and dh0 are read from and written back to memory (carry_ptr, dw_ptr, dh0_ptr, zeroed by the launcher) around
+    # the segment. Otherwise (serial) each chunk, last first, is recomputed into a chunk of scratch and then
+    # reversed: two chains.
     NKB: tl.constexpr = K // BK
     p, hd, kb, start, end, rk, rv, kv, local, W, h0, slot, prog = _bwd_program(
         w_ptr, h0_ptr, ranges_ptr, ckpt_off_ptr, H, K, V, BK, HAS_H0)
@@ -381,11 +389,24 @@ def _m2rnn_bwd_kernel(
     dW = tl.zeros((V, V), dtype=tl.float32)
     dh0 = tl.zeros((BK, V), dtype=tl.float32)
     if PARALLEL:
-        if start < end:
+        lo = start + seg * SEG
+        hi = tl.minimum(end, lo + SEG)
+        if lo < hi:
+            if CARRY:
+                dh = tl.load(carry_ptr + prog * BK * V + local)
+                dW = tl.load(dw_ptr + prog * V * V + rv[:, None] * V + rv[None, :])
+                if HAS_H0:
+                    dh0 = tl.load(dh0_ptr + (p * H + hd) * K * V + kv)
+            base = (tl.cast(tl.load(seg_off_ptr + p), tl.int64) * H + hd) * (K * V)
             dh, dW, dh0 = _reverse_span(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, dy_ptr, prev_ptr, z_ptr, dq_ptr, dk_ptr,
-                                        dv_ptr, df_ptr, start, end, (tl.cast(start, tl.int64) * H + hd) * (K * V),
-                                        H * K * V, kv, dh, dW, dh0, W, clip, hd, H, kb, n_rows, rk, rv, K, V, BK, NKB,
-                                        CLIP, PRECISION, HAS_H0, Z_SCRATCH, DOT, False)  # fmt: skip
+                                        dv_ptr, df_ptr, lo, hi, base, H * K * V, kv, dh, dW, dh0, W, clip, hd, H, kb,
+                                        n_rows, rk, rv, K, V, BK, NKB, CLIP, PRECISION, HAS_H0, Z_SCRATCH, DOT,
+                                        False)  # fmt: skip
+            if CARRY:
+                tl.store(carry_ptr + prog * BK * V + local, dh)
+                tl.store(dw_ptr + prog * V * V + rv[:, None] * V + rv[None, :], dW)
+                if HAS_H0:
+                    tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
     else:
         scratch = prog * CHUNK * BK * V
         n_chunks = (end - start + CHUNK - 1) // CHUNK
@@ -410,9 +431,10 @@ def _m2rnn_bwd_kernel(
                                         dv_ptr, df_ptr, t0, t1, scratch, BK * V, local, dh, dW, dh0, W, clip, hd, H,
                                         kb, n_rows, rk, rv, K, V, BK, NKB, CLIP, PRECISION, HAS_H0, Z_SCRATCH, DOT,
                                         True)  # fmt: skip
-    tl.store(dw_ptr + prog * V * V + rv[:, None] * V + rv[None, :], dW)
-    if HAS_H0:
-        tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
+    if not (PARALLEL and CARRY):  # (with CARRY each segment's program wrote its own sums above)
+        tl.store(dw_ptr + prog * V * V + rv[:, None] * V + rv[None, :], dW)
+        if HAS_H0:
+            tl.store(dh0_ptr + (p * H + hd) * K * V + kv, dh0)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -443,6 +465,10 @@ BWD_ORDERS = ("parallel", "serial")
 # other reader): fp32 accumulation, fp32 state gradient. False: fp32 operands (TF32, the forward's precision) and fp32
 # states. bench m2rnn's peer grid measures the other setting beside the default, with both gradients' errors.
 BWD_DOTS_IN_INPUT_DTYPE = True
+# the parallel order's state buffer: at most this many bytes where segmenting the documents' steps can keep it there
+# (plan_segments), segments of at least PARALLEL_MIN_SEGMENT steps (a pair of launches each)
+PARALLEL_BUFFER_BYTES = 64 * 2**20
+PARALLEL_MIN_SEGMENT = 1024
 _BWD_DOT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -498,6 +524,23 @@ def plan_z_scratch(programs: int, chunk: int, bk: int, V: int, device: torch.dev
         return z_mode == "scratch"
     _, l2 = _limits(device)
     return 2 * programs * chunk * bk * V * 4 <= l2 // 2
+
+
+def plan_segments(docs: int, tokens: int, chunk: int, bytes_per_step: int) -> tuple[int, int]:
+    """The parallel backward's segment (steps of each document recomputed and reversed per pair of launches, a
+    multiple of chunk) and the segment count. One segment spans every step (its buffer holds every step of every
+    document: tokens x bytes_per_step) unless that buffer is over PARALLEL_BUFFER_BYTES and documents are few
+    enough that segments of at least PARALLEL_MIN_SEGMENT steps shrink it (docs x segment < tokens): then the
+    segment is the longest that keeps docs x segment steps within the budget. Few long documents get segments
+    (B=2 rows of 4096 at H=8, K=64, V=16: two segments of 2048 steps, a 64 MiB buffer where one was 128 MiB);
+    many short ones one segment, whose buffer is then no larger than their own total."""
+    whole = -(-tokens // chunk) * chunk
+    if tokens * bytes_per_step <= PARALLEL_BUFFER_BYTES:
+        return whole, 1
+    seg = max(PARALLEL_MIN_SEGMENT, PARALLEL_BUFFER_BYTES // (docs * bytes_per_step)) // chunk * chunk
+    if seg == 0 or docs * seg >= tokens:
+        return whole, 1
+    return seg, -(-tokens // seg)
 
 
 def plan_backward(pairs: int, tokens: int, H: int, K: int, V: int, chunk: int, device: torch.device, *,
@@ -592,26 +635,43 @@ def m2rnn_scan_bwd(
     dW = torch.empty((P, H, nkb, V, V), device=q.device, dtype=torch.float32)
     dh0 = torch.empty((0 if h0 is None else P, H, K, V), device=q.device, dtype=torch.float32)
     h0_arg = W if h0 is None else h0  # a placeholder pointer when HAS_H0 is off
-    if parallel:  # every step's state, recomputed from the checkpoints all chunks at once, in one [B*S,H,K,V] buffer
-        prev = torch.empty((B * S, H, K, V), device=q.device, dtype=q.dtype if low else torch.float32)
+    if parallel:  # every step's state, recomputed from the checkpoints all chunks at once, segment by segment
+        esize = q.element_size() if low else 4
+        seg, n_seg = plan_segments(P, B * S, chunk, H * K * V * esize)
+        lens = (ranges[1:] - ranges[:-1]).to(torch.int64)
+        seg_lens = (lens[None, :] - torch.arange(n_seg, device=q.device)[:, None] * seg).clamp(0, seg)  # [n_seg, P]
+        seg_off = (torch.cumsum(seg_lens, 1) - seg_lens).to(torch.int32)  # each document's first row, per segment
+        prev = torch.empty((min(B * S, P * seg), H, K, V), device=q.device, dtype=q.dtype if low else torch.float32)
         zbuf = torch.empty(prev.shape, device=q.device, dtype=torch.float32) if z_scratch else prev  # else never read
         slots = ckpt.shape[0]
         slot_range = (torch.searchsorted(offsets, torch.arange(slots, device=q.device, dtype=torch.int32), right=True)
                       - 1).to(torch.int32)  # fmt: skip
-        _m2rnn_recompute_kernel[(slots, H, nkb)](
-            k, v, f, W, h0_arg, ranges, reset, offsets, slot_range, ckpt, dy, prev, zbuf, dq, H,
-            K=K, V=V, BK=bk, CHUNK=chunk, PRECISION=precision, HAS_H0=h0 is not None, Z_SCRATCH=z_scratch,
-            num_warps=FWD_WARPS[precision],
-        )  # fmt: skip
+        carry = n_seg > 1
+        if carry:  # the reverse chain's state and sums between segments, summed into from zero
+            dW.zero_()
+            dh0.zero_()
+        dh_carry = torch.zeros((P * H * nkb, bk, V) if carry else (1,), device=q.device, dtype=torch.float32)
+        for j in reversed(range(n_seg)):
+            _m2rnn_recompute_kernel[(slots, H, nkb)](
+                k, v, f, W, h0_arg, ranges, reset, offsets, slot_range, ckpt, dy, prev, zbuf, dq, seg_off[j], j, seg, H,
+                K=K, V=V, BK=bk, CHUNK=chunk, PRECISION=precision, HAS_H0=h0 is not None,
+                Z_SCRATCH=z_scratch, num_warps=FWD_WARPS[precision],
+            )  # fmt: skip
+            _m2rnn_bwd_kernel[(P, H, nkb)](
+                q, k, v, f, W, h0_arg, ranges, reset, offsets, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, seg_off[j],
+                dh_carry, j, seg, H, n_rows, float(clip), K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0,
+                PRECISION=precision, HAS_H0=h0 is not None, Z_SCRATCH=z_scratch, PARALLEL=True, CARRY=carry, DOT=dot,
+                num_warps=warps,
+            )  # fmt: skip
     else:
         prev = torch.empty((P * H * nkb * chunk, bk, V), device=q.device, dtype=torch.float32)
         zbuf = torch.empty_like(prev) if z_scratch else prev
-    _m2rnn_bwd_kernel[(P, H, nkb)](
-        q, k, v, f, W, h0_arg, ranges, reset, offsets, ckpt, dy,
-        dq, dk, dv, df, dW, dh0, prev, zbuf, H, n_rows, float(clip),
-        K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision, HAS_H0=h0 is not None,
-        Z_SCRATCH=z_scratch, PARALLEL=parallel, DOT=dot, num_warps=warps,
-    )  # fmt: skip
+        _m2rnn_bwd_kernel[(P, H, nkb)](
+            q, k, v, f, W, h0_arg, ranges, reset, offsets, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, offsets, prev,
+            0, chunk, H, n_rows, float(clip), K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision,
+            HAS_H0=h0 is not None, Z_SCRATCH=z_scratch, PARALLEL=False, CARRY=False, DOT=dot,
+            num_warps=warps,
+        )  # fmt: skip
     if nkb > 1:
         dv = dv.sum(0).view(v.shape).to(v.dtype)
     return dq, dk, dv, df.sum(0).view(f.shape).to(f.dtype), dW.sum((0, 2)).to(W.dtype), dh0
