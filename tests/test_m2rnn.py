@@ -375,7 +375,7 @@ def test_config_fails_closed_naming_the_field(field, value, allowed):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_matches_reference_on_gpu_at_real_shapes(dtype):
+def test_triton_matches_reference_on_gpu_at_real_shapes(dtype, monkeypatch):
     B, S, H, K, V = 2, 512, 8, 64, 16
     inputs = _inputs(B, S, H, K, V, dtype=dtype, device="cuda")
     doc_ids = torch.zeros(B, S, dtype=torch.long, device="cuda")
@@ -387,6 +387,11 @@ def test_triton_matches_reference_on_gpu_at_real_shapes(dtype):
         for bwd_order in BWD_ORDERS:
             _compare(dict(doc_ids=doc_ids, block_k=block_k, z_mode=z_mode, bwd_order=bwd_order), dict(doc_ids=doc_ids),
                      inputs, **tol)  # fmt: skip
+    # the parallel order in segments of 128 steps (its buffer budget forced down): documents across 1 to 4 of them
+    monkeypatch.setattr(m2k, "PARALLEL_BUFFER_BYTES", 1)
+    monkeypatch.setattr(m2k, "PARALLEL_MIN_SEGMENT", 128)
+    assert m2k.plan_segments(4, B * S, 64, H * K * V * 2)[1] > 1
+    _compare(dict(doc_ids=doc_ids, bwd_order="parallel"), dict(doc_ids=doc_ids), inputs, **tol)
 
 
 @pytest.mark.cuda
