@@ -71,6 +71,46 @@ def time_spread_ms(fn: Callable[[], object], *, warmup: int = 3, rep: int = 20,
     return {"ms": statistics.median(samples), "ms_p20": qs[0], "ms_p80": qs[3]}
 
 
+def paired_ratio(fn_a: Callable[[], object], fn_b: Callable[[], object], *, rounds: int = 20, warmup: int = 2,
+                 device: torch.device | str | None = None) -> dict[str, float]:  # fmt: skip
+    """fn_b's time over fn_a's, measured in pairs: each round times one call of each back to back (the order
+    alternating, A B then B A, so neither always runs second), L2 flushed before each call on a GPU (do_bench's
+    256 MB buffer), CUDA events around each; the median of the rounds' ratios with its p20 / p80, and each one's
+    median ms. Two do_bench runs minutes apart drift with the clock and the card's temperature by a few percent;
+    the ratio within a round does not, so a bar on a small difference (a gate's overhead) reads this."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds must be >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    times: dict[int, list[float]] = {0: [], 1: []}
+    if dev.type == "cuda":
+        flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev)
+        events = []
+        for r in range(rounds):
+            for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                (fn_a if which == 0 else fn_b)()
+                end.record()
+                events.append((which, start, end))
+        torch.cuda.synchronize(dev)
+        for which, start, end in events:
+            times[which].append(start.elapsed_time(end))
+    else:
+        for r in range(rounds):
+            for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+                t0 = time.perf_counter()
+                (fn_a if which == 0 else fn_b)()
+                times[which].append((time.perf_counter() - t0) * 1e3)
+    ratios = [b / a for a, b in zip(times[0], times[1])]
+    qs = statistics.quantiles(ratios, n=5, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 4
+    return {"ratio": statistics.median(ratios), "ratio_p20": qs[0], "ratio_p80": qs[3],
+            "a_ms": statistics.median(times[0]), "b_ms": statistics.median(times[1])}  # fmt: skip
+
+
 def kernel_ms(fn: Callable[[], object], *, calls: int = 5) -> float:
     """The GPU kernels' time of one call of fn in ms: the durations of every kernel, memcpy and memset the profiler
     records over `calls` calls (after one untimed call), summed and divided by `calls`; no host time. Beside a

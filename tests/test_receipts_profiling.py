@@ -488,3 +488,21 @@ def test_a_tree_stamp_resolves_to_the_commit_that_holds_the_package(tmp_path):
     assert tree_of == head[1]
     path.write_text(json.dumps({"name": "x", "commit": "tree:" + "0" * 40}))
     assert resolve_tree_stamp(path) is None and json.loads(path.read_text())["commit"] == "tree:" + "0" * 40
+
+
+def test_paired_ratio_times_both_in_alternating_pairs():
+    """paired_ratio on the CPU clock: a call that sleeps twice as long reads about 2x, each function runs warmup +
+    rounds times, in A B / B A order, and bad counts fail closed naming the field."""
+    import time as _time
+
+    from megacpp_lab.profiling import paired_ratio
+
+    order: list[str] = []
+    a = lambda: (order.append("a"), _time.sleep(0.002))  # noqa: E731
+    b = lambda: (order.append("b"), _time.sleep(0.004))  # noqa: E731
+    out = paired_ratio(a, b, rounds=6, warmup=1, device="cpu")
+    assert 1.5 < out["ratio"] < 2.6 and out["ratio_p20"] <= out["ratio"] <= out["ratio_p80"]
+    assert out["b_ms"] > out["a_ms"] >= 2.0
+    assert order == ["a", "b"] + ["a", "b", "b", "a"] * 3
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        paired_ratio(a, b, rounds=0, device="cpu")

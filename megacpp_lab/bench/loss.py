@@ -27,7 +27,7 @@ from megacpp_lab.kernels.linear_cross_entropy import (
     last_filter_gate,
     linear_cross_entropy_reference,
 )
-from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms, time_spread_ms
+from megacpp_lab.profiling import paired_ratio, peak_extra_mib, profile_trace, time_ms, time_spread_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 
 FLCE_BAR = {"ms": 60.0, "peak_mib": 1.3 * 1024}
@@ -43,6 +43,7 @@ PEER_BAR = 1.0
 # kernels/linear_cross_entropy.DEFAULT_CHUNK_BYTES stands on
 PEER_CHUNKS = (1024, 2048, 4096)
 GATE_SLACK = 1.02  # the gate's cost where it skips the filter: the keep-flags of GATE_ROWS rows and one host read
+PAIRED_ROUNDS = 30  # the filtered row's paired rounds against the exact row (its bar's ratio)
 # the break-even sweep: the gradient's mass on a band of this share of the vocabulary (its blocks kept, the
 # rest dropped), at an eps below 1 / band so the band's blocks stay above it
 BAND_SHARES = (0.02, 0.05, 0.1, 0.2, 0.4)
@@ -66,12 +67,18 @@ def _peers() -> dict[str, Callable[..., torch.Tensor]]:
     return peers
 
 
-def _measure(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], device: str, rep: int) -> dict[str, float]:
+def _step(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> Callable[[], None]:
+    """One timed training step of a contender: its gradients cleared, its loss and backward."""
     def step() -> None:
         for p in params:
             p.grad = None
         loss_fn().backward()
 
+    return step
+
+
+def _measure(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], device: str, rep: int) -> dict[str, float]:
+    step = _step(loss_fn, params)
     step()
     row = {"ms": time_ms(step, warmup=2, rep=rep, device=device)}
     if device == "cuda":
@@ -83,9 +90,10 @@ def _measure(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], de
 
 def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dtype = torch.bfloat16,
                device: str = "cuda", rep: int = 5, peers: bool = True, chunk_sizes: tuple[int, ...] = (),
-               filtered: bool = True, progress: bool = True) -> dict[str, Any]:  # fmt: skip
+               filtered: bool = True, progress: bool = True, paired_rounds: int = PAIRED_ROUNDS) -> dict[str, Any]:  # fmt: skip
     """Forward+backward of the mean CE: materialised logits, the fused path at its default chunk (the bar
-    row) and at each of chunk_sizes (the time / memory trade), and the installed peers."""
+    row) and at each of chunk_sizes (the time / memory trade), and the installed peers; the filtered row also
+    against the exact one in paired_rounds pairs of back-to-back calls."""
     from tqdm.auto import tqdm
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -121,6 +129,11 @@ def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dt
         if name == FILTERED:  # what the gate decided on this call (its own flags, at the loss's scale)
             gate = last_filter_gate()
             row["filter_ran"], row["gate_kept_fraction"] = bool(gate["filtered"]), float(gate["kept_fraction"])
+            # its time over the exact path's, in pairs of back-to-back calls (profiling.paired_ratio): the gate's
+            # overhead is a few percent at most, the size of two separate runs' drift
+            paired = paired_ratio(_step(contenders[EXACT][0], [x, w]), _step(fn, [x, w]), rounds=paired_rounds,
+                                  device=device)  # fmt: skip
+            row["over_exact_paired"] = {k: paired[k] for k in ("ratio", "ratio_p20", "ratio_p80")}
         x.grad = w.grad = None
         results.append(row)
     # the bar, read on the exact default and (when measured) on the filtered default, each on both metrics at once
@@ -142,7 +155,7 @@ def bench_flce(T: int = 8192, H: int = 4096, V: int = 151552, *, dtype: torch.dt
 
 def bench_flce_peers(shapes: tuple[tuple[int, int, int], ...] = PEER_SHAPES, *, dtype: torch.dtype = torch.bfloat16,
                      device: str = "cuda", rep: int = 5, progress: bool = True,
-                     chunk_sizes: tuple[int, ...] = PEER_CHUNKS) -> dict[str, Any]:  # fmt: skip
+                     chunk_sizes: tuple[int, ...] = PEER_CHUNKS, paired_rounds: int = PAIRED_ROUNDS) -> dict[str, Any]:  # fmt: skip
     """At each (T, H, V): the materialised logits, the exact fused path at its default chunk and at each of
     chunk_sizes below T (the default's own not repeated), the filtered one through its gate, and the installed
     peers (Liger the bar's), same inputs; the bars: exact (its default chunk) at most PEER_BAR x Liger at the first
@@ -153,7 +166,7 @@ def bench_flce_peers(shapes: tuple[tuple[int, int, int], ...] = PEER_SHAPES, *, 
     for T, H, V in tqdm(shapes, desc="flce peer shapes", disable=not progress):
         chunks = tuple(c for c in chunk_sizes if c != default_chunk_size(T, V, dtype) and c < T)
         one = bench_flce(T, H, V, dtype=dtype, device=device, rep=rep, peers=True, filtered=True, progress=False,
-                         chunk_sizes=chunks)  # fmt: skip
+                         chunk_sizes=chunks, paired_rounds=paired_rounds)  # fmt: skip
         rows += [{**r, "point": f"T={T} H={H} V={V}", "shape": {"T": T, "H": H, "V": V}} for r in one["results"]]
     at = lambda point, name: next((r for r in rows if r["point"] == point and r["contender"] == name), None)
     points = [f"T={T} H={H} V={V}" for T, H, V in shapes]
@@ -164,7 +177,7 @@ def bench_flce_peers(shapes: tuple[tuple[int, int, int], ...] = PEER_SHAPES, *, 
         if liger is not None:
             over_liger[point] = exact["ms"] / liger["ms"]
         bar[f"exact fused <= {PEER_BAR:.1f}x {LIGER} at {point}"] = point in over_liger and over_liger[point] <= PEER_BAR
-    filtered_over_exact = {p: at(p, FILTERED)["ms"] / at(p, EXACT)["ms"] for p in points}
+    filtered_over_exact = {p: at(p, FILTERED)["over_exact_paired"]["ratio"] for p in points}
     bar[f"filter_eps never slower than exact (<= {GATE_SLACK:g}x: the gate's one host read) at every shape"] = (
         max(filtered_over_exact.values()) <= GATE_SLACK)  # fmt: skip
     summary = {"exact_over_liger": over_liger, "filtered_over_exact": filtered_over_exact,
@@ -174,7 +187,9 @@ def bench_flce_peers(shapes: tuple[tuple[int, int, int], ...] = PEER_SHAPES, *, 
                         summary=summary,
                         notes=("bench_flce at each shape (its notes hold): ms is the do_bench median of forward+backward; "
                                "the filter_eps row goes through the gate (filter_ran: whether the kept share of its first GATE_ROWS rows "
-                               "let it filter; where it did not, the call ran exact after reading the flags)"))  # fmt: skip
+                               "let it filter; where it did not, the call ran exact after reading the flags); "
+                               "filtered_over_exact (the gate bar's ratio) is the median over PAIRED_ROUNDS rounds of back-to-back "
+                               "calls of the two (over_exact_paired, with p20 / p80), not the ratio of their separate ms"))  # fmt: skip
 
 
 def band_inputs(T: int, H: int, V: int, share: float, *, dtype: torch.dtype, device: str,
@@ -301,7 +316,8 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         T, H = (64, 32) if small else (8192, 4096)
         main = bench_flce(T, H, 512 if small else 151552, dtype=dtype, device=device, rep=2 if small else 5,
-                          chunk_sizes=(16, 32) if small else (128, 384, 512, 1024))  # fmt: skip
+                          chunk_sizes=(16, 32) if small else (128, 384, 512, 1024),
+                          paired_rounds=2 if small else PAIRED_ROUNDS)  # fmt: skip
         written.append(write_receipt(main, root))
         written.append(save_figure(plot_contenders(main, "ms"), written[-1].with_suffix(".png")))
         sweep = [bench_flce(T, H, V, dtype=dtype, device=device, rep=2, peers=False, filtered=False, progress=False)
@@ -312,7 +328,8 @@ def run(out_root: str | Path | None = None, *, small: bool = False, trace: bool 
         written.append(write_receipt(vs, root))
         written.append(save_figure(plot_sweep(vs, "V", "peak_mib" if device == "cuda" else "ms"), written[-1].with_suffix(".png")))
         peers = bench_flce_peers(SMALL_PEER_SHAPES if small else PEER_SHAPES, dtype=dtype, device=device,
-                                 rep=2 if small else 5, chunk_sizes=(32,) if small else PEER_CHUNKS)  # fmt: skip
+                                 rep=2 if small else 5, chunk_sizes=(32,) if small else PEER_CHUNKS,
+                                 paired_rounds=2 if small else PAIRED_ROUNDS)  # fmt: skip
         written.append(write_receipt(peers, root))
         written.append(save_figure(plot_grid(peers, "ms"), written[-1].with_suffix(".png")))
         even = bench_filter_break_even(*((256, 32, 2048) if small else (16384, 1024, 32768)), dtype=dtype, device=device,
