@@ -203,3 +203,54 @@ def test_random_packed_layout_round_trips_through_doc_ids() -> None:
         doc_ids_from_cu_seqlens(torch.tensor([0, 6, 16]), 2, 8)
     with pytest.raises(ValueError, match=r"docs per row must be in \[1, T=4\]"):
         packed_cu_seqlens(1, 4, 5, torch.Generator())
+
+
+def _blocks(mask, b):
+    """Row b's block structure of a BlockMask: per query block, the ordered partial and full key blocks."""
+    out = []
+    for i in range(mask.kv_num_blocks.shape[-1]):
+        part = mask.kv_indices[b, 0, i, : int(mask.kv_num_blocks[b, 0, i])].tolist()
+        full = mask.full_kv_indices[b, 0, i, : int(mask.full_kv_num_blocks[b, 0, i])].tolist()
+        out.append((part, full))
+    return out
+
+
+@pytest.mark.parametrize("T", [512, 448, 128, 100])
+def test_doc_causal_block_mask_from_runs_equals_create_block_mask(T):
+    """The block mask computed from the documents' runs has create_block_mask's partial and full key blocks for
+    every query block (documents shorter, longer and exactly one block long, a row of one document, T not a
+    whole number of blocks, a single block), and the same element mask; its q-side blocks (the backward's) too."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from megacpp_lab.varlen import FLEX_BLOCK
+
+    g = torch.Generator().manual_seed(T)
+    rows = []
+    for r in range(3):
+        cuts = sorted(torch.randint(1, T, (r * 3,), generator=g).tolist()) if r else []
+        if r == 2 and T >= 2 * FLEX_BLOCK:  # a document exactly one block long, on block boundaries
+            cuts = sorted(set(cuts) | {FLEX_BLOCK, 2 * FLEX_BLOCK})
+        ids = torch.zeros(T, dtype=torch.long)
+        for c in cuts:
+            ids[c:] += 1
+        rows.append(ids)
+    doc_ids = torch.stack(rows)
+    got = doc_causal_block_mask(doc_ids)
+
+    def same_doc_causal(b, h, q, k):
+        return (k <= q) & (doc_ids[b, q] == doc_ids[b, k])
+
+    want = create_block_mask(same_doc_causal, 3, None, T, T, device="cpu", BLOCK_SIZE=FLEX_BLOCK)
+    for b in range(3):
+        if T % FLEX_BLOCK == 0:
+            assert _blocks(got, b) == _blocks(want, b), b
+        else:  # a partial last block is never full here; every block either lists is one the mask reaches
+            for (gp, gf), (wp, wf) in zip(_blocks(got, b), _blocks(want, b)):
+                assert sorted(gp + gf) == sorted(wp + wf) and set(gf) <= set(wf)
+    q = torch.arange(T)[:, None].expand(T, T)
+    k = torch.arange(T)[None, :].expand(T, T)
+    for b in range(3):
+        dense = got.mask_mod(torch.tensor(b), torch.tensor(0), q, k)
+        assert torch.equal(dense, same_doc_causal(b, 0, q, k))
+    assert torch.equal(got.q_num_blocks.sum(), got.kv_num_blocks.sum())
+    assert torch.equal(got.full_q_num_blocks.sum(), got.full_kv_num_blocks.sum())
