@@ -580,6 +580,20 @@ def _read_trace_events(path: Path) -> list[dict[str, Any]]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def _trace_gpu_events(path: Path) -> tuple[list[dict[str, Any]], Any, list[dict[str, Any]]]:
+    """A trace's complete events, and the GPU events (kernel, memcpy, memset) of its device with the most kernel
+    time, with that device's id; ValueError for a trace with none (a CPU-only trace)."""
+    events = [e for e in _read_trace_events(path) if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    by_device: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("cat") in _GPU_CATS:
+            by_device.setdefault(e.get("args", {}).get("device", e.get("pid")), []).append(e)
+    if not by_device:
+        raise ValueError(f"{path} has no GPU kernels (no kernel/memcpy/memset events): a CPU-only trace?")
+    device = max(by_device, key=lambda d: sum(float(e["dur"]) for e in by_device[d] if e.get("cat") == "kernel"))
+    return events, device, by_device[device]
+
+
 def gpu_time_split(trace_path: str | Path, *, steps: int | None = None) -> dict[str, Any]:
     """Where the GPU time of a profiled training window went: compute, communication (NCCL), and nothing.
 
@@ -631,19 +645,7 @@ def gpu_time_split(trace_path: str | Path, *, steps: int | None = None) -> dict[
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be >= 1 or None, got {steps}")
     path = Path(trace_path)
-    events = [e for e in _read_trace_events(path) if e.get("ph") == "X" and "dur" in e and "ts" in e]
-    by_device: dict[Any, list[dict[str, Any]]] = {}
-    for e in events:
-        if e.get("cat") in _GPU_CATS:
-            by_device.setdefault(e.get("args", {}).get("device", e.get("pid")), []).append(e)
-    if not by_device:
-        raise ValueError(f"{path} has no GPU kernels (no kernel/memcpy/memset events): a CPU-only trace?")
-
-    def kernel_us(device: Any) -> float:
-        return sum(float(e["dur"]) for e in by_device[device] if e.get("cat") == "kernel")
-
-    device = max(by_device, key=kernel_us)
-    gpu = by_device[device]
+    events, device, gpu = _trace_gpu_events(path)
     out: dict[str, Any] = {"device": device, **_split(gpu)}
 
     calls: dict[str, list[float]] = {}
@@ -683,3 +685,95 @@ def gpu_time_split(trace_path: str | Path, *, steps: int | None = None) -> dict[
     out["step_ms"] = [row["window_ms"] for row in out["per_step"]]
     out["events_outside_steps"] = outside
     return out
+
+
+def gpu_idle_by_cause(trace_path: str | Path, *, sep: str = LABEL_SEP, top: int = 10) -> dict[str, Any]:
+    """Where a profiled step leaves the GPU idle, and which labelled ranges are host-bound, from a `*.pt.trace.json`
+    with CUDA activity and label_modules ranges ("<bucket>|<name>"). Per profiled step (the ProfilerStep ranges;
+    the device with the most kernel time, as gpu_time_split reads):
+
+    - idle_us: the time inside the steps' GPU windows when no GPU event runs;
+    - idle_by_range: that idle time, each gap charged to the innermost labelled range enclosing the launch of the
+      GPU event that ends it ('other' outside every range): the range whose host work the GPU was waiting for;
+    - idle_by_host_op: the same gaps by the outermost CPU operator running at that launch (a compiled region, a
+      mask builder, the optimizer), the `top` largest;
+    - ranges: per label (its `.backward` range separate), the host's wall time in it (host_us) and the GPU kernel
+      time it launched (gpu_us); host_bound where host_us > gpu_us: the GPU finishes that range's kernels faster
+      than the host queues them, so no queue builds up behind it.
+
+    A profiler's own per-event cost inflates host times (tens of microseconds an operator): a range host-bound in
+    the trace may not be without the profiler, the GPU-bound ones are not either way. Fails closed as
+    gpu_time_split does (missing file, no GPU events, no ProfilerStep ranges)."""
+    import bisect
+
+    path = Path(trace_path)
+    events, _, gpu = _trace_gpu_events(path)
+    gpu = sorted(gpu, key=lambda e: float(e["ts"]))
+    steps = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                   if e.get("cat") == "user_annotation" and e["name"].startswith(_STEP_PREFIX))  # fmt: skip
+    if not steps:
+        raise ValueError(f"{path} has no {_STEP_PREFIX} ranges: profile with a schedule (profile_trace) to read steps")
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}  # fmt: skip
+    labelled: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
+    host_ops: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
+    for e in events:
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        if e.get("cat") == "user_annotation" and sep in e["name"]:
+            labelled.setdefault((e["pid"], e["tid"]), []).append((*span, e["name"]))
+        elif e.get("cat") == "cpu_op":
+            host_ops.setdefault((e["pid"], e["tid"]), []).append((*span, e["name"]))
+    for table in (labelled, host_ops):
+        for spans in table.values():
+            spans.sort(key=lambda s: (s[0], -s[1]))
+
+    def enclosing(table: dict[tuple[Any, Any], list[tuple[float, float, str]]], launch: dict[str, Any],
+                  innermost: bool) -> str | None:  # fmt: skip
+        spans = table.get((launch["pid"], launch["tid"]), [])
+        ts = float(launch["ts"])
+        found = None
+        for start, end, name in spans[: bisect.bisect_right(spans, (ts, float("inf"), ""))]:
+            if start <= ts <= end:
+                found = name
+                if not innermost:
+                    break  # sorted by start: the first enclosing one is the outermost
+        return found
+
+    step_starts = [s for s, _ in steps]
+
+    def in_step(ts: float) -> bool:
+        i = bisect.bisect_right(step_starts, ts) - 1
+        return i >= 0 and ts <= steps[i][1]
+
+    idle_by_range: dict[str, float] = {}
+    idle_by_op: dict[str, float] = {}
+    gpu_by_label: dict[str, float] = {}
+    idle = 0.0
+    busy_until = None
+    for e in gpu:
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        start = float(e["ts"])
+        if launch is not None and in_step(float(launch["ts"])):
+            label = enclosing(labelled, launch, innermost=True)
+            if label is not None:
+                gpu_by_label[label] = gpu_by_label.get(label, 0.0) + float(e["dur"])
+            if busy_until is not None and start > busy_until:
+                gap = start - busy_until
+                idle += gap
+                idle_by_range[label or "other"] = idle_by_range.get(label or "other", 0.0) + gap
+                op = enclosing(host_ops, launch, innermost=False) or "(no operator)"
+                idle_by_op[op] = idle_by_op.get(op, 0.0) + gap
+        busy_until = max(busy_until or start, start + float(e["dur"]))
+    host_by_label: dict[str, float] = {}
+    for spans in labelled.values():
+        for start, end, name in spans:
+            if in_step(start):
+                host_by_label[name] = host_by_label.get(name, 0.0) + end - start
+    n = len(steps)
+    ranges = {name: {"host_us": host_by_label[name] / n, "gpu_us": gpu_by_label.get(name, 0.0) / n,
+                     "host_bound": host_by_label[name] > gpu_by_label.get(name, 0.0)}
+              for name in sorted(host_by_label, key=lambda k: min(s for sp in labelled.values() for s, _, nm in sp if nm == k))}  # fmt: skip
+    ops = sorted(idle_by_op.items(), key=lambda kv: -kv[1])
+    return {"steps": n, "idle_us": idle / n,
+            "idle_by_range": {k: v / n for k, v in sorted(idle_by_range.items(), key=lambda kv: -kv[1])},
+            "idle_by_host_op": {k: v / n for k, v in ops[:top]}, "ranges": ranges}  # fmt: skip

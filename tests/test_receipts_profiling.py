@@ -506,3 +506,38 @@ def test_paired_ratio_times_both_in_alternating_pairs():
     assert order == ["a", "b"] + ["a", "b", "b", "a"] * 3
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         paired_ratio(a, b, rounds=0, device="cpu")
+
+
+def test_gpu_idle_by_cause_charges_each_gap_to_the_launch_that_ended_it(tmp_path):
+    """A hand-made trace of one profiled step: two labelled ranges, the first host-bound (its host time 100 us,
+    its one kernel 10 us), the second GPU-bound, and a mask builder between them. Each GPU gap goes to the range
+    and outermost host operator around the launch of the kernel after it; kernels outside the step are not read."""
+    from megacpp_lab.profiling import gpu_idle_by_cause
+
+    cpu = dict(ph="X", pid=1, tid=1)
+
+    def kernel(ts, dur, corr, name="k"):
+        return [dict(ph="X", cat="kernel", pid=0, tid=7, ts=ts, dur=dur, name=name, args={"correlation": corr}),
+                dict(cpu, cat="cuda_runtime", ts=ts - 5, dur=2, name="cudaLaunchKernel", args={"correlation": corr})]
+
+    events = [dict(cpu, cat="user_annotation", ts=0, dur=1000, name="ProfilerStep#1"),
+              dict(cpu, cat="user_annotation", ts=10, dur=100, name="A|blocks.0"),
+              dict(cpu, cat="cpu_op", ts=12, dur=90, name="Torch-Compiled Region: 0/0"),
+              dict(cpu, cat="cpu_op", ts=150, dur=200, name="VmappedModIndex"),
+              dict(cpu, cat="user_annotation", ts=360, dur=250, name="M|blocks.1"),
+              dict(cpu, cat="cpu_op", ts=362, dur=240, name="Torch-Compiled Region: 0/1")]
+    events += kernel(20, 5, 1) + kernel(100, 5, 2)  # in A (host-bound: 10 us of kernels in 100 us of host)
+    events += kernel(370, 200, 3) + kernel(575, 100, 4)  # in M: GPU-bound, 5 us apart
+    events += kernel(2000, 50, 5)  # launched after the step: not read
+    events[-1]["ts"] = 1990
+    path = tmp_path / "t.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = gpu_idle_by_cause(path)
+    assert out["steps"] == 1 and out["idle_us"] == pytest.approx(75 + 265 + 5)
+    assert out["idle_by_range"] == pytest.approx({"A|blocks.0": 75, "M|blocks.1": 270})
+    assert out["idle_by_host_op"] == pytest.approx({"Torch-Compiled Region: 0/1": 270, "Torch-Compiled Region: 0/0": 75})
+    assert out["ranges"]["A|blocks.0"] == {"host_us": 100.0, "gpu_us": 10.0, "host_bound": True}
+    assert out["ranges"]["M|blocks.1"] == {"host_us": 250.0, "gpu_us": 300.0, "host_bound": False}
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        path.write_text(json.dumps({"traceEvents": events[:6]}))
+        gpu_idle_by_cause(path)

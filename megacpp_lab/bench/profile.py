@@ -38,7 +38,7 @@ from megacpp_lab.model.parallelize import (
     describe_compile,
 )
 from megacpp_lab.model.precompile import precompile
-from megacpp_lab.profiling import LABEL_SEP, label_modules, sync, time_by_label
+from megacpp_lab.profiling import LABEL_SEP, gpu_idle_by_cause, label_modules, sync, time_by_label
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
 
@@ -277,6 +277,8 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
                    "backward, gradient zeroing, the optimizer)" if gpu else
                    "CPU: wall time in each labelled range (nested ones excluded); the rest of the step is unaccounted"),
     }  # fmt: skip
+    # where the GPU waits on the host, and which labelled ranges queue their kernels slower than the GPU runs them
+    gpu_idle = gpu_idle_by_cause(trace) if gpu else None
     top_kernels = {
         "category": category, "steps": active,
         "basis": "GPU kernel time per profiled step" if gpu else
@@ -314,7 +316,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
         doc_counts={"first_step": counts[0], "per_step": counts[1:]},
         step_time={"all_steps_ms": step_ms, "active_ms": step_ms[-active:], "median_ms": ms,
                    "mean_ms": statistics.fmean(active_ms), "tokens_per_s": tokens_per_s, "losses": losses},
-        block_time=block_time, top_kernels=top_kernels, compile=compile_section,
+        block_time=block_time, gpu_idle=gpu_idle, top_kernels=top_kernels, compile=compile_section,
         config={"pattern": config.pattern, "blocks": config.blocks, "n_layers": config.n_layers, "d_model": config.d_model,
                 "vocab_size": config.vocab_size, "engram_layers": list(config.engram_layers),
                 "ssd_kernel": config.ssd.kernel, "m2rnn_kernel": config.m2rnn.kernel, "attn_impl": config.mla.attn_impl,
@@ -329,7 +331,9 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
                "time (HybridLM.flops_per_token with each batch's document lengths: attention per document) against "
                "989 TFLOP/s dense bf16, mfu_upper_bound the same with attention over each row's whole causal "
                "triangle (the old count). block_time: time_by_label over the trace (per block kind; "
-               "GPU: each kernel to the labelled range that launched it). compile: graphs, breaks and recompiles "
+               "GPU: each kernel to the labelled range that launched it). gpu_idle (GPU only): "
+               "profiling.gpu_idle_by_cause over the trace: the GPU's idle time per step by the range and the host "
+               "operator it waited on, and each range's host time against the kernel time it launched. compile: graphs, breaks and recompiles "
                "from dynamo's counters, cold compile per region from dynamo's CompilationMetrics."),
     )  # fmt: skip
     path = write_receipt(receipt, root)
