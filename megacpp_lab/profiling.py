@@ -446,6 +446,20 @@ def label_modules(labels: Mapping[str, torch.nn.Module], *, forward_only: Collec
                 leave(stack.pop())
 
 
+def _enclosing_span(spans: list[tuple[Any, ...]], ts: float, *, innermost: bool) -> tuple[Any, ...] | None:
+    """Of host ranges (start, end, ...) sorted by start (ties: the longer first), the innermost or the outermost
+    one that holds timestamp ts, or None: the last or the first enclosing one in that order."""
+    import bisect
+
+    found = None
+    for span in spans[: bisect.bisect_right(spans, (ts, float("inf")))]:
+        if span[0] <= ts <= span[1]:
+            if not innermost:
+                return span
+            found = span
+    return found
+
+
 def time_by_label(trace_path: str | Path, *, sep: str = LABEL_SEP) -> dict[str, Any]:
     """Time per bucket of the label_modules ranges in a `*.pt.trace.json` (labels "<bucket>|<name>").
 
@@ -458,7 +472,6 @@ def time_by_label(trace_path: str | Path, *, sep: str = LABEL_SEP) -> dict[str, 
     'us': {bucket: us}, 'us_backward': {bucket: the part of us in `.backward` ranges}, 'share': {bucket:
     fraction of total_us}, 'kernels_without_launch'}.
     """
-    import bisect
     import json
 
     events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
@@ -472,12 +485,8 @@ def time_by_label(trace_path: str | Path, *, sep: str = LABEL_SEP) -> dict[str, 
         spans.sort(key=lambda s: (s[0], -s[1]))
 
     def innermost(thread: tuple[Any, Any], ts: float) -> tuple[str, bool]:
-        spans = ranges.get(thread, [])
-        found = ("other", False)
-        for start, end, bucket, backward in spans[: bisect.bisect_right(spans, (ts, float("inf"), "", True))]:
-            if start <= ts <= end:
-                found = (bucket, backward)  # sorted by start: the last enclosing one is the innermost
-        return found
+        span = _enclosing_span(ranges.get(thread, []), ts, innermost=True)
+        return ("other", False) if span is None else (span[2], span[3])
 
     def add(bucket: str, backward: bool, dur: float) -> None:
         us[bucket] = us.get(bucket, 0.0) + dur
@@ -729,15 +738,8 @@ def gpu_idle_by_cause(trace_path: str | Path, *, sep: str = LABEL_SEP, top: int 
 
     def enclosing(table: dict[tuple[Any, Any], list[tuple[float, float, str]]], launch: dict[str, Any],
                   innermost: bool) -> str | None:  # fmt: skip
-        spans = table.get((launch["pid"], launch["tid"]), [])
-        ts = float(launch["ts"])
-        found = None
-        for start, end, name in spans[: bisect.bisect_right(spans, (ts, float("inf"), ""))]:
-            if start <= ts <= end:
-                found = name
-                if not innermost:
-                    break  # sorted by start: the first enclosing one is the outermost
-        return found
+        span = _enclosing_span(table.get((launch["pid"], launch["tid"]), []), float(launch["ts"]), innermost=innermost)
+        return None if span is None else span[2]
 
     step_starts = [s for s, _ in steps]
 
@@ -765,14 +767,16 @@ def gpu_idle_by_cause(trace_path: str | Path, *, sep: str = LABEL_SEP, top: int 
                 idle_by_op[op] = idle_by_op.get(op, 0.0) + gap
         busy_until = max(busy_until or start, start + float(e["dur"]))
     host_by_label: dict[str, float] = {}
+    first_seen: dict[str, float] = {}  # each label's first start: the table in the step's order
     for spans in labelled.values():
         for start, end, name in spans:
             if in_step(start):
                 host_by_label[name] = host_by_label.get(name, 0.0) + end - start
+                first_seen[name] = min(first_seen.get(name, start), start)
     n = len(steps)
     ranges = {name: {"host_us": host_by_label[name] / n, "gpu_us": gpu_by_label.get(name, 0.0) / n,
-                     "host_bound": host_by_label[name] > gpu_by_label.get(name, 0.0)}
-              for name in sorted(host_by_label, key=lambda k: min(s for sp in labelled.values() for s, _, nm in sp if nm == k))}  # fmt: skip
+                      "host_bound": host_by_label[name] > gpu_by_label.get(name, 0.0)}
+              for name in sorted(host_by_label, key=first_seen.__getitem__)}  # fmt: skip
     ops = sorted(idle_by_op.items(), key=lambda kv: -kv[1])
     return {"steps": n, "idle_us": idle / n,
             "idle_by_range": {k: v / n for k, v in sorted(idle_by_range.items(), key=lambda kv: -kv[1])},

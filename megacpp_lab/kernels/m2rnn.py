@@ -349,6 +349,7 @@ def _m2rnn_recompute_kernel(
         else:
             h0 = tl.zeros((BK, V), dtype=tl.float32)
         h = tl.load(ckpt_ptr + (s * H + hd) * K * V + kv)
+        # the step loaders read q too: k's pointer stands in for it here, and the unused load is dropped as dead code
         _, kn, vn, fn, rn = _load_step(k_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t0, hd, H, rk, rv, K, V)
         for t in range(t0, t1):
             kt, vt, ft, rt = kn, vn, fn, rn
