@@ -101,8 +101,9 @@ def m2rnn_scan_reference(
 @triton.jit
 def _tanh(x, PRECISION: tl.constexpr):
     """tanh for the state update: for 16-bit inputs (PRECISION "tf32") the GPU's tanh.approx.f32, one MUFU op
-    (relative error about 2**-11, TF32's own order; on the H200 peer grid it took the forward+backward from 1.17x to
-    0.92x XMA's at V=64); the exact form for fp32 inputs and under the interpreter."""
+    (relative error about 2**-11, TF32's own order; the exact form's exp and division were the largest share of the
+    state update's time at V=64 in an H200 probe, not a receipt: no receipt row isolates it); the exact form for
+    fp32 inputs and under the interpreter."""
     if PRECISION == "tf32" and not INTERPRETED:
         return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
@@ -325,9 +326,9 @@ def _m2rnn_recompute_kernel(
     program per (checkpoint slot, head, block of BK state rows) recomputes its chunk from the checkpoint, every chunk
     of the segment at once, and stores the state each step used (after any reset) in the buffer's row of that step
     (document p's steps of the segment from row seg_off[p]), in the buffer's dtype (z beside it with Z_SCRATCH). It
-    also stores dq = h_t dy_t, which needs no state gradient: the reverse pass's serial steps skip that reduction (on
-    the H200 peer grid, 15% of the forward+backward at V=32). Slots outside the segment, or past a document's chunks
-    (the slot count is a bound), store nothing."""
+    also stores dq = h_t dy_t, which needs no state gradient: the reverse pass's serial steps skip that reduction (a
+    probe on the H200, not a receipt, found every reduction off the chain worth moving). Slots outside the segment,
+    or past a document's chunks (the slot count is a bound), store nothing."""
     s = tl.program_id(0)
     hd = tl.program_id(1)
     kb = tl.program_id(2)
@@ -448,18 +449,18 @@ FWD_WARPS = {"tf32": 2, "ieee": 4}
 BWD_WARPS = {"tf32": 2, "ieee": 2}
 # The backward's state block: at most this many elements (BK x V), one warp per BWD_ELEMENTS_PER_WARP of them past
 # the tuned count (plan_warps). With the reverse pass's MMA operands in the inputs' dtype (half the registers), 64 rows
-# at 4 warps beat 32 rows at 2 at V=64 on the H200 grid (14.8 against 16.9 ms, the parallel order); the fp32-operand
-# kernel had spilled past 2048 elements at 2 warps.
+# at 4 warps beat 32 rows at 2 at V=64 in an H200 probe (not a receipt); the fp32-operand kernel had spilled past
+# 2048 elements at 2 warps.
 BWD_MAX_BLOCK = 4096
 BWD_ELEMENTS_PER_WARP = 1024
 MIN_BLOCK_K = 16  # the smallest K-split block (tl.dot's smallest M)
 MAX_WARPS = 8
 Z_MODES = ("auto", "scratch", "recompute")
 # the backward's order (module docstring): "parallel" (every chunk recomputed at once, then one reverse chain: a
-# [B*S, H, K, V] buffer of states) or "serial" (a chunk of scratch a program, two chains). Parallel is the default: on
-# the H200 peer grid it took 0.76x to 0.91x serial's forward+backward time at every point (bench m2rnn keeps a serial
-# row beside the plan). A third order, chunk c reversed while chunk c-1 was recomputed in one loop, took 1.1x to 1.35x
-# serial's there and was removed.
+# [B*S, H, K, V] buffer of states) or "serial" (a chunk of scratch a program, two chains). Parallel is the default: it
+# took 0.61x to 0.83x serial's forward+backward time at the six points of
+# profiles/nvidia-h200/m2rnn/m2rnn_peer_grid.json at c29df51 (bench m2rnn keeps a serial row beside the plan). A third order, chunk c reversed while chunk c-1 was
+# recomputed in one loop, took 1.27x to 1.71x serial's at all seven points of that receipt at 28de8fc and was removed.
 BWD_ORDERS = ("parallel", "serial")
 # the reverse pass's three MMAs (z from the stored state, the state gradient through W, dW) with operands in the inputs'
 # 16-bit dtype, and the parallel order's stored states in it too (the MMAs round them to it; df's hp - z is the one
