@@ -4,7 +4,8 @@ A receipt lives at profiles/<device-slug>/<subsystem>/<name>.json and is stamped
 device, torch, triton, git commit and date of the run that produced it.
 
 The `commit` field is MEGACPP_LAB_COMMIT when that is set; else, in the project's own git checkout whose
-megacpp_lab/ package is HEAD's, HEAD's sha ('-dirty' if tracked files outside the package changed); else (a
+megacpp_lab/ package is HEAD's, HEAD's sha ('-dirty' if tracked files outside the package and outside profiles/
+changed: the receipts a run writes, and those of earlier commands in the same run, are not code); else (a
 copy without .git, such as the GPU machine's, perhaps inside some other repository; a stale .git; uncommitted
 changes to the package) 'tree:<sha>', the git tree hash of the package as it ran, which equals
 `git rev-parse <commit>:megacpp_lab` for every commit with that package: `commit_for_tree` finds one.
@@ -45,8 +46,11 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
+RECEIPT_ROOT = "profiles"  # receipts live under <repository>/profiles/
+
+
 def profiles_dir() -> Path:
-    return repo_root() / "profiles"
+    return repo_root() / RECEIPT_ROOT
 
 
 def device_name(device: torch.device | str | None = None) -> str:
@@ -123,7 +127,8 @@ def tree_hash(directory: str | Path | None = None) -> str:
 
 def git_commit(root: str | Path | None = None) -> str:
     """Which code runs: MEGACPP_LAB_COMMIT if set; in the project's own checkout (default root:
-    repo_root()), HEAD's sha, plus '-dirty' if tracked files outside the package changed; elsewhere, or when
+    repo_root()), HEAD's sha, plus '-dirty' if tracked files outside the package and outside profiles/
+    (RECEIPT_ROOT) changed; elsewhere, or when
     the package differs from HEAD's, 'tree:' + tree_hash of the package."""
     forced = os.environ.get(COMMIT_ENV)
     if forced:
@@ -136,7 +141,9 @@ def git_commit(root: str | Path | None = None) -> str:
         if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() != root:
             return tree
         head = _git(root, "rev-parse", "HEAD")
-        if not _git(root, "status", "--porcelain", "-uno"):
+        # Receipts are not code: a bench that follows another in one session finds the first one's receipts
+        # rewritten, and the code that ran is still HEAD's
+        if not _git(root, "status", "--porcelain", "-uno", "--", ".", f":(exclude){RECEIPT_ROOT}"):
             return head
         # A package that differs from HEAD's ran code no commit names yet (or a copy's stale .git: the GPU
         # machine's checkout can lag behind the files sent over it): the tree names it

@@ -153,6 +153,14 @@ def test_commit_for_tree_finds_the_newest_commit_with_that_package(tmp_path):
     tree1 = receipts.tree_hash(repo / "megacpp_lab")
     (repo / "README").write_text("changed outside the package\n")
     assert receipts.git_commit(repo) == first + "-dirty"  # the code that ran is HEAD's
+    (repo / "README").write_text("before the package\n")
+    (repo / "profiles").mkdir()
+    (repo / "profiles" / "r.json").write_text("{}\n")
+    first = _commit_all(repo, "a receipt")  # the same package: commit_for_tree(tree1) is now this one
+    (repo / "profiles" / "r.json").write_text('{"rewritten": true}\n')  # an earlier bench of the same run
+    assert receipts.git_commit(repo) == first  # receipts are not code: not dirty
+    (repo / "README").write_text("changed outside the package\n")
+    assert receipts.git_commit(repo) == first + "-dirty"
     (repo / "megacpp_lab" / "a.py").write_text("v = 2\n")  # the package is not HEAD's (or .git is stale):
     tree2 = receipts.tree_hash(repo / "megacpp_lab")
     assert receipts.git_commit(repo) == "tree:" + tree2  # the files name what ran, never HEAD
