@@ -212,14 +212,14 @@ def profile_trace(
 
 
 def trace_summary(trace_path: str | Path, *, category: str | None = None, top: int = 10) -> list[dict[str, float | str]]:
-    """The `top` events of a `*.pt.trace.json` by total duration, grouped by name.
+    """The `top` events of a `*.pt.trace.json` by total duration, grouped by name (inductor's kernels by their
+    descriptive names: name_inductor_kernels).
 
     category: 'kernel' for GPU kernels, 'cpu_op' for operators; default: 'kernel' when the
     trace has GPU kernels, else 'cpu_op'.
     """
-    import json
-
-    events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    events = [e for e in read_trace_events(Path(trace_path)) if e.get("ph") == "X" and "dur" in e]
+    name_inductor_kernels(events)  # `triton_` -> inductor's descriptive name of each kernel
     if category is None:
         category = "kernel" if any(e.get("cat") == "kernel" for e in events) else "cpu_op"
     totals: dict[str, list[float]] = {}
@@ -575,7 +575,7 @@ def _split(gpu: list[dict[str, Any]]) -> dict[str, float]:
             "idle_share": share(window - busy_us)}  # fmt: skip
 
 
-def _read_trace_events(path: Path) -> list[dict[str, Any]]:
+def read_trace_events(path: Path) -> list[dict[str, Any]]:
     import gzip
     import json
 
@@ -589,10 +589,43 @@ def _read_trace_events(path: Path) -> list[dict[str, Any]]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+# model/parallelize.py names every inductor kernel `triton_` (one source for a kernel several block structures share);
+# under the profiler inductor still wraps each launch in a host range with the kernel's descriptive name
+INDUCTOR_KERNEL_NAME = "triton_"
+
+
+def name_inductor_kernels(events: list[dict[str, Any]]) -> int:
+    """Give each GPU kernel named `triton_` (inductor's, under unique_kernel_names=False) the name of the innermost
+    host range named `triton_<kind>_fused_...` around its launch, found through the launch's correlation id, in
+    place; returns how many kernels were renamed (a kernel whose launch or range the trace lacks keeps `triton_`)."""
+    anonymous = [e for e in events if e.get("cat") == "kernel" and e.get("name") == INDUCTOR_KERNEL_NAME]
+    if not anonymous:
+        return 0
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}  # fmt: skip
+    ranges: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") == "cpu_op" and name.startswith(INDUCTOR_KERNEL_NAME) and name != INDUCTOR_KERNEL_NAME:
+            ranges.setdefault((e["pid"], e["tid"]), []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), name))
+    for spans in ranges.values():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+    renamed = 0
+    for k in anonymous:
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        if launch is None:
+            continue
+        span = _enclosing_span(ranges.get((launch["pid"], launch["tid"]), []), float(launch["ts"]), innermost=True)
+        if span is not None:
+            k["name"] = span[2]
+            renamed += 1
+    return renamed
+
+
 def _trace_gpu_events(path: Path) -> tuple[list[dict[str, Any]], Any, list[dict[str, Any]]]:
     """A trace's complete events, and the GPU events (kernel, memcpy, memset) of its device with the most kernel
     time, with that device's id; ValueError for a trace with none (a CPU-only trace)."""
-    events = [e for e in _read_trace_events(path) if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    events = [e for e in read_trace_events(path) if e.get("ph") == "X" and "dur" in e and "ts" in e]
     by_device: dict[Any, list[dict[str, Any]]] = {}
     for e in events:
         if e.get("cat") in _GPU_CATS:

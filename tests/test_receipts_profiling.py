@@ -549,3 +549,39 @@ def test_gpu_idle_by_cause_charges_each_gap_to_the_launch_that_ended_it(tmp_path
     with pytest.raises(ValueError, match="no GPU kernels"):
         path.write_text(json.dumps({"traceEvents": events[:6]}))
         gpu_idle_by_cause(path)
+
+
+def test_inductor_kernels_take_the_name_of_the_host_range_around_their_launch(tmp_path):
+    """parallelize names every inductor kernel `triton_`; the profiler's host range around each launch keeps the
+    descriptive name, and trace_summary groups by it: the innermost such range wins, a kernel without its launch
+    or without a range keeps `triton_`, other kernels keep their names."""
+    from megacpp_lab.profiling import INDUCTOR_KERNEL_NAME, name_inductor_kernels, trace_summary
+
+    cpu = dict(ph="X", pid=1, tid=1)
+
+    def launch(ts, corr, name=INDUCTOR_KERNEL_NAME, kernel_ts=1000, dur=10):
+        return [dict(ph="X", cat="kernel", pid=0, tid=7, ts=kernel_ts + ts, dur=dur, name=name, args={"correlation": corr}),
+                dict(cpu, cat="cuda_runtime", ts=ts + 1, dur=1, name="cudaLaunchKernel", args={"correlation": corr})]
+
+    events = [dict(cpu, cat="cpu_op", ts=0, dur=100, name="Torch-Compiled Region: 0/1"),
+              dict(cpu, cat="cpu_op", ts=10, dur=5, name="triton_poi_fused_mul_silu_0"),
+              dict(cpu, cat="cpu_op", ts=20, dur=5, name="triton_red_fused_sum_1"),
+              dict(cpu, cat="cpu_op", ts=30, dur=8, name="triton_per_fused_rms_norm_2"),
+              dict(cpu, cat="cpu_op", ts=31, dur=4, name="triton_poi_fused_inner_3"),  # nested: the innermost wins
+              dict(cpu, cat="cpu_op", ts=40, dur=5, name="triton_poi_fused_mul_silu_0")]
+    events += launch(10, 1) + launch(20, 2, dur=30) + launch(31, 3) + launch(40, 4) + launch(60, 5)  # 5: no range
+    events += launch(70, 6, name="_m3_bwd_chunk_kernel", dur=40)
+    orphan = launch(80, 7)[:1]  # its launch is not in the trace
+    events += orphan
+    renamed = [dict(e) for e in events]
+    assert name_inductor_kernels(renamed) == 4
+    kernels = {e["args"]["correlation"]: e["name"] for e in renamed if e.get("cat") == "kernel"}
+    assert kernels == {1: "triton_poi_fused_mul_silu_0", 2: "triton_red_fused_sum_1", 3: "triton_poi_fused_inner_3",
+                       4: "triton_poi_fused_mul_silu_0", 5: INDUCTOR_KERNEL_NAME, 6: "_m3_bwd_chunk_kernel",
+                       7: INDUCTOR_KERNEL_NAME}  # fmt: skip
+    path = tmp_path / "t.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    rows = {r["name"]: (r["total_us"], r["calls"]) for r in trace_summary(path, category="kernel", top=100)}
+    assert rows == {"_m3_bwd_chunk_kernel": (40.0, 1), "triton_red_fused_sum_1": (30.0, 1),
+                    "triton_poi_fused_mul_silu_0": (20.0, 2), INDUCTOR_KERNEL_NAME: (20.0, 2),
+                    "triton_poi_fused_inner_3": (10.0, 1)}  # fmt: skip

@@ -38,7 +38,8 @@ from megacpp_lab.model.parallelize import (
     describe_compile,
 )
 from megacpp_lab.model.precompile import precompile
-from megacpp_lab.profiling import LABEL_SEP, gpu_idle_by_cause, label_modules, sync, time_by_label
+from megacpp_lab.profiling import (LABEL_SEP, gpu_idle_by_cause, label_modules, name_inductor_kernels, read_trace_events,
+                                   sync, time_by_label)
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
 
@@ -115,9 +116,13 @@ def _check(preset: str, batch: int, seq_len: int, docs: int, wait: int, warmup: 
 def _self_time(trace: Path, category: str) -> list[dict[str, Any]]:
     """Time and calls per event name of one category, longest first, each event's nested events of the same
     category excluded: CPU operators nest (aten::linear holds aten::addmm), so inclusive times would count the
-    same work several times; GPU kernels do not nest, and keep their whole duration."""
+    same work several times; GPU kernels do not nest, and keep their whole duration. Inductor's kernels go by
+    their descriptive names (name_inductor_kernels), not all as `triton_`."""
+    events = read_trace_events(trace)
+    if category == "kernel":
+        name_inductor_kernels(events)
     threads: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
-    for e in json.loads(trace.read_text())["traceEvents"]:
+    for e in events:
         if e.get("ph") == "X" and e.get("cat") == category and "dur" in e:
             threads.setdefault((e["pid"], e["tid"]), []).append(e)
     totals: dict[str, list[float]] = {}
