@@ -128,6 +128,34 @@ def test_parallel_backward_in_segments_matches_the_reference(monkeypatch, block_
     _compare(kw, dict(ctx=ctx, grad_clip=0.5), inputs, fwd_tol=1e-5, grad_rtol=1e-5)
 
 
+def test_launchers_compute_nothing_per_batch_beyond_the_scan():
+    """The checkpoints take kernels/ssd.py's slot layout (document p's chunk c in slot ranges[p] // chunk + p + c),
+    so neither launcher computes slot tables on the device: with one segment and one row block, the operators each
+    op calls directly are allocations, views, the Triton launches' own copies (the interpreter's, on a CPU) and the
+    backward's one dW reduction over documents (each operator costs host time in a step that is host-bound
+    between kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, f, W, _ = [t.detach() for t in _inputs(2, 11, 2, 16, 16)]
+    ranges = torch.tensor([0, 4, 11, 12, 22], dtype=torch.int32, device=DEVICE)
+    reset = torch.zeros(22, dtype=torch.int8, device=DEVICE)
+    reset[ranges[:-1].long()] = 1  # each document's first token
+    plumbing = {"empty", "empty_like", "empty_strided", "new_empty", "set_", "copy_", "select", "view", "to", "_to_copy", "detach",
+                "as_strided", "alias", "resolve_conj", "resolve_neg"}  # fmt: skip
+
+    def called(op, *args):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = getattr(torch.ops.megacpp, op)(*args)
+        (event,) = [e for e in prof.events() if e.name == f"megacpp::{op}"]
+        return out, [c.name.removeprefix("aten::") for c in event.cpu_children]
+
+    (y, ckpt), fwd = called("m2rnn_scan_fwd", q, k, v, f, W, None, ranges, reset, 4, True, 0.0, 16)
+    assert set(fwd) <= plumbing, fwd
+    assert ckpt.shape[0] == 22 // 4 + 4  # the slot bound: total // chunk + documents
+    _, bwd = called("m2rnn_scan_bwd", torch.ones_like(y), q, k, v, f, W, None, ranges, reset, ckpt, 4, 0.0, 16)
+    assert [name for name in bwd if name not in plumbing] == ["sum"], bwd
+
+
 def test_launch_plan_rules_and_bad_plans_fail_closed():
     """plan_block_k splits K only while there are fewer (range, head) pairs than SMs; plan_z_scratch recomputes
     z once the two scratch buffers outgrow half of L2; an explicit plan is checked, naming the field."""

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import INTERPRETED, TRITON_INTERPRET, warn_at_caller
+from megacpp_lab.kernels.ssd import slot_document
 from megacpp_lab.varlen import PackedContext, build_context, check_cu_seqlens
 
 __all__ = [
@@ -179,7 +180,7 @@ def _next_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, last, hd, H, rk, rv, k0
 
 @triton.jit
 def _m2rnn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr,
+    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr,
     y_ptr, ckpt_ptr,
     H, n_rows,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr,
@@ -201,7 +202,7 @@ def _m2rnn_fwd_kernel(
     else:  # h0=None: every document starts from zeros (h0_ptr is a placeholder, never read)
         h0 = tl.zeros((BK, V), dtype=tl.float32)
     h = h0
-    slot = tl.load(ckpt_off_ptr + p)
+    slot = start // CHUNK + p  # kernels/ssd.py's slot layout: this document's first checkpoint
     # software pipelining: step t+1's inputs are loaded before step t's math, off the state's critical path
     qn, kn, vn, fn, rn = _load_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, start, hd, H, rk, rv, K, V)
     for t in range(start, end):
@@ -259,8 +260,8 @@ def _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, row, kb,
 
 
 @triton.jit
-def _bwd_program(w_ptr, h0_ptr, ranges_ptr, ckpt_off_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                 HAS_H0: tl.constexpr):  # fmt: skip
+def _bwd_program(w_ptr, h0_ptr, ranges_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 CHUNK: tl.constexpr, HAS_H0: tl.constexpr):  # fmt: skip
     """A backward program's (range p, head hd, row block kb), its range [start, end), its rows rk and columns rv,
     its state offsets (kv in the [K, V] state, local in a [BK, V] block), W and h0 (zeros without one: h0_ptr and
     dh0_ptr are placeholders then, never read or written), its first checkpoint slot and its program index."""
@@ -278,7 +279,7 @@ def _bwd_program(w_ptr, h0_ptr, ranges_ptr, ckpt_off_ptr, H, K: tl.constexpr, V:
         h0 = tl.load(h0_ptr + (p * H + hd) * K * V + kv)
     else:
         h0 = tl.zeros((BK, V), dtype=tl.float32)
-    return p, hd, kb, start, end, rk, rv, kv, local, W, h0, tl.load(ckpt_off_ptr + p), (p * H + hd) * (K // BK) + kb
+    return p, hd, kb, start, end, rk, rv, kv, local, W, h0, start // CHUNK + p, (p * H + hd) * (K // BK) + kb
 
 
 @triton.jit
@@ -318,8 +319,8 @@ def _reverse_span(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, dy_ptr, prev_ptr, z_ptr
 
 @triton.jit(do_not_specialize=["seg", "SEG"])
 def _m2rnn_recompute_kernel(
-    k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, slot_range_ptr, ckpt_ptr, dy_ptr,
-    prev_ptr, z_ptr, dq_ptr, seg_off_ptr, seg, SEG, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_ptr, dy_ptr,
+    prev_ptr, z_ptr, dq_ptr, seg_off_ptr, seg, SEG, H, D, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr,
 ):  # fmt: skip
     """The parallel order's first pass over segment `seg` (steps [seg * SEG, (seg + 1) * SEG) of every document): one
@@ -332,10 +333,9 @@ def _m2rnn_recompute_kernel(
     s = tl.program_id(0)
     hd = tl.program_id(1)
     kb = tl.program_id(2)
-    p = tl.load(slot_range_ptr + s)
-    start = tl.load(ranges_ptr + p)
+    p, start = slot_document(ranges_ptr, s, D, CHUNK)
     end = tl.load(ranges_ptr + p + 1)
-    c = s - tl.load(ckpt_off_ptr + p)
+    c = s - (start // CHUNK + p)
     t0 = start + c * CHUNK
     t1 = tl.minimum(t0 + CHUNK, end)
     t1 = tl.where(c // (SEG // CHUNK) == seg, t1, t0)  # another segment's chunk: no steps
@@ -367,7 +367,7 @@ def _m2rnn_recompute_kernel(
 
 @triton.jit(do_not_specialize=["seg", "SEG"])
 def _m2rnn_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_off_ptr, ckpt_ptr, dy_ptr,
+    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_ptr, dy_ptr,
     dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr, seg_off_ptr, carry_ptr, seg, SEG,
     H, n_rows, clip,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
@@ -386,7 +386,7 @@ def _m2rnn_bwd_kernel(
     # reversed: two chains.
     NKB: tl.constexpr = K // BK
     p, hd, kb, start, end, rk, rv, kv, local, W, h0, slot, prog = _bwd_program(
-        w_ptr, h0_ptr, ranges_ptr, ckpt_off_ptr, H, K, V, BK, HAS_H0)
+        w_ptr, h0_ptr, ranges_ptr, H, K, V, BK, CHUNK, HAS_H0)
     dh = tl.zeros((BK, V), dtype=tl.float32)
     dW = tl.zeros((V, V), dtype=tl.float32)
     dh0 = tl.zeros((BK, V), dtype=tl.float32)
@@ -561,14 +561,6 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _ckpt_layout(ranges: torch.Tensor, chunk: int, total: int) -> tuple[torch.Tensor, int]:
-    """First checkpoint slot of every range, and a slot count that bounds them (no host sync)."""
-    lens = (ranges[1:] - ranges[:-1]).to(torch.int64)
-    per = (lens + chunk - 1) // chunk
-    offsets = (torch.cumsum(per, 0) - per).to(torch.int32)
-    return offsets, total // chunk + ranges.numel() - 1
-
-
 @torch.library.custom_op("megacpp::m2rnn_scan_fwd", mutates_args=())
 def m2rnn_scan_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
@@ -591,11 +583,12 @@ def m2rnn_scan_fwd(
     bk = plan_block_k(P * H, K, q.device, block_k)
     warps = FWD_WARPS[precision]
     y = torch.empty_like(v) if bk == K else torch.empty((K // bk, B * S * H, V), device=q.device, dtype=torch.float32)
-    offsets, slots = _ckpt_layout(ranges, chunk, B * S)
-    ckpt = torch.empty((slots if save else 0, H, K, V), device=q.device, dtype=torch.float32)
+    # kernels/ssd.py's slot layout: document p's chunk c checkpointed in slot ranges[p] // chunk + p + c, of at most
+    # B*S // chunk + P slots (nothing computed per batch on the device: no launches beyond the scan's)
+    ckpt = torch.empty((B * S // chunk + P if save else 0, H, K, V), device=q.device, dtype=torch.float32)
     h0_arg = W if h0 is None else h0  # a placeholder pointer when HAS_H0 is off
     _m2rnn_fwd_kernel[(P, H, K // bk)](
-        q, k, v, f, W, h0_arg, ranges, reset, offsets, y, ckpt if save else h0_arg, H, B * S * H,
+        q, k, v, f, W, h0_arg, ranges, reset, y, ckpt if save else h0_arg, H, B * S * H,
         K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, HAS_H0=h0 is not None, num_warps=warps,
     )  # fmt: skip
     if bk != K:
@@ -621,7 +614,6 @@ def m2rnn_scan_bwd(
     B, S, H, K = q.shape
     V = v.shape[-1]
     P = ranges.numel() - 1
-    offsets, _ = _ckpt_layout(ranges, chunk, B * S)
     precision = _precision(q.dtype)
     bk, z_scratch = plan_backward(P * H, B * S, H, K, V, chunk, q.device, block_k=block_k, z_mode=z_mode,
                                   bwd_order=bwd_order)  # fmt: skip
@@ -640,27 +632,26 @@ def m2rnn_scan_bwd(
     if parallel:  # every step's state, recomputed from the checkpoints all chunks at once, segment by segment
         esize = q.element_size() if low else 4
         seg, n_seg = plan_segments(P, B * S, chunk, H * K * V * esize)
-        lens = (ranges[1:] - ranges[:-1]).to(torch.int64)
-        seg_lens = (lens[None, :] - torch.arange(n_seg, device=q.device)[:, None] * seg).clamp(0, seg)  # [n_seg, P]
-        seg_off = (torch.cumsum(seg_lens, 1) - seg_lens).to(torch.int32)  # each document's first row, per segment
-        prev = torch.empty((min(B * S, P * seg), H, K, V), device=q.device, dtype=q.dtype if low else torch.float32)
-        zbuf = torch.empty(prev.shape, device=q.device, dtype=torch.float32) if z_scratch else prev  # else never read
-        slots = ckpt.shape[0]
-        slot_range = (torch.searchsorted(offsets, torch.arange(slots, device=q.device, dtype=torch.int32), right=True)
-                      - 1).to(torch.int32)  # fmt: skip
         carry = n_seg > 1
-        if carry:  # the reverse chain's state and sums between segments, summed into from zero
+        if carry:  # each document's first buffer row, per segment; the chain's state and sums carried from zero
+            lens = (ranges[1:] - ranges[:-1]).to(torch.int64)
+            seg_lens = (lens[None, :] - torch.arange(n_seg, device=q.device)[:, None] * seg).clamp(0, seg)  # [n_seg, P]
+            seg_off = (torch.cumsum(seg_lens, 1) - seg_lens).to(torch.int32)
             dW.zero_()
             dh0.zero_()
-        dh_carry = torch.zeros((P * H * nkb, bk, V) if carry else (1,), device=q.device, dtype=torch.float32)
+        # (one segment: step t's buffer row is t itself, so ranges stands in: ranges[p] - start + t)
+        prev = torch.empty((min(B * S, P * seg), H, K, V), device=q.device, dtype=q.dtype if low else torch.float32)
+        zbuf = torch.empty(prev.shape, device=q.device, dtype=torch.float32) if z_scratch else prev  # else never read
+        dh_carry = torch.zeros((P * H * nkb, bk, V), device=q.device, dtype=torch.float32) if carry else prev  # else unread
         for j in reversed(range(n_seg)):
-            _m2rnn_recompute_kernel[(slots, H, nkb)](
-                k, v, f, W, h0_arg, ranges, reset, offsets, slot_range, ckpt, dy, prev, zbuf, dq, seg_off[j], j, seg, H,
+            rows = seg_off[j] if carry else ranges
+            _m2rnn_recompute_kernel[(ckpt.shape[0], H, nkb)](
+                k, v, f, W, h0_arg, ranges, reset, ckpt, dy, prev, zbuf, dq, rows, j, seg, H, P,
                 K=K, V=V, BK=bk, CHUNK=chunk, PRECISION=precision, HAS_H0=h0 is not None,
                 Z_SCRATCH=z_scratch, num_warps=FWD_WARPS[precision],
             )  # fmt: skip
             _m2rnn_bwd_kernel[(P, H, nkb)](
-                q, k, v, f, W, h0_arg, ranges, reset, offsets, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, seg_off[j],
+                q, k, v, f, W, h0_arg, ranges, reset, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, rows,
                 dh_carry, j, seg, H, n_rows, float(clip), K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0,
                 PRECISION=precision, HAS_H0=h0 is not None, Z_SCRATCH=z_scratch, PARALLEL=True, CARRY=carry, DOT=dot,
                 num_warps=warps,
@@ -669,14 +660,15 @@ def m2rnn_scan_bwd(
         prev = torch.empty((P * H * nkb * chunk, bk, V), device=q.device, dtype=torch.float32)
         zbuf = torch.empty_like(prev) if z_scratch else prev
         _m2rnn_bwd_kernel[(P, H, nkb)](
-            q, k, v, f, W, h0_arg, ranges, reset, offsets, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, offsets, prev,
+            q, k, v, f, W, h0_arg, ranges, reset, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, ranges, prev,
             0, chunk, H, n_rows, float(clip), K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision,
             HAS_H0=h0 is not None, Z_SCRATCH=z_scratch, PARALLEL=False, CARRY=False, DOT=dot,
             num_warps=warps,
         )  # fmt: skip
     if nkb > 1:
         dv = dv.sum(0).view(v.shape).to(v.dtype)
-    return dq, dk, dv, df.sum(0).view(f.shape).to(f.dtype), dW.sum((0, 2)).to(W.dtype), dh0
+    df = df[0] if nkb == 1 else df.sum(0)  # one row block: its partial is the sum (no reduction launched)
+    return dq, dk, dv, df.view(f.shape).to(f.dtype), dW.sum((0, 2)).to(W.dtype), dh0
 
 
 @m2rnn_scan_bwd.register_fake

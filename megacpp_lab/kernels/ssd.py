@@ -56,6 +56,7 @@ __all__ = [
     "launch_ssd_bwd_states",
     "launch_ssd_fwd",
     "slot_chunk",
+    "slot_document",
     "ssd_chunked_torch",
     "ssd_scan",
     "ssd_scan_bwd",
@@ -204,10 +205,16 @@ def ssd_chunked_torch(
 # B*T // CHUNK + D; the slots between two documents are gaps that no program reads.
 
 
+# The chunk-slot layout every varlen scan shares (the SSD's, Mamba-3's and M2RNN's checkpoints): document d's chunk c
+# is slot cu[d] // CHUNK + d + c. No two documents' slots meet (a document of n tokens from cu[d] ends at most one
+# slot past cu[d + 1] // CHUNK + d), and total // CHUNK + D slots bound them all: no prefix sum over the documents'
+# chunk counts, so the launchers compute nothing per batch.
+
+
 @triton.jit
-def slot_chunk(cu_ptr, slot, D, CHUNK: tl.constexpr):
-    """(first token, end token) of the chunk in `slot`; first >= end for a gap slot. Binary search over
-    documents for the last d whose first slot cu[d] // CHUNK + d is <= slot."""
+def slot_document(cu_ptr, slot, D, CHUNK: tl.constexpr):
+    """The document whose slots hold `slot` (the last d with first slot cu[d] // CHUNK + d <= slot; a gap slot
+    past a document's chunks goes to that document) and that document's start, by binary search over D."""
     lo = slot * 0
     hi = lo + D
     while hi - lo > 1:
@@ -215,9 +222,15 @@ def slot_chunk(cu_ptr, slot, D, CHUNK: tl.constexpr):
         go = tl.load(cu_ptr + mid) // CHUNK + mid <= slot
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid)
-    doc_start = tl.load(cu_ptr + lo)
-    first = doc_start + (slot - doc_start // CHUNK - lo) * CHUNK
-    return first, tl.minimum(first + CHUNK, tl.load(cu_ptr + lo + 1))
+    return lo, tl.load(cu_ptr + lo)
+
+
+@triton.jit
+def slot_chunk(cu_ptr, slot, D, CHUNK: tl.constexpr):
+    """(first token, end token) of the chunk in `slot`; first >= end for a gap slot."""
+    d, doc_start = slot_document(cu_ptr, slot, D, CHUNK)
+    first = doc_start + (slot - doc_start // CHUNK - d) * CHUNK
+    return first, tl.minimum(first + CHUNK, tl.load(cu_ptr + d + 1))
 
 
 @triton.jit
