@@ -729,6 +729,51 @@ def gpu_time_split(trace_path: str | Path, *, steps: int | None = None) -> dict[
     return out
 
 
+def host_time_by_op(trace_path: str | Path, *, prefix: str = "megacpp::", top: int = 20) -> dict[str, Any]:
+    """What the host spends in each of the lab's custom operators (names starting with `prefix`) per profiled step,
+    from a `*.pt.trace.json` with ProfilerStep ranges: per operator, its calls a step, its host time per call (from
+    entering the operator to leaving it: the dispatcher, the launcher's Python, its allocations and its launches),
+    and per call the kernel launches it queued itself and the other operators it called directly (each one more
+    pass through the dispatcher). The `top` operators by host time a step. Launches are cudaLaunchKernel /
+    cuLaunchKernel(Ex) events directly inside the operator. The profiler's own cost per recorded event inflates
+    the host times (tens of microseconds an event): compare operators within one trace, not across runs."""
+    path = Path(trace_path)
+    events = [e for e in read_trace_events(path) if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(_STEP_PREFIX)]
+    if not steps:
+        raise ValueError(f"{path} has no {_STEP_PREFIX} ranges: profile with a schedule (profile_trace) to read steps")
+    windows = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps)
+    threads: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" or e.get("cat") in _LAUNCH_CATS:
+            threads.setdefault((e["pid"], e["tid"]), []).append(e)
+    totals: dict[str, list[float]] = {}  # name -> [calls, host us, launches, operators]
+    for thread_events in threads.values():
+        thread_events.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list[dict[str, Any]] = []
+        for e in thread_events:
+            ts = float(e["ts"])
+            while stack and float(stack[-1]["ts"]) + float(stack[-1]["dur"]) <= ts:
+                stack.pop()
+            parent = stack[-1] if stack else None
+            if parent is not None and parent.get("_counted"):
+                row = totals[parent["name"]]
+                row[2 if e.get("cat") in _LAUNCH_CATS and "Launch" in e["name"] else 3] += 1
+            if e.get("cat") == "cpu_op" and e["name"].startswith(prefix) and any(a <= ts <= b for a, b in windows):
+                row = totals.setdefault(e["name"], [0, 0.0, 0, 0])
+                row[0] += 1
+                row[1] += float(e["dur"])
+                e = {**e, "_counted": True}  # its direct children count towards it (a copy: the trace is not marked)
+            stack.append(e)
+    n = len(windows)
+    ops = {name: {"calls_per_step": calls / n, "host_us_per_step": us / n, "host_us_per_call": us / calls,
+                  "launches_per_call": launches / calls, "operators_per_call": operators / calls}
+           for name, (calls, us, launches, operators) in totals.items() if calls}  # fmt: skip
+    ranked = sorted(ops, key=lambda k: -ops[k]["host_us_per_step"])[:top]
+    return {"steps": n, "prefix": prefix, "host_us_per_step": sum(ops[k]["host_us_per_step"] for k in ops),
+            "ops": {k: ops[k] for k in ranked}}
+
+
 def gpu_idle_by_cause(trace_path: str | Path, *, sep: str = LABEL_SEP, top: int = 10) -> dict[str, Any]:
     """Where a profiled step leaves the GPU idle, and which labelled ranges are host-bound, from a `*.pt.trace.json`
     with CUDA activity and label_modules ranges ("<bucket>|<name>"). Per profiled step (the ProfilerStep ranges;

@@ -585,3 +585,34 @@ def test_inductor_kernels_take_the_name_of_the_host_range_around_their_launch(tm
     assert rows == {"_m3_bwd_chunk_kernel": (40.0, 1), "triton_red_fused_sum_1": (30.0, 1),
                     "triton_poi_fused_mul_silu_0": (20.0, 2), INDUCTOR_KERNEL_NAME: (20.0, 2),
                     "triton_poi_fused_inner_3": (10.0, 1)}  # fmt: skip
+
+
+def test_host_time_by_op_counts_each_custom_operators_calls_launches_and_operators(tmp_path):
+    """Two profiled steps, each calling one custom operator with an allocation and two launches inside it (100 us
+    a call) and another with one launch (40 us); a call outside the steps is not read, nor a non-lab operator."""
+    from megacpp_lab.profiling import host_time_by_op
+
+    cpu = dict(ph="X", pid=1, tid=1)
+    events = []
+    for step, t0 in enumerate((0, 1000)):
+        events += [dict(cpu, cat="user_annotation", ts=t0, dur=900, name=f"ProfilerStep#{step}"),
+                   dict(cpu, cat="cpu_op", ts=t0 + 10, dur=100, name="megacpp::scan_bwd"),
+                   dict(cpu, cat="cpu_op", ts=t0 + 15, dur=5, name="aten::empty"),
+                   dict(cpu, cat="cuda_driver", ts=t0 + 30, dur=8, name="cuLaunchKernelEx", args={"correlation": 1}),
+                   dict(cpu, cat="cuda_driver", ts=t0 + 60, dur=8, name="cuLaunchKernelEx", args={"correlation": 2}),
+                   dict(cpu, cat="cpu_op", ts=t0 + 200, dur=40, name="megacpp::rope"),
+                   dict(cpu, cat="cuda_runtime", ts=t0 + 210, dur=8, name="cudaLaunchKernel", args={"correlation": 3}),
+                   dict(cpu, cat="cpu_op", ts=t0 + 300, dur=50, name="aten::mm")]  # fmt: skip
+    events += [dict(cpu, cat="cpu_op", ts=5000, dur=70, name="megacpp::rope"),  # after the steps: not read
+               dict(cpu, cat="cuda_runtime", ts=5010, dur=8, name="cudaLaunchKernel", args={"correlation": 9})]
+    path = tmp_path / "t.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = host_time_by_op(path)
+    assert out["steps"] == 2 and out["host_us_per_step"] == pytest.approx(140.0)
+    assert list(out["ops"]) == ["megacpp::scan_bwd", "megacpp::rope"]
+    assert out["ops"]["megacpp::scan_bwd"] == {"calls_per_step": 1.0, "host_us_per_step": 100.0, "host_us_per_call": 100.0,
+                                               "launches_per_call": 2.0, "operators_per_call": 1.0}  # fmt: skip
+    assert out["ops"]["megacpp::rope"]["launches_per_call"] == 1.0 and out["ops"]["megacpp::rope"]["host_us_per_call"] == 40
+    with pytest.raises(ValueError, match="no ProfilerStep"):
+        path.write_text(json.dumps({"traceEvents": events[1:3]}))
+        host_time_by_op(path)

@@ -38,8 +38,8 @@ from megacpp_lab.model.parallelize import (
     describe_compile,
 )
 from megacpp_lab.model.precompile import precompile
-from megacpp_lab.profiling import (LABEL_SEP, gpu_idle_by_cause, label_modules, name_inductor_kernels, read_trace_events,
-                                   sync, time_by_label)
+from megacpp_lab.profiling import (LABEL_SEP, gpu_idle_by_cause, host_time_by_op, label_modules, name_inductor_kernels,
+                                   read_trace_events, sync, time_by_label)
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
 
@@ -284,6 +284,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     }  # fmt: skip
     # where the GPU waits on the host, and which labelled ranges queue their kernels slower than the GPU runs them
     gpu_idle = gpu_idle_by_cause(trace) if gpu else None
+    host_by_op = host_time_by_op(trace)  # the host cost of each of the lab's custom operators (launchers)
     top_kernels = {
         "category": category, "steps": active,
         "basis": "GPU kernel time per profiled step" if gpu else
@@ -321,7 +322,8 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
         doc_counts={"first_step": counts[0], "per_step": counts[1:]},
         step_time={"all_steps_ms": step_ms, "active_ms": step_ms[-active:], "median_ms": ms,
                    "mean_ms": statistics.fmean(active_ms), "tokens_per_s": tokens_per_s, "losses": losses},
-        block_time=block_time, gpu_idle=gpu_idle, top_kernels=top_kernels, compile=compile_section,
+        block_time=block_time, gpu_idle=gpu_idle, host_by_op=host_by_op, top_kernels=top_kernels,
+        compile=compile_section,
         config={"pattern": config.pattern, "blocks": config.blocks, "n_layers": config.n_layers, "d_model": config.d_model,
                 "vocab_size": config.vocab_size, "engram_layers": list(config.engram_layers),
                 "ssd_kernel": config.ssd.kernel, "m2rnn_kernel": config.m2rnn.kernel, "attn_impl": config.mla.attn_impl,
@@ -338,7 +340,9 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
                "triangle (the old count). block_time: time_by_label over the trace (per block kind; "
                "GPU: each kernel to the labelled range that launched it). gpu_idle (GPU only): "
                "profiling.gpu_idle_by_cause over the trace: the GPU's idle time per step by the range and the host "
-               "operator it waited on, and each range's host time against the kernel time it launched. compile: graphs, breaks and recompiles "
+               "operator it waited on, and each range's host time against the kernel time it launched. host_by_op: "
+               "profiling.host_time_by_op, each megacpp:: custom operator's host time per call and step, with the "
+               "kernel launches and other operators it called directly. compile: graphs, breaks and recompiles "
                "from dynamo's counters, cold compile per region from dynamo's CompilationMetrics."),
     )  # fmt: skip
     path = write_receipt(receipt, root)

@@ -419,7 +419,7 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
 
 
 @triton.jit
-def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, hd, H, n_a, slot, col0, rn, kq_at,
+def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, hd, H, n_a, slot, sums_row, col0, rn, kq_at,
                    FIRST: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
                    N: tl.constexpr):  # fmt: skip
     """One [CHUNK, BN] block of dk (or dq) at the keys v as stored, taken back through the rotation: the gradient
@@ -436,14 +436,14 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, hd, H, n_a, s
     tl.store(th_at, dth, mask=pm)
     r = t % RANK
     for rr in tl.static_range(RANK):  # rows past the chunk's end are zero
-        tl.store(bias_ptr + ((slot * H + hd) * RANK + rr) * N + rn, tl.sum(tl.where((r == rr)[:, None], back, 0.0), 0))
+        tl.store(bias_ptr + slot * sums_row + (hd * RANK + rr) * N + rn, tl.sum(tl.where((r == rr)[:, None], back, 0.0), 0))
 
 
 @triton.jit
 def _m3_bwd_chunk_kernel(
     x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
     dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dskip_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
-    H, D, n_a,
+    H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
@@ -459,18 +459,18 @@ def _m3_bwd_chunk_kernel(
       4. the log-decay gradient: ddt and this chunk's dA.
     SDOT: the operands' dtype of the four dots against the state S and its gradient dS' (fp32, or DOT).
     dk and dq go back through the rotation here, unrounded (_key_grads_out): dB and dC per head in their pointers'
-    dtype, the angles' gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk [slots, H, R,
-    N]. (This replaced a pass of their own over dk and dq stored in fp32 per head: no fp32 dk and dq go to memory,
+    dtype, the angles' gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk (rows of the launcher's sums buffer, sums_row apart, beside dA's and dD's: [H, R,
+    N] each). (This replaced a pass of their own over dk and dq stored in fp32 per head: no fp32 dk and dq go to memory,
     and one launch fewer.)"""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
     if first >= end:
-        tl.store(da_ptr + slot * H + hd, 0.0)  # a gap slot: the launcher sums every slot
-        tl.store(dskip_ptr + slot * H + hd, 0.0)
+        tl.store(da_ptr + slot * sums_row + hd, 0.0)  # a gap slot: the launcher sums every slot
+        tl.store(dskip_ptr + slot * sums_row + hd, 0.0)
         for rr in tl.static_range(RANK):
-            tl.store(dkb_ptr + ((slot * H + hd) * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
-            tl.store(dqb_ptr + ((slot * H + hd) * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
+            tl.store(dkb_ptr + slot * sums_row + (hd * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
+            tl.store(dqb_ptr + slot * sums_row + (hd * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
     else:
         A_h = tl.load(a_ptr + hd).to(tl.float32)
         rl = tl.arange(0, CHUNK)
@@ -514,7 +514,7 @@ def _m3_bwd_chunk_kernel(
         dx = tl.dot(tl.trans((CBL * W).to(DOT)), dy, input_precision=PRECISION) + (xw * w)[:, None] * Q
         dx += tl.load(skip_ptr + hd) * dy.to(tl.float32)  # the skip D x
         tl.store(dx_ptr + xp_at, dx.to(dx_ptr.dtype.element_ty), mask=m[:, None])
-        tl.store(dskip_ptr + slot * H + hd, tl.sum(tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=1), axis=0))
+        tl.store(dskip_ptr + slot * sums_row + hd, tl.sum(tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=1), axis=0))
         LdYU = (Lm * dYX * W).to(DOT)
         # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S)
         dye = (dy.to(tl.float32) * ecs[:, None]).to(SDOT)
@@ -526,7 +526,7 @@ def _m3_bwd_chunk_kernel(
             dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
             dcs += tl.sum(dyS * qc, axis=1)
             dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
-            _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, hd, H, n_a, slot, nb * BN, rn, kq_at,
+            _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, hd, H, n_a, slot, sums_row, nb * BN, rn, kq_at,
                            True, RANK, CHUNK, BN, N)  # fmt: skip
         tl.debug_barrier()  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
         # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
@@ -540,7 +540,7 @@ def _m3_bwd_chunk_kernel(
             dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
                   + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
             kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-            _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, hd, H, n_a, slot, nb * BN, rn, kq_at,
+            _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, hd, H, n_a, slot, sums_row, nb * BN, rn, kq_at,
                            False, RANK, CHUNK, BN, N)  # fmt: skip
             SdS += tl.sum(dS * S, axis=1)
         # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
@@ -549,7 +549,7 @@ def _m3_bwd_chunk_kernel(
         to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
         dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
         tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
-        tl.store(da_ptr + slot * H + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
+        tl.store(da_ptr + slot * sums_row + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
 
 
 # sub-tokens per key program (4 warps): on the H200 at [8,4096,16,128], 16 took 210 us (32: 302)
@@ -607,9 +607,10 @@ def mamba3_scan_bwd(
     theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
     D: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """dx, ddt, dA, dB, dC (B's dtype), d theta [B,T,H,n_a] fp32, the biases' gradients [H,R,N], d weight, d gamma,
-    dD.
+           torch.Tensor]:  # fmt: skip
+    """dx, ddt, dB, dC (B's dtype), d theta [B,T,H,n_a] fp32, d weight, d gamma, and the gradients of A, D and the
+    two biases in one fp32 vector [2H + 2HRN] (split_sums parts it: a custom op's outputs may not be views of one
+    another, and four reductions over the chunks would be four launches).
     The keys are recomputed (not saved: per head they are H / G times B's size); SSD's sequential state pass, then
     the chunk pass (_m3_bwd_chunk_kernel), which also takes dk and dq back through the rotation, unrounded."""
     B, TR, G, N = Bm.shape
@@ -621,32 +622,33 @@ def mamba3_scan_bwd(
     sdot = dots["DOT"] if STATE_DOTS_IN_INPUT_DTYPE else tl.float32
     n_slots = states.shape[0]
     dx, ddt, dw, dgam = torch.empty_like(x), torch.empty_like(dt), torch.empty_like(weight), torch.empty_like(gamma)
-    dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
-    dD = torch.empty_like(dA)  # per chunk, summed below as dA is
+    # the per-chunk partial sums of dA, dD and the two biases' gradients in one [slots, row] buffer, summed over the
+    # slots at once below (one reduction, not four: each is a launch and host work in every M block's backward)
+    sums = torch.empty((n_slots, 2 * H + 2 * H * R * N), device=x.device, dtype=torch.float32)
+    dA, dD, dbb, dcb = sums.split([H, H, H * R * N, H * R * N], dim=1)  # strided views: the kernel's rows are sums'
     dth = torch.empty((B, TR, H, n_a), device=x.device, dtype=torch.float32)
     # dB and dC per head in B's dtype: one head a group, the gradients themselves; else each head's part, summed over
     # the group below in fp32 (per-head parts in fp32 doubled the traffic of the largest buffers at H=32, G=1)
     dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype)
     dCh = torch.empty_like(dBh)
-    dbb = torch.empty((n_slots, H, R, N), device=x.device, dtype=torch.float32)
-    dcb = torch.empty_like(dbb)
     _m3_bwd_chunk_kernel[(n_slots, H)](
         x, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
-        dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dbb, dcb, H, cu_seqlens.numel() - 1, n_a,
+        dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dbb, dcb, H, cu_seqlens.numel() - 1, n_a, sums.shape[1],
         P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
         num_warps=M3_BWD_WARPS, num_stages=1,
     )  # fmt: skip
     dB, dC = (t if G == H else t.view(B, TR, G, H // G, N).sum(3, dtype=torch.float32).to(Bm.dtype)
               for t in (dBh, dCh))  # fmt: skip
     d_theta = dth.view(B, TR // R, R, H, n_a).sum(2) if R > 1 else dth
-    return dx, ddt, dA.sum(0).to(A.dtype), dB, dC, d_theta, dbb.sum(0), dcb.sum(0), dw, dgam, dD.sum(0)
+    return dx, ddt, dB, dC, d_theta, dw, dgam, sums.sum(0)
 
 
 @mamba3_scan_bwd.register_fake
 def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
-    return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(Bm), torch.empty_like(Cm),
-            torch.empty_like(theta), torch.empty_like(b_bias), torch.empty_like(c_bias), torch.empty_like(weight),
-            torch.empty_like(gamma), torch.empty_like(D))  # fmt: skip
+    H, N = x.shape[2], Bm.shape[-1]
+    return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(Bm), torch.empty_like(Cm),
+            torch.empty_like(theta), torch.empty_like(weight), torch.empty_like(gamma),
+            x.new_empty((2 * H + 2 * H * rank * N,), dtype=torch.float32))  # fmt: skip
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
@@ -656,13 +658,20 @@ def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
     ctx.set_materialize_grads(False)
 
 
+def split_sums(sums: torch.Tensor, H: int, R: int, N: int) -> tuple[torch.Tensor, ...]:
+    """mamba3_scan_bwd's summed vector [2H + 2HRN] -> dA [H], dD [H], the biases' gradients [H,R,N] each (views)."""
+    dA, dD, dbb, dcb = sums.split([H, H, H * R * N, H * R * N])
+    return dA, dD, dbb.view(H, R, N), dcb.view(H, R, N)
+
+
 def _mamba3_backward(ctx, dy, _dstates):  # noqa: ANN001, ANN202
     x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
-    grads = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states,
-                            ctx.chunk, ctx.rank)  # fmt: skip
-    return (*grads, None, None, None, None)
+    dx, ddt, dB, dC, d_theta, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight,
+                                                              gamma, D, cu_seqlens, states, ctx.chunk, ctx.rank)  # fmt: skip
+    dA, dD, dbb, dcb = split_sums(sums, x.shape[2], ctx.rank, Bm.shape[-1])
+    return dx, ddt, dA.to(A.dtype), dB, dC, d_theta, dbb, dcb, dw, dgam, dD, None, None, None, None
 
 
 mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
