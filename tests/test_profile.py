@@ -59,6 +59,11 @@ def _check_files(paths: dict[str, Path], receipt: dict[str, Any]) -> None:
     assert all(math.isfinite(v) for v in times["losses"])
     row = receipt["results"][0]  # several documents a row: attention per document counts less than the row bound
     assert 0 < row["mfu"] < row["mfu_upper_bound"] and row["tflops"] / row["mfu"] == pytest.approx(989.0)
+    plain = receipt["unprofiled_step"]  # the active batches again without the profiler, each with its documents
+    assert plain["steps"] == len(plain["ms"]) == plain["rounds"] * receipt["schedule"]["active"]
+    assert plain["min_ms"] <= plain["median_ms"] <= plain["max_ms"] and 0 < plain["mfu"] < plain["mfu_upper_bound"]
+    assert plain["flops_per_token"] == pytest.approx(row["flops_per_token"])  # the same batches, rounds repeated
+    assert "host_by_op" in receipt and receipt["host_by_op"]["steps"] == receipt["schedule"]["active"]
 
 
 def test_small_compiled_run_writes_trace_receipt_and_plot(compiled):

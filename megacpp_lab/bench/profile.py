@@ -51,6 +51,9 @@ SUBSYSTEM = "profile"
 # compiled scans run their Triton kernels under the interpreter, about 13 s per step at B=2, T=64.
 FULL = dict(preset="base", batch=4, seq_len=4096, docs=8, wait=1, warmup=2, active=3)
 SMALL = dict(preset="tiny", batch=2, seq_len=64, docs=2, wait=0, warmup=1, active=1)
+# rounds over the active steps' batches run again after the profiler, unprofiled (bench compile's MFU counts such
+# steps; the profiled ones carry the profiler's per-event cost)
+UNPROFILED_ROUNDS = 2
 TOP_KERNELS = 12
 
 
@@ -213,7 +216,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     before = set(trace_dir.glob(f"{name}*.pt.trace.json"))
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
     caches = nullcontext() if inductor_caches or not compiled else inductor_config.patch(force_disable_caches=True)
-    bar = tqdm(total=1 + n_steps, desc=f"profile {preset} B={B} T={T} {'compiled' if compiled else 'eager'}",
+    bar = tqdm(total=1 + n_steps + UNPROFILED_ROUNDS * active, desc=f"profile {preset} B={B} T={T} {'compiled' if compiled else 'eager'}",
                disable=not progress)  # fmt: skip
 
     # ---- the cold step, then the profiled steps
@@ -248,6 +251,16 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
                 step_ms.append((time.perf_counter() - t0) * 1e3)
                 losses.append(float(loss))
                 prof.step()
+                bar.update()
+        # the active steps' batches again, the profiler off (the labels' ranges stay: no module changes, no
+        # recompile): the step as training runs it, beside the profiled one that the profiler's cost stretches
+        unprofiled_ms: list[float] = []
+        for _ in range(UNPROFILED_ROUNDS):
+            for tokens, ctx, targets in batches[-active:]:
+                t0 = time.perf_counter()
+                TrainingStep(model, tokens, ctx, targets, opt)()
+                sync(device)
+                unprofiled_ms.append((time.perf_counter() - t0) * 1e3)
                 bar.update()
     bar.close()
     stats = compile_stats()
@@ -299,6 +312,14 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
         **({"peak_total_mib": peak_mib} if peak_mib is not None else {}),
         **active_flops(model, T, B * T, [ctx.doc_lengths for _, ctx, _ in batches[-active:]], step_ms[-active:]),
     }  # fmt: skip
+    unprofiled_lens = [ctx.doc_lengths for _, ctx, _ in batches[-active:]] * UNPROFILED_ROUNDS
+    unprofiled_step = {
+        "rounds": UNPROFILED_ROUNDS, "steps": len(unprofiled_ms), "ms": unprofiled_ms,
+        "median_ms": statistics.median(unprofiled_ms), "min_ms": min(unprofiled_ms), "max_ms": max(unprofiled_ms),
+        **active_flops(model, T, B * T, unprofiled_lens, unprofiled_ms),
+    }  # fmt: skip
+    if gpu:  # the GPU kernel time is the profiled steps' (kernel durations barely move under the profiler)
+        unprofiled_step["median_less_kernel_ms"] = unprofiled_step["median_ms"] - top_kernels["total_ms_per_step"]
     compile_section = None
     if compiled:
         records = compile_breakdown(structures, n_first)
@@ -322,7 +343,8 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
         doc_counts={"first_step": counts[0], "per_step": counts[1:]},
         step_time={"all_steps_ms": step_ms, "active_ms": step_ms[-active:], "median_ms": ms,
                    "mean_ms": statistics.fmean(active_ms), "tokens_per_s": tokens_per_s, "losses": losses},
-        block_time=block_time, gpu_idle=gpu_idle, host_by_op=host_by_op, top_kernels=top_kernels,
+        unprofiled_step=unprofiled_step, block_time=block_time, gpu_idle=gpu_idle, host_by_op=host_by_op,
+        top_kernels=top_kernels,
         compile=compile_section,
         config={"pattern": config.pattern, "blocks": config.blocks, "n_layers": config.n_layers, "d_model": config.d_model,
                 "vocab_size": config.vocab_size, "engram_layers": list(config.engram_layers),
@@ -340,7 +362,10 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
                "triangle (the old count). block_time: time_by_label over the trace (per block kind; "
                "GPU: each kernel to the labelled range that launched it). gpu_idle (GPU only): "
                "profiling.gpu_idle_by_cause over the trace: the GPU's idle time per step by the range and the host "
-               "operator it waited on, and each range's host time against the kernel time it launched. host_by_op: "
+               "operator it waited on, and each range's host time against the kernel time it launched. "
+               "unprofiled_step: the active steps' batches again, UNPROFILED_ROUNDS rounds with the profiler off "
+               "(wall times, synchronised; mfu as above), and on a GPU its median less the profiled steps' kernel "
+               "time (an estimate of the GPU's idle time without the profiler). host_by_op: "
                "profiling.host_time_by_op, each megacpp:: custom operator's host time per call and step, with the "
                "kernel launches and other operators it called directly. compile: graphs, breaks and recompiles "
                "from dynamo's counters, cold compile per region from dynamo's CompilationMetrics."),
