@@ -758,7 +758,10 @@ def host_time_by_op(trace_path: str | Path, *, prefix: str = "megacpp::", top: i
             parent = stack[-1] if stack else None
             if parent is not None and parent.get("_counted"):
                 row = totals[parent["name"]]
-                row[2 if e.get("cat") in _LAUNCH_CATS and "Launch" in e["name"] else 3] += 1
+                if e.get("cat") == "cpu_op":
+                    row[3] += 1
+                elif "Launch" in e["name"]:  # not the runtime's other calls (memsets, attribute queries)
+                    row[2] += 1
             if e.get("cat") == "cpu_op" and e["name"].startswith(prefix) and any(a <= ts <= b for a, b in windows):
                 row = totals.setdefault(e["name"], [0, 0.0, 0, 0])
                 row[0] += 1

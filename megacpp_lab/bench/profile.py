@@ -255,12 +255,14 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
         # the active steps' batches again, the profiler off (the labels' ranges stay: no module changes, no
         # recompile): the step as training runs it, beside the profiled one that the profiler's cost stretches
         unprofiled_ms: list[float] = []
+        unprofiled_losses: list[float] = []
         for _ in range(UNPROFILED_ROUNDS):
             for tokens, ctx, targets in batches[-active:]:
                 t0 = time.perf_counter()
-                TrainingStep(model, tokens, ctx, targets, opt)()
+                loss = TrainingStep(model, tokens, ctx, targets, opt)()
                 sync(device)
                 unprofiled_ms.append((time.perf_counter() - t0) * 1e3)
+                unprofiled_losses.append(float(loss))
                 bar.update()
     bar.close()
     stats = compile_stats()
@@ -269,8 +271,8 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     if not written:
         raise RuntimeError(f"the profiler wrote no trace for {name!r} under {trace_dir}")
     trace = written[-1]
-    if not all(math.isfinite(v) for v in losses):
-        raise RuntimeError(f"a profiled step's loss is not finite: {losses}")
+    if not all(math.isfinite(v) for v in losses + unprofiled_losses):
+        raise RuntimeError(f"a step's loss is not finite: profiled {losses}, unprofiled {unprofiled_losses}")
 
     # ---- the summary
     split = time_by_label(trace)
@@ -316,6 +318,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     unprofiled_step = {
         "rounds": UNPROFILED_ROUNDS, "steps": len(unprofiled_ms), "ms": unprofiled_ms,
         "median_ms": statistics.median(unprofiled_ms), "min_ms": min(unprofiled_ms), "max_ms": max(unprofiled_ms),
+        "losses": unprofiled_losses,
         **active_flops(model, T, B * T, unprofiled_lens, unprofiled_ms),
     }  # fmt: skip
     if gpu:  # the GPU kernel time is the profiled steps' (kernel durations barely move under the profiler)

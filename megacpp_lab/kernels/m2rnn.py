@@ -338,7 +338,8 @@ def _m2rnn_recompute_kernel(
     c = s - (start // CHUNK + p)
     t0 = start + c * CHUNK
     t1 = tl.minimum(t0 + CHUNK, end)
-    t1 = tl.where(c // (SEG // CHUNK) == seg, t1, t0)  # another segment's chunk: no steps
+    # another segment's chunk, or a slot before the first document (ranges[0] > 0: c < 0, and // truncates): no steps
+    t1 = tl.where((c >= 0) & (c // (SEG // CHUNK) == seg), t1, t0)
     row0 = tl.load(seg_off_ptr + p) - (start + seg * SEG)  # the buffer row of step t is row0 + t
     rk = kb * BK + tl.arange(0, BK)
     rv = tl.arange(0, V)

@@ -670,6 +670,7 @@ def _mamba3_backward(ctx, dy, _dstates):  # noqa: ANN001, ANN202
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
     dx, ddt, dB, dC, d_theta, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight,
                                                               gamma, D, cu_seqlens, states, ctx.chunk, ctx.rank)  # fmt: skip
+    # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums, x.shape[2], ctx.rank, Bm.shape[-1])
     return dx, ddt, dA.to(A.dtype), dB, dC, d_theta, dbb, dcb, dw, dgam, dD, None, None, None, None
 

@@ -208,7 +208,7 @@ def ssd_chunked_torch(
 # The chunk-slot layout every varlen scan shares (the SSD's, Mamba-3's and M2RNN's checkpoints): document d's chunk c
 # is slot cu[d] // CHUNK + d + c. No two documents' slots meet (a document of n tokens from cu[d] ends at most one
 # slot past cu[d + 1] // CHUNK + d), and total // CHUNK + D slots bound them all: no prefix sum over the documents'
-# chunk counts, so the launchers compute nothing per batch.
+# chunk counts, so no launcher computes a slot table per batch.
 
 
 @triton.jit
