@@ -472,9 +472,7 @@ def time_by_label(trace_path: str | Path, *, sep: str = LABEL_SEP) -> dict[str, 
     'us': {bucket: us}, 'us_backward': {bucket: the part of us in `.backward` ranges}, 'share': {bucket:
     fraction of total_us}, 'kernels_without_launch'}.
     """
-    import json
-
-    events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    events = [e for e in read_trace_events(Path(trace_path)) if e.get("ph") == "X" and "dur" in e]
     # (start, end, bucket, is_backward) per thread
     ranges: dict[tuple[Any, Any], list[tuple[float, float, str, bool]]] = {}
     for e in events:
@@ -729,6 +727,24 @@ def gpu_time_split(trace_path: str | Path, *, steps: int | None = None) -> dict[
     return out
 
 
+def _profiler_steps(events: list[dict[str, Any]], path: Path) -> tuple[list[tuple[float, float]], Callable[[float], bool]]:
+    """The trace's ProfilerStep windows (start, end), sorted, and a test of whether a host timestamp lies in one;
+    ValueError for a trace without them."""
+    import bisect
+
+    steps = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                   if e.get("cat") == "user_annotation" and e["name"].startswith(_STEP_PREFIX))  # fmt: skip
+    if not steps:
+        raise ValueError(f"{path} has no {_STEP_PREFIX} ranges: profile with a schedule (profile_trace) to read steps")
+    starts = [s for s, _ in steps]
+
+    def in_step(ts: float) -> bool:
+        i = bisect.bisect_right(starts, ts) - 1
+        return i >= 0 and ts <= steps[i][1]
+
+    return steps, in_step
+
+
 def host_time_by_op(trace_path: str | Path, *, prefix: str = "megacpp::", top: int = 20) -> dict[str, Any]:
     """What the host spends in each of the lab's custom operators (names starting with `prefix`) per profiled step,
     from a `*.pt.trace.json` with ProfilerStep ranges: per operator, its calls a step, its host time per call (from
@@ -739,10 +755,7 @@ def host_time_by_op(trace_path: str | Path, *, prefix: str = "megacpp::", top: i
     the host times (tens of microseconds an event): compare operators within one trace, not across runs."""
     path = Path(trace_path)
     events = [e for e in read_trace_events(path) if e.get("ph") == "X" and "dur" in e and "ts" in e]
-    steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(_STEP_PREFIX)]
-    if not steps:
-        raise ValueError(f"{path} has no {_STEP_PREFIX} ranges: profile with a schedule (profile_trace) to read steps")
-    windows = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps)
+    windows, in_step = _profiler_steps(events, path)
     threads: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
     for e in events:
         if e.get("cat") == "cpu_op" or e.get("cat") in _LAUNCH_CATS:
@@ -750,24 +763,23 @@ def host_time_by_op(trace_path: str | Path, *, prefix: str = "megacpp::", top: i
     totals: dict[str, list[float]] = {}  # name -> [calls, host us, launches, operators]
     for thread_events in threads.values():
         thread_events.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
-        stack: list[dict[str, Any]] = []
+        stack: list[tuple[float, str | None]] = []  # (end, the counted operator's name, or None) per open event
         for e in thread_events:
             ts = float(e["ts"])
-            while stack and float(stack[-1]["ts"]) + float(stack[-1]["dur"]) <= ts:
+            while stack and stack[-1][0] <= ts:
                 stack.pop()
-            parent = stack[-1] if stack else None
-            if parent is not None and parent.get("_counted"):
-                row = totals[parent["name"]]
+            parent = stack[-1][1] if stack else None
+            if parent is not None:
                 if e.get("cat") == "cpu_op":
-                    row[3] += 1
+                    totals[parent][3] += 1
                 elif "Launch" in e["name"]:  # not the runtime's other calls (memsets, attribute queries)
-                    row[2] += 1
-            if e.get("cat") == "cpu_op" and e["name"].startswith(prefix) and any(a <= ts <= b for a, b in windows):
+                    totals[parent][2] += 1
+            counted = e.get("cat") == "cpu_op" and e["name"].startswith(prefix) and in_step(ts)
+            if counted:
                 row = totals.setdefault(e["name"], [0, 0.0, 0, 0])
                 row[0] += 1
                 row[1] += float(e["dur"])
-                e = {**e, "_counted": True}  # its direct children count towards it (a copy: the trace is not marked)
-            stack.append(e)
+            stack.append((ts + float(e["dur"]), e["name"] if counted else None))
     n = len(windows)
     ops = {name: {"calls_per_step": calls / n, "host_us_per_step": us / n, "host_us_per_call": us / calls,
                   "launches_per_call": launches / calls, "operators_per_call": operators / calls}
@@ -794,15 +806,10 @@ def gpu_idle_by_cause(trace_path: str | Path, *, sep: str = LABEL_SEP, top: int 
     A profiler's own per-event cost inflates host times (tens of microseconds an operator): a range host-bound in
     the trace may not be without the profiler, the GPU-bound ones are not either way. Fails closed as
     gpu_time_split does (missing file, no GPU events, no ProfilerStep ranges)."""
-    import bisect
-
     path = Path(trace_path)
     events, _, gpu = _trace_gpu_events(path)
     gpu = sorted(gpu, key=lambda e: float(e["ts"]))
-    steps = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
-                   if e.get("cat") == "user_annotation" and e["name"].startswith(_STEP_PREFIX))  # fmt: skip
-    if not steps:
-        raise ValueError(f"{path} has no {_STEP_PREFIX} ranges: profile with a schedule (profile_trace) to read steps")
+    steps, in_step = _profiler_steps(events, path)
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}  # fmt: skip
     labelled: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
@@ -821,12 +828,6 @@ def gpu_idle_by_cause(trace_path: str | Path, *, sep: str = LABEL_SEP, top: int 
                   innermost: bool) -> str | None:  # fmt: skip
         span = _enclosing_span(table.get((launch["pid"], launch["tid"]), []), float(launch["ts"]), innermost=innermost)
         return None if span is None else span[2]
-
-    step_starts = [s for s, _ in steps]
-
-    def in_step(ts: float) -> bool:
-        i = bisect.bisect_right(step_starts, ts) - 1
-        return i >= 0 and ts <= steps[i][1]
 
     idle_by_range: dict[str, float] = {}
     idle_by_op: dict[str, float] = {}

@@ -237,6 +237,17 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
         after_first = compile_stats()
         bar.update()
         step_ms, losses = [], [float(loss0)]
+        unprofiled_ms: list[float] = []
+        unprofiled_losses: list[float] = []
+
+        def timed_step(batch: tuple[torch.Tensor, Any, torch.Tensor], times: list[float], step_losses: list[float]) -> None:
+            t0 = time.perf_counter()
+            loss = TrainingStep(model, *batch, opt)()
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            step_losses.append(float(loss))
+            bar.update()
+
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         with torch.profiler.profile(
@@ -244,26 +255,13 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
             schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=name),
         ) as prof:
-            for tokens, ctx, targets in batches[1:]:
-                t0 = time.perf_counter()
-                loss = TrainingStep(model, tokens, ctx, targets, opt)()
-                sync(device)
-                step_ms.append((time.perf_counter() - t0) * 1e3)
-                losses.append(float(loss))
+            for batch in batches[1:]:
+                timed_step(batch, step_ms, losses)
                 prof.step()
-                bar.update()
         # the active steps' batches again, the profiler off (the labels' ranges stay: no module changes, no
         # recompile): the step as training runs it, beside the profiled one that the profiler's cost stretches
-        unprofiled_ms: list[float] = []
-        unprofiled_losses: list[float] = []
-        for _ in range(UNPROFILED_ROUNDS):
-            for tokens, ctx, targets in batches[-active:]:
-                t0 = time.perf_counter()
-                loss = TrainingStep(model, tokens, ctx, targets, opt)()
-                sync(device)
-                unprofiled_ms.append((time.perf_counter() - t0) * 1e3)
-                unprofiled_losses.append(float(loss))
-                bar.update()
+        for batch in batches[-active:] * UNPROFILED_ROUNDS:
+            timed_step(batch, unprofiled_ms, unprofiled_losses)
     bar.close()
     stats = compile_stats()
     peak_mib = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
