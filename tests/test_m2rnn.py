@@ -11,7 +11,7 @@ import megacpp_lab.kernels.m2rnn as m2k
 from megacpp_lab.data import boundary_windows, load_sample
 from megacpp_lab.kernels.m2rnn import BWD_ORDERS, m2rnn_scan_reference, m2rnn_scan, resolve_kernel
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, M2RNNMegatronMixer
-from megacpp_lab.testing import check_leaks, each_document_alone, with_doc_ids
+from megacpp_lab.testing import LAUNCHER_PLUMBING, check_leaks, each_document_alone, launcher_operators, with_doc_ids
 from megacpp_lab.varlen import build_context
 
 ON_GPU = torch.cuda.is_available()
@@ -134,26 +134,19 @@ def test_launchers_compute_nothing_per_batch_beyond_the_scan():
     op calls directly are allocations, views, the Triton launches' own copies (the interpreter's, on a CPU) and the
     backward's one dW reduction over documents (each operator costs host time in a step that is host-bound
     between kernels)."""
-    from torch.profiler import ProfilerActivity, profile
-
     q, k, v, f, W, _ = [t.detach() for t in _inputs(2, 11, 2, 16, 16)]
     ranges = torch.tensor([0, 4, 11, 12, 22], dtype=torch.int32, device=DEVICE)
     reset = torch.zeros(22, dtype=torch.int8, device=DEVICE)
     reset[ranges[:-1].long()] = 1  # each document's first token
-    plumbing = {"empty", "empty_like", "empty_strided", "new_empty", "set_", "copy_", "select", "view", "to", "_to_copy", "detach",
-                "as_strided", "alias", "resolve_conj", "resolve_neg"}  # fmt: skip
-
-    def called(op, *args):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            out = getattr(torch.ops.megacpp, op)(*args)
-        (event,) = [e for e in prof.events() if e.name == f"megacpp::{op}"]
-        return out, [c.name.removeprefix("aten::") for c in event.cpu_children]
-
-    (y, ckpt), fwd = called("m2rnn_scan_fwd", q, k, v, f, W, None, ranges, reset, 4, True, 0.0, 16)
-    assert set(fwd) <= plumbing, fwd
+    (y, ckpt), fwd = launcher_operators(
+        lambda: torch.ops.megacpp.m2rnn_scan_fwd(q, k, v, f, W, None, ranges, reset, 4, True, 0.0, 16),
+        "megacpp::m2rnn_scan_fwd")  # fmt: skip
+    assert set(fwd) <= LAUNCHER_PLUMBING, fwd
     assert ckpt.shape[0] == 22 // 4 + 4  # the slot bound: total // chunk + documents
-    _, bwd = called("m2rnn_scan_bwd", torch.ones_like(y), q, k, v, f, W, None, ranges, reset, ckpt, 4, 0.0, 16)
-    assert [name for name in bwd if name not in plumbing] == ["sum"], bwd
+    _, bwd = launcher_operators(
+        lambda: torch.ops.megacpp.m2rnn_scan_bwd(torch.ones_like(y), q, k, v, f, W, None, ranges, reset, ckpt, 4, 0.0, 16),
+        "megacpp::m2rnn_scan_bwd")  # fmt: skip
+    assert [name for name in bwd if name not in LAUNCHER_PLUMBING] == ["sum"], bwd
 
 
 def test_launch_plan_rules_and_bad_plans_fail_closed():

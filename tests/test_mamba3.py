@@ -15,7 +15,7 @@ import torch
 
 from megacpp_lab.kernels.mamba3 import mamba3_scan, mamba3_scan_reference
 from megacpp_lab.kernels.ssd import ssd_scan_reference
-from megacpp_lab.testing import assert_no_leaks, each_document_alone
+from megacpp_lab.testing import LAUNCHER_PLUMBING, assert_no_leaks, each_document_alone, launcher_operators
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "mamba3"
@@ -191,19 +191,12 @@ def test_the_backward_launcher_sums_its_chunk_partials_in_one_reduction():
     a group per head and one rank (no group or rank sums), the operators the op calls directly are allocations,
     views, the interpreter's copies on a CPU, and that one sum (each operator is host work in every M block's
     backward, in a step that is host-bound between kernels)."""
-    from torch.profiler import ProfilerActivity, profile
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     a = {k: v.float().to(device).requires_grad_() for k, v in _inputs(B=2, T=32, H=2, G=2, P=16, N=16).items()}
     cu = torch.tensor([0, 20, 32, 45, 64], dtype=torch.int32, device=device)
     y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        y.sum().backward()
-    (event,) = [e for e in prof.events() if e.name == "megacpp::mamba3_scan_bwd"]
-    plumbing = {"empty", "empty_like", "empty_strided", "new_empty", "set_", "copy_", "select", "view", "to",
-                "_to_copy", "detach", "as_strided", "alias", "split", "split_with_sizes", "contiguous", "slice"}  # fmt: skip
-    called = [c.name.removeprefix("aten::") for c in event.cpu_children]
-    assert [name for name in called if name not in plumbing] == ["sum"], called
+    _, called = launcher_operators(lambda: y.sum().backward(), "megacpp::mamba3_scan_bwd")
+    assert [name for name in called if name not in LAUNCHER_PLUMBING] == ["sum"], called
 
 
 @pytest.mark.parametrize("kernel", ["chunked", "triton", "reference"])

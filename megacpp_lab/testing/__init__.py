@@ -1,7 +1,7 @@
 """Test helpers: the packed-row leak harness (and its whole-model form), small reference mixers with planted leaks, the host-read tripwire."""
 
 from megacpp_lab.testing import host_reads, leaks, model_leaks, planted
-from megacpp_lab.testing.host_reads import no_host_reads
+from megacpp_lab.testing.host_reads import LAUNCHER_PLUMBING, launcher_operators, no_host_reads
 from megacpp_lab.testing.leaks import (
     Dependence,
     DocSpan,

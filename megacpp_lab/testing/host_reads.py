@@ -1,13 +1,15 @@
-"""A tripwire for host reads: a validated (PackedContext) path must never pull a tensor value to the host."""
+"""Host-side tripwires: a validated (PackedContext) path must never pull a tensor value to the host, and a custom
+operator's launcher should dispatch no work beyond its kernels (every operator is host time in every step)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["no_host_reads"]
+__all__ = ["LAUNCHER_PLUMBING", "launcher_operators", "no_host_reads"]
 
 _READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
 
@@ -31,3 +33,24 @@ def no_host_reads() -> Iterator[None]:
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
+
+
+# operators that allocate, view or convert (and, under TRITON_INTERPRET on a CPU, the interpreter's own copies into and
+# out of each launch): what any launcher dispatches; the rest is work it chose to do on the device
+LAUNCHER_PLUMBING = frozenset({
+    "empty", "empty_like", "empty_strided", "new_empty", "set_", "copy_", "select", "slice", "view", "to", "_to_copy",
+    "detach", "as_strided", "alias", "split", "split_with_sizes", "contiguous", "resolve_conj", "resolve_neg",
+})  # fmt: skip
+
+
+def launcher_operators(fn: Callable[[], Any], op: str) -> tuple[Any, list[str]]:
+    """fn's result and the aten operators (names without 'aten::') that the first call of custom operator `op`
+    ('megacpp::...') inside it dispatched directly, in order, read from a CPU-activity profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    calls = [e for e in prof.events() if e.name == op]
+    if not calls:
+        raise AssertionError(f"{op} was not called")
+    return out, [c.name.removeprefix("aten::") for c in calls[0].cpu_children]
