@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import INTERPRETED, TRITON_INTERPRET
+from megacpp_lab.kernels import INTERPRETED, launchable
 from megacpp_lab.kernels.ssd import (Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask, dot_types,
                                      launch_ssd_bwd_states, launch_ssd_fwd, slot_chunk, ssd_scan)
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
@@ -693,7 +693,7 @@ def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, c
     for name, n in (("chunk", chunk), ("P (x's head dim)", P), ("N (Bm's state dim)", Bm.shape[-1])):
         if n < 16 or n & (n - 1):
             raise ValueError(f"the Triton Mamba-3 scan needs {name} a power of two >= 16 (tl.dot tiles), got {n}")
-    if not (xr.device.type == "cuda" or (xr.device.type == "cpu" and TRITON_INTERPRET)):
+    if not launchable(xr.device):
         raise RuntimeError(f"kernel='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); x is on {xr.device}")
     if xr.dtype == torch.float64:
         raise ValueError("the Triton Mamba-3 scan takes float32, bfloat16 or float16 x; float64 is for the torch paths")

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import TRITON_INTERPRET
+from megacpp_lab.kernels import TRITON_INTERPRET, launchable
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = [
@@ -696,7 +696,7 @@ def ssd_scan(
     if elements >= 2**31:  # the kernels index in int32
         raise ValueError(f"the Triton SSD indexes in int32: x {tuple(x.shape)} with N={N}, chunk={chunk} and "
                          f"{n_docs} documents needs {elements} elements in one buffer (limit 2**31); split the batch")
-    if not (x.device.type == "cuda" or (x.device.type == "cpu" and TRITON_INTERPRET)):
+    if not launchable(x.device):
         raise RuntimeError(f"kernel='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); x is on {x.device}")
     _pow2_at_least_16("chunk", chunk)
     _pow2_at_least_16("P (x's head dim)", P)

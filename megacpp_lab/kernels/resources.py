@@ -1,0 +1,276 @@
+"""What each of the lab's Triton kernels asks of a Hopper SM, read on a machine without a GPU.
+
+`compile_launches(run)` calls `run()` with every @triton.jit launch compiled for sm_90 and not launched: Triton's
+own compiler lowers the kernel with the arguments the launcher gave it (their dtypes, alignments and constexprs:
+the same specialisation a GPU launch compiles), and ptxas (bundled in the Triton wheel) assembles it with `-v`,
+whose report gives the registers per thread, the bytes spilled to local memory and the stack frame. Shared memory
+is ptxas's static part plus Triton's dynamic part. From those and Hopper's limits, `programs_per_sm`: how many of
+the kernel's programs one SM holds at once.
+
+What it is for: a kernel that spills (spill stores and loads in its inner loops are local-memory traffic the
+kernel's arithmetic never asked for), or holds one program per SM, is found and restructured without GPU time;
+whether the change is faster is still for `bench` on the GPU to say. The figures are this process's Triton and
+ptxas (the receipts' `triton` names the GPU machine's, which may allocate a few registers differently).
+
+The launchers run on CPU tensors inside `offline_compile()` (kernels.launchable accepts the CPU there); the
+interpreter must be off when the kernel modules are imported (TRITON_INTERPRET=1 makes every kernel an
+interpreted function), so `report()` runs in a subprocess without it. `SUBJECTS` names what can be reported:
+the Mamba-3 scan (SISO and MIMO, forward and backward, and the angle sums) and Mamba-2's SSD, at the benches'
+main shapes (the compiled code depends on the head sizes, the chunk and the dtypes, not on B or T).
+
+    python -m megacpp_lab.kernels.resources [SUBJECT ...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import triton
+
+from megacpp_lab.kernels import OFFLINE_COMPILE
+
+__all__ = ["HOPPER", "SUBJECTS", "KernelResources", "compile_launches", "offline_compile", "report", "resources_table"]
+
+# an H100 / H200 SM (compute capability 9.0): registers, shared memory (227 KiB usable by one block of the 228) and
+# resident threads and blocks
+HOPPER = {"regs_per_sm": 65536, "smem_per_sm": 233472, "smem_per_block": 232448, "threads_per_sm": 2048,
+          "blocks_per_sm": 32, "reg_alloc_unit": 256}  # fmt: skip
+ARCH = 90
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """One compiled kernel: per thread its registers, spill stores and loads and stack frame (bytes); per program
+    its shared memory; its warps and stages, and the constexprs it was compiled with."""
+
+    kernel: str
+    regs: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_bytes: int
+    shared_bytes: int
+    num_warps: int
+    num_stages: int
+    constexprs: dict[str, str]
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
+
+    @property
+    def programs_per_sm(self) -> int:
+        """Programs one SM holds at once, the least of what its registers, shared memory, threads and block slots
+        allow (registers are allocated per warp in units of 256)."""
+        threads = 32 * self.num_warps
+        unit = HOPPER["reg_alloc_unit"]
+        regs_per_warp = -(-self.regs * 32 // unit) * unit
+        by_regs = HOPPER["regs_per_sm"] // (regs_per_warp * self.num_warps)
+        by_smem = HOPPER["smem_per_sm"] // self.shared_bytes if self.shared_bytes else HOPPER["blocks_per_sm"]
+        return min(by_regs, by_smem, HOPPER["threads_per_sm"] // threads, HOPPER["blocks_per_sm"])
+
+    def as_row(self) -> dict[str, Any]:
+        return asdict(self) | {"spills": self.spills, "programs_per_sm": self.programs_per_sm}
+
+
+@contextlib.contextmanager
+def offline_compile() -> Iterator[None]:
+    """Within: the launchers accept CPU tensors (kernels.launchable), as they do under the interpreter."""
+    token = OFFLINE_COMPILE.set(True)
+    try:
+        yield
+    finally:
+        OFFLINE_COMPILE.reset(token)
+
+
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def _ptxas_report(ptx: str, fp_fusion: bool) -> dict[str, int]:
+    """ptxas -v on the kernel's PTX, with the flags Triton assembles it with, parsed."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(ARCH).path, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
+               "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(ARCH)}", src, "-o", src + ".o"]  # fmt: skip
+        log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+    found = {"regs": _PTXAS_USED.search(log), "spill": _PTXAS_SPILL.search(log), "stack": _PTXAS_STACK.search(log)}
+    if found["regs"] is None or found["spill"] is None or found["stack"] is None:
+        raise RuntimeError(f"ptxas -v printed no register and spill report:\n{log}")
+    smem = _PTXAS_SMEM.search(log)
+    return {"regs": int(found["regs"][1]), "spill_store_bytes": int(found["spill"][1]),
+            "spill_load_bytes": int(found["spill"][2]), "stack_bytes": int(found["stack"][1]),
+            "static_smem": int(smem[1]) if smem else 0}  # fmt: skip
+
+
+def compile_launches(run: Callable[[], Any]) -> list[KernelResources]:
+    """Call run() with each @triton.jit launch compiled for sm_90 and reported, not launched (an autotuned kernel:
+    each of its configs). One row per distinct compilation, in launch order. The interpreter must be off (module
+    docstring); run() executes inside offline_compile(), on whatever device its tensors are on."""
+    from megacpp_lab import kernels
+
+    if kernels.TRITON_INTERPRET:
+        raise RuntimeError("compile_launches needs TRITON_INTERPRET unset when the kernels are imported (under the "
+                           "interpreter no kernel is compiled); report() runs it in a subprocess without it")  # fmt: skip
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    target = GPUTarget("cuda", ARCH, 32)
+    backend = make_backend(target)
+    rows: dict[tuple[str, str, str], KernelResources] = {}
+
+    def compile_run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:  # noqa: ARG001
+        bound, specialization, options = create_function_from_signature(self.signature, self.params, backend)(
+            *args, **kwargs)  # fmt: skip
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
+        key = (self.fn.__name__, repr(specialization), repr(options))
+        if key in rows:
+            return
+        compiled = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__)
+        ptxas = _ptxas_report(compiled.asm["ptx"], options.enable_fp_fusion)
+        names = [p.name for p in self.params]
+        shown = {names[path[0]]: _constexpr_text(value) for path, value in constexprs.items() if len(path) == 1}
+        rows[key] = KernelResources(
+            kernel=self.fn.__name__, regs=ptxas["regs"], spill_store_bytes=ptxas["spill_store_bytes"],
+            spill_load_bytes=ptxas["spill_load_bytes"], stack_bytes=ptxas["stack_bytes"],
+            shared_bytes=max(ptxas["static_smem"], int(compiled.metadata.shared)), num_warps=options.num_warps,
+            num_stages=options.num_stages, constexprs={k: v for k, v in shown.items() if v},
+        )  # fmt: skip
+
+    def autotuned_run(self: Autotuner, *args: Any, **kwargs: Any) -> None:
+        for config in self.configs:
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+
+    saved = JITFunction.run, Autotuner.run
+    JITFunction.run, Autotuner.run = compile_run, autotuned_run
+    try:
+        with offline_compile():
+            run()
+    finally:
+        JITFunction.run, Autotuner.run = saved
+    return list(rows.values())
+
+
+def _constexpr_text(value: Any) -> str:
+    """A constexpr worth showing (ints, bools, dtypes), as text; '' for the rest (functions, None)."""
+    if isinstance(value, bool | int):
+        return str(value)
+    text = str(value)
+    return text if text.startswith(("fp", "bf", "int", "uint")) or "float" in text or "dtype" in text else ""
+
+
+# ----------------------------------------------------------------------------- what report() can compile
+
+
+def _mamba3_scan(rank: int) -> Callable[[], None]:
+    """The Mamba-3 scan forward and backward through its public entry (kernel='triton'), bench ssd's main shape's
+    heads (H, P, N, G, chunk, rope pairs) in bf16, few tokens (16 documents: the specialisation of the main shape's
+    64), and the angle sums' Triton scan (on a GPU the scan runs it; on a CPU the torch form stands in)."""
+
+    def run() -> None:
+        from megacpp_lab.bench.mamba3 import MAIN, make_inputs
+        from megacpp_lab.kernels.mamba3 import doc_angle_sum_triton, doc_suffix_sum_triton, mamba3_scan
+
+        s = replace(MAIN, B=1, T=1024, docs=16)
+        a, cu = make_inputs(s, torch.bfloat16, "cpu", rank=rank)
+        y = mamba3_scan(**a, cu_seqlens=cu, chunk=s.chunk, kernel="triton")
+        y.float().sum().backward()
+        inc = torch.rand(s.B, s.T, s.H, s.rope_pairs)
+        doc_suffix_sum_triton(doc_angle_sum_triton(inc, cu), cu)
+
+    return run
+
+
+def _ssd_scan() -> None:
+    """Mamba-2's SSD forward and backward at bench ssd's main shape's heads, few tokens, bf16."""
+    from megacpp_lab.bench.ssd import FULL_SHAPE, make_inputs
+    from megacpp_lab.kernels.ssd import ssd_scan
+
+    s = replace(FULL_SHAPE, B=1, T=1024, docs=16)
+    (x, dt, A, Bm, Cm), cu = make_inputs(s, torch.bfloat16, "cpu")
+    for t in (x, dt, A, Bm, Cm):
+        t.requires_grad_()
+    ssd_scan(x, dt, A, Bm, Cm, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
+
+
+SUBJECTS: dict[str, Callable[[], None]] = {
+    "mamba3": _mamba3_scan(1),
+    "mamba3-mimo2": _mamba3_scan(2),
+    "mamba3-mimo4": _mamba3_scan(4),
+    "ssd": _ssd_scan,
+}
+
+
+def report(subjects: tuple[str, ...] = tuple(SUBJECTS), *, timeout_s: float = 900.0) -> dict[str, Any]:
+    """Each subject's kernels compiled for sm_90, in a subprocess with the interpreter off: {"arch", "triton",
+    "subjects": {subject: [row, ...]}} (rows: KernelResources.as_row())."""
+    unknown = [s for s in subjects if s not in SUBJECTS]
+    if unknown:
+        raise ValueError(f"resources subjects: {unknown} unknown; choose from {tuple(SUBJECTS)}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, said out loud
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "resources.json")
+        done = subprocess.run([sys.executable, "-m", "megacpp_lab.kernels.resources", *subjects, "--json", out],
+                              env=env, capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"the resources subprocess failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def resources_table(result: dict[str, Any]) -> str:
+    """report()'s result as one aligned text table, a line per kernel."""
+    head = f"{'subject':<14}{'kernel':<26}{'regs':>5}{'spill st/ld B':>15}{'stack B':>8}{'smem KiB':>9}{'warps':>6}{'per SM':>7}"
+    lines = [head]
+    for subject, rows in result["subjects"].items():
+        for r in rows:
+            spill = f"{r['spill_store_bytes']}/{r['spill_load_bytes']}"
+            lines.append(f"{subject:<14}{r['kernel']:<26}{r['regs']:>5}{spill:>15}{r['stack_bytes']:>8}"
+                         f"{r['shared_bytes'] / 1024:>9.1f}{r['num_warps']:>6}{r['programs_per_sm']:>7}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megacpp_lab.kernels.resources", description=__doc__.split("\n\n")[0])
+    p.add_argument("subjects", nargs="*", default=list(SUBJECTS), metavar="SUBJECT",
+                   help=f"what to compile: {', '.join(SUBJECTS)} (default: all)")  # fmt: skip
+    p.add_argument("--json", help="write the result here as JSON")
+    args = p.parse_args(argv)
+    unknown = [s for s in args.subjects if s not in SUBJECTS]
+    if unknown:
+        p.error(f"unknown subjects {unknown}; choose from {', '.join(SUBJECTS)}")
+    from megacpp_lab import kernels
+
+    if kernels.TRITON_INTERPRET:  # run as a module under the interpreter: go round it
+        result = report(tuple(args.subjects))
+    else:
+        result = {"arch": f"sm_{ARCH}", "triton": triton.__version__,
+                  "subjects": {s: [r.as_row() for r in compile_launches(SUBJECTS[s])] for s in args.subjects}}  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(resources_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
