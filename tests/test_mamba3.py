@@ -21,13 +21,14 @@ from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "mamba3"
 
 
-@pytest.fixture
-def chunk_pass(monkeypatch):
-    """The backward's chunk pass under the interpreter at 16 state columns a sweep step, so N = 32 takes two blocks
-    of rotated pairs (the angle and bias gradients cross a block's edge; on a GPU the launcher's own block:
-    kernels/ssd.py saw narrow blocks miscompile)."""
+@pytest.fixture(params=[False, True], ids=["one_chunk_kernel", "split_chunk_kernels"])
+def chunk_pass(request, monkeypatch):
+    """The backward's chunk pass, as one kernel and as two (M3_BWD_SPLIT); under the interpreter at 16 state columns
+    a sweep step, so N = 32 takes two blocks of rotated pairs (the angle and bias gradients cross a block's edge; on a
+    GPU the launcher's own block: kernels/ssd.py saw narrow blocks miscompile)."""
     from megacpp_lab.kernels import mamba3 as m3
 
+    monkeypatch.setattr(m3, "M3_BWD_SPLIT", request.param)
     if not torch.cuda.is_available():
         monkeypatch.setattr(m3, "M3_BWD_BLOCK_N", 16)
 
@@ -184,6 +185,33 @@ def _triton_against_the_step_loop(a, cu, dy, *, tol):
             continue
         rel = ((g - g_ref).norm() / g_ref.norm()).item()
         assert rel < tol / 2, f"d{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("R", [1, 4])
+def test_the_split_chunk_pass_equals_the_one_kernel_bit_for_bit(R, monkeypatch):
+    """M3_BWD_SPLIT's two kernels run the one kernel's arithmetic (the same helpers), step 2's tile and vectors
+    passing through memory in the dtype the one kernel holds them in: every gradient is the same bits, SISO and
+    MIMO, with gap slots (documents shorter than a chunk)."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = {k: v.float().to(device).requires_grad_() for k, v in _inputs(B=2, T=48, H=2, G=1, P=16, N=32, n_a=4).items()}
+    cu = torch.tensor([0, 5, 30, 48, 61, 96], dtype=torch.int32, device=device)
+    if R > 1:
+        g = torch.Generator().manual_seed(7)
+        a["Bm"] = torch.randn(2, 48, R, 1, 32, generator=g).to(device).requires_grad_()
+        a["Cm"] = torch.randn(2, 48, R, 1, 32, generator=g).to(device).requires_grad_()
+        a["b_bias"] = (0.1 * torch.randn(2, R, 32, generator=g)).to(device).requires_grad_()
+        a["c_bias"] = (0.1 * torch.randn(2, R, 32, generator=g)).to(device).requires_grad_()
+        a["mimo_x"] = (1 + 0.1 * torch.randn(2, R, 16, generator=g)).to(device).requires_grad_()
+    grads = {}
+    for split in (False, True):
+        monkeypatch.setattr(m3, "M3_BWD_SPLIT", split)
+        y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(device)
+        grads[split] = torch.autograd.grad(y, list(a.values()), dy)
+    for name, one, two in zip(a, grads[False], grads[True]):
+        assert torch.equal(one, two), f"d{name} differs between one chunk kernel and two"
 
 
 def test_the_backward_launcher_sums_its_chunk_partials_in_one_reduction():

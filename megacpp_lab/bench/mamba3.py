@@ -39,7 +39,7 @@ MAMBA2 = "lab mamba2 SSD (Triton op)"
 
 
 # kernels/mamba3's switches of the backward's chunk pass: the main shape measures each set against its default
-VARIANTS = ("STATE_DOTS_IN_INPUT_DTYPE",)
+VARIANTS = ("STATE_DOTS_IN_INPUT_DTYPE", "M3_BWD_SPLIT")
 
 
 def lab_variant(flag: str, value: bool) -> str:

@@ -440,6 +440,127 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, hd, H, n_a, s
 
 
 @triton.jit
+def _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, slot, hd, H, D, CHUNK: tl.constexpr, RANK: tl.constexpr):
+    """A chunk-pass program's chunk: its sub-tokens t [CHUNK] and their mask (first >= end: a gap slot), each one's
+    step, the head's rate A, dt, the cumulative log-decay cs and its last value, the input weight xw and
+    w = exp(cs_last - cs) (the decay from each token to the chunk's end)."""
+    first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
+    A_h = tl.load(a_ptr + hd).to(tl.float32)
+    rl = tl.arange(0, CHUNK)
+    t = first + rl
+    m = t < end
+    dt, cs, cs_last = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
+    xw = tl.load(w_ptr + t * H + hd, mask=m, other=0.0)
+    return first, end, t, m, rl // RANK, A_h, dt, cs, cs_last, xw, tl.exp(cs_last - cs)
+
+
+@triton.jit
+def _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr, dgam_ptr, dskip_ptr,
+                      t, m, step, cs, xw, w, slot, hd, H, sums_row, P: tl.constexpr, N: tl.constexpr,
+                      BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+                      SDOT: tl.constexpr):  # fmt: skip
+    """The chunk pass's steps 1 and 2 (_m3_bwd_chunk_kernel): the reductions over N and the chunk's own terms.
+    Stores dx, d weight, d gamma and dD's partial sum; returns L * (dy x^T) * W in the dots' dtype, the log-decay
+    gradient's in-chunk part dcs (less R) and R = w xw (x . Q) (the inputs' part of the decay to the chunk's end)."""
+    rp = tl.arange(0, P)
+    dst_at = dst_ptr + (slot * H + hd) * P * N
+    kq_at = (t[:, None] * H + hd) * N
+    xp_at = (t[:, None] * H + hd) * P + rp[None, :]
+    # 1. the reductions over N (SDOT: the state dots' operands, fp32 (tf32 for 16-bit inputs) or the inputs' dtype)
+    CB = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+    Q = tl.zeros((CHUNK, P), dtype=tl.float32)  # [j] = dS' k_j
+    for nb in tl.static_range(N // BN):
+        rn = nb * BN + tl.arange(0, BN)
+        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+        dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+        CB += tl.dot(qc.to(DOT), tl.trans(kc.to(DOT)), input_precision=PRECISION)
+        Q += tl.dot(kc.to(SDOT), tl.trans(dS.to(SDOT)), input_precision=PRECISION)
+    # 2. the chunk's own terms, in an order that lets each tile go as soon as it can (Q first, then CB)
+    x = tl.load(x_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
+    dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
+    wxQ = w * tl.sum(x.to(tl.float32) * Q, axis=1)  # x_j . Q_j at the decay to the chunk's end
+    dx = (xw * w)[:, None] * Q + tl.load(skip_ptr + hd) * dy.to(tl.float32)  # the skip D x
+    tl.store(dskip_ptr + slot * sums_row + hd, tl.sum(tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=1), axis=0))
+    earlier = step[:, None] > step[None, :]
+    W = tl.where(earlier, xw[None, :], tl.load(gam_ptr + t * H + hd, mask=m, other=0.0)[None, :])
+    Lm = decay_mask(cs, step)
+    CBL = CB * Lm
+    dx += tl.dot(tl.trans((CBL * W).to(DOT)), dy, input_precision=PRECISION)
+    tl.store(dx_ptr + xp_at, dx.to(dx_ptr.dtype.element_ty), mask=m[:, None])
+    dYX = tl.dot(dy, tl.trans(x), input_precision=PRECISION)  # [i, j] = dy_i . x_j
+    dW = CBL * dYX  # the gradient of every W[i, j]
+    tl.store(dgam_ptr + t * H + hd, tl.sum(tl.where(earlier, 0.0, dW), axis=0), mask=m)
+    tl.store(dw_ptr + t * H + hd, tl.sum(tl.where(earlier, dW, 0.0), axis=0) + wxQ, mask=m)
+    Sm = dW * W  # = (L * dy x^T * W) * CB: +/- each exp(cs_i - cs_j) of the log-decay gradient
+    R = xw * wxQ
+    return (Lm * dYX * W).to(DOT), tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) - R, R
+
+
+@triton.jit
+def _m3_bwd_key_sweeps(LdYU, dcs, R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
+                       dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, A_h, dt, cs, cs_last, xw, w, slot, hd, H, n_a,
+                       sums_row, P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+                       PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
+    """The chunk pass's steps 3 and 4 (_m3_bwd_chunk_kernel), from step 2's LdYU, dcs and R: the sweeps over N for
+    dq and dk (each taken back through the rotation, _key_grads_out), then the log-decay gradient: ddt and dA's
+    partial sum. x and dy are read again here (a step-2 tile held across the sweeps costs registers)."""
+    rp = tl.arange(0, P)
+    st_at = st_ptr + (slot * H + hd) * P * N
+    dst_at = dst_ptr + (slot * H + hd) * P * N
+    kq_at = (t[:, None] * H + hd) * N
+    xp_at = (t[:, None] * H + hd) * P + rp[None, :]
+    # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S)
+    dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(tl.float32)
+    dye = (dy * tl.exp(cs)[:, None]).to(SDOT)
+    for nb in tl.static_range(N // BN):
+        rn = nb * BN + tl.arange(0, BN)
+        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+        dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
+        dcs += tl.sum(dyS * qc, axis=1)
+        dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
+        _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, hd, H, n_a, slot, sums_row, nb * BN, rn, kq_at,
+                       True, RANK, CHUNK, BN, N)  # fmt: skip
+    tl.debug_barrier()  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
+    # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
+    x = tl.load(x_ptr + xp_at, mask=m[:, None], other=0.0).to(tl.float32)
+    uw = (x * (xw * w)[:, None]).to(SDOT)
+    SdS = tl.zeros((P,), dtype=tl.float32)
+    for nb in tl.static_range(N // BN):
+        rn = nb * BN + tl.arange(0, BN)
+        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+        S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+        dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+        dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
+              + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
+        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, hd, H, n_a, slot, sums_row, nb * BN, rn, kq_at,
+                       False, RANK, CHUNK, BN, N)  # fmt: skip
+        SdS += tl.sum(dS * S, axis=1)
+    # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
+    to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
+    dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
+    tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
+    tl.store(da_ptr + slot * sums_row + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
+
+
+@triton.jit
+def _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, OWN: tl.constexpr, SWEEPS: tl.constexpr,
+                     N: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
+    """A gap slot's zeros in the partial sums its passes own (OWN: dD's; SWEEPS: dA's and the biases'): the
+    launcher sums every slot."""
+    if OWN:
+        tl.store(dskip_ptr + slot * sums_row + hd, 0.0)
+    if SWEEPS:
+        tl.store(da_ptr + slot * sums_row + hd, 0.0)
+        for rr in tl.static_range(RANK):
+            tl.store(dkb_ptr + slot * sums_row + (hd * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
+            tl.store(dqb_ptr + slot * sums_row + (hd * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
+
+
+@triton.jit
 def _m3_bwd_chunk_kernel(
     x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
     dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dskip_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
@@ -451,105 +572,84 @@ def _m3_bwd_chunk_kernel(
     the forward output kernel's Mamba-3 mode: y = (q k^T * L * W) x + exp(cs) (q S^T) + D x, W[i, j] = w_j (the input
     weight) for an earlier step j and gamma_j for the same one, with the keys k and queries q per head (the
     SSD's B and C). In an order that keeps few tiles live at once (kernels/ssd.py's Mamba-2 order, with W's extra
-    [CHUNK, CHUNK] tiles, held ~250 registers and spilled ~330 more on the H100):
+    [CHUNK, CHUNK] tiles):
       1. over N: CB = q k^T and Q = k dS'^T (the leaving state's gradient at each input);
       2. the chunk's own terms: dx (stored), d weight and d gamma (stored), the log-decay gradient's in-chunk
          part, and L * (dy x^T) * W kept in the dots' dtype;
       3. over N twice: dq with the log-decay gradient's state term, then dk with sum(S * dS');
       4. the log-decay gradient: ddt and this chunk's dA.
+    Steps 1-2 are _m3_bwd_own_terms, 3-4 _m3_bwd_key_sweeps; M3_BWD_SPLIT runs them as two kernels instead
+    (_m3_bwd_own_kernel, _m3_bwd_sweeps_kernel), step 2's results passing through memory.
     SDOT: the operands' dtype of the four dots against the state S and its gradient dS' (fp32, or DOT).
     dk and dq go back through the rotation here, unrounded (_key_grads_out): dB and dC per head in their pointers'
-    dtype, the angles' gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk (rows of the launcher's sums buffer, sums_row apart, beside dA's and dD's: [H, R,
-    N] each). (This replaced a pass of their own over dk and dq stored in fp32 per head: no fp32 dk and dq go to memory,
-    and one launch fewer.)"""
+    dtype, the angles' gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk (rows of the
+    launcher's sums buffer, sums_row apart, beside dA's and dD's: [H, R, N] each). (This replaced a pass of their own
+    over dk and dq stored in fp32 per head: no fp32 dk and dq go to memory, and one launch fewer.)"""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
-    first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
+    first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, slot, hd,
+                                                                             H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
-        tl.store(da_ptr + slot * sums_row + hd, 0.0)  # a gap slot: the launcher sums every slot
-        tl.store(dskip_ptr + slot * sums_row + hd, 0.0)
-        for rr in tl.static_range(RANK):
-            tl.store(dkb_ptr + slot * sums_row + (hd * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
-            tl.store(dqb_ptr + slot * sums_row + (hd * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
+        _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, True, True, N, RANK)
     else:
-        A_h = tl.load(a_ptr + hd).to(tl.float32)
+        LdYU, dcs, R = _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr,
+                                         dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row, P, N, BN,
+                                         CHUNK, PRECISION, DOT, SDOT)  # fmt: skip
+        _m3_bwd_key_sweeps(LdYU, dcs, R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
+                           dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, A_h, dt, cs, cs_last, xw, w, slot, hd, H, n_a,
+                           sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+
+
+@triton.jit
+def _m3_bwd_own_kernel(
+    x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, cu_ptr, dst_ptr, dy_ptr,
+    dx_ptr, dw_ptr, dgam_ptr, dskip_ptr, ldyu_ptr, dcs_ptr, H, D, sums_row,
+    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
+):  # fmt: skip
+    """M3_BWD_SPLIT's first kernel: the chunk pass's steps 1-2 (_m3_bwd_own_terms), its results for the second
+    kernel in memory: L * (dy x^T) * W [CHUNK, CHUNK] in the dots' dtype at ldyu_ptr, dcs and R [2, CHUNK] fp32 at
+    dcs_ptr, one block per program (slot, head)."""
+    slot = tl.program_id(0)
+    hd = tl.program_id(1)
+    first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, slot, hd,
+                                                                             H, D, CHUNK, RANK)  # fmt: skip
+    if first >= end:
+        _m3_bwd_gap_slot(dw_ptr, dskip_ptr, dw_ptr, dw_ptr, slot, hd, sums_row, True, False, N, RANK)
+    else:
+        LdYU, dcs, R = _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr,
+                                         dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row, P, N, BN,
+                                         CHUNK, PRECISION, DOT, SDOT)  # fmt: skip
         rl = tl.arange(0, CHUNK)
-        rp = tl.arange(0, P)
-        t = first + rl
-        m = t < end
-        step = rl // RANK
-        dt, cs, cs_last = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
-        xw = tl.load(w_ptr + t * H + hd, mask=m, other=0.0)
-        gam = tl.load(gam_ptr + t * H + hd, mask=m, other=0.0)
-        w = tl.exp(cs_last - cs)
-        ecs = tl.exp(cs)
-        st_at = st_ptr + (slot * H + hd) * P * N
-        dst_at = dst_ptr + (slot * H + hd) * P * N
-        kq_at = (t[:, None] * H + hd) * N
-        xp_at = (t[:, None] * H + hd) * P + rp[None, :]
-        # 1. the reductions over N (SDOT: the state dots' operands, fp32 (tf32 for 16-bit inputs) or the inputs' dtype)
-        CB = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
-        Q = tl.zeros((CHUNK, P), dtype=tl.float32)  # [j] = dS' k_j
-        for nb in tl.static_range(N // BN):
-            rn = nb * BN + tl.arange(0, BN)
-            kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-            dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
-            CB += tl.dot(qc.to(DOT), tl.trans(kc.to(DOT)), input_precision=PRECISION)
-            Q += tl.dot(kc.to(SDOT), tl.trans(dS.to(SDOT)), input_precision=PRECISION)
-        # 2. the chunk's own terms
-        x = tl.load(x_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
-        dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
-        dYX = tl.dot(dy, tl.trans(x), input_precision=PRECISION)  # [i, j] = dy_i . x_j
-        Lm = decay_mask(cs, step)
-        earlier = step[:, None] > step[None, :]
-        W = tl.where(earlier, xw[None, :], gam[None, :])
-        CBL = CB * Lm
-        dW = CBL * dYX  # the gradient of every W[i, j]
-        tl.store(dgam_ptr + t * H + hd, tl.sum(tl.where(earlier, 0.0, dW), axis=0), mask=m)
-        xQ = tl.sum(x.to(tl.float32) * Q, axis=1)
-        tl.store(dw_ptr + t * H + hd, tl.sum(tl.where(earlier, dW, 0.0), axis=0) + w * xQ, mask=m)
-        Sm = dW * W  # = (L * dy x^T * W) * CB: +/- each exp(cs_i - cs_j) of the log-decay gradient
-        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0)
-        dx = tl.dot(tl.trans((CBL * W).to(DOT)), dy, input_precision=PRECISION) + (xw * w)[:, None] * Q
-        dx += tl.load(skip_ptr + hd) * dy.to(tl.float32)  # the skip D x
-        tl.store(dx_ptr + xp_at, dx.to(dx_ptr.dtype.element_ty), mask=m[:, None])
-        tl.store(dskip_ptr + slot * sums_row + hd, tl.sum(tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=1), axis=0))
-        LdYU = (Lm * dYX * W).to(DOT)
-        # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S)
-        dye = (dy.to(tl.float32) * ecs[:, None]).to(SDOT)
-        for nb in tl.static_range(N // BN):
-            rn = nb * BN + tl.arange(0, BN)
-            kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-            S = tl.load(st_at + rp[:, None] * N + rn[None, :])
-            dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
-            dcs += tl.sum(dyS * qc, axis=1)
-            dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
-            _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, hd, H, n_a, slot, sums_row, nb * BN, rn, kq_at,
-                           True, RANK, CHUNK, BN, N)  # fmt: skip
-        tl.debug_barrier()  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
-        # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
-        uw = (x.to(tl.float32) * (xw * w)[:, None]).to(SDOT)
-        SdS = tl.zeros((P,), dtype=tl.float32)
-        for nb in tl.static_range(N // BN):
-            rn = nb * BN + tl.arange(0, BN)
-            qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-            S = tl.load(st_at + rp[:, None] * N + rn[None, :])
-            dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
-            dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
-                  + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
-            kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-            _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, hd, H, n_a, slot, sums_row, nb * BN, rn, kq_at,
-                           False, RANK, CHUNK, BN, N)  # fmt: skip
-            SdS += tl.sum(dS * S, axis=1)
-        # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
-        R = w * xw * xQ
-        dcs -= R
-        to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
-        dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
-        tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
-        tl.store(da_ptr + slot * sums_row + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
+        block = slot * H + hd
+        tl.store(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :], LdYU)
+        tl.store(dcs_ptr + block * 2 * CHUNK + rl, dcs)
+        tl.store(dcs_ptr + block * 2 * CHUNK + CHUNK + rl, R)
+
+
+@triton.jit
+def _m3_bwd_sweeps_kernel(
+    x_ptr, dt_ptr, w_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr, ldyu_ptr, dcs_ptr,
+    ddt_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, H, D, n_a, sums_row,
+    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
+):  # fmt: skip
+    """M3_BWD_SPLIT's second kernel: the chunk pass's steps 3-4 (_m3_bwd_key_sweeps) from the first's results."""
+    slot = tl.program_id(0)
+    hd = tl.program_id(1)
+    first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, slot, hd,
+                                                                             H, D, CHUNK, RANK)  # fmt: skip
+    if first >= end:
+        _m3_bwd_gap_slot(da_ptr, da_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, False, True, N, RANK)
+    else:
+        rl = tl.arange(0, CHUNK)
+        block = slot * H + hd
+        LdYU = tl.load(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :]).to(DOT)
+        dcs = tl.load(dcs_ptr + block * 2 * CHUNK + rl)
+        R = tl.load(dcs_ptr + block * 2 * CHUNK + CHUNK + rl)
+        _m3_bwd_key_sweeps(LdYU, dcs, R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
+                           dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, A_h, dt, cs, cs_last, xw, w, slot, hd, H, n_a,
+                           sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
 
 # sub-tokens per key program (4 warps): on the H200 at [8,4096,16,128], 16 took 210 us (32: 302)
@@ -558,6 +658,10 @@ KEYS_BLOCK_T = 16
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
+# the chunk pass as two kernels (steps 1-2, then 3-4; step 2's [CHUNK, CHUNK] tile and two vectors per program through
+# memory) in place of one: compiled for sm_90 (kernels/resources.py), the one kernel holds 255 registers and spills
+# about 1 KiB a thread at the main shape; whether two launches and the extra traffic pay is `bench ssd`'s row for it
+M3_BWD_SPLIT = False
 # the chunk pass's dots against the fp32 state and its gradient: in the inputs' own dtype (True, mamba_ssm's choice:
 # half the registers and twice the MMA rate), or fp32 operands (False: TF32 for 16-bit inputs). fp32 inputs take fp32
 # either way, as does the interpreter. `bench ssd` measures the other setting beside the default, as its own row of
@@ -631,12 +735,22 @@ def mamba3_scan_bwd(
     # the group below in fp32 (per-head parts in fp32 doubled the traffic of the largest buffers at H=32, G=1)
     dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype)
     dCh = torch.empty_like(dBh)
-    _m3_bwd_chunk_kernel[(n_slots, H)](
-        x, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
-        dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dbb, dcb, H, cu_seqlens.numel() - 1, n_a, sums.shape[1],
-        P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
-        num_warps=M3_BWD_WARPS, num_stages=1,
-    )  # fmt: skip
+    consts = dict(P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
+                  num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
+    n_docs = cu_seqlens.numel() - 1
+    if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
+        ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
+        ldyu = torch.empty((n_slots, H, chunk, chunk), device=x.device, dtype=ldyu_dtype)
+        dcs = torch.empty((n_slots, H, 2, chunk), device=x.device, dtype=torch.float32)
+        _m3_bwd_own_kernel[(n_slots, H)](x, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam, dD,
+                                         ldyu, dcs, H, n_docs, sums.shape[1], **consts)  # fmt: skip
+        _m3_bwd_sweeps_kernel[(n_slots, H)](x, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu, dcs,
+                                            ddt, dA, dBh, dCh, dth, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts)  # fmt: skip
+    else:
+        _m3_bwd_chunk_kernel[(n_slots, H)](
+            x, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
+            dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts,
+        )  # fmt: skip
     dB, dC = (t if G == H else t.view(B, TR, G, H // G, N).sum(3, dtype=torch.float32).to(Bm.dtype)
               for t in (dBh, dCh))  # fmt: skip
     d_theta = dth.view(B, TR // R, R, H, n_a).sum(2) if R > 1 else dth

@@ -183,16 +183,23 @@ def _constexpr_text(value: Any) -> str:
 def _mamba3_scan(rank: int) -> Callable[[], None]:
     """The Mamba-3 scan forward and backward through its public entry (kernel='triton'), bench ssd's main shape's
     heads (H, P, N, G, chunk, rope pairs) in bf16, few tokens (16 documents: the specialisation of the main shape's
-    64), and the angle sums' Triton scan (on a GPU the scan runs it; on a CPU the torch form stands in)."""
+    64); the backward twice, its chunk pass as one kernel and as two (M3_BWD_SPLIT); and the angle sums' Triton scan
+    (on a GPU the scan runs it; on a CPU the torch form stands in)."""
 
     def run() -> None:
         from megacpp_lab.bench.mamba3 import MAIN, make_inputs
+        from megacpp_lab.kernels import mamba3 as m3
         from megacpp_lab.kernels.mamba3 import doc_angle_sum_triton, doc_suffix_sum_triton, mamba3_scan
 
         s = replace(MAIN, B=1, T=1024, docs=16)
         a, cu = make_inputs(s, torch.bfloat16, "cpu", rank=rank)
-        y = mamba3_scan(**a, cu_seqlens=cu, chunk=s.chunk, kernel="triton")
-        y.float().sum().backward()
+        default = m3.M3_BWD_SPLIT
+        try:
+            for split in (default, not default):
+                m3.M3_BWD_SPLIT = split
+                mamba3_scan(**a, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
+        finally:
+            m3.M3_BWD_SPLIT = default
         inc = torch.rand(s.B, s.T, s.H, s.rope_pairs)
         doc_suffix_sum_triton(doc_angle_sum_triton(inc, cu), cu)
 

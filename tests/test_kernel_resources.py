@@ -1,0 +1,86 @@
+"""kernels/resources.py: the lab's Triton kernels compiled for sm_90 on a machine without a GPU (Triton's compiler and
+the wheel's ptxas), their registers, spills and shared memory read from ptxas -v, and programs per SM from Hopper's
+limits. The compile runs in a subprocess with the interpreter off (these tests run under it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacpp_lab.kernels import OFFLINE_COMPILE, launchable
+from megacpp_lab.kernels.resources import HOPPER, KernelResources, compile_launches, offline_compile, report
+
+
+def _row(regs: int, warps: int = 4, shared: int = 0, spill: int = 0) -> KernelResources:
+    return KernelResources(kernel="k", regs=regs, spill_store_bytes=spill, spill_load_bytes=spill, stack_bytes=spill,
+                           shared_bytes=shared, num_warps=warps, num_stages=1, constexprs={})  # fmt: skip
+
+
+def test_programs_per_sm_take_the_least_of_registers_shared_memory_and_threads():
+    # 255 registers round up to 256 a thread: 32 K a 4-warp program, two per SM
+    assert _row(255).programs_per_sm == 2
+    # 128 registers: four; 72 KiB of shared memory a program: three fit 228 KiB, so three
+    assert _row(128).programs_per_sm == 4
+    assert _row(128, shared=72 * 1024).programs_per_sm == 3
+    # 32 registers and 1 warp: registers would allow 64, the SM's 32 block slots do not
+    assert _row(32, warps=1).programs_per_sm == HOPPER["blocks_per_sm"]
+    # 16 warps of 32 registers: the 2048 threads an SM holds allow 4
+    assert _row(32, warps=16).programs_per_sm == 4
+    assert _row(64, spill=8).spills and not _row(64).spills
+
+
+def test_the_launchers_take_cpu_tensors_only_inside_the_offline_compile():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert launchable(cuda)
+    assert launchable(cpu)  # these tests run under TRITON_INTERPRET=1 (tests/conftest.py)
+    assert not OFFLINE_COMPILE.get()
+    with offline_compile():
+        assert OFFLINE_COMPILE.get() and launchable(cpu)
+    assert not OFFLINE_COMPILE.get()
+
+
+def test_compile_launches_refuses_to_run_under_the_interpreter():
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET unset"):
+        compile_launches(lambda: None)
+
+
+def test_unknown_subjects_fail_naming_them():
+    with pytest.raises(ValueError, match=r"\['mamba9'\] unknown"):
+        report(("mamba9",))
+
+
+@pytest.fixture(scope="module")
+def mamba3_report():
+    return report(("mamba3", "ssd"))
+
+
+def test_the_mamba3_scan_compiles_every_kernel_for_sm90(mamba3_report):
+    assert mamba3_report["arch"] == "sm_90"
+    rows = mamba3_report["subjects"]["mamba3"]
+    names = {r["kernel"] for r in rows}
+    assert names == {"_keys_kernel", "_ssd_fwd_state_kernel", "_ssd_fwd_output_kernel", "_ssd_bwd_state_kernel",
+                     "_m3_bwd_chunk_kernel", "_m3_bwd_own_kernel", "_m3_bwd_sweeps_kernel", "_doc_scan_kernel"}
+    for r in rows:
+        assert 0 < r["regs"] <= 255, r  # Hopper's limit a thread
+        assert r["num_warps"] == 4 and 1 <= r["programs_per_sm"] <= HOPPER["blocks_per_sm"], r
+        assert r["spills"] == (r["spill_store_bytes"] > 0 or r["spill_load_bytes"] > 0), r
+    chunk = next(r for r in rows if r["kernel"] == "_m3_bwd_chunk_kernel")
+    assert chunk["constexprs"]["CHUNK"] == "64" and chunk["constexprs"]["P"] == "64" and chunk["constexprs"]["N"] == "128"
+    # the forward's output kernel holds the main shape's tiles in shared memory: tens of KiB, as ptxas reports them
+    output = next(r for r in rows if r["kernel"] == "_ssd_fwd_output_kernel")
+    assert output["shared_bytes"] > 16 * 1024
+
+
+def test_the_split_chunk_pass_spills_less_than_the_one_kernel(mamba3_report):
+    """The reason M3_BWD_SPLIT exists (kernels/mamba3.py): each of its two kernels holds fewer tiles at once than
+    the one kernel, so spills less a thread. Whether that pays for the second launch is bench ssd's to say."""
+    rows = {r["kernel"]: r for r in mamba3_report["subjects"]["mamba3"]}
+    one = rows["_m3_bwd_chunk_kernel"]["spill_store_bytes"]
+    assert one > 0  # if this stops spilling (a new ptxas, a leaner kernel) the split has no reason left: re-measure
+    assert max(rows["_m3_bwd_own_kernel"]["spill_store_bytes"], rows["_m3_bwd_sweeps_kernel"]["spill_store_bytes"]) < one / 4
+
+
+def test_mamba2s_ssd_compiles_its_four_kernels(mamba3_report):
+    names = [r["kernel"] for r in mamba3_report["subjects"]["ssd"]]
+    assert sorted(names) == ["_ssd_bwd_chunk_kernel", "_ssd_bwd_state_kernel", "_ssd_fwd_output_kernel",
+                             "_ssd_fwd_state_kernel"]
