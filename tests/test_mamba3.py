@@ -616,3 +616,14 @@ def test_the_bench_summary_reads_the_m_block_scan_bar_on_the_compiled_siso_row()
            f"P={main.P} N={main.N}, {main.docs} docs/row")
     assert _summary(rows(1.9), FULL_SHAPES, None, {})["bar"][key] is True
     assert _summary(rows(2.1), FULL_SHAPES, None, {})["bar"][key] is False
+
+
+def test_the_triton_path_without_gpu_or_interpreter_fails_closed(monkeypatch):
+    """Off the GPU, outside the interpreter and outside kernels/resources' offline compile, kernel='triton' refuses
+    CPU tensors by name (never a silent fallback to the chunked path)."""
+    import megacpp_lab.kernels as kernels
+
+    monkeypatch.setattr(kernels, "TRITON_INTERPRET", False)  # what kernels.launchable reads
+    a = _inputs(B=1, T=16, H=2, G=1, P=16, N=16, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="kernel='triton' needs CUDA tensors"):
+        mamba3_scan(**a, kernel="triton")

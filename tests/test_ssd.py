@@ -293,7 +293,9 @@ def test_kernel_constraints_fail_closed():
 
 
 def test_triton_without_gpu_or_interpreter_fails_closed(monkeypatch):
-    monkeypatch.setattr(ssd_mod, "TRITON_INTERPRET", False)
+    import megacpp_lab.kernels as kernels
+
+    monkeypatch.setattr(kernels, "TRITON_INTERPRET", False)  # what kernels.launchable reads
     x, dt, A, Bm, Cm = _inputs(1, 16, 1, 16, 16, 1, device="cpu", grad=False)
     with pytest.raises(RuntimeError, match="kernel='triton' needs CUDA tensors"):
         ssd_scan(x, dt, A, Bm, Cm, kernel="triton")

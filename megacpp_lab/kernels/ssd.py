@@ -396,12 +396,6 @@ def _ssd_bwd_chunk_kernel(
         t = first + rl
         m = t < end
         dt, cs, cs_last = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
-        x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
-        u = x * xw[:, None]
-        w = tl.exp(cs_last - cs)
-        ecs = tl.exp(cs)
         st_at = st_ptr + (slot * H + hd) * P * N
         dst_at = dst_ptr + (slot * H + hd) * P * N
         bc_at = (t[:, None] * G + g) * N
@@ -420,17 +414,28 @@ def _ssd_bwd_chunk_kernel(
             Q += tl.dot(Bc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)
             CS += tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)
             SdS += tl.sum(dS * S, axis=1)
+        # x and dy read after the sweep (held across it they cost 64 registers a thread), and the sweep's tiles
+        # used in the order below: compiled for sm_90 (kernels/resources.py) the kernel's spills fell from
+        # 1096/1100 to 524/528 bytes a thread (stores/loads), the same arithmetic; not yet timed on a GPU
+        x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
+        u = x * xw[:, None]
+        w = tl.exp(cs_last - cs)
+        ecs = tl.exp(cs)
+        # each of the sweep's tiles used as soon as it can be (CS, then Q), so fewer stay live
+        dyCS = tl.sum(dy * CS, axis=1)
+        R = w * xw * tl.sum(x * Q, axis=1)
+        du = w[:, None] * Q
         Lm = decay_mask(cs, rl)
-        xQ = tl.sum(x * Q, axis=1)
+        du += tl.dot(tl.trans((CB * Lm).to(DOT)), dy.to(DOT), input_precision=PRECISION)
         dYU = tl.dot(dy.to(DOT), tl.trans(u.to(DOT)), input_precision=PRECISION)  # [i, j] = dy_i . u_j
-        du = tl.dot(tl.trans((CB * Lm).to(DOT)), dy.to(DOT), input_precision=PRECISION) + w[:, None] * Q
         LdYU = Lm * dYU
         dxw = tl.sum(du * x, axis=1)
         dx = du * xw[:, None]
         # gradient of the cumulative log-decay: +/- each exp(cs_i - cs_j), then the state terms
         Sm = LdYU * CB
-        R = w * xw * xQ
-        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) + ecs * tl.sum(dy * CS, axis=1) - R
+        dcs = tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) + ecs * dyCS - R
         to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
         # cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every real token
         dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
