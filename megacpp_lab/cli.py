@@ -277,6 +277,20 @@ def _cmd_memory_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_resources(args: argparse.Namespace) -> int:
+    from megacpp_lab.kernels.resources import report, resources_table
+    from megacpp_lab.receipts import stamp
+
+    result = report(tuple(args.subjects) if args.subjects else None)
+    print(resources_table(result))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**stamp(), **result}, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
 def _cmd_tripwires(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -551,6 +565,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="the tiny preset on a CPU: a smoke run, not a receipt")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser(
+        "resources",
+        help="each Triton kernel's registers, spills and shared memory on a Hopper, compiled here without a GPU",
+        description=_paragraphs(
+            "The scans' Triton kernels (Mamba-3 SISO and MIMO, Mamba-2's SSD; forward and backward) compiled for "
+            "sm_90 by Triton's compiler and the ptxas its wheel ships, on any machine: no GPU, nothing launched. "
+            "For each kernel: registers a thread, bytes spilled to local memory (stores/loads), stack frame, shared "
+            "memory, warps, and the programs one SM holds at once. A kernel that spills is a kernel to restructure; "
+            "whether the restructured one is faster is for bench on a GPU to say.",
+            "About 20 seconds for every subject on a CPU. The figures are this Triton's and this ptxas's "
+            "(megacpp_lab/kernels/resources.py).",
+        ),
+        **common,
+    )
+    p.add_argument("subjects", nargs="*", metavar="SUBJECT",
+                   help="what to compile: mamba3, mamba3-mimo2, mamba3-mimo4, ssd (default: all)")  # fmt: skip
+    p.add_argument("--json", default=None, help="also write the table, with the commit and versions, here as JSON")
+    p.set_defaults(func=_cmd_resources)
 
     p = sub.add_parser(
         "memory",

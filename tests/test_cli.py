@@ -614,3 +614,21 @@ def test_sample_prompt_file_passes_bytes_the_shell_cannot(tiny_run, tmp_path, ca
         main(["sample", str(checkpoint), "--prompt", "x", "--prompt-file", str(tmp_path / "prompt.cpp")])
     assert exit_.value.code == 2
     assert "argument --prompt-file: not allowed with argument --prompt" in capsys.readouterr().err
+
+
+def test_cli_resources_prints_the_kernels_table_and_writes_its_json(tmp_path, capsys):
+    """`megacpp-lab resources ssd`: Mamba-2's four kernels compiled for sm_90 (a subprocess without the interpreter),
+    one table line each, and the JSON with the commit stamp."""
+    out = tmp_path / "resources.json"
+    assert main(["resources", "ssd", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    for kernel in ("_ssd_fwd_state_kernel", "_ssd_fwd_output_kernel", "_ssd_bwd_state_kernel", "_ssd_bwd_chunk_kernel"):
+        assert f"ssd           {kernel}" in table, table
+    saved = json.loads(out.read_text())
+    assert saved["arch"] == "sm_90" and {"commit", "torch", "triton"} <= saved.keys()
+    assert [r["kernel"] for r in saved["subjects"]["ssd"]][-1] == "_ssd_bwd_chunk_kernel"
+
+
+def test_cli_resources_fails_closed_on_an_unknown_subject(capsys):
+    assert main(["resources", "mamba9"]) == 2
+    assert "['mamba9'] unknown" in one_error_line(capsys)
