@@ -278,7 +278,7 @@ def _cmd_memory_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_resources(args: argparse.Namespace) -> int:
-    from megacpp_lab.kernels.resources import report, resources_table
+    from megacpp_lab.bench.resources import report, resources_table
     from megacpp_lab.receipts import stamp
 
     result = report(tuple(args.subjects) if args.subjects else None)
@@ -576,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
             "memory, warps, and the programs one SM holds at once. A kernel that spills is a kernel to restructure; "
             "whether the restructured one is faster is for bench on a GPU to say.",
             "About 20 seconds for every subject on a CPU. The figures are this Triton's and this ptxas's "
-            "(megacpp_lab/kernels/resources.py).",
+            "(megacpp_lab/kernels/resources.py compiles; megacpp_lab/bench/resources.py says what and at which shapes).",
         ),
         **common,
     )

@@ -1,14 +1,16 @@
-"""kernels/resources.py: the lab's Triton kernels compiled for sm_90 on a machine without a GPU (Triton's compiler and
-the wheel's ptxas), their registers, spills and shared memory read from ptxas -v, and programs per SM from Hopper's
-limits. The compile runs in a subprocess with the interpreter off (these tests run under it)."""
+"""kernels/resources.py and bench/resources.py: the lab's Triton kernels compiled for sm_90 on a machine without a
+GPU (Triton's compiler and the wheel's ptxas), their registers, spills and shared memory read from ptxas -v, and
+programs per SM from Hopper's limits. The compile runs in a subprocess with the interpreter off (these tests run
+under it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megacpp_lab.bench.resources import report
 from megacpp_lab.kernels import OFFLINE_COMPILE, launchable
-from megacpp_lab.kernels.resources import HOPPER, KernelResources, compile_launches, offline_compile, report
+from megacpp_lab.kernels.resources import HOPPER, KernelResources, compile_launches, offline_compile
 
 
 def _row(regs: int, warps: int = 4, shared: int = 0, spill: int = 0) -> KernelResources:

@@ -14,33 +14,26 @@ ptxas (the receipts' `triton` names the GPU machine's, which may allocate a few 
 
 The launchers run on CPU tensors inside `offline_compile()` (kernels.launchable accepts the CPU there); the
 interpreter must be off when the kernel modules are imported (TRITON_INTERPRET=1 makes every kernel an
-interpreted function), so `report()` runs in a subprocess without it. `SUBJECTS` names what can be reported:
-the Mamba-3 scan (SISO and MIMO, forward and backward, and the angle sums) and Mamba-2's SSD, at the benches'
-main shapes (the compiled code depends on the head sizes, the chunk and the dtypes, not on B or T).
-
-    python -m megacpp_lab.kernels.resources [SUBJECT ...] [--json PATH]
+interpreted function). What is compiled, at which shapes, and the subprocess that keeps the interpreter off:
+bench/resources.py (`megacpp-lab resources`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 import triton
 
 from megacpp_lab.kernels import OFFLINE_COMPILE
 
-__all__ = ["HOPPER", "SUBJECTS", "KernelResources", "compile_launches", "offline_compile", "report", "resources_table"]
+__all__ = ["ARCH", "HOPPER", "KernelResources", "compile_launches", "offline_compile"]
 
 # an H100 / H200 SM (compute capability 9.0): registers, shared memory (227 KiB usable by one block of the 228) and
 # resident threads and blocks
@@ -123,7 +116,7 @@ def compile_launches(run: Callable[[], Any]) -> list[KernelResources]:
     """Call run() with each @triton.jit launch compiled for sm_90 and reported, not launched (an autotuned kernel:
     each of its configs). One row per distinct compilation, in launch order. The interpreter must be off (module
     docstring); run() executes inside offline_compile(), on whatever device its tensors are on."""
-    from megacpp_lab import kernels
+    import megacpp_lab.kernels as kernels
 
     if kernels.TRITON_INTERPRET:
         raise RuntimeError("compile_launches needs TRITON_INTERPRET unset when the kernels are imported (under the "
@@ -175,110 +168,3 @@ def _constexpr_text(value: Any) -> str:
         return str(value)
     text = str(value)
     return text if text.startswith(("fp", "bf", "int", "uint")) or "float" in text or "dtype" in text else ""
-
-
-# ----------------------------------------------------------------------------- what report() can compile
-
-
-def _mamba3_scan(rank: int) -> Callable[[], None]:
-    """The Mamba-3 scan forward and backward through its public entry (kernel='triton'), bench ssd's main shape's
-    heads (H, P, N, G, chunk, rope pairs) in bf16, few tokens (16 documents: the specialisation of the main shape's
-    64); the backward twice, its chunk pass as one kernel and as two (M3_BWD_SPLIT); and the angle sums' Triton scan
-    (on a GPU the scan runs it; on a CPU the torch form stands in)."""
-
-    def run() -> None:
-        from megacpp_lab.bench.mamba3 import MAIN, make_inputs
-        from megacpp_lab.kernels import mamba3 as m3
-        from megacpp_lab.kernels.mamba3 import doc_angle_sum_triton, doc_suffix_sum_triton, mamba3_scan
-
-        s = replace(MAIN, B=1, T=1024, docs=16)
-        a, cu = make_inputs(s, torch.bfloat16, "cpu", rank=rank)
-        default = m3.M3_BWD_SPLIT
-        try:
-            for split in (default, not default):
-                m3.M3_BWD_SPLIT = split
-                mamba3_scan(**a, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
-        finally:
-            m3.M3_BWD_SPLIT = default
-        inc = torch.rand(s.B, s.T, s.H, s.rope_pairs)
-        doc_suffix_sum_triton(doc_angle_sum_triton(inc, cu), cu)
-
-    return run
-
-
-def _ssd_scan() -> None:
-    """Mamba-2's SSD forward and backward at bench ssd's main shape's heads, few tokens, bf16."""
-    from megacpp_lab.bench.ssd import FULL_SHAPE, make_inputs
-    from megacpp_lab.kernels.ssd import ssd_scan
-
-    s = replace(FULL_SHAPE, B=1, T=1024, docs=16)
-    (x, dt, A, Bm, Cm), cu = make_inputs(s, torch.bfloat16, "cpu")
-    for t in (x, dt, A, Bm, Cm):
-        t.requires_grad_()
-    ssd_scan(x, dt, A, Bm, Cm, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
-
-
-SUBJECTS: dict[str, Callable[[], None]] = {
-    "mamba3": _mamba3_scan(1),
-    "mamba3-mimo2": _mamba3_scan(2),
-    "mamba3-mimo4": _mamba3_scan(4),
-    "ssd": _ssd_scan,
-}
-
-
-def report(subjects: tuple[str, ...] | None = None, *, timeout_s: float = 900.0) -> dict[str, Any]:
-    """Each subject's kernels (None: every one of SUBJECTS) compiled for sm_90, in a subprocess with the
-    interpreter off: {"arch", "triton", "subjects": {subject: [row, ...]}} (rows: KernelResources.as_row())."""
-    subjects = tuple(SUBJECTS) if subjects is None else tuple(subjects)
-    unknown = [s for s in subjects if s not in SUBJECTS]
-    if unknown:
-        raise ValueError(f"resources subjects: {unknown} unknown; choose from {tuple(SUBJECTS)}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, said out loud
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "resources.json")
-        done = subprocess.run([sys.executable, "-m", "megacpp_lab.kernels.resources", *subjects, "--json", out],
-                              env=env, capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"the resources subprocess failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        with open(out) as f:
-            return json.load(f)
-
-
-def resources_table(result: dict[str, Any]) -> str:
-    """report()'s result as one aligned text table, a line per kernel."""
-    head = f"{'subject':<14}{'kernel':<26}{'regs':>5}{'spill st/ld B':>15}{'stack B':>8}{'smem KiB':>9}{'warps':>6}{'per SM':>7}"
-    lines = [head]
-    for subject, rows in result["subjects"].items():
-        for r in rows:
-            spill = f"{r['spill_store_bytes']}/{r['spill_load_bytes']}"
-            lines.append(f"{subject:<14}{r['kernel']:<26}{r['regs']:>5}{spill:>15}{r['stack_bytes']:>8}"
-                         f"{r['shared_bytes'] / 1024:>9.1f}{r['num_warps']:>6}{r['programs_per_sm']:>7}")  # fmt: skip
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megacpp_lab.kernels.resources", description=__doc__.split("\n\n")[0])
-    p.add_argument("subjects", nargs="*", default=list(SUBJECTS), metavar="SUBJECT",
-                   help=f"what to compile: {', '.join(SUBJECTS)} (default: all)")  # fmt: skip
-    p.add_argument("--json", help="write the result here as JSON")
-    args = p.parse_args(argv)
-    unknown = [s for s in args.subjects if s not in SUBJECTS]
-    if unknown:
-        p.error(f"unknown subjects {unknown}; choose from {', '.join(SUBJECTS)}")
-    from megacpp_lab import kernels
-
-    if kernels.TRITON_INTERPRET:  # run as a module under the interpreter: go round it
-        result = report(tuple(args.subjects))
-    else:
-        result = {"arch": f"sm_{ARCH}", "triton": triton.__version__,
-                  "subjects": {s: [r.as_row() for r in compile_launches(SUBJECTS[s])] for s in args.subjects}}  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    print(resources_table(result))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
