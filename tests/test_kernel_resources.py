@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacpp_lab.bench.resources import report
+from megacpp_lab.bench.resources import report, resources_table
 from megacpp_lab.kernels import OFFLINE_COMPILE, launchable
 from megacpp_lab.kernels.resources import HOPPER, KernelResources, compile_launches, offline_compile
 
@@ -28,17 +28,25 @@ def test_programs_per_sm_take_the_least_of_registers_shared_memory_and_threads()
     assert _row(32, warps=1).programs_per_sm == HOPPER["blocks_per_sm"]
     # 16 warps of 32 registers: the 2048 threads an SM holds allow 4
     assert _row(32, warps=16).programs_per_sm == 4
+    # 192 registers at 2 warps: 2 warps of 6 K fit each 16 K sub-partition, 8 in all, so 4 programs (not 5)
+    assert _row(192, warps=2).programs_per_sm == 4
+    # the driver's 1 KiB a block counts: 76 KiB a program leaves room for two, not three
+    assert _row(64, shared=76 * 1024).programs_per_sm == 2
+    # more than a block may have: it cannot launch at all
+    assert _row(64, shared=HOPPER["smem_per_block"] + 1).programs_per_sm == 0
     assert _row(64, spill=8).spills and not _row(64).spills
 
 
-def test_the_launchers_take_cpu_tensors_only_inside_the_offline_compile():
+def test_the_launchers_take_cpu_tensors_only_inside_the_offline_compile(monkeypatch):
+    import megacpp_lab.kernels as kernels
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert launchable(cuda)
-    assert launchable(cpu)  # these tests run under TRITON_INTERPRET=1 (tests/conftest.py)
-    assert not OFFLINE_COMPILE.get()
+    assert launchable(cuda) and launchable(cpu)  # these tests run under TRITON_INTERPRET=1 (tests/conftest.py)
+    monkeypatch.setattr(kernels, "TRITON_INTERPRET", False)  # off the interpreter: the CPU only inside the compile
+    assert launchable(cuda) and not launchable(cpu) and not OFFLINE_COMPILE.get()
     with offline_compile():
         assert OFFLINE_COMPILE.get() and launchable(cpu)
-    assert not OFFLINE_COMPILE.get()
+    assert not OFFLINE_COMPILE.get() and not launchable(cpu)
 
 
 def test_compile_launches_refuses_to_run_under_the_interpreter():
@@ -68,9 +76,15 @@ def test_the_mamba3_scan_compiles_every_kernel_for_sm90(mamba3_report):
         assert r["spills"] == (r["spill_store_bytes"] > 0 or r["spill_load_bytes"] > 0), r
     chunk = next(r for r in rows if r["kernel"] == "_m3_bwd_chunk_kernel")
     assert chunk["constexprs"]["CHUNK"] == "64" and chunk["constexprs"]["P"] == "64" and chunk["constexprs"]["N"] == "128"
-    # the forward's output kernel holds the main shape's tiles in shared memory: tens of KiB, as ptxas reports them
+    # the forward's output kernel holds the main shape's tiles in shared memory: tens of KiB (Triton's dynamic part)
     output = next(r for r in rows if r["kernel"] == "_ssd_fwd_output_kernel")
     assert output["shared_bytes"] > 16 * 1024
+
+
+def test_the_table_tells_two_compilations_of_one_kernel_apart(mamba3_report):
+    """The angle sums' scan compiles twice (forward and reverse): the table names the constexprs that differ."""
+    lines = [line for line in resources_table(mamba3_report).splitlines() if "_doc_scan_kernel" in line]
+    assert len(lines) == 2 and "REVERSE=False" in lines[0] + lines[1] and "REVERSE=True" in lines[0] + lines[1], lines
 
 
 def test_the_split_chunk_pass_spills_less_than_the_one_kernel(mamba3_report):

@@ -189,12 +189,15 @@ def _triton_against_the_step_loop(a, cu, dy, *, tol):
 
 @pytest.mark.parametrize("R", [1, 4])
 def test_the_split_chunk_pass_equals_the_one_kernel_bit_for_bit(R, monkeypatch):
-    """M3_BWD_SPLIT's two kernels run the one kernel's arithmetic (the same helpers), step 2's tile and vectors
-    passing through memory in the dtype the one kernel holds them in: every gradient is the same bits, SISO and
-    MIMO, with gap slots (documents shorter than a chunk)."""
+    """M3_BWD_SPLIT's two kernels run the one kernel's arithmetic (the same helpers), step 2's tile, vector and sum
+    passing through memory in the dtype the one kernel holds them in: under the interpreter every gradient is the
+    same bits, SISO and MIMO, with gap slots (documents shorter than a chunk) and two blocks of state columns. On a
+    GPU, ptxas may fuse a multiply into an add differently in two kernels: there, within 1e-6."""
     from megacpp_lab.kernels import mamba3 as m3
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setattr(m3, "M3_BWD_BLOCK_N", 16)  # N = 32: the sweeps cross a block's edge
     a = {k: v.float().to(device).requires_grad_() for k, v in _inputs(B=2, T=48, H=2, G=1, P=16, N=32, n_a=4).items()}
     cu = torch.tensor([0, 5, 30, 48, 61, 96], dtype=torch.int32, device=device)
     if R > 1:
@@ -211,7 +214,10 @@ def test_the_split_chunk_pass_equals_the_one_kernel_bit_for_bit(R, monkeypatch):
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(device)
         grads[split] = torch.autograd.grad(y, list(a.values()), dy)
     for name, one, two in zip(a, grads[False], grads[True]):
-        assert torch.equal(one, two), f"d{name} differs between one chunk kernel and two"
+        if device == "cpu":
+            assert torch.equal(one, two), f"d{name} differs between one chunk kernel and two"
+        else:
+            torch.testing.assert_close(two, one, rtol=1e-6, atol=1e-6, msg=f"d{name}: two chunk kernels against one")
 
 
 def test_the_backward_launcher_sums_its_chunk_partials_in_one_reduction():

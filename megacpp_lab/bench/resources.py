@@ -95,14 +95,22 @@ def report(subjects: tuple[str, ...] | None = None, *, timeout_s: float = 900.0)
             return json.load(f)
 
 
+def _variant(row: dict[str, Any], same_name: list[dict[str, Any]]) -> str:
+    """' K=v,...': the constexprs that tell a kernel's row from the other compilations of the same kernel in its
+    subject ('' when it has none)."""
+    differ = sorted({k for o in same_name for k, v in o["constexprs"].items() if row["constexprs"].get(k) != v})
+    return " " + ",".join(f"{k}={row['constexprs'].get(k)}" for k in differ) if differ else ""
+
+
 def resources_table(result: dict[str, Any]) -> str:
     """report()'s result as one aligned text table, a line per kernel."""
-    head = f"{'subject':<14}{'kernel':<26}{'regs':>5}{'spill st/ld B':>15}{'stack B':>8}{'smem KiB':>9}{'warps':>6}{'per SM':>7}"
+    head = f"{'subject':<14}{'kernel':<44}{'regs':>5}{'spill st/ld B':>15}{'stack B':>8}{'smem KiB':>9}{'warps':>6}{'per SM':>7}"
     lines = [head]
     for subject, rows in result["subjects"].items():
         for r in rows:
+            kernel = r["kernel"] + _variant(r, [o for o in rows if o["kernel"] == r["kernel"]])
             spill = f"{r['spill_store_bytes']}/{r['spill_load_bytes']}"
-            lines.append(f"{subject:<14}{r['kernel']:<26}{r['regs']:>5}{spill:>15}{r['stack_bytes']:>8}"
+            lines.append(f"{subject:<14}{kernel:<44}{r['regs']:>5}{spill:>15}{r['stack_bytes']:>8}"
                          f"{r['shared_bytes'] / 1024:>9.1f}{r['num_warps']:>6}{r['programs_per_sm']:>7}")  # fmt: skip
     return "\n".join(lines)
 

@@ -461,7 +461,8 @@ def _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, d
                       SDOT: tl.constexpr):  # fmt: skip
     """The chunk pass's steps 1 and 2 (_m3_bwd_chunk_kernel): the reductions over N and the chunk's own terms.
     Stores dx, d weight, d gamma and dD's partial sum; returns L * (dy x^T) * W in the dots' dtype, the log-decay
-    gradient's in-chunk part dcs (less R) and R = w xw (x . Q) (the inputs' part of the decay to the chunk's end)."""
+    gradient's in-chunk part dcs (less R) and the sum of R = w xw (x . Q) over the chunk (the inputs' part of the
+    decay to the chunk's end; the sweeps need only its sum)."""
     rp = tl.arange(0, P)
     dst_at = dst_ptr + (slot * H + hd) * P * N
     kq_at = (t[:, None] * H + hd) * N
@@ -494,15 +495,15 @@ def _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, d
     tl.store(dw_ptr + t * H + hd, tl.sum(tl.where(earlier, dW, 0.0), axis=0) + wxQ, mask=m)
     Sm = dW * W  # = (L * dy x^T * W) * CB: +/- each exp(cs_i - cs_j) of the log-decay gradient
     R = xw * wxQ
-    return (Lm * dYX * W).to(DOT), tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) - R, R
+    return (Lm * dYX * W).to(DOT), tl.sum(Sm, axis=1) - tl.sum(Sm, axis=0) - R, tl.sum(R, axis=0)
 
 
 @triton.jit
-def _m3_bwd_key_sweeps(LdYU, dcs, R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
+def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
                        dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, A_h, dt, cs, cs_last, xw, w, slot, hd, H, n_a,
                        sums_row, P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
                        PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
-    """The chunk pass's steps 3 and 4 (_m3_bwd_chunk_kernel), from step 2's LdYU, dcs and R: the sweeps over N for
+    """The chunk pass's steps 3 and 4 (_m3_bwd_chunk_kernel), from step 2's LdYU, dcs and sum(R): the sweeps over N for
     dq and dk (each taken back through the rotation, _key_grads_out), then the log-decay gradient: ddt and dA's
     partial sum. x and dy are read again here (a step-2 tile held across the sweeps costs registers)."""
     rp = tl.arange(0, P)
@@ -540,7 +541,7 @@ def _m3_bwd_key_sweeps(LdYU, dcs, R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr
                        False, RANK, CHUNK, BN, N)  # fmt: skip
         SdS += tl.sum(dS * S, axis=1)
     # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
-    to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + tl.sum(R, axis=0)
+    to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + sum_R
     dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
     tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
     tl.store(da_ptr + slot * sums_row + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
@@ -592,10 +593,10 @@ def _m3_bwd_chunk_kernel(
     if first >= end:
         _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, True, True, N, RANK)
     else:
-        LdYU, dcs, R = _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr,
+        LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr,
                                          dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row, P, N, BN,
                                          CHUNK, PRECISION, DOT, SDOT)  # fmt: skip
-        _m3_bwd_key_sweeps(LdYU, dcs, R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
+        _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
                            dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, A_h, dt, cs, cs_last, xw, w, slot, hd, H, n_a,
                            sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
@@ -608,8 +609,8 @@ def _m3_bwd_own_kernel(
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's first kernel: the chunk pass's steps 1-2 (_m3_bwd_own_terms), its results for the second
-    kernel in memory: L * (dy x^T) * W [CHUNK, CHUNK] in the dots' dtype at ldyu_ptr, dcs and R [2, CHUNK] fp32 at
-    dcs_ptr, one block per program (slot, head)."""
+    kernel in memory: L * (dy x^T) * W [CHUNK, CHUNK] in the dots' dtype at ldyu_ptr, dcs [CHUNK] and sum(R) fp32 at
+    dcs_ptr (CHUNK + 1 apart), one block per program (slot, head)."""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, slot, hd,
@@ -617,14 +618,14 @@ def _m3_bwd_own_kernel(
     if first >= end:
         _m3_bwd_gap_slot(dw_ptr, dskip_ptr, dw_ptr, dw_ptr, slot, hd, sums_row, True, False, N, RANK)
     else:
-        LdYU, dcs, R = _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr,
+        LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr,
                                          dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row, P, N, BN,
                                          CHUNK, PRECISION, DOT, SDOT)  # fmt: skip
         rl = tl.arange(0, CHUNK)
         block = slot * H + hd
         tl.store(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :], LdYU)
-        tl.store(dcs_ptr + block * 2 * CHUNK + rl, dcs)
-        tl.store(dcs_ptr + block * 2 * CHUNK + CHUNK + rl, R)
+        tl.store(dcs_ptr + block * (CHUNK + 1) + rl, dcs)
+        tl.store(dcs_ptr + block * (CHUNK + 1) + CHUNK, sum_R)
 
 
 @triton.jit
@@ -645,9 +646,9 @@ def _m3_bwd_sweeps_kernel(
         rl = tl.arange(0, CHUNK)
         block = slot * H + hd
         LdYU = tl.load(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :]).to(DOT)
-        dcs = tl.load(dcs_ptr + block * 2 * CHUNK + rl)
-        R = tl.load(dcs_ptr + block * 2 * CHUNK + CHUNK + rl)
-        _m3_bwd_key_sweeps(LdYU, dcs, R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
+        dcs = tl.load(dcs_ptr + block * (CHUNK + 1) + rl)
+        sum_R = tl.load(dcs_ptr + block * (CHUNK + 1) + CHUNK)
+        _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
                            dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, A_h, dt, cs, cs_last, xw, w, slot, hd, H, n_a,
                            sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
@@ -658,9 +659,10 @@ KEYS_BLOCK_T = 16
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
-# the chunk pass as two kernels (steps 1-2, then 3-4; step 2's [CHUNK, CHUNK] tile and two vectors per program through
-# memory) in place of one: compiled for sm_90 (kernels/resources.py), the one kernel holds 255 registers and spills
-# about 1 KiB a thread at the main shape; whether two launches and the extra traffic pay is `bench ssd`'s row for it
+# the chunk pass as two kernels (steps 1-2, then 3-4; step 2's [CHUNK, CHUNK] tile, a vector and a sum per program
+# through memory) in place of one: compiled for sm_90 (kernels/resources.py, Triton 3.9) at the main shape, the one
+# kernel spills 364/400 bytes a thread (stores/loads), the two 24/24 and 20/20; whether two launches and the extra
+# traffic pay is `bench ssd`'s row for it
 M3_BWD_SPLIT = False
 # the chunk pass's dots against the fp32 state and its gradient: in the inputs' own dtype (True, mamba_ssm's choice:
 # half the registers and twice the MMA rate), or fp32 operands (False: TF32 for 16-bit inputs). fp32 inputs take fp32
@@ -716,7 +718,8 @@ def mamba3_scan_bwd(
     two biases in one fp32 vector [2H + 2HRN] (split_sums parts it: a custom op's outputs may not be views of one
     another, and four reductions over the chunks would be four launches).
     The keys are recomputed (not saved: per head they are H / G times B's size); SSD's sequential state pass, then
-    the chunk pass (_m3_bwd_chunk_kernel), which also takes dk and dq back through the rotation, unrounded."""
+    the chunk pass (_m3_bwd_chunk_kernel; with M3_BWD_SPLIT, _m3_bwd_own_kernel then _m3_bwd_sweeps_kernel), which
+    also takes dk and dq back through the rotation, unrounded."""
     B, TR, G, N = Bm.shape
     H, P, R, n_a = x.shape[2], x.shape[3], rank, theta.shape[-1]
     k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
@@ -741,7 +744,7 @@ def mamba3_scan_bwd(
     if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
         ldyu = torch.empty((n_slots, H, chunk, chunk), device=x.device, dtype=ldyu_dtype)
-        dcs = torch.empty((n_slots, H, 2, chunk), device=x.device, dtype=torch.float32)
+        dcs = torch.empty((n_slots, H, chunk + 1), device=x.device, dtype=torch.float32)
         _m3_bwd_own_kernel[(n_slots, H)](x, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam, dD,
                                          ldyu, dcs, H, n_docs, sums.shape[1], **consts)  # fmt: skip
         _m3_bwd_sweeps_kernel[(n_slots, H)](x, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu, dcs,
@@ -813,8 +816,9 @@ def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, c
         raise ValueError("the Triton Mamba-3 scan takes float32, bfloat16 or float16 x; float64 is for the torch paths")
     N = Bm.shape[-1]
     n_docs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    elements = max((B * T * R // chunk + n_docs) * H * P * N, B * T * R * H * max(P, N))
-    if elements >= 2**31:  # the kernels index in int32: the saved states, and the keys per head and sub-token
+    # the saved states, the keys per head and sub-token, and M3_BWD_SPLIT's [CHUNK, CHUNK] tile per chunk and head
+    elements = max((B * T * R // chunk + n_docs) * H * max(P * N, chunk * chunk), B * T * R * H * max(P, N))
+    if elements >= 2**31:  # the kernels index in int32
         raise ValueError(f"the Triton Mamba-3 scan indexes in int32: x {tuple(xr.shape[:2])} x {R} ranks with H={H}, "
                          f"P={P}, N={N}, chunk={chunk} and {n_docs} documents needs {elements} elements in one buffer "
                          f"(limit 2**31); split the batch")  # fmt: skip

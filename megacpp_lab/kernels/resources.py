@@ -3,9 +3,9 @@
 `compile_launches(run)` calls `run()` with every @triton.jit launch compiled for sm_90 and not launched: Triton's
 own compiler lowers the kernel with the arguments the launcher gave it (their dtypes, alignments and constexprs:
 the same specialisation a GPU launch compiles), and ptxas (bundled in the Triton wheel) assembles it with `-v`,
-whose report gives the registers per thread, the bytes spilled to local memory and the stack frame. Shared memory
-is ptxas's static part plus Triton's dynamic part. From those and Hopper's limits, `programs_per_sm`: how many of
-the kernel's programs one SM holds at once.
+whose report gives the registers per thread, the bytes spilled to local memory and the stack frame (the kernel's
+own entry in the report, not a helper function's). Shared memory is ptxas's static part plus Triton's dynamic part.
+From those and Hopper's limits, `programs_per_sm`: how many of the kernel's programs one SM holds at once.
 
 What it is for: a kernel that spills (spill stores and loads in its inner loops are local-memory traffic the
 kernel's arithmetic never asked for), or holds one program per SM, is found and restructured without GPU time;
@@ -35,10 +35,11 @@ from megacpp_lab.kernels import OFFLINE_COMPILE
 
 __all__ = ["ARCH", "HOPPER", "KernelResources", "compile_launches", "offline_compile"]
 
-# an H100 / H200 SM (compute capability 9.0): registers, shared memory (227 KiB usable by one block of the 228) and
+# an H100 / H200 SM (compute capability 9.0): registers (four sub-partitions of 16 K, allocated per warp in units of
+# 256), shared memory (228 KiB, of which a block may use 227, and the driver reserves 1 KiB per resident block) and
 # resident threads and blocks
-HOPPER = {"regs_per_sm": 65536, "smem_per_sm": 233472, "smem_per_block": 232448, "threads_per_sm": 2048,
-          "blocks_per_sm": 32, "reg_alloc_unit": 256}  # fmt: skip
+HOPPER = {"regs_per_sm": 65536, "reg_partitions": 4, "reg_alloc_unit": 256, "smem_per_sm": 233472,
+          "smem_per_block": 232448, "smem_reserved_per_block": 1024, "threads_per_sm": 2048, "blocks_per_sm": 32}  # fmt: skip
 ARCH = 90
 
 
@@ -64,12 +65,17 @@ class KernelResources:
     @property
     def programs_per_sm(self) -> int:
         """Programs one SM holds at once, the least of what its registers, shared memory, threads and block slots
-        allow (registers are allocated per warp in units of 256)."""
+        allow; 0 when one program needs more shared memory than a block may have (it cannot launch). Registers
+        are allocated per warp in units of 256, within each of the four sub-partitions the warps are spread over."""
         threads = 32 * self.num_warps
         unit = HOPPER["reg_alloc_unit"]
         regs_per_warp = -(-self.regs * 32 // unit) * unit
-        by_regs = HOPPER["regs_per_sm"] // (regs_per_warp * self.num_warps)
-        by_smem = HOPPER["smem_per_sm"] // self.shared_bytes if self.shared_bytes else HOPPER["blocks_per_sm"]
+        warps = HOPPER["regs_per_sm"] // HOPPER["reg_partitions"] // regs_per_warp * HOPPER["reg_partitions"]
+        by_regs = warps // self.num_warps
+        if self.shared_bytes > HOPPER["smem_per_block"]:
+            return 0
+        by_smem = (HOPPER["smem_per_sm"] // (self.shared_bytes + HOPPER["smem_reserved_per_block"])
+                   if self.shared_bytes else HOPPER["blocks_per_sm"])  # fmt: skip
         return min(by_regs, by_smem, HOPPER["threads_per_sm"] // threads, HOPPER["blocks_per_sm"])
 
     def as_row(self) -> dict[str, Any]:
@@ -92,8 +98,9 @@ _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame")
 _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 
 
-def _ptxas_report(ptx: str, fp_fusion: bool) -> dict[str, int]:
-    """ptxas -v on the kernel's PTX, with the flags Triton assembles it with, parsed."""
+def _ptxas_report(ptx: str, name: str, fp_fusion: bool, ptx_options: str | None) -> dict[str, int]:
+    """ptxas -v on the kernel's PTX, with the flags Triton assembles it with (its line info, fmad and register
+    allocation flags, and any TRITON_PTXAS_OPTIONS), parsed from the entry `name`'s own part of the report."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,11 +108,16 @@ def _ptxas_report(ptx: str, fp_fusion: bool) -> dict[str, int]:
         with open(src, "w") as f:
             f.write(ptx)
         cmd = [get_ptxas(ARCH).path, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
-               "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(ARCH)}", src, "-o", src + ".o"]  # fmt: skip
+               "--regAllocOptLevel=2", *(ptx_options.split() if ptx_options else []),
+               f"--gpu-name={sm_arch_from_capability(ARCH)}", src, "-o", src + ".o"]  # fmt: skip
         log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+    head = f"Compiling entry function '{name}'"
+    if head not in log:
+        raise RuntimeError(f"ptxas -v printed no report for the entry {name!r}:\n{log}")
+    log = log.split(head, 1)[1].split("Compiling entry function", 1)[0]  # this entry's lines only
     found = {"regs": _PTXAS_USED.search(log), "spill": _PTXAS_SPILL.search(log), "stack": _PTXAS_STACK.search(log)}
     if found["regs"] is None or found["spill"] is None or found["stack"] is None:
-        raise RuntimeError(f"ptxas -v printed no register and spill report:\n{log}")
+        raise RuntimeError(f"ptxas -v printed no register and spill report for {name!r}:\n{log}")
     smem = _PTXAS_SMEM.search(log)
     return {"regs": int(found["regs"][1]), "spill_store_bytes": int(found["spill"][1]),
             "spill_load_bytes": int(found["spill"][2]), "stack_bytes": int(found["stack"][1]),
@@ -134,17 +146,17 @@ def compile_launches(run: Callable[[], Any]) -> list[KernelResources]:
         bound, specialization, options = create_function_from_signature(self.signature, self.params, backend)(
             *args, **kwargs)  # fmt: skip
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
-        key = (self.fn.__name__, repr(specialization), repr(options))
+        key = (f"{self.fn.__module__}.{self.fn.__qualname__}", repr(specialization), repr(options))
         if key in rows:
             return
         compiled = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__)
-        ptxas = _ptxas_report(compiled.asm["ptx"], options.enable_fp_fusion)
+        ptxas = _ptxas_report(compiled.asm["ptx"], compiled.metadata.name, options.enable_fp_fusion, options.ptx_options)
         names = [p.name for p in self.params]
         shown = {names[path[0]]: _constexpr_text(value) for path, value in constexprs.items() if len(path) == 1}
         rows[key] = KernelResources(
             kernel=self.fn.__name__, regs=ptxas["regs"], spill_store_bytes=ptxas["spill_store_bytes"],
             spill_load_bytes=ptxas["spill_load_bytes"], stack_bytes=ptxas["stack_bytes"],
-            shared_bytes=max(ptxas["static_smem"], int(compiled.metadata.shared)), num_warps=options.num_warps,
+            shared_bytes=ptxas["static_smem"] + int(compiled.metadata.shared), num_warps=options.num_warps,
             num_stages=options.num_stages, constexprs={k: v for k, v in shown.items() if v},
         )  # fmt: skip
 
