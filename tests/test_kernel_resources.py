@@ -15,7 +15,7 @@ from megacpp_lab.kernels.resources import HOPPER, KernelResources, compile_launc
 
 def _row(regs: int, warps: int = 4, shared: int = 0, spill: int = 0) -> KernelResources:
     return KernelResources(kernel="k", regs=regs, spill_store_bytes=spill, spill_load_bytes=spill, stack_bytes=spill,
-                           shared_bytes=shared, num_warps=warps, num_stages=1, constexprs={})  # fmt: skip
+                           shared_bytes=shared, num_warps=warps, num_stages=1, constexprs={}, sass={})  # fmt: skip
 
 
 def test_programs_per_sm_take_the_least_of_registers_shared_memory_and_threads():
@@ -61,7 +61,7 @@ def test_unknown_subjects_fail_naming_them():
 
 @pytest.fixture(scope="module")
 def mamba3_report():
-    return report(("mamba3", "ssd"))
+    return report(("mamba3", "ssd", "m2rnn"))
 
 
 def test_the_mamba3_scan_compiles_every_kernel_for_sm90(mamba3_report):
@@ -100,3 +100,29 @@ def test_mamba2s_ssd_compiles_its_four_kernels(mamba3_report):
     names = [r["kernel"] for r in mamba3_report["subjects"]["ssd"]]
     assert sorted(names) == ["_ssd_bwd_chunk_kernel", "_ssd_bwd_state_kernel", "_ssd_fwd_output_kernel",
                              "_ssd_fwd_state_kernel"]
+
+
+def test_the_sass_mix_agrees_with_ptxas_and_finds_hoppers_mmas(mamba3_report):
+    """cuobjdump's instructions against ptxas's report: a kernel has local-memory spill instructions exactly when
+    ptxas says it spills. The scans' tile dots lower to Hopper's warpgroup MMAs (wgmma), not mma.sync."""
+    for subject, rows in mamba3_report["subjects"].items():
+        for r in rows:
+            assert r["sass"]["total"] > 0, (subject, r["kernel"])
+            assert (r["sass"]["spill_store"] > 0) == (r["spill_store_bytes"] > 0), (subject, r["kernel"], r["sass"])
+            assert (r["sass"]["spill_load"] > 0) == (r["spill_load_bytes"] > 0), (subject, r["kernel"], r["sass"])
+    rows = {r["kernel"]: r for r in mamba3_report["subjects"]["mamba3"]}
+    for kernel in ("_ssd_fwd_output_kernel", "_m3_bwd_chunk_kernel", "_m3_bwd_own_kernel", "_m3_bwd_sweeps_kernel"):
+        assert rows[kernel]["sass"]["wgmma"] > 0 and rows[kernel]["sass"]["mma"] == 0, rows[kernel]["sass"]
+    assert rows["_keys_kernel"]["sass"]["wgmma"] == rows["_keys_kernel"]["sass"]["mma"] == 0  # no dot in it
+
+
+def test_m2rnn_compiles_its_three_kernels_planned_for_a_gh100(mamba3_report):
+    """The M2RNN launcher plans its blocks from the GPU's SMs and L2; inside the offline compile it plans for a
+    GH100's (kernels/m2rnn.OFFLINE_LIMITS), so the compiled kernels are the ones an H100 or H200 runs."""
+    from megacpp_lab.kernels import m2rnn
+
+    assert m2rnn._limits(torch.device("cpu")) == (1, 1 << 62)  # the interpreter's: one SM
+    with offline_compile():
+        assert m2rnn._limits(torch.device("cpu")) == m2rnn.OFFLINE_LIMITS
+    names = [r["kernel"] for r in mamba3_report["subjects"]["m2rnn"]]
+    assert names == ["_m2rnn_fwd_kernel", "_m2rnn_recompute_kernel", "_m2rnn_bwd_kernel"]

@@ -270,7 +270,9 @@ def test_reference_fallback_warning_points_at_the_callers_line_through_the_layer
 
 
 def test_triton_without_gpu_or_interpreter_fails_closed(monkeypatch):
-    monkeypatch.setattr(m2k, "TRITON_INTERPRET", False)
+    import megacpp_lab.kernels as kernels
+
+    monkeypatch.setattr(kernels, "TRITON_INTERPRET", False)  # what kernels.launchable reads
     with pytest.raises(RuntimeError, match="kernel='triton' needs CUDA tensors"):
         resolve_kernel("triton", torch.device("cpu"))
     with pytest.raises(ValueError, match="kernel must be one of"):

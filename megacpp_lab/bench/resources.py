@@ -68,11 +68,23 @@ def _ssd_scan() -> None:
     ssd_scan(x, dt, A, Bm, Cm, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
 
 
+def _m2rnn_scan() -> None:
+    """The M2RNN scan forward and backward at bench m2rnn's main shape (B, H, K, V and one document a row, so the
+    launch plan is the real shape's: it depends on the documents and heads, planned for a GH100's SMs and L2), few
+    steps, bf16."""
+    from megacpp_lab.bench.m2rnn import FULL_SHAPE, make_inputs
+    from megacpp_lab.kernels.m2rnn import m2rnn_scan
+
+    q, k, v, f, W = make_inputs(replace(FULL_SHAPE, S=512), torch.bfloat16, "cpu")
+    m2rnn_scan(q, k, v, f, W, kernel="triton").float().sum().backward()
+
+
 SUBJECTS: dict[str, Callable[[], None]] = {
     "mamba3": _mamba3_scan(1),
     "mamba3-mimo2": _mamba3_scan(2),
     "mamba3-mimo4": _mamba3_scan(4),
     "ssd": _ssd_scan,
+    "m2rnn": _m2rnn_scan,
 }
 
 
@@ -104,14 +116,17 @@ def _variant(row: dict[str, Any], same_name: list[dict[str, Any]]) -> str:
 
 def resources_table(result: dict[str, Any]) -> str:
     """report()'s result as one aligned text table, a line per kernel."""
-    head = f"{'subject':<14}{'kernel':<44}{'regs':>5}{'spill st/ld B':>15}{'stack B':>8}{'smem KiB':>9}{'warps':>6}{'per SM':>7}"
+    head = (f"{'subject':<14}{'kernel':<44}{'regs':>5}{'spill st/ld B':>15}{'stack B':>8}{'smem KiB':>9}{'warps':>6}"
+            f"{'per SM':>7}{'wgmma/mma':>10}{'bar/shfl':>9}")
     lines = [head]
     for subject, rows in result["subjects"].items():
         for r in rows:
             kernel = r["kernel"] + _variant(r, [o for o in rows if o["kernel"] == r["kernel"]])
             spill = f"{r['spill_store_bytes']}/{r['spill_load_bytes']}"
+            mma = f"{r['sass']['wgmma']}/{r['sass']['mma']}"
+            sync = f"{r['sass']['barrier']}/{r['sass']['shuffle']}"
             lines.append(f"{subject:<14}{kernel:<44}{r['regs']:>5}{spill:>15}{r['stack_bytes']:>8}"
-                         f"{r['shared_bytes'] / 1024:>9.1f}{r['num_warps']:>6}{r['programs_per_sm']:>7}")  # fmt: skip
+                         f"{r['shared_bytes'] / 1024:>9.1f}{r['num_warps']:>6}{r['programs_per_sm']:>7}{mma:>10}{sync:>9}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import INTERPRETED, TRITON_INTERPRET, warn_at_caller
+from megacpp_lab.kernels import INTERPRETED, OFFLINE_COMPILE, launchable, warn_at_caller
 from megacpp_lab.kernels.ssd import slot_document
 from megacpp_lab.varlen import PackedContext, build_context, check_cu_seqlens
 
@@ -484,7 +484,13 @@ def _gpu_limits(index: int) -> tuple[int, int]:
     return props.multi_processor_count, props.L2_cache_size
 
 
+# kernels/resources.py's offline compile plans as a GH100 would (the H100 SXM and the H200): 132 SMs, 50 MiB of L2
+OFFLINE_LIMITS = (132, 50 * 2**20)
+
+
 def _limits(device: torch.device) -> tuple[int, int]:
+    if device.type == "cpu" and OFFLINE_COMPILE.get():
+        return OFFLINE_LIMITS
     return _gpu_limits(-1 if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -720,7 +726,7 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     kernel = DEFAULT_KERNEL if kernel == "auto" else kernel
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    triton_ok = device.type == "cuda" or (device.type == "cpu" and TRITON_INTERPRET)
+    triton_ok = launchable(device)
     if kernel == "auto":
         if device.type == "cuda":
             return "triton"

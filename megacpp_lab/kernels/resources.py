@@ -4,7 +4,9 @@
 own compiler lowers the kernel with the arguments the launcher gave it (their dtypes, alignments and constexprs:
 the same specialisation a GPU launch compiles), and ptxas (bundled in the Triton wheel) assembles it with `-v`,
 whose report gives the registers per thread, the bytes spilled to local memory and the stack frame (the kernel's
-own entry in the report, not a helper function's). Shared memory is ptxas's static part plus Triton's dynamic part.
+own entry in the report, not a helper function's); cuobjdump's SASS gives the instruction mix (Hopper's
+asynchronous warpgroup MMAs against the older mma.sync, the local-memory spill instructions, barriers, warp
+shuffles, global and shared loads and stores: static counts, not executions). Shared memory is ptxas's static part plus Triton's dynamic part.
 From those and Hopper's limits, `programs_per_sm`: how many of the kernel's programs one SM holds at once.
 
 What it is for: a kernel that spills (spill stores and loads in its inner loops are local-memory traffic the
@@ -33,7 +35,7 @@ import triton
 
 from megacpp_lab.kernels import OFFLINE_COMPILE
 
-__all__ = ["ARCH", "HOPPER", "KernelResources", "compile_launches", "offline_compile"]
+__all__ = ["ARCH", "HOPPER", "SASS_CLASSES", "KernelResources", "compile_launches", "offline_compile", "sass_mix"]
 
 # an H100 / H200 SM (compute capability 9.0): registers (four sub-partitions of 16 K, allocated per warp in units of
 # 256), shared memory (228 KiB, of which a block may use 227, and the driver reserves 1 KiB per resident block) and
@@ -57,6 +59,7 @@ class KernelResources:
     num_warps: int
     num_stages: int
     constexprs: dict[str, str]
+    sass: dict[str, int]  # SASS_CLASSES -> instructions in the cubin (static), and "total"
 
     @property
     def spills(self) -> bool:
@@ -92,6 +95,11 @@ def offline_compile() -> Iterator[None]:
         OFFLINE_COMPILE.reset(token)
 
 
+# SASS opcode (before its first '.') -> the class the report counts
+SASS_CLASSES = {"HGMMA": "wgmma", "HMMA": "mma", "LDL": "spill_load", "STL": "spill_store", "BAR": "barrier",
+                "SHFL": "shuffle", "LDG": "global_load", "STG": "global_store", "LDS": "shared_load",
+                "STS": "shared_store", "MUFU": "special_function"}  # fmt: skip
+_SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame")
@@ -122,6 +130,26 @@ def _ptxas_report(ptx: str, name: str, fp_fusion: bool, ptx_options: str | None)
     return {"regs": int(found["regs"][1]), "spill_store_bytes": int(found["spill"][1]),
             "spill_load_bytes": int(found["spill"][2]), "stack_bytes": int(found["stack"][1]),
             "static_smem": int(smem[1]) if smem else 0}  # fmt: skip
+
+
+def sass_mix(cubin: bytes) -> dict[str, int]:
+    """The cubin's SASS instructions by class (SASS_CLASSES; every class present, 0 where none), and "total"."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = os.path.join(os.path.dirname(get_ptxas(ARCH).path), "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([cuobjdump, "-sass", path], check=True, capture_output=True, text=True).stdout
+    ops = _SASS_OP.findall(sass)
+    if not ops:
+        raise RuntimeError(f"cuobjdump -sass printed no instructions:\n{sass[:2000]}")
+    counts = dict.fromkeys(SASS_CLASSES.values(), 0)
+    for op in ops:
+        if op in SASS_CLASSES:
+            counts[SASS_CLASSES[op]] += 1
+    return counts | {"total": len(ops)}
 
 
 def compile_launches(run: Callable[[], Any]) -> list[KernelResources]:
@@ -158,6 +186,7 @@ def compile_launches(run: Callable[[], Any]) -> list[KernelResources]:
             spill_load_bytes=ptxas["spill_load_bytes"], stack_bytes=ptxas["stack_bytes"],
             shared_bytes=ptxas["static_smem"] + int(compiled.metadata.shared), num_warps=options.num_warps,
             num_stages=options.num_stages, constexprs={k: v for k, v in shown.items() if v},
+            sass=sass_mix(compiled.asm["cubin"]),
         )  # fmt: skip
 
     def autotuned_run(self: Autotuner, *args: Any, **kwargs: Any) -> None:
