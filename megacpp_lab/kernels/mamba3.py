@@ -661,7 +661,7 @@ M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
 # the chunk pass as two kernels (steps 1-2, then 3-4; step 2's [CHUNK, CHUNK] tile, a vector and a sum per program
 # through memory) in place of one: compiled for sm_90 (kernels/resources.py, Triton 3.9) at the main shape, the one
-# kernel spills 364/400 bytes a thread (stores/loads), the two 24/24 and 20/20; whether two launches and the extra
+# kernel spills 312/336 bytes a thread (stores/loads), the two 40/40 and 20/20; whether two launches and the extra
 # traffic pay is `bench ssd`'s row for it
 M3_BWD_SPLIT = False
 # the chunk pass's dots against the fp32 state and its gradient: in the inputs' own dtype (True, mamba_ssm's choice:
