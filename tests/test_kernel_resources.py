@@ -5,6 +5,8 @@ under it)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -126,3 +128,33 @@ def test_m2rnn_compiles_its_three_kernels_planned_for_a_gh100(mamba3_report):
         assert m2rnn._limits(torch.device("cpu")) == m2rnn.OFFLINE_LIMITS
     names = [r["kernel"] for r in mamba3_report["subjects"]["m2rnn"]]
     assert names == ["_m2rnn_fwd_kernel", "_m2rnn_recompute_kernel", "_m2rnn_bwd_kernel"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("subject", ["mamba3", "ssd"])
+def test_on_a_hopper_the_offline_report_equals_what_the_driver_loads(subject):
+    """The offline compile against the truth: on an sm_90 GPU, the subject's launches run for real, and each kernel
+    Triton loads reports, through the driver, the registers and the local memory a thread (Triton's n_spills: the
+    local bytes / 4) that the offline compile read from ptxas for the same compilation. Compared as multisets of
+    (kernel, registers, stack bytes), in this process's Triton."""
+    from megacpp_lab.bench.resources import SUBJECTS
+    from megacpp_lab.kernels import mamba3 as m3_kernels, ssd as ssd_kernels
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"needs an sm_90 GPU (H100, H200); this is sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
+    offline = sorted((r.kernel, r.regs, r.stack_bytes) for r in compile_launches(SUBJECTS[subject]))
+    SUBJECTS[subject]("cuda")
+    torch.cuda.synchronize()
+    loaded = []
+    for module in (ssd_kernels, m3_kernels):
+        for name in dir(module):
+            caches = getattr(getattr(module, name), "device_caches", None)
+            for device_cache in (caches or {}).values():
+                for kernel in device_cache[0].values():
+                    if getattr(kernel, "n_regs", None) is None:
+                        kernel._init_handles()  # loaded on first launch; every one here has launched
+                    loaded.append((kernel.metadata.name, kernel.n_regs, 4 * kernel.n_spills))
+    # earlier tests in this process may have loaded other specialisations of the same kernels: each offline row must
+    # be among the loaded ones (a kernel whose registers or stack differ from the driver's fails here)
+    missing = Counter(offline) - Counter(loaded)
+    assert not missing, f"offline rows the driver does not report: {sorted(missing)}; loaded: {sorted(loaded)}"

@@ -30,19 +30,20 @@ from megacpp_lab.kernels.resources import ARCH, compile_launches
 __all__ = ["SUBJECTS", "report", "resources_table"]
 
 
-def _mamba3_scan(rank: int) -> Callable[[], None]:
+def _mamba3_scan(rank: int) -> Callable[[str], None]:
     """The Mamba-3 scan forward and backward through its public entry (kernel='triton'), bench ssd's main shape's
     heads (H, P, N, G, chunk, rope pairs) in bf16, few tokens (16 documents: the specialisation of the main shape's
     64); the backward twice, its chunk pass as one kernel and as two (M3_BWD_SPLIT); and the angle sums' Triton scan
-    (on a GPU the scan runs it; on a CPU the torch form stands in)."""
+    (on a GPU the scan runs it; on a CPU the torch form stands in). On `device`: the CPU for the offline compile,
+    CUDA for the same launches run for real (tests/test_kernel_resources.py holds the two reports equal)."""
 
-    def run() -> None:
+    def run(device: str = "cpu") -> None:
         from megacpp_lab.bench.mamba3 import MAIN, make_inputs
         from megacpp_lab.kernels import mamba3 as m3
         from megacpp_lab.kernels.mamba3 import doc_angle_sum_triton, doc_suffix_sum_triton, mamba3_scan
 
         s = replace(MAIN, B=1, T=1024, docs=16)
-        a, cu = make_inputs(s, torch.bfloat16, "cpu", rank=rank)
+        a, cu = make_inputs(s, torch.bfloat16, device, rank=rank)
         default = m3.M3_BWD_SPLIT
         try:
             for split in (default, not default):
@@ -50,36 +51,36 @@ def _mamba3_scan(rank: int) -> Callable[[], None]:
                 mamba3_scan(**a, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
         finally:
             m3.M3_BWD_SPLIT = default
-        inc = torch.rand(s.B, s.T, s.H, s.rope_pairs)
+        inc = torch.rand(s.B, s.T, s.H, s.rope_pairs, device=device)
         doc_suffix_sum_triton(doc_angle_sum_triton(inc, cu), cu)
 
     return run
 
 
-def _ssd_scan() -> None:
-    """Mamba-2's SSD forward and backward at bench ssd's main shape's heads, few tokens, bf16."""
+def _ssd_scan(device: str = "cpu") -> None:
+    """Mamba-2's SSD forward and backward at bench ssd's main shape's heads, few tokens, bf16, on `device`."""
     from megacpp_lab.bench.ssd import FULL_SHAPE, make_inputs
     from megacpp_lab.kernels.ssd import ssd_scan
 
     s = replace(FULL_SHAPE, B=1, T=1024, docs=16)
-    (x, dt, A, Bm, Cm), cu = make_inputs(s, torch.bfloat16, "cpu")
+    (x, dt, A, Bm, Cm), cu = make_inputs(s, torch.bfloat16, device)
     for t in (x, dt, A, Bm, Cm):
         t.requires_grad_()
     ssd_scan(x, dt, A, Bm, Cm, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
 
 
-def _m2rnn_scan() -> None:
+def _m2rnn_scan(device: str = "cpu") -> None:
     """The M2RNN scan forward and backward at bench m2rnn's main shape (B, H, K, V and one document a row, so the
     launch plan is the real shape's: it depends on the documents and heads, planned for a GH100's SMs and L2), few
-    steps, bf16."""
+    steps, bf16, on `device` (on a GPU the plan is that GPU's)."""
     from megacpp_lab.bench.m2rnn import FULL_SHAPE, make_inputs
     from megacpp_lab.kernels.m2rnn import m2rnn_scan
 
-    q, k, v, f, W = make_inputs(replace(FULL_SHAPE, S=512), torch.bfloat16, "cpu")
+    q, k, v, f, W = make_inputs(replace(FULL_SHAPE, S=512), torch.bfloat16, device)
     m2rnn_scan(q, k, v, f, W, kernel="triton").float().sum().backward()
 
 
-SUBJECTS: dict[str, Callable[[], None]] = {
+SUBJECTS: dict[str, Callable[[str], None]] = {
     "mamba3": _mamba3_scan(1),
     "mamba3-mimo2": _mamba3_scan(2),
     "mamba3-mimo4": _mamba3_scan(4),

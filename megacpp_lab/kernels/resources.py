@@ -2,12 +2,15 @@
 
 `compile_launches(run)` calls `run()` with every @triton.jit launch compiled for sm_90 and not launched: Triton's
 own compiler lowers the kernel with the arguments the launcher gave it (their dtypes, alignments and constexprs:
-the same specialisation a GPU launch compiles), and ptxas (bundled in the Triton wheel) assembles it with `-v`,
-whose report gives the registers per thread, the bytes spilled to local memory and the stack frame (the kernel's
-own entry in the report, not a helper function's); cuobjdump's SASS gives the instruction mix (Hopper's
+the same specialisation a GPU launch compiles). The cubin it produces records what the driver will load: registers
+per thread, stack frame and static shared memory (cuobjdump, bundled in the Triton wheel with ptxas); ptxas -v on
+the same PTX, with Triton's flags, adds the bytes spilled to local memory (the kernel's own entry in the report, not
+a helper function's); cuobjdump's SASS gives the instruction mix (Hopper's
 asynchronous warpgroup MMAs against the older mma.sync, the local-memory spill instructions, barriers, warp
-shuffles, global and shared loads and stores: static counts, not executions). Shared memory is ptxas's static part plus Triton's dynamic part.
-From those and Hopper's limits, `programs_per_sm`: how many of the kernel's programs one SM holds at once.
+shuffles, global and shared loads and stores: static counts, not executions). Shared memory is what the kernel
+asks for: ptxas's static part plus Triton's dynamic part (the driver's reserved 1 KiB a block is counted in
+`programs_per_sm`). From those and Hopper's limits, `programs_per_sm`: how many of the kernel's programs one SM
+holds at once.
 
 What it is for: a kernel that spills (spill stores and loads in its inner loops are local-memory traffic the
 kernel's arithmetic never asked for), or holds one program per SM, is found and restructured without GPU time;
@@ -35,7 +38,8 @@ import triton
 
 from megacpp_lab.kernels import OFFLINE_COMPILE
 
-__all__ = ["ARCH", "HOPPER", "SASS_CLASSES", "KernelResources", "compile_launches", "offline_compile", "sass_mix"]
+__all__ = ["ARCH", "HOPPER", "SASS_CLASSES", "KernelResources", "compile_launches", "cubin_usage", "offline_compile",
+           "ptxas_spills", "sass_mix"]
 
 # an H100 / H200 SM (compute capability 9.0): registers (four sub-partitions of 16 K, allocated per warp in units of
 # 256), shared memory (228 KiB, of which a block may use 227, and the driver reserves 1 KiB per resident block) and
@@ -100,48 +104,81 @@ SASS_CLASSES = {"HGMMA": "wgmma", "HMMA": "mma", "LDL": "spill_load", "STL": "sp
                 "SHFL": "shuffle", "LDG": "global_load", "STG": "global_store", "LDS": "shared_load",
                 "STS": "shared_store", "MUFU": "special_function"}  # fmt: skip
 _SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
-_PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame")
 _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+_CUBIN_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+# the PTX target Triton assembles an sm_90 kernel for (the 'a' features: wgmma, setmaxnreg)
+PTXAS_ARCH = f"sm_{ARCH}a"
 
 
-def _ptxas_report(ptx: str, name: str, fp_fusion: bool, ptx_options: str | None) -> dict[str, int]:
-    """ptxas -v on the kernel's PTX, with the flags Triton assembles it with (its line info, fmad and register
-    allocation flags, and any TRITON_PTXAS_OPTIONS), parsed from the entry `name`'s own part of the report."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+def _ptxas_path() -> str:
+    """The ptxas Triton assembles sm_90 kernels with (its get_ptxas: by Triton 3.9 the wheel's newer
+    `ptxas-blackwell`, whose PTX version Triton emits; older Triton takes no arch; the oldest name it
+    _path_to_binary). TRITON_PTXAS_PATH is honoured as Triton honours it."""
+    from triton.backends.nvidia import compiler as nvidia
 
+    if hasattr(nvidia, "get_ptxas"):
+        try:
+            return nvidia.get_ptxas(ARCH).path
+        except TypeError:  # a Triton whose get_ptxas takes no arch
+            return nvidia.get_ptxas().path
+    return nvidia._path_to_binary("ptxas")[0]
+
+
+def _nvidia_tool(name: str) -> str:
+    """ptxas (_ptxas_path), or a CUDA binary shipped beside it in Triton's wheel (cuobjdump)."""
+    ptxas = _ptxas_path()
+    path = ptxas if name == "ptxas" else os.path.join(os.path.dirname(ptxas), name)
+    if not os.path.isfile(path):
+        raise RuntimeError(f"kernel resources need {name}: not at {path} (Triton's wheel ships it in "
+                           f"backends/nvidia/bin)")  # fmt: skip
+    return path
+
+
+def _tool_output(tool: str, args: list[str], data: bytes | str, suffix: str) -> str:
+    """Run a CUDA tool on `data` written to a temporary file; its stdout and stderr together."""
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        cmd = [get_ptxas(ARCH).path, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
-               "--regAllocOptLevel=2", *(ptx_options.split() if ptx_options else []),
-               f"--gpu-name={sm_arch_from_capability(ARCH)}", src, "-o", src + ".o"]  # fmt: skip
-        log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+        path = os.path.join(tmp, "kernel" + suffix)
+        with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        done = subprocess.run([_nvidia_tool(tool), *args, path], capture_output=True, text=True, cwd=tmp)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tool} {' '.join(args)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+    return done.stdout + done.stderr
+
+
+def cubin_usage(cubin: bytes, name: str) -> dict[str, int]:
+    """The kernel's resources as its cubin records them (cuobjdump --dump-resource-usage: what the driver loads):
+    registers a thread, stack frame bytes, shared memory (with the 1 KiB sm_90 reserves for a block that uses any)
+    and local memory."""
+    out = _tool_output("cuobjdump", ["--dump-resource-usage"], cubin, ".cubin")
+    entry = out.split(f"Function {name}:", 1)
+    found = _CUBIN_USAGE.search(entry[1]) if len(entry) == 2 else None
+    if found is None:
+        raise RuntimeError(f"cuobjdump reported no resource usage for {name!r}:\n{out}")
+    return {"regs": int(found[1]), "stack": int(found[2]), "shared": int(found[3]), "local": int(found[4])}
+
+
+def ptxas_spills(ptx: str, name: str, fp_fusion: bool, ptx_options: str | None) -> tuple[int, int, int]:
+    """(spill store bytes, spill load bytes) a thread, and the static shared memory the kernel itself declares, of
+    the entry `name`, from ptxas -v on the kernel's PTX with the flags Triton assembles it with (line info, fmad,
+    register allocation, any TRITON_PTXAS_OPTIONS): what the cubin does not record apart."""
+    cmd = ["-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v", "--regAllocOptLevel=2",
+           *(ptx_options.split() if ptx_options else []), f"--gpu-name={PTXAS_ARCH}", "-o", "kernel.o"]  # fmt: skip
+    log = _tool_output("ptxas", cmd, ptx, ".ptx")
     head = f"Compiling entry function '{name}'"
     if head not in log:
         raise RuntimeError(f"ptxas -v printed no report for the entry {name!r}:\n{log}")
-    log = log.split(head, 1)[1].split("Compiling entry function", 1)[0]  # this entry's lines only
-    found = {"regs": _PTXAS_USED.search(log), "spill": _PTXAS_SPILL.search(log), "stack": _PTXAS_STACK.search(log)}
-    if found["regs"] is None or found["spill"] is None or found["stack"] is None:
-        raise RuntimeError(f"ptxas -v printed no register and spill report for {name!r}:\n{log}")
-    smem = _PTXAS_SMEM.search(log)
-    return {"regs": int(found["regs"][1]), "spill_store_bytes": int(found["spill"][1]),
-            "spill_load_bytes": int(found["spill"][2]), "stack_bytes": int(found["stack"][1]),
-            "static_smem": int(smem[1]) if smem else 0}  # fmt: skip
+    entry = log.split(head, 1)[1].split("Compiling entry function", 1)[0]  # this entry's lines only
+    found, smem = _PTXAS_SPILL.search(entry), _PTXAS_SMEM.search(entry)
+    if found is None:
+        raise RuntimeError(f"ptxas -v printed no spill report for {name!r}:\n{log}")
+    return int(found[1]), int(found[2]), int(smem[1]) if smem else 0
 
 
 def sass_mix(cubin: bytes) -> dict[str, int]:
     """The cubin's SASS instructions by class (SASS_CLASSES; every class present, 0 where none), and "total"."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    cuobjdump = os.path.join(os.path.dirname(get_ptxas(ARCH).path), "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        sass = subprocess.run([cuobjdump, "-sass", path], check=True, capture_output=True, text=True).stdout
+    sass = _tool_output("cuobjdump", ["-sass"], cubin, ".cubin")
     ops = _SASS_OP.findall(sass)
     if not ops:
         raise RuntimeError(f"cuobjdump -sass printed no instructions:\n{sass[:2000]}")
@@ -178,13 +215,16 @@ def compile_launches(run: Callable[[], Any]) -> list[KernelResources]:
         if key in rows:
             return
         compiled = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__)
-        ptxas = _ptxas_report(compiled.asm["ptx"], compiled.metadata.name, options.enable_fp_fusion, options.ptx_options)
+        name = compiled.metadata.name
+        usage = cubin_usage(compiled.asm["cubin"], name)
+        stores, loads, static_smem = ptxas_spills(compiled.asm["ptx"], name, options.enable_fp_fusion,
+                                                  options.ptx_options)  # fmt: skip
         names = [p.name for p in self.params]
         shown = {names[path[0]]: _constexpr_text(value) for path, value in constexprs.items() if len(path) == 1}
         rows[key] = KernelResources(
-            kernel=self.fn.__name__, regs=ptxas["regs"], spill_store_bytes=ptxas["spill_store_bytes"],
-            spill_load_bytes=ptxas["spill_load_bytes"], stack_bytes=ptxas["stack_bytes"],
-            shared_bytes=ptxas["static_smem"] + int(compiled.metadata.shared), num_warps=options.num_warps,
+            kernel=self.fn.__name__, regs=usage["regs"], spill_store_bytes=stores, spill_load_bytes=loads,
+            stack_bytes=usage["stack"], shared_bytes=static_smem + int(compiled.metadata.shared),
+            num_warps=options.num_warps,
             num_stages=options.num_stages, constexprs={k: v for k, v in shown.items() if v},
             sass=sass_mix(compiled.asm["cubin"]),
         )  # fmt: skip
