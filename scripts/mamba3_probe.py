@@ -4,7 +4,7 @@ runs them, one process (the probe behind kernel work; the receipts come from `me
     PYTHONPATH=. python scripts/mamba3_probe.py [--variants siso,r4c64,...] [--out DIR]
 
 Each variant: forward+backward median ms (do_bench), the GPU kernels' time by kernel name over 5 calls, and each
-Triton kernel's registers and spills. A variant is `siso`, or `r<R>c<chunk>` (MIMO rank R, chunk in sub-tokens),
+Triton kernel's registers, spills and SASS instruction mix. A variant is `siso`, or `r<R>c<chunk>` (MIMO rank R, chunk in sub-tokens),
 optionally followed by `:NAME=VALUE+NAME=VALUE` setting kernels/mamba3's or kernels/ssd's launch constants for it
 (e.g. `siso:M3_BWD_WARPS=8+M3_BWD_BLOCK_N=32`).
 """
@@ -40,8 +40,19 @@ def _triton_resources() -> dict[str, dict[str, int]]:
                 for i, kernel in enumerate(dev_cache[0].values()):
                     out[f"{name}#{i}"] = {"regs": int(getattr(kernel, "n_regs", -1)),
                                           "spills": int(getattr(kernel, "n_spills", -1)),
-                                          "warps": int(kernel.metadata.num_warps)}  # fmt: skip
+                                          "warps": int(kernel.metadata.num_warps), "sass": _sass(kernel)}  # fmt: skip
     return out
+
+
+def _sass(kernel) -> dict | str:  # noqa: ANN001
+    """The loaded kernel's SASS instruction mix (kernels/resources.sass_mix: wgmma, barriers, shuffles, spill
+    instructions), or why it could not be read (the probe's timings are kept either way)."""
+    from megacpp_lab.kernels.resources import sass_mix
+
+    try:
+        return sass_mix(kernel.asm["cubin"])
+    except Exception as exc:  # noqa: BLE001  (recorded in the output, never a made-up mix)
+        return f"unread: {type(exc).__name__}: {exc}"[:300]
 
 
 def _with_constants(overrides: str):
