@@ -440,10 +440,12 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, hd, H, n_a, s
 
 
 @triton.jit
-def _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, slot, hd, H, D, CHUNK: tl.constexpr, RANK: tl.constexpr):
-    """A chunk-pass program's chunk: its sub-tokens t [CHUNK] and their mask (first >= end: a gap slot), each one's
-    step, the head's rate A, dt, the cumulative log-decay cs and its last value, the input weight xw and
-    w = exp(cs_last - cs) (the decay from each token to the chunk's end)."""
+def _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK: tl.constexpr, RANK: tl.constexpr):
+    """A chunk-pass program's slot and head (its program ids) and its chunk: the sub-tokens t [CHUNK] and their mask
+    (first >= end: a gap slot), each one's step, the head's rate A, dt, the cumulative log-decay cs and its last
+    value, the input weight xw and w = exp(cs_last - cs) (the decay from each token to the chunk's end)."""
+    slot = tl.program_id(0)
+    hd = tl.program_id(1)
     first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
     A_h = tl.load(a_ptr + hd).to(tl.float32)
     rl = tl.arange(0, CHUNK)
@@ -451,7 +453,7 @@ def _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, slot, hd, H, D, CHUNK: tl.c
     m = t < end
     dt, cs, cs_last = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
     xw = tl.load(w_ptr + t * H + hd, mask=m, other=0.0)
-    return first, end, t, m, rl // RANK, A_h, dt, cs, cs_last, xw, tl.exp(cs_last - cs)
+    return slot, hd, first, end, t, m, rl // RANK, A_h, dt, cs, cs_last, xw, tl.exp(cs_last - cs)
 
 
 @triton.jit
@@ -586,10 +588,8 @@ def _m3_bwd_chunk_kernel(
     dtype, the angles' gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk (rows of the
     launcher's sums buffer, sums_row apart, beside dA's and dD's: [H, R, N] each). (This replaced a pass of their own
     over dk and dq stored in fp32 per head: no fp32 dk and dq go to memory, and one launch fewer.)"""
-    slot = tl.program_id(0)
-    hd = tl.program_id(1)
-    first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, slot, hd,
-                                                                             H, D, CHUNK, RANK)  # fmt: skip
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
+                                                                                       H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
         _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, True, True, N, RANK)
     else:
@@ -611,10 +611,8 @@ def _m3_bwd_own_kernel(
     """M3_BWD_SPLIT's first kernel: the chunk pass's steps 1-2 (_m3_bwd_own_terms), its results for the second
     kernel in memory: L * (dy x^T) * W [CHUNK, CHUNK] in the dots' dtype at ldyu_ptr, dcs [CHUNK] and sum(R) fp32 at
     dcs_ptr (CHUNK + 1 apart), one block per program (slot, head)."""
-    slot = tl.program_id(0)
-    hd = tl.program_id(1)
-    first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, slot, hd,
-                                                                             H, D, CHUNK, RANK)  # fmt: skip
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
+                                                                                       H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
         _m3_bwd_gap_slot(dw_ptr, dskip_ptr, dw_ptr, dw_ptr, slot, hd, sums_row, True, False, N, RANK)
     else:
@@ -636,10 +634,8 @@ def _m3_bwd_sweeps_kernel(
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's second kernel: the chunk pass's steps 3-4 (_m3_bwd_key_sweeps) from the first's results."""
-    slot = tl.program_id(0)
-    hd = tl.program_id(1)
-    first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, slot, hd,
-                                                                             H, D, CHUNK, RANK)  # fmt: skip
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
+                                                                                       H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
         _m3_bwd_gap_slot(da_ptr, da_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, False, True, N, RANK)
     else:
