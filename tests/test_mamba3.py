@@ -5,6 +5,7 @@ field. CPU, fp64 and fp32."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import sys
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from megacpp_lab.kernels import TRITON_INTERPRET
 from megacpp_lab.kernels.mamba3 import mamba3_scan, mamba3_scan_reference
-from megacpp_lab.kernels.ssd import ssd_scan_reference
+from megacpp_lab.kernels.ssd import rank_inputs, ssd_scan_reference
 from megacpp_lab.testing import LAUNCHER_PLUMBING, assert_no_leaks, each_document_alone, launcher_operators
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
@@ -220,17 +224,53 @@ def test_the_split_chunk_pass_equals_the_one_kernel_bit_for_bit(R, monkeypatch):
             torch.testing.assert_close(two, one, rtol=1e-6, atol=1e-6, msg=f"d{name}: two chunk kernels against one")
 
 
-def test_the_backward_launcher_sums_its_chunk_partials_in_one_reduction():
-    """mamba3_scan_bwd's partial sums per chunk (dA, dD, both biases' gradients) share one buffer, summed once: with
-    a group per head and one rank (no group or rank sums), the operators the op calls directly are allocations,
-    views, the interpreter's copies on a CPU, and that one sum (each operator is host work in every M block's
-    backward, in a step that is host-bound between kernels)."""
+@pytest.mark.parametrize("R", [1, 2])
+def test_the_backward_launcher_sums_its_chunk_partials_in_one_reduction(R):
+    """mamba3_scan_bwd's partial sums per chunk (dA, dD, both biases' gradients) share one buffer, summed once, and
+    MIMO's angle gradients come out of the kernel summed over a step's ranks: with a group per head (no group sums),
+    SISO or MIMO, the operators the op calls directly are allocations, views, the interpreter's copies on a CPU, and
+    that one sum (each operator is host work in every M block's backward, in a step that is host-bound between
+    kernels)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    a = {k: v.float().to(device).requires_grad_() for k, v in _inputs(B=2, T=32, H=2, G=2, P=16, N=16).items()}
+    make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
+    a = {k: v.float().to(device).requires_grad_() for k, v in make(B=2, T=32, H=2, G=2, P=16, N=16).items()}
     cu = torch.tensor([0, 20, 32, 45, 64], dtype=torch.int32, device=device)
     y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
     _, called = launcher_operators(lambda: y.sum().backward(), "megacpp::mamba3_scan_bwd")
     assert [name for name in called if name not in LAUNCHER_PLUMBING] == ["sum"], called
+
+
+@triton.jit
+def _rank_inputs_probe(x_ptr, xs_ptr, out_ptr, TOTAL, H, P: tl.constexpr, RANK: tl.constexpr, BT: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    hd = tl.program_id(1)
+    rp = tl.arange(0, P)
+    m = t < TOTAL
+    x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK)
+    tl.store(out_ptr + (t[:, None] * H + hd) * P + rp[None, :], x, mask=m[:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_the_kernels_rank_inputs_are_torchs_bit_for_bit(R, dtype):
+    """kernels/ssd.py's rank_inputs (how every Mamba-3 kernel reads x): MIMO's x * mimo_x[r] formed from x [B,T,H,P]
+    as the kernels read it, bit for bit torch's x[:, :, None] * mimo_x.transpose(0, 1).to(x.dtype) (the chunked path
+    and the step loop's rank inputs), one row a rank sub-token; R = 1 reads x itself."""
+    if not torch.cuda.is_available():
+        if not TRITON_INTERPRET:
+            pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+        if dtype == torch.bfloat16:  # its fp32 -> bf16 casts truncate, where the GPU's (and torch's) round to nearest
+            pytest.skip("bf16 rounding needs a CUDA device: the interpreter truncates fp32 -> bf16")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11)
+    B, T, H, P = 2, 24, 3, 16
+    x = torch.randn(B, T, H, P, generator=g).to(device, dtype)
+    mimo_x = (1 + 0.3 * torch.randn(H, R, P, generator=g)).to(device)
+    out = torch.empty(B, T * R, H, P, device=device, dtype=dtype)
+    total = B * T * R
+    _rank_inputs_probe[(triton.cdiv(total, 16), H)](x, mimo_x, out, total, H, P=P, RANK=R, BT=16)
+    want = x[:, :, None] * mimo_x.transpose(0, 1).to(dtype) if R > 1 else x[:, :, None]
+    assert torch.equal(out.view(B, T, R, H, P), want)
 
 
 @pytest.mark.parametrize("kernel", ["chunked", "triton", "reference"])
@@ -567,7 +607,7 @@ def test_the_triton_op_refuses_shapes_past_int32_indexing():
     B, T, R, H, P, G, N = 8, 16384, 4, 32, 64, 1, 128  # B*T*R*H*N = 2**31 keys per head and sub-token
     big = lambda *shape: torch.zeros(1, device=device).expand(*shape)  # noqa: E731
     with pytest.raises(ValueError, match=r"indexes in int32: x \(8, 16384\) x 4 ranks with H=32"):
-        _mamba3_triton(big(B, T, R, H, P), big(B, T, H), big(H), big(B, T, R, G, N), big(B, T, R, G, N),
+        _mamba3_triton(big(B, T, H, P), big(H, R, P), big(B, T, H), big(H), big(B, T, R, G, N), big(B, T, R, G, N),
                        big(B, T, H, 8), big(H, R, N), big(H, R, N), big(B, T, H), big(B, T, H), big(H), None, 64)  # fmt: skip
 
 

@@ -35,8 +35,10 @@ and the weights by step, so a step's ranks see each other), which makes the diag
 of the next token's dt and trapezoid; the skip D x is added there too (one rounding of y), and its gradients come
 from the backward's chunk pass. One Triton pass rotates the keys and queries per head and stores them in x's
 dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
-document's angle gradients stop summing to zero, and the suffix sums carry the difference). The angle sums run as
-one Triton program per document. The step loop is every path's oracle.
+document's angle gradients stop summing to zero, and the suffix sums carry the difference). MIMO's rank inputs
+x * mimo_x[r] are formed as the kernels read x, one row a step (kernels/ssd.py's rank_inputs), and the chunk pass
+sums a step's ranks' angle gradients itself. The angle sums run as one Triton program per document. The step loop
+is every path's oracle.
 
 Shapes follow kernels/ssd.py: x [B,T,H,P], dt [B,T,H], A [H], the trapezoid logits trap [B,T,H], the angle
 rates angles [B,T,H,N_a] with N_a <= N/2 (the pairs past N_a are not rotated), D [H]. SISO: B and C [B,T,G,N]
@@ -47,6 +49,7 @@ mimo_x [H,R,P], y [B,T,R,H,P] (one output per rank: the layer gates and combines
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -54,7 +57,7 @@ import triton.language as tl
 
 from megacpp_lab.kernels import INTERPRETED, launchable
 from megacpp_lab.kernels.ssd import (Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask, dot_types,
-                                     launch_ssd_bwd_states, launch_ssd_fwd, slot_chunk, ssd_scan)
+                                     launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, slot_chunk, ssd_scan)
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "doc_angle_sum_torch", "doc_angle_sum_triton",
@@ -91,7 +94,8 @@ def mamba3_scan_reference(
     flattened B*T tokens; None: one document per row). Returns y in x's dtype: [B,T,H,P], MIMO [B,T,R,H,P]."""
     B, T, H, P, G, N, n_a, R = _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x)
     mimo = Bm.dim() == 5
-    Bm, Cm, b_bias, c_bias, xr = _ranked(x, Bm, Cm, b_bias, c_bias, mimo_x)
+    Bm, Cm, b_bias, c_bias = _ranked_keys(Bm, Cm, b_bias, c_bias)
+    xr = _rank_inputs(x, mimo_x)
     acc = torch.promote_types(x.dtype, torch.float32)
     reset = doc_start_mask(cu_seqlens, B, T, x.device)
     per_head = H // G
@@ -139,11 +143,18 @@ def mamba3_step(
     return y, S, theta, k, x_r
 
 
-def _ranked(x, Bm, Cm, b_bias, c_bias, mimo_x):  # noqa: ANN001, ANN202
-    """The rank form of either layout: B, C [B,T,R,G,N], biases [H,R,N], the rank inputs x_r [B,T,R,H,P]."""
+def _ranked_keys(Bm, Cm, b_bias, c_bias):  # noqa: ANN001, ANN202
+    """The rank form of either layout's keys: B, C [B,T,R,G,N], biases [H,R,N]."""
     if Bm.dim() == 4:
-        return Bm[:, :, None], Cm[:, :, None], b_bias[:, None], c_bias[:, None], x[:, :, None]
-    return Bm, Cm, b_bias, c_bias, x[:, :, None] * mimo_x.transpose(0, 1).to(x.dtype)
+        return Bm[:, :, None], Cm[:, :, None], b_bias[:, None], c_bias[:, None]
+    return Bm, Cm, b_bias, c_bias
+
+
+def _rank_inputs(x, mimo_x):  # noqa: ANN001, ANN202
+    """The rank inputs x_r = x * mimo_x[r] [B,T,R,H,P] in x's dtype (SISO: x itself, one rank); the Triton kernels
+    form them as they read x (kernels/ssd.py's rank_inputs, the same rounding)."""
+    return x[:, :, None] if mimo_x is None else x[:, :, None] * mimo_x.transpose(0, 1).to(x.dtype)
+
 
 
 def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tuple[int, ...]:  # noqa: ANN001
@@ -419,24 +430,40 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
 
 
 @triton.jit
-def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, hd, H, n_a, slot, sums_row, col0, rn, kq_at,
-                   FIRST: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
+def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, col0, rn,
+                   kq_at, FIRST: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
                    N: tl.constexpr):  # fmt: skip
     """One [CHUNK, BN] block of dk (or dq) at the keys v as stored, taken back through the rotation: the gradient
-    of B + b_bias per head into out_ptr; the block's pairs' angle gradients into dth_ptr (FIRST: stored; else added
-    to what the queries' sweep stored); the bias's partial sums over the chunk's sub-tokens, per rank."""
+    of B + b_bias per head into out_ptr; the block's pairs' angle gradients into dth_ptr ([B*T, H, n_a], one row a
+    step; FIRST: stored, else added to what the queries' sweep stored); the bias's partial sums over the chunk's
+    sub-tokens, per rank. MIMO: a chunk holds whole steps ([first, end) sub-tokens), so the ranks' angle gradients
+    are summed here and each rank's bias sum is one reduction of the block seen as [steps, RANK, BN] (compiled for
+    sm_90, kernels/resources: at R = 4, with x read a step at a time, the chunk kernel's shuffles went from 848 to
+    528 and its spills from 336/392 to 308/328 bytes a thread, against stores per sub-token and a masked sum per
+    rank; taking cos and sin once a step and broadcasting them to the ranks spilled more, 524/604)."""
     pr = col0 // 2 + tl.arange(0, BN // 2)  # the block's pairs (rn = col0 + arange(BN))
     pm = m[:, None] & (pr < n_a)[None, :]
     th = tl.load(th_ptr + ((t // RANK) * H + hd)[:, None] * n_a + pr[None, :], mask=pm, other=0.0)
     back, dth = _unrotate(d, v, _cos(th), _sin(th), CHUNK, BN)
     tl.store(out_ptr + kq_at + rn[None, :], back.to(out_ptr.dtype.element_ty), mask=m[:, None])
-    th_at = dth_ptr + (t * H + hd)[:, None] * n_a + pr[None, :]
+    if RANK == 1:
+        th_at = dth_ptr + (t * H + hd)[:, None] * n_a + pr[None, :]
+    else:
+        STEPS: tl.constexpr = CHUNK // RANK
+        steps = first // RANK + tl.arange(0, STEPS)
+        pm = (steps < end // RANK)[:, None] & (pr < n_a)[None, :]
+        th_at = dth_ptr + (steps * H + hd)[:, None] * n_a + pr[None, :]
+        dth = tl.sum(tl.reshape(dth, (STEPS, RANK, BN // 2)), axis=1)
     if not FIRST:
         dth += tl.load(th_at, mask=pm, other=0.0)
     tl.store(th_at, dth, mask=pm)
-    r = t % RANK
-    for rr in tl.static_range(RANK):  # rows past the chunk's end are zero
-        tl.store(bias_ptr + slot * sums_row + (hd * RANK + rr) * N + rn, tl.sum(tl.where((r == rr)[:, None], back, 0.0), 0))
+    # rows past the chunk's end are zero
+    if RANK == 1:
+        tl.store(bias_ptr + slot * sums_row + hd * N + rn, tl.sum(back, 0))
+    else:
+        rr = tl.arange(0, RANK)
+        tl.store(bias_ptr + slot * sums_row + ((hd * RANK + rr) * N)[:, None] + rn[None, :],
+                 tl.sum(tl.reshape(back, (STEPS, RANK, BN)), axis=0))  # fmt: skip
 
 
 @triton.jit
@@ -457,12 +484,12 @@ def _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK: tl.constexpr, 
 
 
 @triton.jit
-def _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr, dgam_ptr, dskip_ptr,
-                      t, m, step, cs, xw, w, slot, hd, H, sums_row, P: tl.constexpr, N: tl.constexpr,
+def _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr, dgam_ptr,
+                      dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row, P: tl.constexpr, N: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-                      SDOT: tl.constexpr):  # fmt: skip
+                      SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
     """The chunk pass's steps 1 and 2 (_m3_bwd_chunk_kernel): the reductions over N and the chunk's own terms.
-    Stores dx, d weight, d gamma and dD's partial sum; returns L * (dy x^T) * W in the dots' dtype, the log-decay
+    Stores dx (at the rank inputs, one row a sub-token), d weight, d gamma and dD's partial sum; returns L * (dy x^T) * W in the dots' dtype, the log-decay
     gradient's in-chunk part dcs (less R) and the sum of R = w xw (x . Q) over the chunk (the inputs' part of the
     decay to the chunk's end; the sweeps need only its sum)."""
     rp = tl.arange(0, P)
@@ -480,7 +507,7 @@ def _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, d
         CB += tl.dot(qc.to(DOT), tl.trans(kc.to(DOT)), input_precision=PRECISION)
         Q += tl.dot(kc.to(SDOT), tl.trans(dS.to(SDOT)), input_precision=PRECISION)
     # 2. the chunk's own terms, in an order that lets each tile go as soon as it can (Q first, then CB)
-    x = tl.load(x_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
+    x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK).to(DOT)
     dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
     wxQ = w * tl.sum(x.to(tl.float32) * Q, axis=1)  # x_j . Q_j at the decay to the chunk's end
     dx = (xw * w)[:, None] * Q + tl.load(skip_ptr + hd) * dy.to(tl.float32)  # the skip D x
@@ -501,9 +528,9 @@ def _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, d
 
 
 @triton.jit
-def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
-                       dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, A_h, dt, cs, cs_last, xw, w, slot, hd, H, n_a,
-                       sums_row, P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
+                       dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w, slot,
+                       hd, H, n_a, sums_row, P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
                        PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
     """The chunk pass's steps 3 and 4 (_m3_bwd_chunk_kernel), from step 2's LdYU, dcs and sum(R): the sweeps over N for
     dq and dk (each taken back through the rotation, _key_grads_out), then the log-decay gradient: ddt and dA's
@@ -524,11 +551,11 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st
         dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
         dcs += tl.sum(dyS * qc, axis=1)
         dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
-        _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, hd, H, n_a, slot, sums_row, nb * BN, rn, kq_at,
-                       True, RANK, CHUNK, BN, N)  # fmt: skip
+        _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
+                       rn, kq_at, True, RANK, CHUNK, BN, N)  # fmt: skip
     tl.debug_barrier()  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
     # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
-    x = tl.load(x_ptr + xp_at, mask=m[:, None], other=0.0).to(tl.float32)
+    x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK).to(tl.float32)
     uw = (x * (xw * w)[:, None]).to(SDOT)
     SdS = tl.zeros((P,), dtype=tl.float32)
     for nb in tl.static_range(N // BN):
@@ -539,8 +566,8 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st
         dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
               + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
         kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, hd, H, n_a, slot, sums_row, nb * BN, rn, kq_at,
-                       False, RANK, CHUNK, BN, N)  # fmt: skip
+        _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
+                       rn, kq_at, False, RANK, CHUNK, BN, N)  # fmt: skip
         SdS += tl.sum(dS * S, axis=1)
     # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
     to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + sum_R
@@ -558,14 +585,15 @@ def _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, OW
         tl.store(dskip_ptr + slot * sums_row + hd, 0.0)
     if SWEEPS:
         tl.store(da_ptr + slot * sums_row + hd, 0.0)
-        for rr in tl.static_range(RANK):
-            tl.store(dkb_ptr + slot * sums_row + (hd * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
-            tl.store(dqb_ptr + slot * sums_row + (hd * RANK + rr) * N + tl.arange(0, N), tl.zeros((N,), tl.float32))
+        rows = (hd * RANK + tl.arange(0, RANK))[:, None]
+        rn = tl.arange(0, N)[None, :]
+        tl.store(dkb_ptr + slot * sums_row + rows * N + rn, tl.zeros((RANK, N), tl.float32))
+        tl.store(dqb_ptr + slot * sums_row + rows * N + rn, tl.zeros((RANK, N), tl.float32))
 
 
 @triton.jit
 def _m3_bwd_chunk_kernel(
-    x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
+    x_ptr, xs_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
     dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dskip_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
     H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
@@ -585,25 +613,28 @@ def _m3_bwd_chunk_kernel(
     (_m3_bwd_own_kernel, _m3_bwd_sweeps_kernel), step 2's results passing through memory.
     SDOT: the operands' dtype of the four dots against the state S and its gradient dS' (fp32, or DOT).
     dk and dq go back through the rotation here, unrounded (_key_grads_out): dB and dC per head in their pointers'
-    dtype, the angles' gradient per sub-token [B*T*R, H, n_a] and the biases' partial sums per chunk (rows of the
-    launcher's sums buffer, sums_row apart, beside dA's and dD's: [H, R, N] each). (This replaced a pass of their own
-    over dk and dq stored in fp32 per head: no fp32 dk and dq go to memory, and one launch fewer.)"""
+    dtype, the angles' gradient per step [B*T, H, n_a] (summed over a step's ranks) and the biases' partial sums per
+    chunk (rows of the launcher's sums buffer, sums_row apart, beside dA's and dD's: [H, R, N] each). (This replaced a
+    pass of their own over dk and dq stored in fp32 per head: no fp32 dk and dq go to memory, and one launch fewer.)
+    MIMO (RANK > 1): x [B*T, H, P] is read a step at a time and scaled by mimo_x [H, R, P] at xs_ptr (rank_inputs);
+    dx is the rank inputs' gradient, one row a sub-token: the autograd backward combines the ranks (summing them here
+    took the MIMO kernel's spills from 360/400 to 524/604 bytes a thread, compiled for sm_90 by kernels/resources)."""
     slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
                                                                                        H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
         _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, True, True, N, RANK)
     else:
-        LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr,
-                                         dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row, P, N, BN,
-                                         CHUNK, PRECISION, DOT, SDOT)  # fmt: skip
-        _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
-                           dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, A_h, dt, cs, cs_last, xw, w, slot, hd, H, n_a,
-                           sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+        LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr,
+                                             dw_ptr, dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row,
+                                             P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+        _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
+                           dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w,
+                           slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
 
 @triton.jit
 def _m3_bwd_own_kernel(
-    x_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, cu_ptr, dst_ptr, dy_ptr,
+    x_ptr, xs_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, cu_ptr, dst_ptr, dy_ptr,
     dx_ptr, dw_ptr, dgam_ptr, dskip_ptr, ldyu_ptr, dcs_ptr, H, D, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
@@ -616,9 +647,9 @@ def _m3_bwd_own_kernel(
     if first >= end:
         _m3_bwd_gap_slot(dw_ptr, dskip_ptr, dw_ptr, dw_ptr, slot, hd, sums_row, True, False, N, RANK)
     else:
-        LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr,
-                                         dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row, P, N, BN,
-                                         CHUNK, PRECISION, DOT, SDOT)  # fmt: skip
+        LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr,
+                                             dw_ptr, dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row,
+                                             P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
         rl = tl.arange(0, CHUNK)
         block = slot * H + hd
         tl.store(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :], LdYU)
@@ -628,7 +659,7 @@ def _m3_bwd_own_kernel(
 
 @triton.jit
 def _m3_bwd_sweeps_kernel(
-    x_ptr, dt_ptr, w_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr, ldyu_ptr, dcs_ptr,
+    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr, ldyu_ptr, dcs_ptr,
     ddt_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
@@ -644,9 +675,9 @@ def _m3_bwd_sweeps_kernel(
         LdYU = tl.load(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :]).to(DOT)
         dcs = tl.load(dcs_ptr + block * (CHUNK + 1) + rl)
         sum_R = tl.load(dcs_ptr + block * (CHUNK + 1) + CHUNK)
-        _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr, dk_ptr,
-                           dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, A_h, dt, cs, cs_last, xw, w, slot, hd, H, n_a,
-                           sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+        _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
+                           dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w,
+                           slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
 
 # sub-tokens per key program (4 warps): on the H200 at [8,4096,16,128], 16 took 210 us (32: 302)
@@ -684,35 +715,41 @@ def _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, rank, dtype) -> tuple[torch.
 def mamba3_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, theta: torch.Tensor,
     b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
-    cu_seqlens: torch.Tensor, chunk: int, rank: int, save: bool,
+    mimo_x: Optional[torch.Tensor], cu_seqlens: torch.Tensor, chunk: int, rank: int, save: bool,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), and the saved chunk states. The keys
     and queries per head, k = rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels
     in Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight (the trapezoid's exact
-    diagonal; a step's ranks see each other). x [B,T*R,H,P]; dt (rank 0's, the others 0), weight and gamma [B,T*R,H] fp32; B and C
-    [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the sub-tokens. Contiguous,
-    validated by mamba3_scan."""
+    diagonal; a step's ranks see each other). x [B,T,H,P], one row a step: MIMO's rank inputs x * mimo_x[r]
+    (mimo_x [H,R,P] fp32; None for SISO) are formed as the kernels read x; dt (rank 0's, the others 0), weight and
+    gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the
+    sub-tokens. Contiguous, validated by mamba3_scan."""
     k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, x.shape[2], rank, x.dtype)
-    return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype, Mamba3Operands(gamma, rank, D))
+    return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype,
+                          Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
 
 
 @mamba3_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
-    B, T, H, P = x.shape
-    n_slots = B * T // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
-    return torch.empty_like(x), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
+def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
+    B, TR = dt.shape[:2]
+    H, P = x.shape[2:]
+    n_slots = B * TR // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
+    return (x.new_empty((B, TR, H, P)),
+            x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32))  # fmt: skip
 
 
 @torch.library.custom_op("megacpp::mamba3_scan_bwd", mutates_args=())
 def mamba3_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
-    D: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int,
+    D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_seqlens: torch.Tensor, states: torch.Tensor,  # noqa: UP045
+    chunk: int, rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
-    """dx, ddt, dB, dC (B's dtype), d theta [B,T,H,n_a] fp32, d weight, d gamma, and the gradients of A, D and the
-    two biases in one fp32 vector [2H + 2HRN] (split_sums parts it: a custom op's outputs may not be views of one
-    another, and four reductions over the chunks would be four launches).
+    """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt,
+    dB, dC (B's dtype), d theta [B,T,H,n_a] fp32 (summed over the ranks), d weight, d gamma, and the gradients of A,
+    D and the two biases in one fp32 vector [2H + 2HRN] (split_sums parts it: a custom op's outputs may not be views
+    of one another, and four reductions over the chunks would be four launches).
     The keys are recomputed (not saved: per head they are H / G times B's size); SSD's sequential state pass, then
     the chunk pass (_m3_bwd_chunk_kernel; with M3_BWD_SPLIT, _m3_bwd_own_kernel then _m3_bwd_sweeps_kernel), which
     also takes dk and dq back through the rotation, unrounded."""
@@ -724,12 +761,14 @@ def mamba3_scan_bwd(
     dots = dot_types(x.dtype)
     sdot = dots["DOT"] if STATE_DOTS_IN_INPUT_DTYPE else tl.float32
     n_slots = states.shape[0]
-    dx, ddt, dw, dgam = torch.empty_like(x), torch.empty_like(dt), torch.empty_like(weight), torch.empty_like(gamma)
+    dx = torch.empty((B, TR, H, P), device=x.device, dtype=x.dtype)
+    ddt, dw, dgam = torch.empty_like(dt), torch.empty_like(weight), torch.empty_like(gamma)
     # the per-chunk partial sums of dA, dD and the two biases' gradients in one [slots, row] buffer, summed over the
     # slots at once below (one reduction, not four: each is a launch and host work in every M block's backward)
     sums = torch.empty((n_slots, 2 * H + 2 * H * R * N), device=x.device, dtype=torch.float32)
     dA, dD, dbb, dcb = sums.split([H, H, H * R * N, H * R * N], dim=1)  # strided views: the kernel's rows are sums'
-    dth = torch.empty((B, TR, H, n_a), device=x.device, dtype=torch.float32)
+    xs = mimo_x if R > 1 else dt  # SISO: a placeholder pointer the kernels never read
+    dth = torch.empty_like(theta)  # one row a step: the kernels sum a step's ranks
     # dB and dC per head in B's dtype: one head a group, the gradients themselves; else each head's part, summed over
     # the group below in fp32 (per-head parts in fp32 doubled the traffic of the largest buffers at H=32, G=1)
     dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype)
@@ -741,32 +780,33 @@ def mamba3_scan_bwd(
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
         ldyu = torch.empty((n_slots, H, chunk, chunk), device=x.device, dtype=ldyu_dtype)
         dcs = torch.empty((n_slots, H, chunk + 1), device=x.device, dtype=torch.float32)
-        _m3_bwd_own_kernel[(n_slots, H)](x, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam, dD,
-                                         ldyu, dcs, H, n_docs, sums.shape[1], **consts)  # fmt: skip
-        _m3_bwd_sweeps_kernel[(n_slots, H)](x, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu, dcs,
-                                            ddt, dA, dBh, dCh, dth, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts)  # fmt: skip
+        _m3_bwd_own_kernel[(n_slots, H)](x, xs, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam,
+                                         dD, ldyu, dcs, H, n_docs, sums.shape[1], **consts)  # fmt: skip
+        _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu,
+                                            dcs, ddt, dA, dBh, dCh, dth, dbb, dcb, H, n_docs, n_a, sums.shape[1],
+                                            **consts)  # fmt: skip
     else:
         _m3_bwd_chunk_kernel[(n_slots, H)](
-            x, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
+            x, xs, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
             dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts,
         )  # fmt: skip
     dB, dC = (t if G == H else t.view(B, TR, G, H // G, N).sum(3, dtype=torch.float32).to(Bm.dtype)
               for t in (dBh, dCh))  # fmt: skip
-    d_theta = dth.view(B, TR // R, R, H, n_a).sum(2) if R > 1 else dth
-    return dx, ddt, dB, dC, d_theta, dw, dgam, sums.sum(0)
+    return dx, ddt, dB, dC, dth, dw, dgam, sums.sum(0)
 
 
 @mamba3_scan_bwd.register_fake
-def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
-    H, N = x.shape[2], Bm.shape[-1]
-    return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(Bm), torch.empty_like(Cm),
+def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
+    B, TR = dt.shape[:2]
+    H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
+    return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), torch.empty_like(Bm), torch.empty_like(Cm),
             torch.empty_like(theta), torch.empty_like(weight), torch.empty_like(gamma),
             x.new_empty((2 * H + 2 * H * rank * N,), dtype=torch.float32))  # fmt: skip
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk, rank, _save = inputs
-    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, output[1])
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, chunk, rank, _save = inputs
+    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, output[1])
     ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
 
@@ -778,14 +818,21 @@ def split_sums(sums: torch.Tensor, H: int, R: int, N: int) -> tuple[torch.Tensor
 
 
 def _mamba3_backward(ctx, dy, _dstates):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, states = ctx.saved_tensors
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, states = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
-    dx, ddt, dB, dC, d_theta, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight,
-                                                              gamma, D, cu_seqlens, states, ctx.chunk, ctx.rank)  # fmt: skip
+    dxr, ddt, dB, dC, d_theta, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight,
+                                                               gamma, D, mimo_x, cu_seqlens, states, ctx.chunk,
+                                                               ctx.rank)  # fmt: skip
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums, x.shape[2], ctx.rank, Bm.shape[-1])
-    return dx, ddt, dA.to(A.dtype), dB, dC, d_theta, dbb, dcb, dw, dgam, dD, None, None, None, None
+    dx, dmx = dxr, None
+    if mimo_x is not None:  # through x_r = x * mimo_x[r] (rank_inputs' rounding): elementwise work inductor fuses
+        B, T, H, P = x.shape
+        dxr = dxr.view(B, T, ctx.rank, H, P)
+        dx = (dxr * mimo_x.transpose(0, 1).to(x.dtype)).sum(2, dtype=torch.float32).to(x.dtype)
+        dmx = (dxr * x[:, :, None]).sum((0, 1), dtype=torch.float32).transpose(0, 1)
+    return dx, ddt, dA.to(A.dtype), dB, dC, d_theta, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None
 
 
 mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
@@ -798,42 +845,45 @@ def _keys(Bm: torch.Tensor, bias: torch.Tensor, theta: torch.Tensor, H: int) -> 
     return rotate_pairs(Bm.to(acc).repeat_interleave(H // Bm.shape[3], dim=3) + bias.transpose(0, 1).to(acc), theta)
 
 
-def _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk):  # noqa: ANN001, ANN202
-    """The Triton op on the rank form (_ranked's): y [B,T,R,H,P] with D x (D None: no skip)."""
-    B, T, R, H, P = xr.shape
+def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk):  # noqa: ANN001, ANN202
+    """The Triton op on x [B,T,H,P] (MIMO: with its rank scale mimo_x [H,R,P], applied in the kernels; SISO: None) and
+    the rank form of the keys (_ranked_keys's B, C [B,T,R,G,N] and biases [H,R,N]): y [B,T,R,H,P] with D x (D None: no
+    skip)."""
+    B, T, H, P = x.shape
+    R = Bm.shape[2]
     if chunk % R:
         raise ValueError(f"mamba3: the Triton scan's chunk ({chunk} sub-tokens) must hold whole steps of R={R} ranks")
     for name, n in (("chunk", chunk), ("P (x's head dim)", P), ("N (Bm's state dim)", Bm.shape[-1])):
         if n < 16 or n & (n - 1):
             raise ValueError(f"the Triton Mamba-3 scan needs {name} a power of two >= 16 (tl.dot tiles), got {n}")
-    if not launchable(xr.device):
-        raise RuntimeError(f"kernel='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); x is on {xr.device}")
-    if xr.dtype == torch.float64:
+    if not launchable(x.device):
+        raise RuntimeError(f"kernel='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); x is on {x.device}")
+    if x.dtype == torch.float64:
         raise ValueError("the Triton Mamba-3 scan takes float32, bfloat16 or float16 x; float64 is for the torch paths")
     N = Bm.shape[-1]
     n_docs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     # the saved states, the keys per head and sub-token, and M3_BWD_SPLIT's [CHUNK, CHUNK] tile per chunk and head
     elements = max((B * T * R // chunk + n_docs) * H * max(P * N, chunk * chunk), B * T * R * H * max(P, N))
     if elements >= 2**31:  # the kernels index in int32
-        raise ValueError(f"the Triton Mamba-3 scan indexes in int32: x {tuple(xr.shape[:2])} x {R} ranks with H={H}, "
+        raise ValueError(f"the Triton Mamba-3 scan indexes in int32: x {tuple(x.shape[:2])} x {R} ranks with H={H}, "
                          f"P={P}, N={N}, chunk={chunk} and {n_docs} documents needs {elements} elements in one buffer "
                          f"(limit 2**31); split the batch")  # fmt: skip
     if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, B * T + 1, T, device=xr.device, dtype=torch.int32)
+        cu_seqlens = torch.arange(0, B * T + 1, T, device=x.device, dtype=torch.int32)
     sub = lambda t: t.reshape(B, T * R, *t.shape[3:]).contiguous()  # noqa: E731  [B,T,R,...] -> [B,T*R,...]
     fp32_sub = lambda t: sub(t[:, :, None].expand(B, T, R, H).float())  # noqa: E731
     dt_sub = torch.cat((dt[:, :, None].float(), dt.new_zeros((B, T, R - 1, H), dtype=torch.float32)), dim=2)
     # no generator expression: dynamo cannot trace one under fullgraph
     needs_grad = torch.is_grad_enabled() and (
-        xr.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
+        x.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
         or theta.requires_grad or b_bias.requires_grad or c_bias.requires_grad or weight.requires_grad
-        or gamma.requires_grad or (D is not None and D.requires_grad)
+        or gamma.requires_grad or (D is not None and D.requires_grad) or (mimo_x is not None and mimo_x.requires_grad)
     )  # fmt: skip
     skip = D.float().contiguous() if D is not None else A.new_zeros((H,), dtype=torch.float32)
     y, _ = mamba3_scan_fwd(
-        sub(xr), sub(dt_sub), A.float().contiguous(), sub(Bm), sub(Cm), theta.float().contiguous(),
+        x.contiguous(), sub(dt_sub), A.float().contiguous(), sub(Bm), sub(Cm), theta.float().contiguous(),
         b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
-        (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
+        None if mimo_x is None else mimo_x.float().contiguous(), (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
     )  # fmt: skip
     return y.view(B, T, R, H, P)
 
@@ -871,7 +921,7 @@ def mamba3_scan(
     if kernel == "reference":
         return mamba3_scan_reference(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, cu_seqlens, mimo_x=mimo_x)
     mimo = Bm.dim() == 5
-    Bm, Cm, b_bias, c_bias, xr = _ranked(x, Bm, Cm, b_bias, c_bias, mimo_x)
+    Bm, Cm, b_bias, c_bias = _ranked_keys(Bm, Cm, b_bias, c_bias)
     acc = torch.promote_types(x.dtype, torch.float32)
     if cu_seqlens is None:  # one document a row
         cu_seqlens = torch.arange(0, B * T + 1, T, device=x.device, dtype=torch.int32)
@@ -886,8 +936,9 @@ def mamba3_scan(
     if kernel == "auto":
         kernel = "triton" if x.device.type == "cuda" else "chunked"
     if kernel == "triton":  # one op: keys and queries biased and rotated in the kernels, the diagonal exact, D x added
-        y = _mamba3_triton(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk)
+        y = _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk)
     else:
+        xr = _rank_inputs(x, mimo_x)
         y = _mamba3_chunked(xr, dts, A, Bm, Cm, theta[:, :, None], b_bias, c_bias, weight, gamma, delta_next,
                             cu_seqlens, chunk)  # fmt: skip
         if D is not None:

@@ -55,6 +55,7 @@ __all__ = [
     "launch_ssd_bwd",
     "launch_ssd_bwd_states",
     "launch_ssd_fwd",
+    "rank_inputs",
     "slot_chunk",
     "slot_document",
     "ssd_chunked_torch",
@@ -251,6 +252,19 @@ def _input_weight(w_ptr, t, m, hd, H, dt, HAS_W: tl.constexpr):
 
 
 @triton.jit
+def rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P: tl.constexpr, RANK: tl.constexpr):
+    """x at the tokens t [CHUNK] and head-dim columns rp, in x's dtype (0 where m is False). RANK > 1 (Mamba-3's
+    MIMO: t = step * RANK + r, a rank sub-token): the step's x [B*T, H, P] times its rank's scale mimo_x [H, RANK, P]
+    (fp32, rounded to x's dtype first), rounded to x's dtype: torch's x * mimo_x.to(x.dtype) bit for bit, with x read
+    once a step (its R sub-tokens hit the same lines) and no [B, T, R, H, P] copy in memory."""
+    if RANK == 1:
+        return tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
+    xv = tl.load(x_ptr + ((t // RANK)[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
+    scale = tl.load(xs_ptr + ((hd * RANK + t % RANK) * P)[:, None] + rp[None, :]).to(xv.dtype)
+    return (xv.to(tl.float32) * scale.to(tl.float32)).to(xv.dtype)
+
+
+@triton.jit
 def decay_mask(cs, step):
     """L[i, j] = exp(cs_i - cs_j) for step_i >= step_j, else 0 (the exponent is masked before exp: no overflow).
     step: the chunk's token index (Mamba-3's MIMO: its step, token // RANK, so a step's ranks see each other)."""
@@ -282,14 +296,15 @@ def _state_program(cu_ptr, a_ptr, H, G, P: tl.constexpr, BP: tl.constexpr, BN: t
 
 @triton.jit
 def _ssd_fwd_state_kernel(
-    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, cu_ptr, st_ptr,
+    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, cu_ptr, st_ptr,
     H, G,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """Pass 1 (sequential over one document's chunks, one [BP, BN] block of the state per program):
     store the fp32 state entering every chunk; S' = exp(cs_last) S + (u * w)^T B, u = dt x (or x times the
-    input weight), w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset."""
+    input weight), w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset. RANK > 1: the
+    tokens are Mamba-3's rank sub-tokens, x per step scaled by mimo_x at xs_ptr (rank_inputs)."""
     hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
     S = tl.zeros((BP, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(end - start, CHUNK)):
@@ -298,7 +313,7 @@ def _ssd_fwd_state_kernel(
         m = t < end
         dt, cs, cs_last = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
-        x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
+        x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK)
         Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0)
         uw = (x.to(tl.float32) * (tl.exp(cs_last - cs) * xw)[:, None]).to(DOT)
         S = tl.exp(cs_last) * S + tl.dot(tl.trans(uw), Bc.to(DOT), input_precision=PRECISION)
@@ -306,14 +321,15 @@ def _ssd_fwd_state_kernel(
 
 @triton.jit
 def _ssd_fwd_output_kernel(
-    x_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr, gam_ptr, skip_ptr,
+    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr, gam_ptr, skip_ptr,
     H, G, D,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """Pass 2 (every chunk at once): y = (C B^T * L) u + exp(cs) * (C S^T), S the saved entering state.
     M3: the same step's tokens take the weight gamma, not w: y = (C B^T * L * W) x + ..., W[i, j] = w_j for an
-    earlier step j, gamma_j for the same step (the trapezoid's exact diagonal); and the skip D x (D [H] fp32)."""
+    earlier step j, gamma_j for the same step (the trapezoid's exact diagonal); and the skip D x (D [H] fp32). RANK > 1:
+    rank sub-tokens, a step's x scaled by mimo_x at xs_ptr (rank_inputs); y [B*T*RANK, H, P] per sub-token."""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     rp = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -326,7 +342,7 @@ def _ssd_fwd_output_kernel(
         t = first + rl
         m = t < end
         dt, cs, _ = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
-        x = tl.load(x_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0)
+        x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK)
         Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
         Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
         S = tl.load(st_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
@@ -505,28 +521,36 @@ def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int, int], i
 class Mamba3Operands(NamedTuple):
     """The kernels' Mamba-3 mode (kernels/mamba3.py's op): the scan's tokens are rank sub-tokens (step, r);
     gamma [B, T*R, H] fp32 weights a step's own inputs (x_weight every later step's); the rank R; the skip D [H]
-    fp32 (y += D x in the output kernel, one rounding)."""
+    fp32 (y += D x in the output kernel, one rounding); MIMO's rank scale mimo_x [H, R, P] fp32 (None for R = 1),
+    applied to x [B, T, H, P] (one row a step) as the kernels read it."""
 
     gamma: torch.Tensor
     rank: int
     skip: torch.Tensor
+    x_scale: torch.Tensor | None = None
 
 
-def _m3_args(m3: Mamba3Operands | None, placeholder: torch.Tensor) -> tuple[dict[str, object], torch.Tensor, torch.Tensor]:
-    """The kernels' Mamba-3 constexprs, and the gamma and skip pointers (placeholders the kernels never read without
-    M3)."""
+def _m3_args(m3: Mamba3Operands | None, placeholder: torch.Tensor) -> tuple[dict[str, object], torch.Tensor, ...]:
+    """The kernels' Mamba-3 constexprs, and the gamma, skip and x-scale pointers (placeholders the kernels never read
+    without M3, or the scale at rank 1)."""
     if m3 is None:
-        return {"M3": False, "RANK": 1}, placeholder, placeholder
-    return {"M3": True, "RANK": m3.rank}, m3.gamma, m3.skip
+        return {"M3": False, "RANK": 1}, placeholder, placeholder, placeholder
+    if (m3.rank > 1) != (m3.x_scale is not None):
+        raise ValueError(f"Mamba3Operands: x_scale (mimo_x) is MIMO's, given exactly when rank > 1; rank={m3.rank}, "
+                         f"x_scale {'given' if m3.x_scale is not None else 'None'}")
+    scale = placeholder if m3.x_scale is None else m3.x_scale
+    return {"M3": True, "RANK": m3.rank}, m3.gamma, m3.skip, scale
 
 
 def launch_ssd_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, cu_seqlens: torch.Tensor,
     chunk: int, save: bool, x_weight: torch.Tensor | None, y_dtype: torch.dtype, m3: Mamba3Operands | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The forward kernels (the SSD op's, and kernels/mamba3's in Mamba-3 mode): y in y_dtype and the fp32 state
+    """The forward kernels (the SSD op's, and kernels/mamba3's in Mamba-3 mode): y [B, T', H, P] in y_dtype over the
+    scan's tokens (T' = dt's: the steps, or Mamba-3's T*R rank sub-tokens, x then one row a step) and the fp32 state
     entering every chunk of every document, by slot (empty unless save). Inputs contiguous and validated."""
-    B, T, H, P = x.shape
+    B, T = dt.shape[:2]
+    H, P = x.shape[2], x.shape[3]
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
     n_slots = _n_slots(B * T, chunk, D)
@@ -535,15 +559,15 @@ def launch_ssd_fwd(
     grid, bp, bn = _state_grid(D, H, P, N)
     has_w = x_weight is not None
     w = x_weight if has_w else dt  # a placeholder pointer the kernels never read
-    flags, gam, skip = _m3_args(m3, dt)
+    flags, gam, skip, x_scale = _m3_args(m3, dt)
     _ssd_fwd_state_kernel[grid](
-        x, dt, w, A, Bm, cu_seqlens, states, H, G,
-        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, num_warps=STATE_WARPS,
+        x, x_scale, dt, w, A, Bm, cu_seqlens, states, H, G,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, RANK=flags["RANK"], num_warps=STATE_WARPS,
     )  # fmt: skip
-    y = torch.empty_like(x, dtype=y_dtype)
+    y = torch.empty((B, T, H, P), device=x.device, dtype=y_dtype)
     bp = min(OUT_BLOCK_P, P)
     _ssd_fwd_output_kernel[(n_slots, H, P // bp)](
-        x, dt, w, A, Bm, Cm, cu_seqlens, states, y, gam, skip, H, G, D,
+        x, x_scale, dt, w, A, Bm, Cm, cu_seqlens, states, y, gam, skip, H, G, D,
         P=P, N=N, BP=bp, CHUNK=chunk, **dots, HAS_W=has_w, **flags, num_warps=OUT_WARPS,
     )  # fmt: skip
     return y, states if save else states.new_empty((0, H, P, N))
