@@ -408,6 +408,32 @@ def test_the_chunked_scan_compiles_in_one_graph_and_other_document_counts_add_no
     assert stats.graphs == 1 and stats.graph_breaks == 0, stats
 
 
+def test_with_the_batchs_context_the_scan_reads_its_document_starts_and_builds_no_mask():
+    """Given the batch's PackedContext, the Triton path (the GPU's) takes the document starts from it (built once a
+    batch) and traces no mask of its own: no zeros-and-index_put per M block (two launches each in every step). Bare
+    cu_seqlens still build it, and both give the same output."""
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = {k: v.float().to(device) for k, v in _inputs(B=2, T=48, H=2, G=1, P=16, N=16).items()}
+    B, T = a["x"].shape[:2]
+    cu = _cu(B, T, 3, seed=3)
+    ctx = build_context(doc_ids_from_cu_seqlens(cu, B, T)).to(device)
+    cu = cu.to(device)
+    graphs = []
+
+    def record(gm, _inputs):  # noqa: ANN001, ANN202
+        graphs.append(gm.code)
+        return gm.forward
+
+    with_ctx = torch.compile(lambda c: mamba3_scan(**a, ctx=c, chunk=16, kernel="triton"), backend=record,
+                             fullgraph=True)(ctx)  # fmt: skip
+    bare = torch.compile(lambda c: mamba3_scan(**a, cu_seqlens=c, chunk=16, kernel="triton"), backend=record,
+                         fullgraph=True)(cu)  # fmt: skip
+    assert "setitem" not in graphs[0] and "setitem" in graphs[1]  # reset[cu_seqlens] = True: the mask's index_put
+    torch.testing.assert_close(with_ctx, bare, atol=0, rtol=0)
+
+
 @pytest.mark.skipif(not (PEER.is_dir() and importlib.util.find_spec("einops")),
                     reason="the mamba_ssm peer checkout (../shared/peers/mamba3) and einops are not here")  # fmt: skip
 def test_matches_mamba_ssms_step_reference_per_document(monkeypatch):

@@ -896,7 +896,8 @@ def mamba3_scan(
     acc = torch.promote_types(x.dtype, torch.float32)
     if cu_seqlens is None:  # one document a row
         cu_seqlens = torch.arange(0, B * T + 1, T, device=x.device, dtype=torch.int32)
-    start = doc_start_mask(cu_seqlens, B, T, x.device)  # [B,T]
+    # [B,T] document starts: the batch's context holds them (no mask built in every M block); bare cu_seqlens build it
+    start = ctx.starts if ctx is not None else doc_start_mask(cu_seqlens, B, T, x.device)
     dts, lam = dt.to(acc), torch.sigmoid(trap.to(acc))
     theta = _angles(angles, dt, cu_seqlens, acc)  # [B,T,H,N_a]: shared by the ranks
     # delta_next: the next token's previous-input weight, zero where the next token starts a document (or past the row)
