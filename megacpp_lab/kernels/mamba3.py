@@ -33,9 +33,10 @@ where r <= r' (for SISO, the diagonal -delta_next (q . k) x). That is the chunke
 kernels run in a Mamba-3 mode where a step's own inputs take gamma and every earlier step's take w (the decay mask
 and the weights by step, so a step's ranks see each other), which makes the diagonal exact and each output free
 of the next token's dt and trapezoid; the skip D x is added there too (one rounding of y), and its gradients come
-from the backward's chunk pass. One Triton pass rotates the keys and queries per head and stores them in x's
-dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
-document's angle gradients stop summing to zero, and the suffix sums carry the difference). MIMO's rank inputs
+from the backward's chunk pass. The keys and queries per head are rotated in fp32 and rounded to x's dtype: by the
+forward's kernels as they read B and C, and in the backward by one Triton pass that stores them (its chunk pass
+reads them three times); the backward's angle gradient is taken against those same rounded keys (against the
+unrounded ones a document's angle gradients stop summing to zero, and the suffix sums carry the difference). MIMO's rank inputs
 x * mimo_x[r] are formed as the kernels read x, one row a step (kernels/ssd.py's rank_inputs), and the chunk pass
 sums a step's ranks' angle gradients itself. The angle sums run as one Triton program per document. The step loop
 is every path's oracle.
@@ -693,8 +694,9 @@ def mamba3_scan_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), and the saved chunk states. The keys
     and queries per head, k = rot(B + b_bias, theta) in x's dtype (formed as the kernels read B and C; with
-    M3_FWD_KEYS_KERNEL, stored by one Triton pass first), in kernels/ssd.py's kernels in Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight (the trapezoid's exact
-    diagonal; a step's ranks see each other). x [B,T,H,P], one row a step: MIMO's rank inputs x * mimo_x[r]
+    M3_FWD_KEYS_KERNEL, stored by one Triton pass first), in kernels/ssd.py's kernels in Mamba-3 mode: a step's own
+    inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal; a step's ranks see each
+    other). x [B,T,H,P], one row a step: MIMO's rank inputs x * mimo_x[r]
     (mimo_x [H,R,P] fp32; None for SISO) are formed as the kernels read x; dt (rank 0's, the others 0), weight and
     gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the
     sub-tokens. Contiguous, validated by mamba3_scan."""
