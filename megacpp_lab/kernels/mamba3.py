@@ -400,7 +400,8 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, first, end, h
     are summed here and each rank's bias sum is one reduction of the block seen as [steps, RANK, BN] (compiled for
     sm_90, kernels/resources: at R = 4, with x read a step at a time, the chunk kernel's shuffles went from 848 to
     528 and its spills from 336/392 to 308/328 bytes a thread, against stores per sub-token and a masked sum per
-    rank; taking cos and sin once a step and broadcasting them to the ranks spilled more, 524/604)."""
+    rank; taking cos and sin once a step and broadcasting them to the ranks spilled more: 708/808 against 524/604,
+    both measured with dx summed over the ranks in the kernel, since dropped)."""
     pr = col0 // 2 + tl.arange(0, BN // 2)  # the block's pairs (rn = col0 + arange(BN))
     pm = m[:, None] & (pr < n_a)[None, :]
     cos, sin = step_angles(th_ptr, t, m, hd, H, n_a, col0, BN, RANK)
@@ -808,9 +809,10 @@ def _mamba3_backward(ctx, dy, _dstates):  # noqa: ANN001, ANN202
     dx, dmx = dxr, None
     if mimo_x is not None:  # through x_r = x * mimo_x[r] (rank_inputs' rounding): elementwise work inductor fuses
         B, T, H, P = x.shape
-        dxr = dxr.view(B, T, ctx.rank, H, P)
-        dx = (dxr * mimo_x.transpose(0, 1).to(x.dtype)).sum(2, dtype=torch.float32).to(x.dtype)
-        dmx = (dxr * x[:, :, None]).sum((0, 1), dtype=torch.float32).transpose(0, 1)
+        dxr = dxr.view(B, T, ctx.rank, H, P).float()
+        scale = mimo_x.transpose(0, 1).to(x.dtype).float()  # as the kernels scaled x
+        dx = (dxr * scale).sum(2).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dmx = (dxr * x.float()[:, :, None]).sum((0, 1)).transpose(0, 1) if ctx.needs_input_grad[11] else None
     return dx, ddt, dA.to(A.dtype), dB, dC, d_theta, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None
 
 

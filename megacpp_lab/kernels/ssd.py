@@ -333,8 +333,9 @@ def decay_mask(cs, step):
 
 # Mamba-3 mode (M3, kernels/mamba3.py): tokens are rank sub-tokens t = step * RANK + r (RANK = 1: SISO), a step's
 # ranks see each other (the decay mask by step), and a step's own inputs take the weight gamma where every later
-# step takes x_weight (the trapezoid's exact diagonal). B and C come in as the rotated keys and queries per head. The
-# forward's kernels below take that mode; the backward's chunk pass for it is kernels/mamba3's _m3_bwd_chunk_kernel.
+# step takes x_weight (the trapezoid's exact diagonal). B and C come in as the rotated keys and queries per head, or
+# (ROTATE) as the group's B and C, rotated per head as the kernels read them (head_keys). The forward's kernels below
+# take that mode; the backward's chunk pass for it is kernels/mamba3's _m3_bwd_chunk_kernel.
 
 
 @triton.jit
