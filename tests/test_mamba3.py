@@ -240,35 +240,6 @@ def test_the_backward_launcher_sums_its_chunk_partials_in_one_reduction(R):
     assert [name for name in called if name not in LAUNCHER_PLUMBING] == ["sum"], called
 
 
-@pytest.mark.parametrize("R", [1, 4])
-def test_the_forward_kernels_rotating_the_keys_equal_the_key_pass_bit_for_bit(R, monkeypatch):
-    """M3_FWD_KEYS_KERNEL = False (the forward's two kernels rotate each head's keys and queries as they read the
-    group's B and C) against True (the key pass stores them first): the same fp32 rotation and rounding, so under the
-    interpreter the output and every gradient (the backward reads the forward's saved states) are the same bits,
-    SISO and MIMO, heads sharing a group, documents shorter than a chunk, and the state pass in blocks of 16 columns
-    whose rotated pairs stop inside one (n_a = 12 of 16 pairs). On a GPU, within 1e-6 (ptxas may contract a multiply
-    and an add differently in another kernel)."""
-    from megacpp_lab.kernels import mamba3 as m3, ssd
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        monkeypatch.setattr(ssd, "STATE_BLOCK_N", 16)
-    make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
-    a = {k: v.float().to(device).requires_grad_() for k, v in make(B=2, T=40, H=4, G=2, P=16, N=32, n_a=12).items()}
-    cu = torch.tensor([0, 5, 30, 40, 51, 80], dtype=torch.int32, device=device)
-    out = {}
-    for keys_kernel in (True, False):
-        monkeypatch.setattr(m3, "M3_FWD_KEYS_KERNEL", keys_kernel)
-        y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
-        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(device)
-        out[keys_kernel] = (y, *torch.autograd.grad(y, list(a.values()), dy))
-    for name, one, two in zip(["y", *a], out[True], out[False]):
-        if device == "cpu":
-            assert torch.equal(one, two), f"{name} differs between the key pass and keys rotated in the forward"
-        else:  # by norm, as the split chunk pass's test
-            assert ((two - one).norm() / one.norm()).item() < 1e-6, f"{name}: keys rotated in the forward"
-
-
 @triton.jit
 def _rank_inputs_probe(x_ptr, xs_ptr, out_ptr, TOTAL, H, P: tl.constexpr, RANK: tl.constexpr, BT: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)

@@ -38,9 +38,8 @@ PEER = "mamba_ssm mamba3_siso_combined"
 MAMBA2 = "lab mamba2 SSD (Triton op)"
 
 
-# kernels/mamba3's switches (the forward's key pass, the backward's chunk pass): the main shape measures each set
-# against its default
-VARIANTS = ("M3_FWD_KEYS_KERNEL", "STATE_DOTS_IN_INPUT_DTYPE", "M3_BWD_SPLIT")
+# kernels/mamba3's switches of the backward's chunk pass: the main shape measures each set against its default
+VARIANTS = ("STATE_DOTS_IN_INPUT_DTYPE", "M3_BWD_SPLIT")
 
 
 def lab_variant(flag: str, value: bool) -> str:
@@ -232,7 +231,7 @@ def _shape_rows(label: str, s: Mamba3Shape, peer: Callable[..., Any] | None, *, 
     timed = [row(LAB, _lab(s.chunk, ctx, backend=backend), ref, GRADS, backend=backend)]
     if eager:
         timed.append(row(LAB_EAGER, _lab(s.chunk, ctx, backend=None), ref, GRADS))
-        # the kernels' switches (VARIANTS), each set the other way from its default, alone: compiled anew
+        # the backward's switches (VARIANTS), each set the other way from its default, alone: compiled anew
         for flag in VARIANTS:
             value = not getattr(m3_kernels, flag)
             timed.append(row(lab_variant(flag, value), _lab(s.chunk, ctx, backend=backend), ref, GRADS,
@@ -331,15 +330,13 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
             "extra CUDA memory of one forward+backward; backend: what torch.compile handed the lab's scan to (inductor "
             "on a GPU; a --small run, 'eager'); first_call_s: the first forward+backward and forward calls "
             "(torch.compile, Triton JIT, the peer's autotuning). The lab's rows call mamba3_scan(kernel='triton') "
-            "with the batch's PackedContext (the op megacpp::mamba3_scan_fwd: the SSD kernels in Mamba-3 mode, each head's "
-            "keys and queries rotated as the forward reads B and C, and by one Triton pass in the backward; MIMO's x "
-            "read a step at a time, scaled by mimo_x in the kernels; the angle sums one Triton program per document), "
-            "compiled whole (fullgraph: the elementwise work around the ops fused by inductor) as the model runs it, "
-            "and at the main shape eager beside it, and compiled with each of kernels/mamba3's switches "
-            "(M3_FWD_KEYS_KERNEL, the forward's keys stored by the key pass first; STATE_DOTS_IN_INPUT_DTYPE, the "
-            "chunk pass's dots against the state in bf16 or TF32; M3_BWD_SPLIT, the chunk pass as two kernels) set "
-            "the other way from its default, one at a time (the row's name says which; the bars take the default "
-            "row). The peer: "
+            "with the batch's PackedContext (the op megacpp::mamba3_scan_fwd: the keys rotated by one Triton pass, the "
+            "SSD kernels in Mamba-3 mode; MIMO's x read a step at a time, scaled by mimo_x in the kernels; the angle "
+            "sums one Triton program per document), compiled whole (fullgraph: the elementwise work around the ops "
+            "fused by inductor) as the model runs it, and at the main shape eager beside it, and compiled with each "
+            "of the backward's switches (kernels/mamba3: STATE_DOTS_IN_INPUT_DTYPE, the chunk pass's dots against "
+            "the state in bf16 or TF32; M3_BWD_SPLIT, the chunk pass as two kernels) set the other way from its "
+            "default, one at a time (the row's name says which; the bars take the default row). The peer: "
             "mamba3_siso_combined with the batch flattened to one row (its varlen mode needs batch 1), ADT = dt*A per "
             "token. max_abs_err / rel_err / grad_rel_err (error norm / oracle norm): against the chunked torch scan "
             "in fp32 on the same values, at the main shape. The Mamba-2 rows run the lab's SSD op on the same x, dt, "

@@ -33,10 +33,9 @@ where r <= r' (for SISO, the diagonal -delta_next (q . k) x). That is the chunke
 kernels run in a Mamba-3 mode where a step's own inputs take gamma and every earlier step's take w (the decay mask
 and the weights by step, so a step's ranks see each other), which makes the diagonal exact and each output free
 of the next token's dt and trapezoid; the skip D x is added there too (one rounding of y), and its gradients come
-from the backward's chunk pass. The keys and queries per head are rotated in fp32 and rounded to x's dtype: by the
-forward's kernels as they read B and C, and in the backward by one Triton pass that stores them (its chunk pass
-reads them three times); the backward's angle gradient is taken against those same rounded keys (against the
-unrounded ones a document's angle gradients stop summing to zero, and the suffix sums carry the difference). MIMO's rank inputs
+from the backward's chunk pass. One Triton pass rotates the keys and queries per head and stores them in x's
+dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
+document's angle gradients stop summing to zero, and the suffix sums carry the difference). MIMO's rank inputs
 x * mimo_x[r] are formed as the kernels read x, one row a step (kernels/ssd.py's rank_inputs), and the chunk pass
 sums a step's ranks' angle gradients itself. The angle sums run as one Triton program per document. The step loop
 is every path's oracle.
@@ -56,10 +55,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import launchable
+from megacpp_lab.kernels import INTERPRETED, launchable
 from megacpp_lab.kernels.ssd import (Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask, dot_types,
-                                     launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, rotate_pairs_tile, slot_chunk,
-                                     ssd_scan, step_angles)
+                                     launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, slot_chunk, ssd_scan)
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "doc_angle_sum_torch", "doc_angle_sum_triton",
@@ -353,13 +351,49 @@ def doc_suffix_sum_triton(grad: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
 
 
 @triton.jit
+def _cos(x):
+    """cos of an angle in [0, 2 pi) (Mamba-3's document angle sums' range): the GPU's cos.approx.f32 (about 1e-6
+    absolute, below a bf16 key's rounding and within the fp32 tests' 1e-5), libdevice's under the interpreter. The
+    keys' exact cos and sin took about half of the key pass's time on the H100 (0.24 ms forward at the issue's shape)."""
+    if INTERPRETED:
+        return tl.cos(x)
+    return tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _sin(x):
+    """sin as _cos is cos."""
+    if INTERPRETED:
+        return tl.sin(x)
+    return tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _rotate(v, cos, sin, ROWS: tl.constexpr, N: tl.constexpr):
+    """Rotate the interleaved pairs (v[2i], v[2i+1]) of v [ROWS, N] by angles whose cos and sin are [ROWS, N // 2]."""
+    re, im = tl.split(tl.reshape(v, (ROWS, N // 2, 2)))
+    return tl.reshape(tl.join(re * cos - im * sin, re * sin + im * cos), (ROWS, N))
+
+
+@triton.jit
+def _step_angles(th_ptr, t, m, hd, H, n_a, col0, BN: tl.constexpr, RANK: tl.constexpr):
+    """cos and sin [len(t), BN // 2] of head hd's angles at the tokens t (mask m), for the pairs of the state columns
+    col0 + arange(BN): Mamba-3's theta [B*T, H, n_a] fp32, one row a step (a rank sub-token t reads step t // RANK);
+    the pairs past n_a are not rotated (angle 0)."""
+    pr = col0 // 2 + tl.arange(0, BN // 2)
+    th = tl.load(th_ptr + ((t // RANK) * H + hd)[:, None] * n_a + pr[None, :], mask=m[:, None] & (pr < n_a)[None, :],
+                 other=0.0)  # fmt: skip
+    return _cos(th), _sin(th)
+
+
+@triton.jit
 def _unrotate(d, v, cos, sin, ROWS: tl.constexpr, BN: tl.constexpr):
     """A gradient d [ROWS, BN] at the rotated keys v (fp32, as stored) back through the rotation by the angles
     whose cos and sin are [ROWS, BN // 2]: rot(d, -theta) (the rotation's transpose), and each pair's angle
     gradient d_im v_re - d_re v_im (d rot(u, theta) / d theta = (-v_im, v_re))."""
     d_re, d_im = tl.split(tl.reshape(d, (ROWS, BN // 2, 2)))
     v_re, v_im = tl.split(tl.reshape(v, (ROWS, BN // 2, 2)))
-    return rotate_pairs_tile(d, cos, -sin, ROWS, BN), d_im * v_re - d_re * v_im
+    return _rotate(d, cos, -sin, ROWS, BN), d_im * v_re - d_re * v_im
 
 
 @triton.jit
@@ -367,7 +401,7 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
                  RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
     """k = rot(B + b_bias, theta) and q = rot(C + c_bias, theta) per head, in k's dtype: one program per BT
     sub-tokens (over the flattened B*T*R) and group, B and C loaded once for the group's heads. fp32 arithmetic
-    (kernels/ssd.py's head_keys, the forward kernels' own form of them)."""
+    """
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     g = tl.program_id(1)
     m = t < TOTAL
@@ -377,12 +411,12 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
     Cg = tl.load(c_ptr + at, mask=m[:, None], other=0.0).to(tl.float32)
     for j in range(0, H // G):
         hd = g * (H // G) + j
-        cos, sin = step_angles(th_ptr, t, m, hd, H, n_a, 0, N, RANK)
+        cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, 0, N, RANK)
         bias_at = ((hd * RANK + t % RANK) * N)[:, None] + rn[None, :]
         out_at = (t[:, None] * H + hd) * N + rn[None, :]
-        k = rotate_pairs_tile(Bg + tl.load(bb_ptr + bias_at), cos, sin, BT, N)
+        k = _rotate(Bg + tl.load(bb_ptr + bias_at), cos, sin, BT, N)
         tl.store(k_ptr + out_at, k.to(k_ptr.dtype.element_ty), mask=m[:, None])
-        q = rotate_pairs_tile(Cg + tl.load(cb_ptr + bias_at), cos, sin, BT, N)
+        q = _rotate(Cg + tl.load(cb_ptr + bias_at), cos, sin, BT, N)
         tl.store(q_ptr + out_at, q.to(q_ptr.dtype.element_ty), mask=m[:, None])
 
 
@@ -404,7 +438,7 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, first, end, h
     both measured with dx summed over the ranks in the kernel, since dropped)."""
     pr = col0 // 2 + tl.arange(0, BN // 2)  # the block's pairs (rn = col0 + arange(BN))
     pm = m[:, None] & (pr < n_a)[None, :]
-    cos, sin = step_angles(th_ptr, t, m, hd, H, n_a, col0, BN, RANK)
+    cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, col0, BN, RANK)
     back, dth = _unrotate(d, v, cos, sin, CHUNK, BN)
     tl.store(out_ptr + kq_at + rn[None, :], back.to(out_ptr.dtype.element_ty), mask=m[:, None])
     if RANK == 1:
@@ -665,13 +699,6 @@ M3_BWD_SPLIT = False
 # either way, as does the interpreter. `bench ssd` measures the other setting beside the default, as its own row of
 # profiles/<device>/ssd/mamba3_fwd_bwd.json.
 STATE_DOTS_IN_INPUT_DTYPE = True
-# the forward's keys and queries: rotated per head by the forward's two kernels as they read B and C (False), or
-# stored per head and rank by the key pass and read back (True, as the backward does: its chunk pass reads them three
-# times). False holds no [B, T*R, H, N] keys in memory and launches one kernel fewer, for rotation work in the
-# forward's kernels: compiled for sm_90 at bench ssd's main shape (kernels/resources, static), the SISO state pass
-# goes from 136 to 184 registers and 40.5 to 65 KiB of shared memory (3 to 2 programs an SM), the output kernel from
-# 236 to 238 registers. `bench ssd` measures the other setting as a row of its own.
-M3_FWD_KEYS_KERNEL = False
 
 
 def _keys_grid(total: int, G: int, block: int) -> tuple[int, int]:
@@ -694,19 +721,15 @@ def mamba3_scan_fwd(
     mimo_x: Optional[torch.Tensor], cu_seqlens: torch.Tensor, chunk: int, rank: int, save: bool,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), and the saved chunk states. The keys
-    and queries per head, k = rot(B + b_bias, theta) in x's dtype (formed as the kernels read B and C; with
-    M3_FWD_KEYS_KERNEL, stored by one Triton pass first), in kernels/ssd.py's kernels in Mamba-3 mode: a step's own
-    inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal; a step's ranks see each
-    other). x [B,T,H,P], one row a step: MIMO's rank inputs x * mimo_x[r]
+    and queries per head, k = rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels in
+    Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal;
+    a step's ranks see each other). x [B,T,H,P], one row a step: MIMO's rank inputs x * mimo_x[r]
     (mimo_x [H,R,P] fp32; None for SISO) are formed as the kernels read x; dt (rank 0's, the others 0), weight and
     gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the
     sub-tokens. Contiguous, validated by mamba3_scan."""
-    if M3_FWD_KEYS_KERNEL:
-        k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, x.shape[2], rank, x.dtype)
-        return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype,
-                              Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
-    return launch_ssd_fwd(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, weight, x.dtype,
-                          Mamba3Operands(gamma, rank, D, mimo_x, (theta, b_bias, c_bias)))  # fmt: skip
+    k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, x.shape[2], rank, x.dtype)
+    return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype,
+                          Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
 
 
 @mamba3_scan_fwd.register_fake

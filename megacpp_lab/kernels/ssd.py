@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacpp_lab.kernels import INTERPRETED, TRITON_INTERPRET, launchable
+from megacpp_lab.kernels import TRITON_INTERPRET, launchable
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = [
@@ -52,14 +52,10 @@ __all__ = [
     "decay_mask",
     "doc_start_mask",
     "dot_types",
-    "fast_cos",
-    "fast_sin",
-    "head_keys",
     "launch_ssd_bwd",
     "launch_ssd_bwd_states",
     "launch_ssd_fwd",
     "rank_inputs",
-    "rotate_pairs_tile",
     "slot_chunk",
     "slot_document",
     "ssd_chunked_torch",
@@ -67,7 +63,6 @@ __all__ = [
     "ssd_scan_bwd",
     "ssd_scan_fwd",
     "ssd_scan_reference",
-    "step_angles",
     "validate_ssd_inputs",
 ]
 
@@ -257,60 +252,6 @@ def _input_weight(w_ptr, t, m, hd, H, dt, HAS_W: tl.constexpr):
 
 
 @triton.jit
-def fast_cos(x):
-    """cos of an angle in [0, 2 pi) (Mamba-3's document angle sums' range): the GPU's cos.approx.f32 (about 1e-6
-    absolute, below a bf16 key's rounding and within the fp32 tests' 1e-5), libdevice's under the interpreter. The
-    keys' exact cos and sin took about half of the key pass's time on the H100 (0.24 ms forward at issue 29's shape)."""
-    if INTERPRETED:
-        return tl.cos(x)
-    return tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def fast_sin(x):
-    """sin as fast_cos is cos."""
-    if INTERPRETED:
-        return tl.sin(x)
-    return tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def rotate_pairs_tile(v, cos, sin, ROWS: tl.constexpr, N: tl.constexpr):
-    """Rotate the interleaved pairs (v[2i], v[2i+1]) of v [ROWS, N] by angles whose cos and sin are [ROWS, N // 2]."""
-    re, im = tl.split(tl.reshape(v, (ROWS, N // 2, 2)))
-    return tl.reshape(tl.join(re * cos - im * sin, re * sin + im * cos), (ROWS, N))
-
-
-@triton.jit
-def step_angles(th_ptr, t, m, hd, H, n_a, col0, BN: tl.constexpr, RANK: tl.constexpr):
-    """cos and sin [len(t), BN // 2] of head hd's angles at the tokens t (mask m), for the pairs of the state columns
-    col0 + arange(BN): Mamba-3's theta [B*T, H, n_a] fp32, one row a step (a rank sub-token t reads step t // RANK);
-    the pairs past n_a are not rotated (angle 0)."""
-    pr = col0 // 2 + tl.arange(0, BN // 2)
-    th = tl.load(th_ptr + ((t // RANK) * H + hd)[:, None] * n_a + pr[None, :], mask=m[:, None] & (pr < n_a)[None, :],
-                 other=0.0)  # fmt: skip
-    return fast_cos(th), fast_sin(th)
-
-
-@triton.jit
-def head_keys(b_ptr, bias_ptr, cos, sin, t, m, g, hd, G, col0, N: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr,
-              RANK: tl.constexpr):  # fmt: skip
-    """Mamba-3's keys (B; or queries, C) of head hd at the tokens t [ROWS] and state columns col0 + arange(BN):
-    rot(B + bias, theta) in fp32, zero where m is False. B [B*T', G, N] (its group g's row per token or rank
-    sub-token), bias [H, RANK, N] fp32, cos and sin from step_angles. kernels/mamba3's key pass stores these; the
-    forward's kernels form them as they read B (M3_FWD_KEYS_KERNEL = False)."""
-    # each pair's two columns read as two tiles, its real part and its imaginary (a reshape and split of one loaded
-    # [ROWS, BN] tile took the SISO state pass 16 KiB more shared memory, compiled for sm_90 by kernels/resources)
-    re_at = col0 + 2 * tl.arange(0, BN // 2)
-    b_at = b_ptr + (t[:, None] * G + g) * N + re_at[None, :]
-    bias_at = bias_ptr + ((hd * RANK + t % RANK) * N)[:, None] + re_at[None, :]
-    re = tl.load(b_at, mask=m[:, None], other=0.0).to(tl.float32) + tl.load(bias_at)
-    im = tl.load(b_at + 1, mask=m[:, None], other=0.0).to(tl.float32) + tl.load(bias_at + 1)
-    k = tl.reshape(tl.join(re * cos - im * sin, re * sin + im * cos), (ROWS, BN))
-    return tl.where(m[:, None], k, 0.0)
-
-
-@triton.jit
 def rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P: tl.constexpr, RANK: tl.constexpr):
     """x at the tokens t [CHUNK] and head-dim columns rp, in x's dtype (0 where m is False). RANK > 1 (Mamba-3's
     MIMO: t = step * RANK + r, a rank sub-token): the step's x [B*T, H, P] times its rank's scale mimo_x [H, RANK, P]
@@ -333,9 +274,11 @@ def decay_mask(cs, step):
 
 # Mamba-3 mode (M3, kernels/mamba3.py): tokens are rank sub-tokens t = step * RANK + r (RANK = 1: SISO), a step's
 # ranks see each other (the decay mask by step), and a step's own inputs take the weight gamma where every later
-# step takes x_weight (the trapezoid's exact diagonal). B and C come in as the rotated keys and queries per head, or
-# (ROTATE) as the group's B and C, rotated per head as the kernels read them (head_keys). The forward's kernels below
-# take that mode; the backward's chunk pass for it is kernels/mamba3's _m3_bwd_chunk_kernel.
+# step takes x_weight (the trapezoid's exact diagonal). B and C come in as the rotated keys and queries per head (the
+# forward's kernels rotating them as they read the group's B and C took 1.77 ms in the state pass against its 0.19
+# with the key pass's stored keys, and 0.90 against 0.34 in the output kernel: scripts/mamba3_probe.py on the H200 at
+# bench ssd's main shape, SISO). The forward's kernels below take that mode; the backward's chunk pass for it is
+# kernels/mamba3's _m3_bwd_chunk_kernel.
 
 
 @triton.jit
@@ -356,17 +299,15 @@ def _state_program(cu_ptr, a_ptr, H, G, P: tl.constexpr, BP: tl.constexpr, BN: t
 
 @triton.jit
 def _ssd_fwd_state_kernel(
-    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, bb_ptr, th_ptr, cu_ptr, st_ptr,
-    H, G, n_a,
+    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, cu_ptr, st_ptr,
+    H, G,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr, RANK: tl.constexpr, ROTATE: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """Pass 1 (sequential over one document's chunks, one [BP, BN] block of the state per program):
     store the fp32 state entering every chunk; S' = exp(cs_last) S + (u * w)^T B, u = dt x (or x times the
     input weight), w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset. RANK > 1: the
-    tokens are Mamba-3's rank sub-tokens, x per step scaled by mimo_x at xs_ptr (rank_inputs). ROTATE: B is
-    Mamba-3's group B, rotated per head as it is read (head_keys: bias at bb_ptr, angles theta at th_ptr) and
-    rounded to x's dtype, as kernels/mamba3's key pass stores the keys."""
+    tokens are Mamba-3's rank sub-tokens, x per step scaled by mimo_x at xs_ptr (rank_inputs)."""
     hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
     S = tl.zeros((BP, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(end - start, CHUNK)):
@@ -376,28 +317,22 @@ def _ssd_fwd_state_kernel(
         dt, cs, cs_last = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         xw = _input_weight(w_ptr, t, m, hd, H, dt, HAS_W)
         x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK)
-        if ROTATE:
-            col0 = tl.program_id(2) // (P // BP) * BN  # rn's first column
-            cos, sin = step_angles(th_ptr, t, m, hd, H, n_a, col0, BN, RANK)
-            Bc = head_keys(b_ptr, bb_ptr, cos, sin, t, m, g, hd, G, col0, N, BN, CHUNK, RANK).to(x.dtype)
-        else:
-            Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0)
+        Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0)
         uw = (x.to(tl.float32) * (tl.exp(cs_last - cs) * xw)[:, None]).to(DOT)
         S = tl.exp(cs_last) * S + tl.dot(tl.trans(uw), Bc.to(DOT), input_precision=PRECISION)
 
 
 @triton.jit
 def _ssd_fwd_output_kernel(
-    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, cu_ptr, st_ptr, y_ptr, gam_ptr, skip_ptr,
-    H, G, D, n_a,
+    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, c_ptr, cu_ptr, st_ptr, y_ptr, gam_ptr, skip_ptr,
+    H, G, D,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr, ROTATE: tl.constexpr,
+    DOT: tl.constexpr, HAS_W: tl.constexpr, M3: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """Pass 2 (every chunk at once): y = (C B^T * L) u + exp(cs) * (C S^T), S the saved entering state.
     M3: the same step's tokens take the weight gamma, not w: y = (C B^T * L * W) x + ..., W[i, j] = w_j for an
     earlier step j, gamma_j for the same step (the trapezoid's exact diagonal); and the skip D x (D [H] fp32). RANK > 1:
-    rank sub-tokens, a step's x scaled by mimo_x at xs_ptr (rank_inputs); y [B*T*RANK, H, P] per sub-token. ROTATE:
-    B and C are Mamba-3's group B and C, rotated per head as they are read (head_keys, as in pass 1)."""
+    rank sub-tokens, a step's x scaled by mimo_x at xs_ptr (rank_inputs); y [B*T*RANK, H, P] per sub-token."""
     slot = tl.program_id(0)
     hd = tl.program_id(1)
     rp = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -411,13 +346,8 @@ def _ssd_fwd_output_kernel(
         m = t < end
         dt, cs, _ = chunk_log_decay(dt_ptr, t, m, hd, H, A_h, rl, CHUNK)
         x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK)
-        if ROTATE:
-            cos, sin = step_angles(th_ptr, t, m, hd, H, n_a, 0, N, RANK)
-            Bc = head_keys(b_ptr, bb_ptr, cos, sin, t, m, g, hd, G, 0, N, N, CHUNK, RANK).to(x.dtype).to(DOT)
-            Cc = head_keys(c_ptr, cb_ptr, cos, sin, t, m, g, hd, G, 0, N, N, CHUNK, RANK).to(x.dtype).to(DOT)
-        else:
-            Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
-            Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+        Bc = tl.load(b_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
+        Cc = tl.load(c_ptr + (t[:, None] * G + g) * N + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
         S = tl.load(st_ptr + ((slot * H + hd) * P + rp[:, None]) * N + rn[None, :])
         step = rl // RANK
         CB = tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION) * decay_mask(cs, step)
@@ -560,10 +490,8 @@ STATE_BLOCK_P = 64
 STATE_BLOCK_N = 64
 OUT_BLOCK_P = 64  # head-dim columns per forward-output program
 STATE_WARPS = 4
-# the sequential passes' software pipeline: Triton's default 3 stages load two chunks ahead of the state's update.
-# Static (kernels/resources, sm_90): Mamba-3's forward state pass with its keys rotated in the kernel holds 184
-# registers and 65 KiB of shared memory at 3 stages (2 programs an SM), 168 and 40.5 KiB at 2 (3 an SM); which is
-# faster is the probe's to say (scripts/mamba3_probe.py --variants siso:STATE_STAGES=2)
+# the sequential passes' software pipeline: Triton's default 3 stages load two chunks ahead of the state's update
+# (a probe's knob: scripts/mamba3_probe.py --variants siso:STATE_STAGES=2)
 STATE_STAGES = 3
 OUT_WARPS = 4
 # state columns per sweep step of the backward's parallel pass. On the H100 (triton 3.6) 64 beat 128;
@@ -600,31 +528,23 @@ class Mamba3Operands(NamedTuple):
     """The kernels' Mamba-3 mode (kernels/mamba3.py's op): the scan's tokens are rank sub-tokens (step, r);
     gamma [B, T*R, H] fp32 weights a step's own inputs (x_weight every later step's); the rank R; the skip D [H]
     fp32 (y += D x in the output kernel, one rounding); MIMO's rank scale mimo_x [H, R, P] fp32 (None for R = 1),
-    applied to x [B, T, H, P] (one row a step) as the kernels read it. rotation: (theta [B, T, H, n_a], b_bias,
-    c_bias [H, R, N], all fp32) when B and C are the group's, to be rotated per head as the kernels read them
-    (head_keys); None when they are the keys and queries per head already."""
+    applied to x [B, T, H, P] (one row a step) as the kernels read it."""
 
     gamma: torch.Tensor
     rank: int
     skip: torch.Tensor
     x_scale: torch.Tensor | None = None
-    rotation: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-def _m3_args(m3: Mamba3Operands | None, placeholder: torch.Tensor) -> tuple[dict[str, object], dict[str, object]]:
-    """The kernels' Mamba-3 constexprs and pointers: gamma, skip, the x scale and the rotation's angles and biases
-    (placeholders the kernels never read without M3, the scale at rank 1, or the rotation's without it), and n_a."""
+def _m3_args(m3: Mamba3Operands | None, placeholder: torch.Tensor) -> tuple[dict[str, object], torch.Tensor, ...]:
+    """The kernels' Mamba-3 constexprs, and the gamma, skip and x-scale pointers (placeholders the kernels never read
+    without M3, or the scale at rank 1)."""
     if m3 is None:
-        return ({"M3": False, "RANK": 1, "ROTATE": False},
-                dict(gam=placeholder, skip=placeholder, x_scale=placeholder, theta=placeholder, b_bias=placeholder,
-                     c_bias=placeholder, n_a=0))  # fmt: skip
+        return {"M3": False, "RANK": 1}, placeholder, placeholder, placeholder
     if (m3.rank > 1) != (m3.x_scale is not None):
         raise ValueError(f"Mamba3Operands: x_scale (mimo_x) is MIMO's, given exactly when rank > 1; rank={m3.rank}, "
                          f"x_scale {'given' if m3.x_scale is not None else 'None'}")
-    theta, b_bias, c_bias = m3.rotation if m3.rotation is not None else (placeholder,) * 3
-    return ({"M3": True, "RANK": m3.rank, "ROTATE": m3.rotation is not None},
-            dict(gam=m3.gamma, skip=m3.skip, x_scale=placeholder if m3.x_scale is None else m3.x_scale, theta=theta,
-                 b_bias=b_bias, c_bias=c_bias, n_a=theta.shape[-1] if m3.rotation is not None else 0))  # fmt: skip
+    return {"M3": True, "RANK": m3.rank}, m3.gamma, m3.skip, placeholder if m3.x_scale is None else m3.x_scale
 
 
 def launch_ssd_fwd(
@@ -644,17 +564,16 @@ def launch_ssd_fwd(
     grid, bp, bn = _state_grid(D, H, P, N)
     has_w = x_weight is not None
     w = x_weight if has_w else dt  # a placeholder pointer the kernels never read
-    flags, ops = _m3_args(m3, dt)
+    flags, gam, skip, x_scale = _m3_args(m3, dt)
     _ssd_fwd_state_kernel[grid](
-        x, ops["x_scale"], dt, w, A, Bm, ops["b_bias"], ops["theta"], cu_seqlens, states, H, G, ops["n_a"],
-        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, RANK=flags["RANK"], ROTATE=flags["ROTATE"],
-        num_warps=STATE_WARPS, num_stages=STATE_STAGES,
+        x, x_scale, dt, w, A, Bm, cu_seqlens, states, H, G,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, RANK=flags["RANK"], num_warps=STATE_WARPS,
+        num_stages=STATE_STAGES,
     )  # fmt: skip
     y = torch.empty((B, T, H, P), device=x.device, dtype=y_dtype)
     bp = min(OUT_BLOCK_P, P)
     _ssd_fwd_output_kernel[(n_slots, H, P // bp)](
-        x, ops["x_scale"], dt, w, A, Bm, Cm, ops["b_bias"], ops["c_bias"], ops["theta"], cu_seqlens, states, y,
-        ops["gam"], ops["skip"], H, G, D, ops["n_a"],
+        x, x_scale, dt, w, A, Bm, Cm, cu_seqlens, states, y, gam, skip, H, G, D,
         P=P, N=N, BP=bp, CHUNK=chunk, **dots, HAS_W=has_w, **flags, num_warps=OUT_WARPS,
     )  # fmt: skip
     return y, states if save else states.new_empty((0, H, P, N))
