@@ -683,12 +683,9 @@ KEYS_BLOCK_T = 16
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
-# the chunk pass's register cap per thread (0: the compiler's own choice, which takes all 255): a probe's knob. Static
-# (kernels/resources, sm_90, SISO at bench ssd's main shape): M3_BWD_SPLIT's second kernel at 8 warps and a cap of
-# 128 holds 2 programs an SM (16 warps) for 232/252 bytes of spills a thread, against 2 programs of 4 warps at 255
-# registers and 20/20; the one kernel capped at 128 spills 2.3 KiB. Which is faster is the probe's to say
-# (scripts/mamba3_probe.py --variants siso:M3_BWD_SPLIT=True+M3_BWD_WARPS=8+M3_BWD_MAXNREG=128)
-M3_BWD_MAXNREG = 0
+# (M3_BWD_SPLIT's two kernels at 8 warps under a cap of 128 registers, 2 programs an SM of 16 warps for 232/252 bytes
+# of spills a thread, took 0.92 + 0.87 ms against the split's 0.50 + 0.68 and the one kernel's 1.11: a probe on the
+# H200 at bench ssd's main shape; the cap is not kept)
 # the chunk pass as two kernels (steps 1-2, then 3-4; step 2's [CHUNK, CHUNK] tile, a vector and a sum per program
 # through memory) in place of one: compiled for sm_90 (kernels/resources.py, Triton 3.9) at the main shape, the one
 # kernel spills 312/336 bytes a thread (stores/loads), the two 40/40 and 20/20; whether two launches and the extra
@@ -777,7 +774,7 @@ def mamba3_scan_bwd(
     dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype)
     dCh = torch.empty_like(dBh)
     consts = dict(P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
-                  num_warps=M3_BWD_WARPS, num_stages=1, **({"maxnreg": M3_BWD_MAXNREG} if M3_BWD_MAXNREG else {}))  # fmt: skip
+                  num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
     n_docs = cu_seqlens.numel() - 1
     if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it

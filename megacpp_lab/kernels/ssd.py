@@ -490,8 +490,9 @@ STATE_BLOCK_P = 64
 STATE_BLOCK_N = 64
 OUT_BLOCK_P = 64  # head-dim columns per forward-output program
 STATE_WARPS = 4
-# the sequential passes' software pipeline: Triton's default 3 stages load two chunks ahead of the state's update
-# (a probe's knob: scripts/mamba3_probe.py --variants siso:STATE_STAGES=2)
+# the sequential passes' software pipeline: Triton's default 3 stages load two chunks ahead of the state's update. At 2,
+# Mamba-3's backward state pass took 0.165 ms against 0.176 (one probe on the H200 at bench ssd's main shape, the
+# forward's state pass not measured apart): within a run's noise until a bench says otherwise
 STATE_STAGES = 3
 OUT_WARPS = 4
 # state columns per sweep step of the backward's parallel pass. On the H100 (triton 3.6) 64 beat 128;
