@@ -688,8 +688,8 @@ M3_BWD_WARPS = 4
 # H200 at bench ssd's main shape; the cap is not kept)
 # the chunk pass as two kernels (steps 1-2, then 3-4; step 2's [CHUNK, CHUNK] tile, a vector and a sum per program
 # through memory) in place of one: compiled for sm_90 (kernels/resources.py, Triton 3.9) at the main shape, the one
-# kernel spills 312/336 bytes a thread (stores/loads), the two 40/40 and 20/20; whether two launches and the extra
-# traffic pay is `bench ssd`'s row for it
+# kernel spills 312/340 bytes a thread (stores/loads), the two 24/24 and 20/20; yet the two took 2.64 ms forward and
+# backward against the one's 2.56 (profiles/nvidia-h200/ssd/mamba3_fwd_bwd.json, its M3_BWD_SPLIT row): off
 M3_BWD_SPLIT = False
 # the chunk pass's dots against the fp32 state and its gradient: in the inputs' own dtype (True, mamba_ssm's choice:
 # half the registers and twice the MMA rate), or fp32 operands (False: TF32 for 16-bit inputs). fp32 inputs take fp32
