@@ -490,10 +490,6 @@ STATE_BLOCK_P = 64
 STATE_BLOCK_N = 64
 OUT_BLOCK_P = 64  # head-dim columns per forward-output program
 STATE_WARPS = 4
-# the sequential passes' software pipeline: Triton's default 3 stages load two chunks ahead of the state's update. At 2,
-# Mamba-3's backward state pass took 0.165 ms against 0.176 (one probe on the H200 at bench ssd's main shape, the
-# forward's state pass not measured apart): within a run's noise until a bench says otherwise
-STATE_STAGES = 3
 OUT_WARPS = 4
 # state columns per sweep step of the backward's parallel pass. On the H100 (triton 3.6) 64 beat 128;
 # 32 compiled to a kernel that wrote NaN into dC and, at P=128, read out of bounds: never below 64 there.
@@ -569,7 +565,6 @@ def launch_ssd_fwd(
     _ssd_fwd_state_kernel[grid](
         x, x_scale, dt, w, A, Bm, cu_seqlens, states, H, G,
         P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, RANK=flags["RANK"], num_warps=STATE_WARPS,
-        num_stages=STATE_STAGES,
     )  # fmt: skip
     y = torch.empty((B, T, H, P), device=x.device, dtype=y_dtype)
     bp = min(OUT_BLOCK_P, P)
@@ -591,7 +586,7 @@ def launch_ssd_bwd_states(dy: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, C
     grid, bp, bn = _state_grid(cu_seqlens.numel() - 1, H, P, N)
     _ssd_bwd_state_kernel[grid](
         dy, dt, A, Cm, cu_seqlens, dstates, H, G,
-        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dot_types(dtype), num_warps=STATE_WARPS, num_stages=STATE_STAGES,
+        P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dot_types(dtype), num_warps=STATE_WARPS,
     )  # fmt: skip
     return dstates
 
