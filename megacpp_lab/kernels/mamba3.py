@@ -354,7 +354,8 @@ def doc_suffix_sum_triton(grad: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
 def _cos(x):
     """cos of an angle in [0, 2 pi) (Mamba-3's document angle sums' range): the GPU's cos.approx.f32 (about 1e-6
     absolute, below a bf16 key's rounding and within the fp32 tests' 1e-5), libdevice's under the interpreter. The
-    keys' exact cos and sin took about half of the key pass's time on the H100 (0.24 ms forward at the issue's shape)."""
+    keys' exact cos and sin took about half of the key pass's time on the H100 (0.24 ms forward at the issue's
+    shape)."""
     if INTERPRETED:
         return tl.cos(x)
     return tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
@@ -484,9 +485,9 @@ def _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, d
                       BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
                       SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
     """The chunk pass's steps 1 and 2 (_m3_bwd_chunk_kernel): the reductions over N and the chunk's own terms.
-    Stores dx (at the rank inputs, one row a sub-token), d weight, d gamma and dD's partial sum; returns L * (dy x^T) * W in the dots' dtype, the log-decay
-    gradient's in-chunk part dcs (less R) and the sum of R = w xw (x . Q) over the chunk (the inputs' part of the
-    decay to the chunk's end; the sweeps need only its sum)."""
+    Stores dx (at the rank inputs, one row a sub-token), d weight, d gamma and dD's partial sum; returns
+    L * (dy x^T) * W in the dots' dtype, the log-decay gradient's in-chunk part dcs (less R) and the sum of
+    R = w xw (x . Q) over the chunk (the inputs' part of the decay to the chunk's end; the sweeps need only its sum)."""
     rp = tl.arange(0, P)
     dst_at = dst_ptr + (slot * H + hd) * P * N
     kq_at = (t[:, None] * H + hd) * N
