@@ -224,6 +224,39 @@ def test_the_split_chunk_pass_equals_the_one_kernel_bit_for_bit(R, monkeypatch):
             assert ((two - one).norm() / one.norm()).item() < 1e-6, f"d{name}: two chunk kernels against one"
 
 
+@pytest.mark.parametrize("R", [1, 4])
+def test_kept_keys_spare_the_backward_its_key_pass_and_change_no_gradient(R, monkeypatch):
+    """With a group per head (G == H) the forward keeps its rotated keys and queries for the backward (keeps_keys),
+    saved in place of B and C: one key pass in a forward and backward, where recomputing them runs two, and every
+    gradient the same bits as the recomputing backward's (the same kernels on the same keys). With G < H nothing is
+    kept."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
+    a = {k: v.float().to(device).requires_grad_() for k, v in make(B=2, T=32, H=2, G=2, P=16, N=16).items()}
+    cu = torch.tensor([0, 20, 32, 45, 64], dtype=torch.int32, device=device)
+    passes = []
+    key_pass = m3._rotated_keys
+    monkeypatch.setattr(m3, "_rotated_keys", lambda *args: passes.append(1) or key_pass(*args))
+
+    def grads(keep):
+        monkeypatch.setattr(m3, "keeps_keys", lambda x, Bm: keep)
+        passes.clear()
+        y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(device)
+        return torch.autograd.grad(y, list(a.values()), dy), len(passes)
+
+    (kept, n_kept), (recomputed, n_recomputed) = grads(True), grads(False)
+    assert (n_kept, n_recomputed) == (1, 2)
+    for name, one, two in zip(a, kept, recomputed):
+        assert torch.equal(one, two), f"d{name} differs between kept and recomputed keys"
+    monkeypatch.undo()
+    x, Bm = a["x"], a["Bm"] if R == 1 else a["Bm"][:, :, 0]
+    assert m3.keeps_keys(x, Bm) and not m3.keeps_keys(x, Bm[:, :, :1])
+    assert not m3.keeps_keys(x, Bm.double())  # the kept keys are in x's dtype: B's gradient must be B's dtype
+
+
 @pytest.mark.parametrize("R", [1, 2])
 def test_the_backward_launcher_sums_its_chunk_partials_in_one_reduction(R):
     """mamba3_scan_bwd's partial sums per chunk (dA, dD, both biases' gradients) share one buffer, summed once, and

@@ -326,6 +326,28 @@ def test_triton_matches_chunked_on_gpu_at_real_shape_bf16():
 
 
 @pytest.mark.cuda
+def test_bf16_states_agree_with_fp32_states_on_gpu_at_real_shape(monkeypatch):
+    """bf16 inputs store their chunk states in bf16 (states_dtype, STATES_IN_BF16); against fp32 states (the dots
+    against them TF32) y and every gradient agree to within the inputs' own rounding, and both stay within the
+    fp32 chunked path's tolerance."""
+    from megacpp_lab.kernels import ssd as ssd_mod
+
+    inputs, cu = _real_shape_inputs()
+    x, dt, A, Bm, Cm = (t.detach() for t in inputs)
+    _, states = ssd_mod.ssd_scan_fwd(x, dt.float(), A.float(), Bm, Cm, cu, 64, True)
+    assert states.dtype == torch.bfloat16 == ssd_mod.states_dtype(torch.bfloat16)
+    assert ssd_mod.states_dtype(torch.float16) == torch.float32 == ssd_mod.states_dtype(torch.float32)
+    dy = torch.randn(inputs[0].shape, device="cuda", dtype=torch.bfloat16)
+    runs = {}
+    for bf16 in (True, False):
+        monkeypatch.setattr(ssd_mod, "STATES_IN_BF16", bf16)
+        runs[bf16] = _fwd_bwd(lambda *a: ssd_scan(*a, cu_seqlens=cu, kernel="triton"), inputs, dy)
+    _assert_close(runs[True], runs[False], fwd_tol=5e-2, grad_rtol=1e-2)
+    want = _fwd_bwd(lambda *a: ssd_chunked_torch(*a, cu), [t.float() for t in inputs], dy.float())
+    _assert_close(runs[True], want, fwd_tol=5e-2, grad_rtol=2e-2)
+
+
+@pytest.mark.cuda
 def test_triton_rows_equal_flattened_on_gpu_at_real_shape():
     """[B,T] rows and the same tokens flattened to B=1 give the same y, bitwise."""
     inputs, cu = _real_shape_inputs()

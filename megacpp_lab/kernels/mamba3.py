@@ -57,7 +57,8 @@ import triton.language as tl
 
 from megacpp_lab.kernels import INTERPRETED, launchable
 from megacpp_lab.kernels.ssd import (Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask, dot_types,
-                                     launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, slot_chunk, ssd_scan)
+                                     launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, slot_chunk, ssd_scan,
+                                     states_dtype)
 from megacpp_lab.varlen import PackedContext, check_cu_seqlens
 
 __all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "doc_angle_sum_torch", "doc_angle_sum_triton",
@@ -566,7 +567,7 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
         kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
                        rn, kq_at, False, RANK, CHUNK, BN, N)  # fmt: skip
-        SdS += tl.sum(dS * S, axis=1)
+        SdS += tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
     # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
     to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + sum_R
     dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
@@ -717,8 +718,9 @@ def mamba3_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, theta: torch.Tensor,
     b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
     mimo_x: Optional[torch.Tensor], cu_seqlens: torch.Tensor, chunk: int, rank: int, save: bool,  # noqa: UP045
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), and the saved chunk states. The keys
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), the saved chunk states, and the keys
+    and queries kept for the backward (keeps_keys; else empty). The keys
     and queries per head, k = rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels in
     Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal;
     a step's ranks see each other). x [B,T,H,P], one row a step: MIMO's rank inputs x * mimo_x[r]
@@ -726,8 +728,19 @@ def mamba3_scan_fwd(
     gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the
     sub-tokens. Contiguous, validated by mamba3_scan."""
     k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, x.shape[2], rank, x.dtype)
-    return launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype,
-                          Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
+    y, states = launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype,
+                               Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
+    if save and keeps_keys(x, Bm):
+        return y, states, k, q
+    return y, states, k.new_empty((0,)), q.new_empty((0,))
+
+
+def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
+    """Whether the forward keeps its rotated keys and queries for the backward, which then takes them in place of B
+    and C and runs no key pass of its own: where they are no larger than B and C (a group per head, G == H) and in
+    their dtype. Else (G < H: the keys per head are H / G times B's size) the backward recomputes them. At bench
+    ssd's main shape (G = H) the key pass took 0.16 ms of the scan's 2.6 (probe, H200)."""
+    return Bm.shape[2] == x.shape[2] and Bm.dtype == x.dtype
 
 
 @mamba3_scan_fwd.register_fake
@@ -735,8 +748,10 @@ def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seql
     B, TR = dt.shape[:2]
     H, P = x.shape[2:]
     n_slots = B * TR // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
+    keys = (B, TR, H, Bm.shape[-1]) if save and keeps_keys(x, Bm) else (0,)
     return (x.new_empty((B, TR, H, P)),
-            x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32))  # fmt: skip
+            x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=states_dtype(x.dtype)),
+            x.new_empty(keys), x.new_empty(keys))  # fmt: skip
 
 
 @torch.library.custom_op("megacpp::mamba3_scan_bwd", mutates_args=())
@@ -744,19 +759,20 @@ def mamba3_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
     D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_seqlens: torch.Tensor, states: torch.Tensor,  # noqa: UP045
-    chunk: int, rank: int,
+    chunk: int, rank: int, rotated: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt,
     dB, dC (B's dtype), d theta [B,T,H,n_a] fp32 (summed over the ranks), d weight, d gamma, and the gradients of A,
     D and the two biases in one fp32 vector [2H + 2HRN] (split_sums parts it: a custom op's outputs may not be views
     of one another, and four reductions over the chunks would be four launches).
-    The keys are recomputed (not saved: per head they are H / G times B's size); SSD's sequential state pass, then
+    rotated: Bm and Cm are the forward's rotated keys and queries (keeps_keys), else B and C, and the keys are
+    recomputed (per head they are H / G times B's size); SSD's sequential state pass, then
     the chunk pass (_m3_bwd_chunk_kernel; with M3_BWD_SPLIT, _m3_bwd_own_kernel then _m3_bwd_sweeps_kernel), which
     also takes dk and dq back through the rotation, unrounded."""
     B, TR, G, N = Bm.shape
     H, P, R, n_a = x.shape[2], x.shape[3], rank, theta.shape[-1]
-    k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
+    k, q = (Bm, Cm) if rotated else _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
     dy = dy.contiguous()
     dstates = launch_ssd_bwd_states(dy, dt, A, q, cu_seqlens, states, chunk, x.dtype)
     dots = dot_types(x.dtype)
@@ -797,7 +813,7 @@ def mamba3_scan_bwd(
 
 
 @mamba3_scan_bwd.register_fake
-def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, states, chunk, rank):  # noqa: ANN001, ANN202
+def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, states, chunk, rank, rotated):  # noqa: ANN001, ANN202
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), torch.empty_like(Bm), torch.empty_like(Cm),
@@ -807,7 +823,11 @@ def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
     x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, chunk, rank, _save = inputs
-    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, output[1])
+    _y, states, k, q = output
+    ctx.rotated = k.numel() > 0  # the rotated keys kept (keeps_keys): saved in place of B and C
+    if ctx.rotated:
+        Bm, Cm = k, q
+    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, states)
     ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
 
@@ -818,13 +838,13 @@ def split_sums(sums: torch.Tensor, H: int, R: int, N: int) -> tuple[torch.Tensor
     return dA, dD, dbb.view(H, R, N), dcb.view(H, R, N)
 
 
-def _mamba3_backward(ctx, dy, _dstates):  # noqa: ANN001, ANN202
+def _mamba3_backward(ctx, dy, _dstates, _dk, _dq):  # noqa: ANN001, ANN202
     x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, states = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
     dxr, ddt, dB, dC, d_theta, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight,
                                                                gamma, D, mimo_x, cu_seqlens, states, ctx.chunk,
-                                                               ctx.rank)  # fmt: skip
+                                                               ctx.rank, ctx.rotated)  # fmt: skip
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums, x.shape[2], ctx.rank, Bm.shape[-1])
     dx, dmx = dxr, None
@@ -882,7 +902,7 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamm
         or gamma.requires_grad or (D is not None and D.requires_grad) or (mimo_x is not None and mimo_x.requires_grad)
     )  # fmt: skip
     skip = D.float().contiguous() if D is not None else A.new_zeros((H,), dtype=torch.float32)
-    y, _ = mamba3_scan_fwd(
+    y, *_ = mamba3_scan_fwd(
         x.contiguous(), sub(dt_sub), A.float().contiguous(), sub(Bm), sub(Cm), theta.float().contiguous(),
         b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
         None if mimo_x is None else mimo_x.float().contiguous(), (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,

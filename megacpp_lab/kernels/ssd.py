@@ -28,7 +28,8 @@ Three implementations, one contract:
   boundary. Segment sums are formed by masked cumsums, never by differences (-inf - -inf is nan).
 - the Triton op (`megacpp::ssd_scan_fwd` / `megacpp::ssd_scan_bwd`), Mamba-2's split into a short
   sequential pass and a wide parallel one. Forward: (1) one program per (document, head, [P, N] block)
-  walks its document's chunks in order and stores the fp32 state entering each; (2) one program per
+  walks its document's chunks in order (the running state in fp32) and stores the state entering each
+  (`states_dtype`: bf16 for bf16 inputs, else fp32); (2) one program per
   (chunk, head) forms y = (C B^T * L) u + exp(cs) C S^T with tl.dot, every chunk at once. Backward: (1)
   the same sequential walk in reverse stores the gradient of the state leaving each chunk; (2) one
   program per (chunk, head) forms every input gradient from the saved states and those gradients.
@@ -63,6 +64,7 @@ __all__ = [
     "ssd_scan_bwd",
     "ssd_scan_fwd",
     "ssd_scan_reference",
+    "states_dtype",
     "validate_ssd_inputs",
 ]
 
@@ -305,7 +307,7 @@ def _ssd_fwd_state_kernel(
     PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """Pass 1 (sequential over one document's chunks, one [BP, BN] block of the state per program):
-    store the fp32 state entering every chunk; S' = exp(cs_last) S + (u * w)^T B, u = dt x (or x times the
+    store the state entering every chunk (fp32 running, stored in the states' dtype); S' = exp(cs_last) S + (u * w)^T B, u = dt x (or x times the
     input weight), w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset. RANK > 1: the
     tokens are Mamba-3's rank sub-tokens, x per step scaled by mimo_x at xs_ptr (rank_inputs)."""
     hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
@@ -359,8 +361,9 @@ def _ssd_fwd_output_kernel(
         else:
             u = (x.to(tl.float32) * xw[:, None]).to(DOT)
             y = tl.dot(CB.to(DOT), u, input_precision=PRECISION)
-        # the state term in fp32 operands (tf32 tensor cores for 16-bit inputs): the state is kept at fp32
-        y += tl.exp(cs)[:, None] * tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)
+        # the state term in the stored state's dtype (states_dtype: bf16 for bf16 inputs, else fp32 with tf32
+        # tensor cores for 16-bit inputs)
+        y += tl.exp(cs)[:, None] * tl.dot(Cc.to(S.dtype), tl.trans(S), input_precision=PRECISION)
         tl.store(y_ptr + (t[:, None] * H + hd) * P + rp[None, :], y.to(y_ptr.dtype.element_ty), mask=m[:, None])
 
 
@@ -418,7 +421,7 @@ def _ssd_bwd_chunk_kernel(
         st_at = st_ptr + (slot * H + hd) * P * N
         dst_at = dst_ptr + (slot * H + hd) * P * N
         bc_at = (t[:, None] * G + g) * N
-        # first sweep over N: the reductions over N (state terms in fp32 operands: tf32 for 16-bit inputs)
+        # first sweep over N: the reductions over N (state terms in the stored states' dtype: states_dtype)
         CB = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
         Q = tl.zeros((CHUNK, P), dtype=tl.float32)  # [j] = dS' B_j
         CS = tl.zeros((CHUNK, P), dtype=tl.float32)  # [i] = S C_i
@@ -430,9 +433,9 @@ def _ssd_bwd_chunk_kernel(
             S = tl.load(st_at + rp[:, None] * N + rn[None, :])
             dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
             CB += tl.dot(Cc.to(DOT), tl.trans(Bc.to(DOT)), input_precision=PRECISION)
-            Q += tl.dot(Bc.to(tl.float32), tl.trans(dS), input_precision=PRECISION)
-            CS += tl.dot(Cc.to(tl.float32), tl.trans(S), input_precision=PRECISION)
-            SdS += tl.sum(dS * S, axis=1)
+            Q += tl.dot(Bc.to(dS.dtype), tl.trans(dS), input_precision=PRECISION)
+            CS += tl.dot(Cc.to(S.dtype), tl.trans(S), input_precision=PRECISION)
+            SdS += tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
         # x and dy read after the sweep (held across it they cost 64 registers a thread), and the sweep's tiles
         # used in the order below: compiled for sm_90 (kernels/resources.py) the kernel's spills fell from
         # 1096/1100 to 524/528 bytes a thread (stores/loads), the same arithmetic; not yet timed on a GPU
@@ -475,8 +478,9 @@ def _ssd_bwd_chunk_kernel(
             Cc = tl.load(c_ptr + bc_at + rn[None, :], mask=m[:, None], other=0.0).to(DOT)
             S = tl.load(st_at + rp[:, None] * N + rn[None, :])
             dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
-            dC = tl.dot(LdYU_lo, Bc, input_precision=PRECISION) + tl.dot(dye, S, input_precision=PRECISION)
-            dB = tl.dot(tl.trans(LdYU_lo), Cc, input_precision=PRECISION) + tl.dot(uw, dS, input_precision=PRECISION)
+            dC = tl.dot(LdYU_lo, Bc, input_precision=PRECISION) + tl.dot(dye.to(S.dtype), S, input_precision=PRECISION)
+            dB = (tl.dot(tl.trans(LdYU_lo), Cc, input_precision=PRECISION)
+                  + tl.dot(uw.to(dS.dtype), dS, input_precision=PRECISION))
             out_at = (t[:, None] * H + hd) * N + rn[None, :]
             tl.store(db_ptr + out_at, dB.to(db_ptr.dtype.element_ty), mask=m[:, None])
             tl.store(dc_ptr + out_at, dC.to(dc_ptr.dtype.element_ty), mask=m[:, None])
@@ -496,6 +500,8 @@ OUT_WARPS = 4
 BWD_BLOCK_N = 64
 BWD_WARPS = 4
 BWD_STAGES = 1
+# bf16 inputs' chunk states stored in bf16 (states_dtype); False: fp32, the dots against them TF32
+STATES_IN_BF16 = True
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -503,10 +509,21 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 def dot_types(dtype: torch.dtype) -> dict[str, object]:
     """fp32 inputs: IEEE fp32 dots. 16-bit inputs: the dots take the inputs' own dtype (fp32 accumulation),
-    and the dots against the fp32 state run on TF32 tensor cores (finer than the inputs' rounding). The
-    Triton interpreter multiplies bf16 operands as raw integers, so under it every dot takes fp32 operands."""
+    and the dots against the stored states take the states' dtype (states_dtype: bf16, or fp32 states on TF32
+    tensor cores). The Triton interpreter multiplies bf16 operands as raw integers, so under it every dot takes
+    fp32 operands (and the states are fp32)."""
     dot = tl.float32 if TRITON_INTERPRET else _TL_DTYPES[dtype]
     return {"PRECISION": "ieee" if dtype == torch.float32 else "tf32", "DOT": dot}
+
+
+def states_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the chunk states the passes store and read back (the forward's, saved for the backward, and the
+    backward's state gradients), for inputs of `dtype`. The sequential passes carry the running state in fp32 either
+    way; only the stored copy is rounded. bf16 inputs store bf16 (STATES_IN_BF16, mamba_ssm's choice: the dots
+    against the states then run in bf16, where fp32 states ran TF32 ones, and the states' traffic, the largest of
+    the backward's chunk pass, halves); fp16 keeps fp32 (a state can outgrow fp16's range); fp32 stays fp32; under
+    the interpreter fp32 (dot_types says why)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 and STATES_IN_BF16 and not TRITON_INTERPRET else torch.float32
 
 
 def _n_slots(total: int, chunk: int, n_docs: int) -> int:
@@ -549,15 +566,15 @@ def launch_ssd_fwd(
     chunk: int, save: bool, x_weight: torch.Tensor | None, y_dtype: torch.dtype, m3: Mamba3Operands | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The forward kernels (the SSD op's, and kernels/mamba3's in Mamba-3 mode): y [B, T', H, P] in y_dtype over the
-    scan's tokens (T' = dt's: the steps, or Mamba-3's T*R rank sub-tokens, x then one row a step) and the fp32 state
-    entering every chunk of every document, by slot (empty unless save). Inputs contiguous and validated."""
+    scan's tokens (T' = dt's: the steps, or Mamba-3's T*R rank sub-tokens, x then one row a step) and the state
+    entering every chunk (states_dtype) of every document, by slot (empty unless save). Inputs contiguous and validated."""
     B, T = dt.shape[:2]
     H, P = x.shape[2], x.shape[3]
     G, N = Bm.shape[2], Bm.shape[3]
     D = cu_seqlens.numel() - 1
     n_slots = _n_slots(B * T, chunk, D)
     dots = dot_types(x.dtype)
-    states = torch.empty((n_slots, H, P, N), device=x.device, dtype=torch.float32)
+    states = torch.empty((n_slots, H, P, N), device=x.device, dtype=states_dtype(x.dtype))
     grid, bp, bn = _state_grid(D, H, P, N)
     has_w = x_weight is not None
     w = x_weight if has_w else dt  # a placeholder pointer the kernels never read
@@ -577,8 +594,8 @@ def launch_ssd_fwd(
 
 def launch_ssd_bwd_states(dy: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Cm: torch.Tensor,
                           cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, dtype: torch.dtype) -> torch.Tensor:
-    """Backward pass 1 (the SSD op's, and kernels/mamba3's): the fp32 gradient of the state leaving every chunk of
-    every document, by slot, [n_slots, H, P, N] like the forward's saved states. dy contiguous [B,T,H,P]; dtype:
+    """Backward pass 1 (the SSD op's, and kernels/mamba3's): the gradient of the state leaving every chunk of
+    every document, by slot, [n_slots, H, P, N] in the dtype of the forward's saved states. dy contiguous [B,T,H,P]; dtype:
     x's, which sets the dots' (dot_types)."""
     H, P, N = states.shape[1:]
     G = Cm.shape[2]
@@ -628,7 +645,7 @@ def ssd_scan_fwd(
     cu_seqlens: torch.Tensor, chunk: int, save: bool, x_weight: Optional[torch.Tensor] = None,  # noqa: UP045
     y_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """y [B,T,H,P] and the fp32 state entering every chunk of every document, by slot (empty unless save).
+    """y [B,T,H,P] and the state entering every chunk of every document (states_dtype), by slot (empty unless save).
 
     Inputs contiguous, validated by the caller; cu_seqlens [D+1] int32 covers the flattened B*T tokens.
     x_weight (fp32, [B,T,H]): the input's weight per token, dt when None (the module docstring). y_fp32: y in
@@ -641,7 +658,8 @@ def ssd_scan_fwd(
 def _(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight=None, y_fp32=False):
     B, T, H, P = x.shape
     n_slots = _n_slots(B * T, chunk, cu_seqlens.shape[0] - 1)
-    return torch.empty_like(x, dtype=torch.float32 if y_fp32 else x.dtype), x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=torch.float32)
+    return (torch.empty_like(x, dtype=torch.float32 if y_fp32 else x.dtype),
+            x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=states_dtype(x.dtype)))
 
 
 @torch.library.custom_op("megacpp::ssd_scan_bwd", mutates_args=())
