@@ -140,6 +140,9 @@ def test_the_budget_reaches_the_partitioner():
         model = _model(pattern=kind, n_layers=3, engram_layers=(), **TRITON)
         apply_ac(model, CheckpointingPolicy.uniform(budget), compiled=True)
         apply_compile(model, backend="aot_eager_decomp_partition")
+        # the first forward compiles outside the measured window: what compiling retains depends on what the process
+        # compiled before (a fresh-clone CI run once read 706384 bytes at budget 1.0 against 1311048 alone)
+        model(*batch).loss
         saved[budget] = retained_bytes(lambda: model(*batch).loss)
     torch._dynamo.reset()
     assert saved[0.0] < 0.8 * saved[1.0], saved
