@@ -228,8 +228,8 @@ def test_the_split_chunk_pass_equals_the_one_kernel_bit_for_bit(R, monkeypatch):
 def test_kept_keys_spare_the_backward_its_key_pass_and_change_no_gradient(R, monkeypatch):
     """With a group per head (G == H) the forward keeps its rotated keys and queries for the backward (keeps_keys),
     saved in place of B and C: one key pass in a forward and backward, where recomputing them runs two, and every
-    gradient the same bits as the recomputing backward's (the same kernels on the same keys). With G < H nothing is
-    kept."""
+    gradient the same bits as the recomputing backward's (the same kernels on the same keys). With G < H, or under
+    an activation-memory budget below 1, nothing is kept."""
     from megacpp_lab.kernels import mamba3 as m3
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -255,6 +255,8 @@ def test_kept_keys_spare_the_backward_its_key_pass_and_change_no_gradient(R, mon
     x, Bm = a["x"], a["Bm"] if R == 1 else a["Bm"][:, :, 0]
     assert m3.keeps_keys(x, Bm) and not m3.keeps_keys(x, Bm[:, :, :1])
     assert not m3.keeps_keys(x, Bm.double())  # the kept keys are in x's dtype: B's gradient must be B's dtype
+    with torch._functorch.config.patch(activation_memory_budget=0.5):  # memory asked back: B and C can be recomputed
+        assert not m3.keeps_keys(x, Bm)
 
 
 @pytest.mark.parametrize("R", [1, 2])

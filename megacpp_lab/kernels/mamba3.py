@@ -718,9 +718,10 @@ def mamba3_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, theta: torch.Tensor,
     b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
     mimo_x: Optional[torch.Tensor], cu_seqlens: torch.Tensor, chunk: int, rank: int, save: bool,  # noqa: UP045
+    keep_keys: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), the saved chunk states, and the keys
-    and queries kept for the backward (keeps_keys; else empty). The keys
+    and queries kept for the backward (keep_keys, as keeps_keys decides; else empty). The keys
     and queries per head, k = rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels in
     Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal;
     a step's ranks see each other). x [B,T,H,P], one row a step: MIMO's rank inputs x * mimo_x[r]
@@ -730,25 +731,29 @@ def mamba3_scan_fwd(
     k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, x.shape[2], rank, x.dtype)
     y, states = launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype,
                                Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
-    if save and keeps_keys(x, Bm):
+    if save and keep_keys:
         return y, states, k, q
     return y, states, k.new_empty((0,)), q.new_empty((0,))
 
 
 def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
-    """Whether the forward keeps its rotated keys and queries for the backward, which then takes them in place of B
-    and C and runs no key pass of its own: where they are no larger than B and C (a group per head, G == H) and in
-    their dtype. Else (G < H: the keys per head are H / G times B's size) the backward recomputes them. At bench
-    ssd's main shape (G = H) the key pass took 0.16 ms of the scan's 2.6 (probe, H200)."""
-    return Bm.shape[2] == x.shape[2] and Bm.dtype == x.dtype
+    """x [B,T,H,P] and B [B,T*R,G,N] as mamba3_scan_fwd takes them: whether the forward keeps its rotated keys and queries for the backward, which then takes them in place of B
+    and C and runs no key pass of its own: where they are no larger than B and C (a group per head, G == H), in
+    their dtype, and nothing asks for activation memory back (inductor's activation_memory_budget at 1, as eager
+    runs and as apply_ac leaves a block at budget 1: the op's outputs cannot be recomputed, where B and C, saved
+    in their place, can, so a budget below 1 keeps the key pass). Else (G < H: the keys per head are H / G times
+    B's size) the backward recomputes them. At bench ssd's main shape (G = H) the key pass took 0.16 ms of the
+    scan's 2.6 (probe, H200)."""
+    budget = torch._functorch.config.activation_memory_budget
+    return Bm.shape[2] == x.shape[2] and Bm.dtype == x.dtype and budget >= 1.0
 
 
 @mamba3_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, chunk, rank, save):  # noqa: ANN001, ANN202
+def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, chunk, rank, save, keep_keys):  # noqa: ANN001, ANN202
     B, TR = dt.shape[:2]
     H, P = x.shape[2:]
     n_slots = B * TR // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
-    keys = (B, TR, H, Bm.shape[-1]) if save and keeps_keys(x, Bm) else (0,)
+    keys = (B, TR, H, Bm.shape[-1]) if save and keep_keys else (0,)
     return (x.new_empty((B, TR, H, P)),
             x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=states_dtype(x.dtype)),
             x.new_empty(keys), x.new_empty(keys))  # fmt: skip
@@ -822,7 +827,7 @@ def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, chunk, rank, _save = inputs
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, chunk, rank, _save, _keep = inputs
     _y, states, k, q = output
     ctx.rotated = k.numel() > 0  # the rotated keys kept (keeps_keys): saved in place of B and C
     if ctx.rotated:
@@ -854,7 +859,7 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq):  # noqa: ANN001, ANN202
         scale = mimo_x.transpose(0, 1).to(x.dtype).float()  # as the kernels scaled x
         dx = (dxr * scale).sum(2).to(x.dtype) if ctx.needs_input_grad[0] else None
         dmx = (dxr * x.float()[:, :, None]).sum((0, 1)).transpose(0, 1) if ctx.needs_input_grad[11] else None
-    return dx, ddt, dA.to(A.dtype), dB, dC, d_theta, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None
+    return dx, ddt, dA.to(A.dtype), dB, dC, d_theta, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None, None
 
 
 mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
@@ -902,10 +907,12 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamm
         or gamma.requires_grad or (D is not None and D.requires_grad) or (mimo_x is not None and mimo_x.requires_grad)
     )  # fmt: skip
     skip = D.float().contiguous() if D is not None else A.new_zeros((H,), dtype=torch.float32)
+    Bs, Cs = sub(Bm), sub(Cm)
     y, *_ = mamba3_scan_fwd(
-        x.contiguous(), sub(dt_sub), A.float().contiguous(), sub(Bm), sub(Cm), theta.float().contiguous(),
+        x.contiguous(), sub(dt_sub), A.float().contiguous(), Bs, Cs, theta.float().contiguous(),
         b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
         None if mimo_x is None else mimo_x.float().contiguous(), (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
+        needs_grad and keeps_keys(x, Bs),
     )  # fmt: skip
     return y.view(B, T, R, H, P)
 
