@@ -157,7 +157,6 @@ def _rank_inputs(x, mimo_x):  # noqa: ANN001, ANN202
     return x[:, :, None] if mimo_x is None else x[:, :, None] * mimo_x.transpose(0, 1).to(x.dtype)
 
 
-
 def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tuple[int, ...]:  # noqa: ANN001
     if x.dim() != 4:
         raise ValueError(f"mamba3 x must be [B,T,H,P], got {list(x.shape)}")
@@ -402,8 +401,7 @@ def _unrotate(d, v, cos, sin, ROWS: tl.constexpr, BN: tl.constexpr):
 def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G, n_a,
                  RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
     """k = rot(B + b_bias, theta) and q = rot(C + c_bias, theta) per head, in k's dtype: one program per BT
-    sub-tokens (over the flattened B*T*R) and group, B and C loaded once for the group's heads. fp32 arithmetic
-    """
+    sub-tokens (over the flattened B*T*R) and group, B and C loaded once for the group's heads. fp32 arithmetic."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     g = tl.program_id(1)
     m = t < TOTAL
@@ -690,13 +688,14 @@ M3_BWD_WARPS = 4
 # H200 at bench ssd's main shape; the cap is not kept)
 # the chunk pass as two kernels (steps 1-2, then 3-4; step 2's [CHUNK, CHUNK] tile, a vector and a sum per program
 # through memory) in place of one: compiled for sm_90 (kernels/resources.py, Triton 3.9) at the main shape, the one
-# kernel spills 312/340 bytes a thread (stores/loads), the two 24/24 and 20/20; yet the two took 2.64 ms forward and
-# backward against the one's 2.56 (profiles/nvidia-h200/ssd/mamba3_fwd_bwd.json, its M3_BWD_SPLIT row): off
+# kernel spills 284/308 bytes a thread (stores/loads), the two 24/24 and 0/0 (with bf16 stored states); yet the two
+# took 2.16 ms forward and backward against the one's 2.09 (profiles/nvidia-h200/ssd/mamba3_fwd_bwd.json, its
+# M3_BWD_SPLIT row): off
 M3_BWD_SPLIT = False
-# the chunk pass's dots against the fp32 state and its gradient: in the inputs' own dtype (True, mamba_ssm's choice:
-# half the registers and twice the MMA rate), or fp32 operands (False: TF32 for 16-bit inputs). fp32 inputs take fp32
-# either way, as does the interpreter. `bench ssd` measures the other setting beside the default, as its own row of
-# profiles/<device>/ssd/mamba3_fwd_bwd.json.
+# the chunk pass's dots against the stored state and its gradient (kernels/ssd.states_dtype: bf16 for bf16 inputs): in
+# the inputs' own dtype (True, mamba_ssm's choice: half the registers and twice the MMA rate), or fp32 operands (False:
+# TF32 for 16-bit inputs, on the stored values). fp32 inputs take fp32 either way, as does the interpreter. `bench ssd`
+# measures the other setting beside the default, as its own row of profiles/<device>/ssd/mamba3_fwd_bwd.json.
 STATE_DOTS_IN_INPUT_DTYPE = True
 
 
@@ -721,9 +720,8 @@ def mamba3_scan_fwd(
     keep_keys: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), the saved chunk states, and the keys
-    and queries kept for the backward (keep_keys, as keeps_keys decides; else empty). The keys
-    and queries per head, k = rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels in
-    Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal;
+    and queries kept for the backward (keep_keys, as keeps_keys decides; else empty). The keys and queries per
+    head, k = rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels in Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal;
     a step's ranks see each other). x [B,T,H,P], one row a step: MIMO's rank inputs x * mimo_x[r]
     (mimo_x [H,R,P] fp32; None for SISO) are formed as the kernels read x; dt (rank 0's, the others 0), weight and
     gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the
@@ -737,13 +735,13 @@ def mamba3_scan_fwd(
 
 
 def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
-    """x [B,T,H,P] and B [B,T*R,G,N] as mamba3_scan_fwd takes them: whether the forward keeps its rotated keys and queries for the backward, which then takes them in place of B
-    and C and runs no key pass of its own: where they are no larger than B and C (a group per head, G == H), in
-    their dtype, and nothing asks for activation memory back (inductor's activation_memory_budget at 1, as eager
-    runs and as apply_ac leaves a block at budget 1: the op's outputs cannot be recomputed, where B and C, saved
-    in their place, can, so a budget below 1 keeps the key pass). Else (G < H: the keys per head are H / G times
-    B's size) the backward recomputes them. At bench ssd's main shape (G = H) the key pass took 0.16 ms of the
-    scan's 2.6 (probe, H200)."""
+    """x [B,T,H,P] and B [B,T*R,G,N] as mamba3_scan_fwd takes them: whether the forward keeps its rotated keys and
+    queries for the backward, which then takes them in place of B and C and runs no key pass of its own. Where they
+    are no larger than B and C (a group per head, G == H), in their dtype, and nothing asks for activation memory
+    back (inductor's activation_memory_budget at 1, as eager runs and as apply_ac leaves a block at budget 1: the
+    op's outputs cannot be recomputed, where B and C, saved in their place, can, so a budget below 1 keeps the key
+    pass). Else (G < H: the keys per head are H / G times B's size) the backward recomputes them. At bench ssd's
+    main shape (G = H) the key pass took 0.16 ms of the scan's 2.6 (probe, H200)."""
     budget = torch._functorch.config.activation_memory_budget
     return Bm.shape[2] == x.shape[2] and Bm.dtype == x.dtype and budget >= 1.0
 

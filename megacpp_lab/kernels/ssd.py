@@ -307,8 +307,8 @@ def _ssd_fwd_state_kernel(
     PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """Pass 1 (sequential over one document's chunks, one [BP, BN] block of the state per program):
-    store the state entering every chunk (fp32 running, stored in the states' dtype); S' = exp(cs_last) S + (u * w)^T B, u = dt x (or x times the
-    input weight), w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset. RANK > 1: the
+    store the state entering every chunk (fp32 running, stored in the states' dtype); S' = exp(cs_last) S +
+    (u * w)^T B, u = dt x (or x times the input weight), w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset. RANK > 1: the
     tokens are Mamba-3's rank sub-tokens, x per step scaled by mimo_x at xs_ptr (rank_inputs)."""
     hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
     S = tl.zeros((BP, BN), dtype=tl.float32)
