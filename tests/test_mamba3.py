@@ -324,11 +324,12 @@ def test_a_documents_first_angle_rate_has_no_gradient(kernel, chunk_pass):
     assert first.abs().max() < 1e-5 * d_angles.abs().max(), (first.abs().max(), d_angles.abs().max())
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter(reverse):
-    """The angle sums (int64 fixed point) and their backward's suffix sums (fp64) as Triton scans, one program per
-    document: equal to the torch forms, bit for bit, over documents longer than one 128-token block (the carry
-    between blocks), documents of one token, and more columns than one block."""
+@pytest.mark.parametrize("reverse, dtype", [(False, torch.float32), (False, torch.float64), (True, torch.float32)])
+def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter(reverse, dtype):
+    """The angle sums (fp32: 32-bit turns; fp64: int64 fixed point) and their backward's suffix sums (fp64) as
+    Triton scans, one program per document: equal to the torch forms (fp32 angles bit for bit), over documents
+    longer than one block of SCAN_BLOCK_T tokens (the carry between blocks), documents of one token, and more
+    columns than one block."""
     from megacpp_lab.kernels import TRITON_INTERPRET
     from megacpp_lab.kernels.mamba3 import (doc_angle_sum_torch, doc_angle_sum_triton, doc_suffix_sum_torch,
                                             doc_suffix_sum_triton)  # fmt: skip
@@ -339,11 +340,13 @@ def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter
     g = torch.Generator().manual_seed(8)
     B, T = 3, 300
     cu = torch.tensor([0, 1, 2, 140, 300, 301, 600, 630, 899, 900], dtype=torch.int32).to(device)
-    v = (torch.randn(B, T, 3, 7, generator=g) * 4).to(device)  # 21 columns: more than one block of 8
+    v = (torch.randn(B, T, 3, 7, generator=g, dtype=dtype) * 4).to(device)  # 21 columns: more than one block of SCAN_BLOCK_C
     if reverse:
         torch.testing.assert_close(doc_suffix_sum_triton(v, cu), doc_suffix_sum_torch(v, cu), atol=1e-6, rtol=1e-6)
-    else:
+    elif dtype == torch.float32:
         assert torch.equal(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu))
+    else:  # the same integer sums; the last fp64 mod 2 pi rounds as each side's division does (5.7e-14 seen)
+        torch.testing.assert_close(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu), atol=1e-12, rtol=0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dots are fp32: this isolates the gradients' storage")

@@ -188,18 +188,24 @@ def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tupl
     return B, T, H, P, G, N, n_a, R
 
 
-# the angle sums' fixed-point scale: steps of 1.5e-11 rad (fp32 resolves 4.8e-7 at 2 pi), and each increment below
-# 2 pi * 2**36, so int64 holds the sum of 2**63 / (2 pi 2**36) = 21 million tokens of one document
+# the fp64 angle sums' fixed-point scale: steps of 1.5e-11 rad (fp32 resolves 4.8e-7 at 2 pi), and each increment
+# below 2 pi * 2**36, so int64 holds the sum of 2**63 / (2 pi 2**36) = 21 million tokens of one document
 ANGLE_FIXED_POINT = 2.0**36
+# the fp32 angle sums' unit: 2**32 a turn, so a 32-bit sum's wrap-around is exactly the mod 2 pi (steps of 1.5e-9
+# rad, finer than fp32's 4.8e-7 at 2 pi), with no fp64 and no bound on a document's length (on the H200 at bench
+# ssd's main shape the forward scan took 0.050 ms in turns, against the int64 fixed point's 0.109: scan_probe.py)
+ANGLE_TURN = 2.0**32
 
 
 @torch.library.custom_op("megacpp::doc_angle_sum", mutates_args=())
 def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """theta [B,T,...]: the increments inc [B,T,...] summed along T from each document start, mod 2 pi, in inc's
     dtype; cu_seqlens [D+1] int32 over the flattened B*T tokens (kernels/ssd.py's convention; one document a row
-    is arange(0, B*T + 1, T)). The sum runs in int64 fixed point (each increment first taken mod 2 pi): integer
-    sums are exact, so a document's angle takes no rounding from any other document, and a long document keeps
-    its low bits, where an fp32 sum would lose them (hundreds of radians). On CUDA one Triton program per
+    is arange(0, B*T + 1, T)). The sum runs in integers: fp32 (and 16-bit) increments in turns, 2**32 a turn
+    (ANGLE_TURN: each increment's fraction of a turn, rounded once in fp32, and a 32-bit sum whose wrap-around is
+    the mod 2 pi); fp64 ones in int64 fixed point (each increment first taken mod 2 pi in fp64). Integer sums are
+    exact, so a document's angle takes no rounding from any other document, and a long document keeps its low
+    bits, where a float sum would lose them (hundreds of radians). On CUDA one Triton program per
     document and column block (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
     tests/test_mamba3.py holds the two equal, bit for bit. An opaque op: inductor's Triton codegen fails on this
     long scan over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen, at
@@ -211,13 +217,19 @@ def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def doc_angle_sum_torch(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """doc_angle_sum in plain torch: a cumsum over the whole row less the sum before each document's start."""
+    """doc_angle_sum in plain torch: a cumsum over the whole row less the sum before each document's start, each
+    step rounded as the Triton scan rounds it (ties up: floor(x + 1/2)), so the two stay equal bit for bit."""
     start = doc_start_mask(cu_seqlens, *inc.shape[:2], inc.device)
-    # ties round up, as the Triton scan rounds them (floor(x + 1/2)): the two stay equal bit for bit
-    steps = torch.floor(torch.remainder(inc.double(), 2 * math.pi) * ANGLE_FIXED_POINT + 0.5).to(torch.int64)
+    if inc.dtype == torch.float64:
+        steps = torch.floor(torch.remainder(inc, 2 * math.pi) * ANGLE_FIXED_POINT + 0.5).to(torch.int64)
+    else:  # the turns' fraction in fp32 (the scan's arithmetic), then an int64 sum whose low 32 bits are its own
+        turns = inc.float() * (0.5 / math.pi)
+        steps = ((turns - torch.floor(turns)) * ANGLE_TURN + 0.5).to(torch.int64)
     total = torch.cumsum(steps, dim=1)
     own = total - torch.gather(total - steps, 1, _first_of_document(start, steps.shape))
-    return torch.remainder(own.double() / ANGLE_FIXED_POINT, 2 * math.pi).to(inc.dtype)
+    if inc.dtype == torch.float64:
+        return torch.remainder(own.double() / ANGLE_FIXED_POINT, 2 * math.pi)
+    return ((own & 0xFFFFFFFF).float() * (2 * math.pi / ANGLE_TURN)).to(inc.dtype)
 
 
 @doc_angle_sum.register_fake
@@ -281,11 +293,53 @@ doc_angle_sum.register_autograd(
 
 @triton.jit
 def _doc_scan_kernel(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
-                     REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
+                     REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr, TURN: tl.constexpr):  # fmt: skip
     """One program per (document, BC columns): walks the document's tokens in blocks of BT (from its end if
     REVERSE), a cumsum within each block plus the sum carried from the blocks before. ANGLES: the forward's sum
-    of increments mod 2 pi in int64 fixed point, out mod 2 pi; else the backward's suffix sum in fp64. Tokens
-    index the flattened rows (cu_seqlens' convention), so a document is one contiguous run of C-wide rows."""
+    of increments mod 2 pi, out mod 2 pi: in 32-bit turns for fp32 increments (doc_angle_sum), in int64 fixed
+    point for fp64 ones; else the backward's suffix sum in fp64. Tokens index the flattened rows (cu_seqlens'
+    convention), so a document is one contiguous run of C-wide rows."""
+    if ANGLES and v_ptr.dtype.element_ty != tl.float64:
+        _doc_turns_scan(v_ptr, cu_ptr, out_ptr, C, BT, BC, TURN)
+    else:
+        _doc_fixed_scan(v_ptr, cu_ptr, out_ptr, C, BT, BC, ANGLES, REVERSE, FIXED_POINT)
+
+
+@triton.jit
+def _doc_block(rt0, i, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """Block i of a document's walk: its tokens and their mask (from the document's end if REVERSE)."""
+    if REVERSE:
+        rt = end - (i + 1) * BT + rt0
+        return rt, rt >= start
+    rt = start + i * BT + rt0
+    return rt, rt < end
+
+
+@triton.jit
+def _doc_turns_scan(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, TURN: tl.constexpr):
+    """The fp32 angle sum in turns: each increment's fraction of a turn in fp32, rounded once to a step of 1 / TURN,
+    summed in int32 (the wrap-around is the mod 2 pi), out in [0, 2 pi) as doc_angle_sum_torch's fp32 arithmetic."""
+    start = tl.load(cu_ptr + tl.program_id(0))
+    end = tl.load(cu_ptr + tl.program_id(0) + 1)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = rc < C
+    carry = tl.zeros((BC,), dtype=tl.int32)
+    for i in range(0, tl.cdiv(end - start, BT)):
+        rt, mt = _doc_block(tl.arange(0, BT), i, start, end, BT, False)
+        at = rt[:, None] * C + rc[None, :]
+        m = mt[:, None] & mc[None, :]
+        turns = tl.load(v_ptr + at, mask=m, other=0.0).to(tl.float32) * 0.15915494309189535  # 1 / (2 pi), in fp32
+        steps = tl.where(m, ((turns - tl.floor(turns)) * TURN + 0.5).to(tl.int64).to(tl.int32), 0)
+        run = tl.cumsum(steps, axis=0) + carry[None, :]
+        carry += tl.sum(steps, axis=0)
+        out = (run.to(tl.int64) & 0xFFFFFFFF).to(tl.float32) * (6.283185307179586 / TURN)
+        tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _doc_fixed_scan(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
+                    REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
+    """The fp64 angle sum in int64 fixed point (ANGLES), or the backward's suffix sum in fp64."""
     start = tl.load(cu_ptr + tl.program_id(0))
     end = tl.load(cu_ptr + tl.program_id(0) + 1)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -293,12 +347,7 @@ def _doc_scan_kernel(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constex
     carry = tl.zeros((BC,), dtype=tl.int64 if ANGLES else tl.float64)
     two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
     for i in range(0, tl.cdiv(end - start, BT)):
-        if REVERSE:
-            rt = end - (i + 1) * BT + tl.arange(0, BT)
-            mt = rt >= start
-        else:
-            rt = start + i * BT + tl.arange(0, BT)
-            mt = rt < end
+        rt, mt = _doc_block(tl.arange(0, BT), i, start, end, BT, REVERSE)
         at = rt[:, None] * C + rc[None, :]
         m = mt[:, None] & mc[None, :]
         v = tl.load(v_ptr + at, mask=m, other=0.0).to(tl.float64)
@@ -323,16 +372,18 @@ def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, revers
         return out
     _doc_scan_kernel[(cu_seqlens.numel() - 1, triton.cdiv(C, SCAN_BLOCK_C))](
         v, cu_seqlens, out, C, BT=SCAN_BLOCK_T, BC=SCAN_BLOCK_C, ANGLES=angles, REVERSE=reverse,
-        FIXED_POINT=ANGLE_FIXED_POINT, num_warps=4,
+        FIXED_POINT=ANGLE_FIXED_POINT, TURN=ANGLE_TURN, num_warps=SCAN_WARPS,
     )  # fmt: skip
     return out
 
 
-# a scan's tile, tokens x columns: on the H100 at [8,4096,16,32], 8 documents a row, 128 x 8 took 0.18 ms forward and
-# 0.14 backward, 64 x 8 and 32 x 8 within 2% of it; 16 columns took 0.18-0.27, 32 took 0.45-0.64. (The last version,
-# one program per row walking all of it, took the same 0.18 at 16 columns.)
-SCAN_BLOCK_T = 128
-SCAN_BLOCK_C = 8
+# a scan's tile, tokens x columns, and its warps: on the H200 at bench ssd's main shape ([8,4096,16,32], 8 documents a
+# row; scripts/scan_probe.py, one run) 32 x 16 at 2 warps took 0.051 ms for the turns and 0.103 for the fp64 suffix
+# sum, against 0.059 and 0.112 at the earlier 128 x 8 and 4 warps; 32 x 32 at 4 warps 0.050 and 0.118, 64 x 4 at 2
+# warps 0.18 and 0.16
+SCAN_BLOCK_T = 32
+SCAN_BLOCK_C = 16
+SCAN_WARPS = 2
 
 
 def doc_angle_sum_triton(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
