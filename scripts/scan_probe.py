@@ -86,7 +86,7 @@ def main() -> None:
             src = inc if angles_mode else grad
             grid = (cu.numel() - 1, triton.cdiv(C, bc))
             f = lambda: m3._doc_scan_kernel[grid](src, cu, out, C, BT=bt, BC=bc, ANGLES=angles_mode, REVERSE=rev,  # noqa: E731
-                                                  FIXED_POINT=m3.ANGLE_FIXED_POINT, num_warps=w)
+                                                  FIXED_POINT=m3.ANGLE_FIXED_POINT, TURN=m3.ANGLE_TURN, num_warps=w)
             rows[f"lib_{'fwd' if angles_mode else 'bwd'}_bt{bt}_bc{bc}_w{w}"] = bench(f)
         for name, fused, rev, f32, src in (("turns", False, False, False, inc), ("turns_fused", True, False, False, inc),
                                            ("sum_fp32_rev", False, True, True, grad)):
