@@ -316,6 +316,18 @@ def _doc_block(rt0, i, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
+def _mul_rounded(x, c: tl.constexpr):
+    """x * c in fp32, rounded before any later use, as torch's own multiply is. A plain product may be contracted
+    into the next subtraction as an FMA (rounding once where torch rounds twice), so the turns' fraction could
+    differ from doc_angle_sum_torch's in its last bit: on the H200 the two were unequal with the plain product
+    (0c9fba7), under the interpreter equal. mul.rn, an explicit rounding, is never contracted (PTX ISA)."""
+    if INTERPRETED:
+        return x * c
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, tl.full(x.shape, c, tl.float32)],
+                                     dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
 def _doc_turns_scan(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, TURN: tl.constexpr):
     """The fp32 angle sum in turns: each increment's fraction of a turn in fp32, rounded once to a step of 1 / TURN,
     summed in int32 (the wrap-around is the mod 2 pi), out in [0, 2 pi) as doc_angle_sum_torch's fp32 arithmetic."""
@@ -328,7 +340,7 @@ def _doc_turns_scan(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexp
         rt, mt = _doc_block(tl.arange(0, BT), i, start, end, BT, False)
         at = rt[:, None] * C + rc[None, :]
         m = mt[:, None] & mc[None, :]
-        turns = tl.load(v_ptr + at, mask=m, other=0.0).to(tl.float32) * 0.15915494309189535  # 1 / (2 pi), in fp32
+        turns = _mul_rounded(tl.load(v_ptr + at, mask=m, other=0.0).to(tl.float32), 0.15915494309189535)  # 1 / (2 pi)
         steps = tl.where(m, ((turns - tl.floor(turns)) * TURN + 0.5).to(tl.int64).to(tl.int32), 0)
         run = tl.cumsum(steps, axis=0) + carry[None, :]
         carry += tl.sum(steps, axis=0)
