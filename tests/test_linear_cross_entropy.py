@@ -64,8 +64,10 @@ def test_bf16_close_to_the_fp32_reference_and_leading_dims() -> None:
     ref = _both(linear_cross_entropy_reference, x.float(), w.float(), t)
     got = _both(fused_linear_cross_entropy, x.view(4, 16, 32), w, t.view(4, 16), chunk_size=24, impl="eager")
     torch.testing.assert_close(got[0], ref[0], atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got[1].float().view(64, 32), ref[1], atol=2e-2, rtol=5e-2)
-    torch.testing.assert_close(got[2].float(), ref[2], atol=2e-2, rtol=5e-2)
+    # the gradients are small (|dx| <= 0.015, |dW| <= 0.04 here), so an absolute atol of bf16's size would pass
+    # all-zero gradients: compare norms relative to the reference (bf16 rounding gives ~3e-3, zeros give 1)
+    assert _rel(got[1].view(64, 32), ref[1]) <= 2e-2
+    assert _rel(got[2], ref[2]) <= 2e-2
 
 
 def test_all_ignored_gives_zero_loss_and_zero_grads() -> None:
