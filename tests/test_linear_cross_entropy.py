@@ -107,6 +107,13 @@ def test_bad_inputs_fail_closed() -> None:
         fused_linear_cross_entropy(x, w, t, filter_eps=0.0)
     with pytest.raises(ValueError, match=r"x\.dtype must be bfloat16 or float32"):
         fused_linear_cross_entropy(x.half(), w.half(), t)
+    # a chunk_size of 2.7 was truncated to 2 and an ignore_index of 5.5 ignored nothing; H = 0 failed in a reshape
+    with pytest.raises(ValueError, match=r"chunk_size must be an int, got 2.7"):
+        fused_linear_cross_entropy(x, w, t, chunk_size=2.7)
+    with pytest.raises(ValueError, match=r"ignore_index must be an int, got 5.5"):
+        fused_linear_cross_entropy(x, w, t, ignore_index=5.5)
+    with pytest.raises(ValueError, match=r"x must have a hidden size H >= 1, got shape \(6, 0\)"):
+        fused_linear_cross_entropy(x[:, :0], w[:, :0], t)
 
 
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])

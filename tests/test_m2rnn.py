@@ -280,6 +280,19 @@ def test_triton_without_gpu_or_interpreter_fails_closed(monkeypatch):
         resolve_kernel("xla", torch.device("cpu"))
 
 
+def test_a_bad_context_an_empty_batch_and_a_negative_clip_fail_closed():
+    """A ctx that is no PackedContext and an empty batch failed deep inside the scan (AttributeError, IndexError);
+    a negative grad_clip turned clipping off without a word (the hook clamps only for grad_clip > 0)."""
+    q, k, v, f, W, _ = _inputs(2, 8, 2, 16, 16)
+    for kernel in ("triton", "reference"):
+        with pytest.raises(ValueError, match="ctx must be the batch's PackedContext .*got str"):
+            m2rnn_scan(q, k, v, f, W, ctx="rows", kernel=kernel)
+        with pytest.raises(ValueError, match=r"q must hold tokens, got \[B,S,H,K\] = \[2, 0, 2, 16\]"):
+            m2rnn_scan(q[:, :0], k[:, :0], v[:, :0], f[:, :0], W, kernel=kernel)
+        with pytest.raises(ValueError, match=r"grad_clip must be a number >= 0 \(0: no clipping\), got -1.0"):
+            m2rnn_scan(q, k, v, f, W, grad_clip=-1.0, kernel=kernel)
+
+
 def test_environment_knob_is_read_once_at_import(monkeypatch):
     """MEGACPP_M2RNN_KERNEL is read into DEFAULT_KERNEL at import, never polled per step: setting it at run time
     leaves kernel='auto' answering from the import-time default. The knob is set to the kernel that 'auto' does

@@ -29,6 +29,7 @@ reads the parallel order's states stored in it (BWD_DOTS_IN_INPUT_DTYPE; fp32 ac
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -793,6 +794,13 @@ def m2rnn_scan(
     _check("q", q, (B, S, H, K))
     if (doc_ids is not None) + (cu_seqlens is not None) + (ctx is not None) > 1:
         raise ValueError("give only one of doc_ids, cu_seqlens and ctx")
+    if ctx is not None and not isinstance(ctx, PackedContext):
+        raise ValueError(f"ctx must be the batch's PackedContext (varlen.build_context), got {type(ctx).__name__}")
+    if B == 0 or S == 0:  # no document: an IndexError deep in the scan before
+        raise ValueError(f"q must hold tokens, got [B,S,H,K] = {list(q.shape)}")
+    # a negative clip turned clipping off silently (the hook clamps only for grad_clip > 0)
+    if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float)) or not 0 <= grad_clip < math.inf:
+        raise ValueError(f"grad_clip must be a number >= 0 (0: no clipping), got {grad_clip!r}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if z_mode not in Z_MODES:

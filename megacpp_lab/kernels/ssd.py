@@ -103,6 +103,8 @@ def validate_ssd_inputs(
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be [B,T,H,P], got shape {tuple(getattr(x, 'shape', ()))}")
     B, T, H, P = x.shape
+    if B == 0 or T == 0:  # no document: it failed deep inside the chunking (a reshape, a zero step) before
+        raise ValueError(f"x must hold tokens, got [B,T,H,P] = {list(x.shape)}")
     if not isinstance(Bm, torch.Tensor) or Bm.dim() != 4:
         raise ValueError(f"Bm must be [B,T,G,N], got shape {tuple(getattr(Bm, 'shape', ()))}")
     G, N = Bm.shape[2], Bm.shape[3]
@@ -723,6 +725,8 @@ def ssd_scan(
     elsewhere.
     """
     if ctx is not None:
+        if not isinstance(ctx, PackedContext):
+            raise ValueError(f"ctx must be the batch's PackedContext (varlen.build_context), got {type(ctx).__name__}")
         if cu_seqlens is not None:
             raise ValueError("give ctx or cu_seqlens, not both")
         if ctx.shape != tuple(x.shape[:2]):
