@@ -27,6 +27,7 @@ __all__ = [
     "FLEX_BLOCK",
     "PackedContext",
     "build_context",
+    "check_context",
     "check_cu_seqlens",
     "copy_to_device",
     "context_positions",
@@ -211,14 +212,20 @@ def _check_doc_ids(doc_ids: torch.Tensor, shape: tuple[int, int]) -> None:
         )
 
 
+def check_context(ctx: Any) -> None:
+    """ctx, when given, must be a PackedContext: anything else (a str, a bare block mask, doc_ids) fails here by
+    name, not deep inside a layer on an attribute it lacks."""
+    if ctx is not None and not isinstance(ctx, PackedContext):
+        raise TypeError(f"ctx must be a PackedContext (megacpp_lab.varlen.build_context), got {type(ctx).__name__}")
+
+
 def context_positions(ctx: PackedContext | None, shape: tuple[int, ...]) -> torch.Tensor | None:
     """The positions a layer of input [B,T,...] = shape reads its look-back masks from: its context's
     (validated when it was built), or None without one (one document per row). A context of another batch
     shape fails closed."""
     if ctx is None:
         return None
-    if not isinstance(ctx, PackedContext):
-        raise TypeError(f"ctx must be a PackedContext (megacpp_lab.varlen.build_context), got {type(ctx).__name__}")
+    check_context(ctx)
     if ctx.shape != tuple(shape[:2]):
         raise ValueError(f"ctx is for [B,T] = {ctx.shape}, the input is {tuple(shape[:2])}")
     return ctx.positions

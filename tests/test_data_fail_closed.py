@@ -58,22 +58,16 @@ def test_the_committed_manifest_still_loads(data_dir):
     assert load_bpe(data_dir).vocab_size == 32768
 
 
+@pytest.mark.parametrize("content, message", [
+    (b'{"a": ', "is not valid JSON"),  # truncated
+    (b"\xff\xfe{}", "is not valid JSON"),  # not UTF-8
+    (b"[1, 2]", "must be a JSON object, got a JSON list"),
+], ids=["truncated", "not_utf8", "a_list"])  # fmt: skip
 @pytest.mark.parametrize("loader", [load_sample, load_bpe], ids=["load_sample", "load_bpe"])
-def test_corrupt_manifest_names_the_file(data_dir, loader):
+def test_a_manifest_that_is_no_json_object_names_the_file(data_dir, loader, content, message):
     path = data_dir / MANIFEST_FILE
-    path.write_text('{"a": ')
-    with pytest.raises(ValueError, match=_named(path, "is not valid JSON")):
-        loader(data_dir)
-    path.write_bytes(b"\xff\xfe{}")
-    with pytest.raises(ValueError, match=_named(path, "is not valid JSON")):
-        loader(data_dir)
-
-
-@pytest.mark.parametrize("loader", [load_sample, load_bpe], ids=["load_sample", "load_bpe"])
-def test_manifest_that_is_not_an_object_names_the_type(data_dir, loader):
-    path = data_dir / MANIFEST_FILE
-    path.write_text("[1, 2]")
-    with pytest.raises(ValueError, match=_named(path, "must be a JSON object, got a JSON list")):
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=_named(path, message)):
         loader(data_dir)
 
 

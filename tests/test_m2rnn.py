@@ -285,7 +285,7 @@ def test_a_bad_context_an_empty_batch_and_a_negative_clip_fail_closed():
     a negative grad_clip turned clipping off without a word (the hook clamps only for grad_clip > 0)."""
     q, k, v, f, W, _ = _inputs(2, 8, 2, 16, 16)
     for kernel in ("triton", "reference"):
-        with pytest.raises(ValueError, match="ctx must be the batch's PackedContext .*got str"):
+        with pytest.raises(TypeError, match="ctx must be a PackedContext .*got str"):
             m2rnn_scan(q, k, v, f, W, ctx="rows", kernel=kernel)
         with pytest.raises(ValueError, match=r"q must hold tokens, got \[B,S,H,K\] = \[2, 0, 2, 16\]"):
             m2rnn_scan(q[:, :0], k[:, :0], v[:, :0], f[:, :0], W, kernel=kernel)

@@ -479,7 +479,7 @@ def test_bad_dtypes_contexts_and_empty_batches_fail_naming_the_field(kernel):
         call(x=a["x"].to(torch.complex64))
     with pytest.raises(ValueError, match=r"mamba3 x must be a tensor \[B,T,H,P\], got list"):
         call(x=a["x"].tolist())
-    with pytest.raises(ValueError, match=r"mamba3 ctx must be the batch's PackedContext .*got str"):
+    with pytest.raises(TypeError, match=r"ctx must be a PackedContext .*got str"):
         call(ctx="rows")
     empty = {k: v[:, :0] for k, v in a.items() if k not in ("A", "b_bias", "c_bias", "D")}
     with pytest.raises(ValueError, match=r"mamba3 x must hold tokens, got \[B,T,H,P\] = \[2, 0, 4, 16\]"):

@@ -56,19 +56,16 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import INTERPRETED, launchable
-from megacpp_lab.kernels.ssd import (Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask, dot_types,
-                                     launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, slot_chunk, ssd_scan,
-                                     states_dtype)
-from megacpp_lab.varlen import PackedContext, check_cu_seqlens
+from megacpp_lab.kernels.ssd import (FLOAT_DTYPES, Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask,
+                                     dot_types, launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, slot_chunk,
+                                     ssd_scan, states_dtype)
+from megacpp_lab.varlen import PackedContext, check_context, check_cu_seqlens
 
 __all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "doc_angle_sum_torch", "doc_angle_sum_triton",
            "doc_suffix_sum_torch", "doc_suffix_sum_triton", "mamba3_scan", "mamba3_scan_reference", "mamba3_step",
            "rotate_pairs"]
 
 KERNELS = ("auto", "triton", "chunked", "reference")
-
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
@@ -951,9 +948,7 @@ def mamba3_scan(
     if kernel not in KERNELS:
         raise ValueError(f"mamba3 kernel must be one of {KERNELS}, got {kernel!r}")
     if ctx is not None:
-        if not isinstance(ctx, PackedContext):
-            raise ValueError(f"mamba3 ctx must be the batch's PackedContext (varlen.build_context), got "
-                             f"{type(ctx).__name__}")  # fmt: skip
+        check_context(ctx)
         if cu_seqlens is not None:
             raise ValueError("mamba3: give ctx or cu_seqlens, not both")
         cu_seqlens = ctx.cu_seqlens
