@@ -62,6 +62,8 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
     if args.train_tokenizer and args.tokenizer == "byte":
         raise ValueError("--train-tokenizer trains the BPE: it needs --tokenizer bpe or all, got --tokenizer byte")
+    if args.vocab_size is not None and not args.train_tokenizer:  # read only when training: else silently unused
+        raise ValueError(f"--vocab-size {args.vocab_size} sizes a BPE being trained: it needs --train-tokenizer")
     kinds = ("byte", "bpe") if args.tokenizer == "all" else (args.tokenizer,)
     # one build, one warning line: a short corpus leaves both samples short, and each says so
     with warnings.catch_warnings(record=True) as caught:
@@ -70,7 +72,7 @@ def _cmd_data(args: argparse.Namespace) -> int:
             tok = None
             if kind == "bpe":
                 if args.train_tokenizer:
-                    bpe_config = BpeTrainConfig(vocab_size=args.vocab_size)
+                    bpe_config = BpeTrainConfig(vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size)
                     path = train_bpe(args.out, root=args.root, config=bpe_config, progress=not args.quiet)
                     print(f"trained {path} (vocab {bpe_config.vocab_size})")
                 tok = load_bpe(args.out if args.train_tokenizer else None)
@@ -363,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-tokenizer", action="store_true",
                    help="train the BPE on --root into --out first (about 15 s on torch/include with 2 cores) "
                    "instead of using the committed data/bpe-32768.json (default: off)")  # fmt: skip
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="BPE vocab with --train-tokenizer")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help=f"BPE vocab with --train-tokenizer (default {DEFAULT_VOCAB_SIZE})")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_data)
     data_sub = p.add_subparsers(dest="data_command", metavar="{corpus}",

@@ -27,6 +27,7 @@ __all__ = [
     "FLEX_BLOCK",
     "PackedContext",
     "build_context",
+    "check_context",
     "check_cu_seqlens",
     "copy_to_device",
     "context_positions",
@@ -49,15 +50,30 @@ FLEX_BLOCK = 128  # the flex block mask's block size, in tokens
 # ----------------------------------------------------------------------------- conversions, one each
 
 
+def _require_rows(doc_ids: Any, function: str) -> None:
+    """doc_ids must be a [B,T] tensor: a shape check, free on any device and inside a compiled region."""
+    if not isinstance(doc_ids, torch.Tensor) or doc_ids.dim() != 2:
+        got = tuple(doc_ids.shape) if isinstance(doc_ids, torch.Tensor) else type(doc_ids).__name__
+        raise ValueError(f"{function}: doc_ids must be a [B,T] tensor, got {got}")
+
+
 def doc_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Bool [B,T]: True at every document start (offset 0 of each row included)."""
+    """Bool [B,T]: True at every document start (offset 0 of each row included).
+
+    A document is a run of equal ids: this and the two builders below compare neighbouring ids only and do not
+    check that ids never go backwards. That is the layout contract, checked once per batch on the host by
+    validate_packed_layout (build_context, PackedBatch): these run every step, on the GPU and inside compiled
+    regions (dsa.document_starts), where reading values would be a host sync, and on time-reversed rows, whose
+    ids decrease by design (testing.planted.CenteredSmoother)."""
+    _require_rows(doc_ids, "doc_starts")
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     return starts
 
 
 def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Offset of each token inside its document, int64 [B,T]."""
+    """Offset of each token inside its document, int64 [B,T] (documents are runs of equal ids: doc_starts)."""
+    _require_rows(doc_ids, "positions_from_doc_ids")
     B, T = doc_ids.shape
     idx = torch.arange(T, device=doc_ids.device).expand(B, T)
     last_start = torch.where(doc_starts(doc_ids), idx, torch.zeros_like(idx)).cummax(dim=1).values
@@ -65,7 +81,9 @@ def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Flattened varlen boundaries (flash-attention convention), int32 [S+1]."""
+    """Flattened varlen boundaries (flash-attention convention), int32 [S+1] (documents are runs of equal ids:
+    doc_starts)."""
+    _require_rows(doc_ids, "cu_seqlens_from_doc_ids")
     B, T = doc_ids.shape
     starts = doc_starts(doc_ids).reshape(-1).nonzero().reshape(-1)
     end = torch.tensor([B * T], device=doc_ids.device)
@@ -147,10 +165,19 @@ def doc_causal_shift(
 
     x is [B,T,...]; positions [B,T] is each token's offset inside its document (a PackedContext's
     positions), or None (one document per row). Token ids use fill=pad_id, hidden states the default zero.
+    The checks read shapes and Python ints only: no host sync, no graph break where a layer runs it compiled.
     """
+    # a negative lag would slice x[:, :T+|lag|] and return a shorter tensor without an error
+    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+        raise ValueError(f"doc_causal_shift: lag must be an int >= 0, got {lag!r}")
+    if x.dim() < 2:
+        raise ValueError(f"doc_causal_shift: x must be [B,T,...], got shape {tuple(x.shape)}")
+    B, T = x.shape[:2]
+    if positions is not None and (not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (B, T)):
+        got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise ValueError(f"doc_causal_shift: positions must be None or a [B,T] = {(B, T)} tensor, got {got}")
     if lag == 0:
         return x
-    B, T = x.shape[:2]
     if lag >= T:
         return torch.full_like(x, fill)
     shifted = F.pad(x[:, : T - lag], [0, 0] * (x.dim() - 2) + [lag, 0], value=fill)
@@ -185,14 +212,20 @@ def _check_doc_ids(doc_ids: torch.Tensor, shape: tuple[int, int]) -> None:
         )
 
 
+def check_context(ctx: Any) -> None:
+    """ctx, when given, must be a PackedContext: anything else (a str, a bare block mask, doc_ids) fails here by
+    name, not deep inside a layer on an attribute it lacks."""
+    if ctx is not None and not isinstance(ctx, PackedContext):
+        raise TypeError(f"ctx must be a PackedContext (megacpp_lab.varlen.build_context), got {type(ctx).__name__}")
+
+
 def context_positions(ctx: PackedContext | None, shape: tuple[int, ...]) -> torch.Tensor | None:
     """The positions a layer of input [B,T,...] = shape reads its look-back masks from: its context's
     (validated when it was built), or None without one (one document per row). A context of another batch
     shape fails closed."""
     if ctx is None:
         return None
-    if not isinstance(ctx, PackedContext):
-        raise TypeError(f"ctx must be a PackedContext (megacpp_lab.varlen.build_context), got {type(ctx).__name__}")
+    check_context(ctx)
     if ctx.shape != tuple(shape[:2]):
         raise ValueError(f"ctx is for [B,T] = {ctx.shape}, the input is {tuple(shape[:2])}")
     return ctx.positions
@@ -201,6 +234,10 @@ def context_positions(ctx: PackedContext | None, shape: tuple[int, ...]) -> torc
 def packed_cu_seqlens(B: int, T: int, docs: int, generator: torch.Generator) -> torch.Tensor:
     """[B*docs + 1] int32 over the flattened B*T tokens: each row cut into `docs` documents of unequal,
     seeded-random lengths (distinct cut points), every row start a document start."""
+    # B < 1 would return [0], boundaries over no tokens, without an error
+    for name, size in (("B", B), ("T", T)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"packed_cu_seqlens: {name} must be an int >= 1, got {size!r}")
     if not 1 <= docs <= T:
         raise ValueError(f"docs per row must be in [1, T={T}], got {docs}")
     bounds = [0]
@@ -211,7 +248,14 @@ def packed_cu_seqlens(B: int, T: int, docs: int, generator: torch.Generator) -> 
 
 
 def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """[B,T] int64 document ids (0, 1, ... over the flattened batch) from cu_seqlens over the B*T tokens."""
+    """[B,T] int64 document ids (0, 1, ... over the flattened batch) from cu_seqlens over the B*T tokens.
+    cu_seqlens: int32, as check_cu_seqlens requires (a float boundary such as 1.5 would be cut silently)."""
+    for name, size in (("B", B), ("T", T)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"doc_ids_from_cu_seqlens: {name} must be an int >= 1, got {size!r}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"doc_ids_from_cu_seqlens: cu_seqlens must be an int32 tensor, got "
+                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")  # fmt: skip
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != B * T:
         raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at B*T = {B * T}, got {cu_seqlens.tolist()}")
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -233,10 +277,10 @@ def check_cu_seqlens(cu_seqlens: Any, n_tokens: int, *, device: torch.device | N
 
     Always (host metadata, no sync): a 1-D int32 tensor of >= 2 entries, on `device` when given. Then, unless
     values=False (a caller that checked them already) and outside a compiled region, the values: 0, rising
-    strictly, ending at n_tokens, and with row_len a document start at every row start (a multiple of row_len:
-    a document never spans two rows). On a CPU tensor a ValueError naming the entry, row and offset; on a GPU
-    one device-side assert, so the caller's stream never waits on the host. The one check of cu_seqlens:
-    build_context, the SSD and M2RNN scans and the rope kernels use it."""
+    strictly, ending at n_tokens, and with row_len (a positive int dividing n_tokens) a document start at every
+    row start (a multiple of row_len: a document never spans two rows). On a CPU tensor a ValueError naming the
+    entry, row and offset; on a GPU one device-side assert, so the caller's stream never waits on the host. The
+    one check of cu_seqlens: build_context, the SSD and M2RNN scans and the rope kernels use it."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
                          f"{tuple(getattr(cu_seqlens, 'shape', ()))}")  # fmt: skip
@@ -246,6 +290,12 @@ def check_cu_seqlens(cu_seqlens: Any, n_tokens: int, *, device: torch.device | N
         raise ValueError(f"cu_seqlens must be on the input's device {device}, got {cu_seqlens.device}")
     if not values or torch.compiler.is_compiling():
         return
+    # a row_len of 0, below 0 or not dividing the tokens would silently skip the row-start check below (Python
+    # ints: no sync; after the compiled-region return, so a symbolic row length adds no guard)
+    if row_len is not None and (isinstance(row_len, bool) or not isinstance(row_len, int) or row_len <= 0
+                                or n_tokens % row_len):  # fmt: skip
+        raise ValueError(f"check_cu_seqlens: row_len must be a positive int dividing the {n_tokens} tokens, got "
+                         f"{row_len!r}")  # fmt: skip
     if cu_seqlens.device.type != "cpu":
         ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == n_tokens) & (cu_seqlens[1:] > cu_seqlens[:-1]).all()
         if row_len is not None:  # every row start is among the boundaries
@@ -410,6 +460,10 @@ def build_context(doc_ids: torch.Tensor, positions: torch.Tensor | None = None, 
         raise ValueError(f"doc_ids must be a [B,T] tensor, got {getattr(doc_ids, 'shape', type(doc_ids))}")
     if doc_ids.dtype not in ID_DTYPES:
         raise ValueError(f"doc_ids dtype must be int32 or int64, got {doc_ids.dtype}")
+    # checked before first use: a list would otherwise fail on .contiguous() with an AttributeError, unnamed
+    for name, given in (("positions", positions), ("cu_seqlens", cu_seqlens)):
+        if given is not None and not isinstance(given, torch.Tensor):
+            raise ValueError(f"build_context: {name} must be a torch.Tensor or None, got {type(given).__name__}")
     positions = positions_from_doc_ids(doc_ids) if positions is None else positions
     # contiguous: kernels index cu_seqlens by pointer arithmetic
     cu_seqlens = cu_seqlens_from_doc_ids(doc_ids) if cu_seqlens is None else cu_seqlens.contiguous()

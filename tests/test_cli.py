@@ -64,6 +64,8 @@ def test_cli_info_prints_stamp(capsys):
         (["--stride", "0"], "SampleConfig.stride must be >= 1, got 0"),
         (["--max-file-bytes", "0"], "SampleConfig.max_file_bytes must be >= 1, got 0"),
         (["--seq-len", "1"], "SampleConfig.seq_len must be >= 16"),
+        # read only when a BPE is trained: without --train-tokenizer it was silently unused
+        (["--vocab-size", "5"], "--vocab-size 5 sizes a BPE being trained: it needs --train-tokenizer"),
     ],
 )
 def test_data_bad_values_are_one_line_errors(tmp_path, capsys, argv, expected):

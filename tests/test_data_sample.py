@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megacpp_lab.data import ByteTokenizer, SampleConfig, build_sample, list_cpp_files, load_corpus, load_sample
-from megacpp_lab.data.corpus import torch_include_dir
+from megacpp_lab.data.corpus import CPP_SUFFIXES, torch_include_dir
 from megacpp_lab.data.sample import MIN_SEQ_LEN, repo_data_dir
 
 
@@ -24,7 +24,7 @@ def test_corpus_is_real_torch_headers():
     assert len(files) > 1000
     docs = load_corpus(max_files=20, stride=len(files) // 20)
     assert len(docs) == 20
-    assert all(d.relpath.endswith(".h") or "." in d.relpath for d in docs)
+    assert all(d.relpath.endswith(CPP_SUFFIXES) for d in docs), [d.relpath for d in docs]  # the lister's C++ suffixes
     assert sum(b"#include" in d.data or b"#pragma" in d.data for d in docs) >= 10
 
 

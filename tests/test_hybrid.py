@@ -390,3 +390,10 @@ def test_device_kernels_is_the_one_rule_for_the_scans_kernels():
     for device, compiled, kernel in (("cuda", False, "triton"), ("cpu", True, "triton"), ("cpu", False, "chunked")):
         config = model_config("tiny", device, compiled=compiled, mamba3=dict(mimo_rank=2))
         assert (config.mamba3.kernel, config.mamba3.mimo_rank) == (kernel, 2), (device, compiled)
+    # a GPU named with its index, or as a torch.device, is a GPU: it once got the CPU's reference loops
+    for device in ("cuda:0", "cuda:1", torch.device("cuda", 0)):
+        assert device_kernels(device) == gpu, device
+    assert device_kernels(torch.device("cpu")) == cpu
+    for device in ("gpu", "CUDA", "meta"):  # not a device the kernels run on: refused, never read as a CPU
+        with pytest.raises(ValueError, match=f"device_kernels device: .*{device!r}"):
+            model_config("tiny", device)

@@ -160,7 +160,8 @@ def test_launch_plan_rules_and_bad_plans_fail_closed():
     assert m2k.plan_bwd_block_k(1, 64, 16, cpu) == 64 and m2k.plan_bwd_block_k(1, 64, 32, cpu) == 64
     assert m2k.plan_bwd_block_k(1, 64, 64, cpu) == 64 and m2k.plan_bwd_block_k(1, 64, 128, cpu) == 32
     assert m2k.plan_bwd_block_k(1, 64, 256, cpu) == 16
-    assert m2k.plan_bwd_block_k(1, 64, 64, cpu, block_k=64) == 64  # an override is taken as given
+    # an override is taken as given, even past the register cap (the plan gives 32 rows at V=128)
+    assert m2k.plan_bwd_block_k(1, 64, 128, cpu, block_k=64) == 64
     assert m2k.plan_block_k(1, 64, cpu, max_rows=16) == 16 and m2k.plan_block_k(1, 32, cpu, max_rows=64) == 32
     # the parallel order's segments: one while its buffer fits PARALLEL_BUFFER_BYTES or segments cannot shrink it
     step = 8 * 64 * 16 * 2  # bytes a token at H=8, K=64, V=16, bf16 states
@@ -279,11 +280,32 @@ def test_triton_without_gpu_or_interpreter_fails_closed(monkeypatch):
         resolve_kernel("xla", torch.device("cpu"))
 
 
+def test_a_bad_context_an_empty_batch_and_a_negative_clip_fail_closed():
+    """A ctx that is no PackedContext and an empty batch failed deep inside the scan (AttributeError, IndexError);
+    a negative grad_clip turned clipping off without a word (the hook clamps only for grad_clip > 0)."""
+    q, k, v, f, W, _ = _inputs(2, 8, 2, 16, 16)
+    for kernel in ("triton", "reference"):
+        with pytest.raises(TypeError, match="ctx must be a PackedContext .*got str"):
+            m2rnn_scan(q, k, v, f, W, ctx="rows", kernel=kernel)
+        with pytest.raises(ValueError, match=r"q must hold tokens, got \[B,S,H,K\] = \[2, 0, 2, 16\]"):
+            m2rnn_scan(q[:, :0], k[:, :0], v[:, :0], f[:, :0], W, kernel=kernel)
+        with pytest.raises(ValueError, match=r"grad_clip must be a number >= 0 \(0: no clipping\), got -1.0"):
+            m2rnn_scan(q, k, v, f, W, grad_clip=-1.0, kernel=kernel)
+
+
 def test_environment_knob_is_read_once_at_import(monkeypatch):
-    before = m2k.DEFAULT_KERNEL
-    monkeypatch.setenv("MEGACPP_M2RNN_KERNEL", "reference")
-    assert m2k.DEFAULT_KERNEL == before  # a constant, not polled per step
-    assert resolve_kernel("triton", torch.device("cuda")) == "triton"
+    """MEGACPP_M2RNN_KERNEL is read into DEFAULT_KERNEL at import, never polled per step: setting it at run time
+    leaves kernel='auto' answering from the import-time default. The knob is set to the kernel that 'auto' does
+    NOT pick on this device (the reference on a GPU, Triton under the interpreter on a CPU), so a resolve_kernel
+    that re-read the environment would answer differently."""
+    device = torch.device(DEVICE)
+    with warnings.catch_warnings():  # 'auto' on a CPU warns that it falls back to the reference loop
+        warnings.simplefilter("ignore", RuntimeWarning)
+        before = resolve_kernel("auto", device)
+        knob = "reference" if before == "triton" else "triton"
+        monkeypatch.setenv("MEGACPP_M2RNN_KERNEL", knob)
+        assert resolve_kernel(knob, device) == knob  # the knob's own answer really differs from the default's
+        assert resolve_kernel("auto", device) == before
 
 
 # ------------------------------------------------------------------ compile boundary

@@ -308,7 +308,13 @@ def test_the_kernels_rank_inputs_are_torchs_bit_for_bit(R, dtype):
     assert torch.equal(out.view(B, T, R, H, P), want)
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "triton", "reference"])
+# the chunk pass's two forms are the Triton backward's alone: the torch paths run once (chunk_pass's params overridden)
+@pytest.mark.parametrize("kernel, chunk_pass", [
+    pytest.param("chunked", False, id="chunked"),
+    pytest.param("reference", False, id="reference"),
+    pytest.param("triton", False, id="triton-one_chunk_kernel"),
+    pytest.param("triton", True, id="triton-split_chunk_kernels"),
+], indirect=["chunk_pass"])  # fmt: skip
 def test_a_documents_first_angle_rate_has_no_gradient(kernel, chunk_pass):
     """Rotating a whole document changes nothing (q_t . k_s depends on theta_t - theta_s only), and a document's
     first increment rotates all of it: the angles' gradient at every document start is zero, up to rounding,
@@ -459,6 +465,30 @@ def test_matches_mamba_ssms_step_reference_per_document(monkeypatch):
     sys.modules.pop("test_mamba3_siso", None)
 
 
+@pytest.mark.parametrize("kernel", ["reference", "chunked", "triton"])
+def test_bad_dtypes_contexts_and_empty_batches_fail_naming_the_field(kernel):
+    """An integer or bool x once came back as an integer y (the step loop truncating, the Triton path 6 off), a
+    complex one as a bare KeyError; a ctx that is no PackedContext and an empty batch failed deep inside torch.
+    Every path refuses them first, naming the field."""
+    if kernel == "triton" and not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    a = {k: v.float() for k, v in _inputs(P=16).items()}
+    call = lambda **k: mamba3_scan(**{**a, **k}, kernel=kernel, chunk=16)  # noqa: E731
+    for field in ("x", "dt", "A", "Bm", "angles", "D"):
+        for dtype in (torch.int64, torch.bool):
+            with pytest.raises(ValueError, match=rf"mamba3 {field} must be float32, .*got {dtype}"):
+                call(**{field: a[field].to(dtype)})
+    with pytest.raises(ValueError, match=r"mamba3 x must be float32, .*got torch.complex64"):
+        call(x=a["x"].to(torch.complex64))
+    with pytest.raises(ValueError, match=r"mamba3 x must be a tensor \[B,T,H,P\], got list"):
+        call(x=a["x"].tolist())
+    with pytest.raises(TypeError, match=r"ctx must be a PackedContext .*got str"):
+        call(ctx="rows")
+    empty = {k: v[:, :0] for k, v in a.items() if k not in ("A", "b_bias", "c_bias", "D")}
+    with pytest.raises(ValueError, match=r"mamba3 x must hold tokens, got \[B,T,H,P\] = \[2, 0, 4, 16\]"):
+        call(**empty)
+
+
 @pytest.mark.parametrize("field, change, message", [
     ("dt", lambda a: a["dt"][:, :-1], r"mamba3 dt must be a tensor of shape \[2, 48, 4\]"),
     ("b_bias", lambda a: a["b_bias"][:-1], r"mamba3 b_bias must be a tensor of shape \[4, 16\]"),
@@ -483,16 +513,26 @@ def _mimo_inputs(R=2, B=2, T=48, H=4, G=2, P=8, N=16, n_a=4, dtype=torch.float64
             "c_bias": r(H, R, N) * 0.1, "mimo_x": 1 + 0.3 * r(H, R, P)}  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel", ["reference", "chunked"])
+@pytest.mark.parametrize("kernel", ["reference", "chunked", "triton"])
 def test_mimo_at_rank_one_is_siso(kernel):
-    a = _inputs()
-    cu = _cu(2, 48, 4)
-    siso = mamba3_scan(**a, cu_seqlens=cu, kernel=kernel, chunk=8)
+    """Rank 1 is SISO on the scaled input x * mimo_x[:, 0], on every path (the Triton one once refused rank-1
+    MIMO: its kernels take a rank scale for R > 1 only). The scale is random and positive, not ones: at ones any
+    use of mimo_x with f(1) = 1 (mimo_x**3, or ignoring it) would give the same numbers."""
+    triton_path = kernel == "triton"
+    if triton_path and not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    P, chunk, dtype = (16, 16, torch.float32) if triton_path else (8, 8, torch.float64)  # tl.dot tiles: 16 and up
+    device = "cuda" if triton_path and torch.cuda.is_available() else "cpu"
+    a = {k: v.to(device, dtype) for k, v in _inputs(P=P).items()}
+    cu = _cu(2, 48, 4).to(device)
+    mimo_x = (0.5 + torch.rand(4, 1, P, generator=torch.Generator().manual_seed(7), dtype=dtype)).to(device)
+    siso = mamba3_scan(**{**a, "x": a["x"] * mimo_x[:, 0]}, cu_seqlens=cu, kernel=kernel, chunk=chunk)
     mimo = mamba3_scan(**{**a, "Bm": a["Bm"][:, :, None], "Cm": a["Cm"][:, :, None], "b_bias": a["b_bias"][:, None],
-                          "c_bias": a["c_bias"][:, None]}, mimo_x=torch.ones(4, 1, 8, dtype=torch.float64),
-                       cu_seqlens=cu, kernel=kernel, chunk=8)  # fmt: skip
-    assert mimo.shape == (2, 48, 1, 4, 8)
-    torch.testing.assert_close(mimo[:, :, 0], siso, atol=1e-12, rtol=1e-10)
+                          "c_bias": a["c_bias"][:, None]}, mimo_x=mimo_x,
+                       cu_seqlens=cu, kernel=kernel, chunk=chunk)  # fmt: skip
+    assert mimo.shape == (2, 48, 1, 4, P)
+    tol = dict(atol=1e-5, rtol=1e-5) if triton_path else dict(atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(mimo[:, :, 0], siso, **tol)
 
 
 def test_mimo_shares_one_state_across_ranks_as_mamba2s_ssd_summed_over_input_ranks():
@@ -643,10 +683,17 @@ def test_the_layer_on_packed_rows_equals_each_document_alone_and_passes_the_leak
     ("n_groups", 3, r"Mamba3Config.n_groups must be a divisor of n_heads=4"),
     ("kernel", "fast", r"Mamba3Config.kernel must be one of"),
     ("mimo_rank", 3, r"Mamba3Config.mimo_rank must be one of \(1, 2, 4, 8\)"),
+    # what the Triton scan's tiles need, refused when the config is built, not at its first forward (a power of
+    # two >= 16 also holds whole steps of every MIMO rank, 1 to 8)
+    ("kernel", "triton", r"Mamba3Config.head_dim must be a power of two >= 16 with kernel='triton'"),
+    ("chunk", 24, r"Mamba3Config.chunk must be a power of two >= 16 with kernel='triton'"),
 ])  # fmt: skip
 def test_the_layers_config_fails_closed_naming_the_field(field, value, message):
+    triton = {"chunk": dict(kernel="triton", head_dim=16), "kernel": dict(chunk=16)}.get(field, {})
     with pytest.raises(ValueError, match=message):
-        _layer(**{field: value})
+        _layer(**{**triton, field: value})
+    if field == "chunk":  # off the Triton path any chunk serves
+        _layer(chunk=value)
 
 
 def test_the_mimo_layer_has_rank_parameters_and_at_its_initialisation_mixes_ranks_evenly():

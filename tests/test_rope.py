@@ -161,6 +161,16 @@ def test_bad_inputs_fail_closed() -> None:
         rope_qk_(torch.randn(1, 8, 2, 12, device=DEV), torch.randn(1, 8, 1, 12, device=DEV), *rope_cos_sin(8, 12, device=DEV))
     with pytest.raises(ValueError, match="k_pe must be"):
         mla_rope_kv(torch.randn(1, 8, 2, 8, device=DEV), torch.randn(1, 7, 8, device=DEV), cos, sin, 4)
+    # positions one a token in the input's order: a [T, B] transpose has as many and was once taken, every token
+    # rotated by another's position
+    q2 = torch.randn(2, 4, 2, 12, device=DEV)
+    rows = torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]], device=DEV)
+    assert torch.equal(mla_rope_q_(q2.clone(), cos, sin, 4, positions=rows),
+                       mla_rope_q_(q2.clone(), cos, sin, 4, positions=rows.reshape(-1)))  # [B, T] and [N] agree
+    with pytest.raises(ValueError, match=r"positions must be \[8\] or \[2, 4\] .*got \(4, 2\)"):
+        mla_rope_q_(q2.clone(), cos, sin, 4, positions=rows.T.contiguous())
+    with pytest.raises(ValueError, match=r"positions must be \[8\] \(one entry a token.*got \(2, 4\)"):
+        mla_rope_q_(q2.view(8, 2, 12).clone(), cos, sin, 4, positions=rows)  # a packed input takes [N]
     if DEV == "cpu":  # value checks run on the host for CPU tensors (device asserts on the GPU)
         with pytest.raises(ValueError, match=r"positions\[3\] = 9"):
             mla_rope_q_(q.clone(), cos, sin, 4, positions=torch.tensor([0, 1, 2, 9, 0, 1, 2, 3]))

@@ -280,6 +280,16 @@ def test_bad_inputs_fail_closed_naming_the_argument(field, value, message):
             ssd_scan(x, dt, A, Bm, Cm, cu_seqlens=cu, kernel=kernel)
 
 
+def test_a_context_that_is_none_and_an_empty_batch_fail_closed_on_every_path():
+    """Both once failed deep inside torch (an AttributeError on ctx.shape; a reshape of 0 elements, a zero step)."""
+    x, dt, A, Bm, Cm = _inputs(2, 16, 2, 16, 16, 1, grad=False)
+    for kernel in ("triton", "chunked", "reference"):
+        with pytest.raises(TypeError, match="ctx must be a PackedContext .*got str"):
+            ssd_scan(x, dt, A, Bm, Cm, ctx="rows", kernel=kernel)
+        with pytest.raises(ValueError, match=r"x must hold tokens, got \[B,T,H,P\] = \[2, 0, 2, 16\]"):
+            ssd_scan(x[:, :0], dt[:, :0], A, Bm[:, :0], Cm[:, :0], kernel=kernel)
+
+
 def test_kernel_constraints_fail_closed():
     x, dt, A, Bm, Cm = _inputs(1, 16, 1, 16, 16, 1, grad=False)
     with pytest.raises(ValueError, match="kernel must be one of"):

@@ -198,6 +198,9 @@ def test_the_m_block_flags_reach_the_model_config():
     ("compile", "yes", "ParallelConfig.compile must be a bool"),
     ("remat", "A=full,X=1", "ParallelConfig.remat: remat policy 'A=full,X=1': 'X=1' names no kind"),
     ("remat", "0.3", "holds a budget, which only regional compile reads"),
+    # a save list's op matched by its aten name: a misspelt or qualified one would quietly save nothing
+    ("remat", "mm+adddmm", r"entry names \['adddmm'\], not aten ops"),
+    ("remat", "A=mm.default", r"kind A's entry names \['mm.default'\], not aten ops"),
 ])  # fmt: skip
 def test_bad_parallel_values_fail_naming_the_field(field, value, message):
     """The flags of `train` that land in TrainConfig.parallel fail closed naming ParallelConfig's field."""

@@ -11,10 +11,14 @@ from megacpp_lab.kernels.m2rnn import m2rnn_scan
 from megacpp_lab.varlen import (
     PackedContext,
     build_context,
+    check_cu_seqlens,
+    cu_seqlens_from_doc_ids,
     doc_causal_block_mask,
     doc_causal_shift,
     doc_ids_from_cu_seqlens,
+    doc_starts,
     packed_cu_seqlens,
+    positions_from_doc_ids,
     same_doc_as_lag,
 )
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig
@@ -186,8 +190,6 @@ def test_doc_shift_helpers_read_positions_as_the_doc_ids_definition_on_random_pa
 
 
 def test_random_packed_layout_round_trips_through_doc_ids() -> None:
-    from megacpp_lab.varlen import cu_seqlens_from_doc_ids
-
     cu = packed_cu_seqlens(3, 40, 5, torch.Generator().manual_seed(0))
     assert cu.numel() == 3 * 5 + 1 and cu.dtype == torch.int32
     assert set(range(0, 121, 40)) <= set(cu.tolist())  # every row start is a document start
@@ -196,11 +198,11 @@ def test_random_packed_layout_round_trips_through_doc_ids() -> None:
     with pytest.raises(ValueError, match="end at B\\*T = 100"):
         doc_ids_from_cu_seqlens(cu, 2, 50)
     with pytest.raises(ValueError, match=r"strictly increasing \(no empty document\): cu_seqlens\[1\] = 5, cu_seqlens\[2\] = 3"):
-        doc_ids_from_cu_seqlens(torch.tensor([0, 5, 3, 8]), 1, 8)
+        doc_ids_from_cu_seqlens(torch.tensor([0, 5, 3, 8], dtype=torch.int32), 1, 8)
     with pytest.raises(ValueError, match=r"strictly increasing"):
-        doc_ids_from_cu_seqlens(torch.tensor([0, 4, 4, 8]), 1, 8)
+        doc_ids_from_cu_seqlens(torch.tensor([0, 4, 4, 8], dtype=torch.int32), 1, 8)
     with pytest.raises(ValueError, match=r"offset 8 \(row 1\) is not a document start"):
-        doc_ids_from_cu_seqlens(torch.tensor([0, 6, 16]), 2, 8)
+        doc_ids_from_cu_seqlens(torch.tensor([0, 6, 16], dtype=torch.int32), 2, 8)
     with pytest.raises(ValueError, match=r"docs per row must be in \[1, T=4\]"):
         packed_cu_seqlens(1, 4, 5, torch.Generator())
 
@@ -254,3 +256,88 @@ def test_doc_causal_block_mask_from_runs_equals_create_block_mask(T):
         assert torch.equal(dense, same_doc_causal(b, 0, q, k))
     assert torch.equal(got.q_num_blocks.sum(), got.kv_num_blocks.sum())
     assert torch.equal(got.full_q_num_blocks.sum(), got.full_kv_num_blocks.sum())
+
+
+# ----------------------------------------------------------------------------- bad arguments fail closed, by name
+
+
+def test_doc_causal_shift_names_a_negative_lag_and_positions_of_another_shape() -> None:
+    """A negative lag sliced x to a shorter tensor when positions was None; positions of another shape failed in
+    a reshape that named neither the argument nor the expected shape."""
+    x = torch.ones(2, 4)
+    with pytest.raises(ValueError, match=r"doc_causal_shift: lag must be an int >= 0, got -1"):
+        doc_causal_shift(x, None, -1)
+    with pytest.raises(ValueError, match=r"doc_causal_shift: lag must be an int >= 0, got 1.5"):
+        doc_causal_shift(x, None, 1.5)
+    with pytest.raises(ValueError, match=r"doc_causal_shift: positions must be None or a \[B,T\] = \(2, 4\) tensor, "
+                                         r"got \(1, 4\)"):  # fmt: skip
+        doc_causal_shift(x, torch.zeros(1, 4, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match=r"doc_causal_shift: positions .* got \(2, 2\)"):  # checked at lag 0 too
+        doc_causal_shift(torch.ones(2, 4, 3), torch.zeros(2, 2, dtype=torch.long), 0)
+    assert doc_causal_shift(x, None, 0) is x and doc_causal_shift(x, None, 1)[:, 0].eq(0).all()
+
+
+@pytest.mark.parametrize(
+    "cu, B, T, message",
+    [
+        (torch.tensor([0.0, 1.5, 4.0]), 1, 4, r"doc_ids_from_cu_seqlens: cu_seqlens must be an int32 tensor, got torch.float32"),
+        (torch.tensor([0, 2, 4]), 1, 4, r"doc_ids_from_cu_seqlens: cu_seqlens must be an int32 tensor, got torch.int64"),
+        ([0, 2, 4], 1, 4, r"doc_ids_from_cu_seqlens: cu_seqlens must be an int32 tensor, got list"),
+        (torch.tensor([0, 4], dtype=torch.int32), -1, -4, r"doc_ids_from_cu_seqlens: B must be an int >= 1, got -1"),
+        (torch.tensor([0], dtype=torch.int32), 0, 4, r"doc_ids_from_cu_seqlens: B must be an int >= 1, got 0"),
+        (torch.tensor([0, 0], dtype=torch.int32), 2, 0, r"doc_ids_from_cu_seqlens: T must be an int >= 1, got 0"),
+    ],
+)  # fmt: skip
+def test_doc_ids_from_cu_seqlens_requires_int32_boundaries_and_positive_sizes(cu, B, T, message) -> None:
+    """A float boundary (1.5) was cut silently into [[0, 1, 1, 1]]; B = -1 failed as 'invalid shape dimension'."""
+    with pytest.raises(ValueError, match=message):
+        doc_ids_from_cu_seqlens(cu, B, T)
+
+
+@pytest.mark.parametrize("row_len", [0, -2, 3])
+def test_check_cu_seqlens_names_a_row_len_that_would_skip_the_row_start_check(row_len: int) -> None:
+    """0, a negative row length or one not dividing the tokens skipped the row-start check without a word."""
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"check_cu_seqlens: row_len must be a positive int dividing the 4 tokens, "
+                                         rf"got {row_len}"):  # fmt: skip
+        check_cu_seqlens(cu, 4, row_len=row_len)
+    check_cu_seqlens(cu, 4, row_len=4)  # a whole row: fine
+    with pytest.raises(ValueError, match=r"row 1 \(offset 2\) is not one"):
+        check_cu_seqlens(cu, 4, row_len=2)  # the check row_len turns on still runs
+
+
+@pytest.mark.parametrize("B, T, message", [(0, 4, "B must be an int >= 1, got 0"), (-1, 4, "B must be an int >= 1, got -1"),
+                                           (2, 0, "T must be an int >= 1, got 0")])  # fmt: skip
+def test_packed_cu_seqlens_requires_positive_sizes(B: int, T: int, message: str) -> None:
+    """B = 0 or -1 returned [0], boundaries over no tokens."""
+    with pytest.raises(ValueError, match=rf"packed_cu_seqlens: {message}"):
+        packed_cu_seqlens(B, T, 1, torch.Generator())
+
+
+@pytest.mark.parametrize("builder", [doc_starts, positions_from_doc_ids, cu_seqlens_from_doc_ids])
+def test_doc_id_builders_require_rows_by_name(builder) -> None:
+    """1-D doc_ids failed as 'not enough values to unpack' or an IndexError."""
+    with pytest.raises(ValueError, match=rf"{builder.__name__}: doc_ids must be a \[B,T\] tensor, got \(3,\)"):
+        builder(torch.tensor([0, 0, 1]))
+
+
+def test_doc_ids_going_backwards_fail_by_name_where_the_batch_is_validated() -> None:
+    """The builders read documents as runs of equal ids and do not check values (they run every step, on the GPU
+    and in compiled regions, and on time-reversed rows); ids going backwards, for which they would return
+    positions [[0, 0, 0]], fail once per batch where it is validated: build_context and PackedBatch."""
+    backwards = torch.tensor([[0, 1, 0]])
+    assert positions_from_doc_ids(backwards).tolist() == [[0, 0, 0]]  # the runs' offsets, as documented
+    with pytest.raises(ValueError, match=r"doc_ids go backwards at row 0, offset 2: 1 -> 0"):
+        build_context(backwards)
+    with pytest.raises(ValueError, match=r"doc_ids go backwards at row 0, offset 2: 1 -> 0"):
+        PackedBatch.from_doc_ids(torch.zeros(1, 3, dtype=torch.long), backwards)
+    with pytest.raises(ValueError, match=r"doc_ids go backwards at row 0, offset 2: 1 -> 0"):
+        build_context(backwards, torch.tensor([[0, 0, 0]]), torch.tensor([0, 1, 2, 3], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("field", ["positions", "cu_seqlens"])
+def test_build_context_names_positions_or_cu_seqlens_that_are_not_tensors(field: str) -> None:
+    """A list of cu_seqlens failed with "'list' object has no attribute 'contiguous'" before any named check."""
+    given = {"positions": [[0, 1, 0, 1]], "cu_seqlens": [0, 2, 4]}[field]
+    with pytest.raises(ValueError, match=rf"build_context: {field} must be a torch.Tensor or None, got list"):
+        build_context(torch.tensor([[0, 0, 1, 1]]), **{field: given})

@@ -29,6 +29,8 @@ from megacpp_lab.data.corpus import (
     MANIFEST_FILE,
     describe_source,
     list_cpp_files,
+    manifest_object,
+    manifest_relpath,
     read_manifest,
     repo_data_dir,
     torch_include_dir,
@@ -209,7 +211,9 @@ def load_bpe(data_dir: str | Path | None = None) -> BpeTokenizer:
         raise FileNotFoundError(
             f"{d / MANIFEST_FILE} records no BPE tokenizer ('{MANIFEST_KEY}'): run `megacpp-lab data --train-tokenizer`"
         )
-    tok = BpeTokenizer.from_file(d / section["file"], expected_sha256=section["sha256"])
+    manifest_object(section, d / MANIFEST_FILE, MANIFEST_KEY, required=("file", "sha256"))
+    file = manifest_relpath(section, "file", d / MANIFEST_FILE, MANIFEST_KEY)
+    tok = BpeTokenizer.from_file(d / file, expected_sha256=section["sha256"])
     tok.record = section
     return tok
 

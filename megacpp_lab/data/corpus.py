@@ -25,6 +25,57 @@ class SourceFile:
         return hashlib.sha256(self.data).hexdigest()
 
 
+def _json_kind(value: object) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def read_json_manifest(path: str | Path, required: tuple[str, ...] = ()) -> dict:
+    """The top-level object of a JSON manifest at path, holding every key of `required`. Fails closed with a
+    ValueError naming the file: not UTF-8 JSON, a top level that is not an object, or a missing key."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"manifest {path} is not valid JSON ({exc}); rebuild it") from exc
+    return manifest_object(value, path, required=required)
+
+
+def manifest_object(value: object, path: str | Path, where: str = "", required: tuple[str, ...] = ()) -> dict:
+    """value, checked to be a JSON object holding every key of `required`; else a ValueError naming the manifest
+    file, the place in it (`where`: "bpe_sample", "files[3]"; the top level when empty) and the missing key."""
+    place = f"manifest {path}" + (f": {where}" if where else "")
+    if not isinstance(value, dict):
+        raise ValueError(f"{place} must be a JSON object, got a JSON {_json_kind(value)}")
+    for key in required:
+        if key not in value:
+            raise ValueError(f"{place} has no {key!r}")
+    return value
+
+
+def manifest_relpath(rec: dict, key: str, path: str | Path, where: str) -> str:
+    """rec[key], checked to be a non-empty relative path that stays below its base (no '..', not absolute)."""
+    rel = rec[key]
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise ValueError(f"manifest {path}: {where} {key!r} must be a relative path with no '..', got {rel!r}")
+    return rel
+
+
+def read_corpus_manifest(path: str | Path) -> tuple[dict, list[dict]]:
+    """A built corpus's manifest and its 'files' records, each checked: every record has a 'status', and a kept
+    one a 'path' (relative, inside files/), 'split' and 'sha256'. Fails closed naming the file, record and key."""
+    manifest = read_json_manifest(path, required=("files",))
+    records = manifest["files"]
+    if not isinstance(records, list):
+        raise ValueError(f"manifest {path}: 'files' must be a JSON list, got a JSON {_json_kind(records)}")
+    for i, rec in enumerate(records):
+        manifest_object(rec, path, f"files[{i}]", required=("status",))
+        if rec["status"] == "kept":
+            manifest_object(rec, path, f"files[{i}]", required=("path", "split", "sha256"))
+            manifest_relpath(rec, "path", path, f"files[{i}]")
+    return manifest, records
+
+
 def torch_include_dir() -> Path:
     """`torch/include` of the installed torch: about 9k real C++ headers."""
     import torch
@@ -45,7 +96,7 @@ def list_cpp_files(root: str | Path, suffixes: tuple[str, ...] = CPP_SUFFIXES) -
     if not root.is_dir():
         raise NotADirectoryError(f"corpus root {root} is not a directory")
     if (root / CORPUS_MANIFEST).exists():
-        records = json.loads((root / CORPUS_MANIFEST).read_text())["files"]
+        records = read_corpus_manifest(root / CORPUS_MANIFEST)[1]
         files = sorted(root / "files" / r["path"] for r in records if r["status"] == "kept" and r["split"] == "train")
     else:
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
@@ -61,7 +112,11 @@ def describe_source(root: str | Path | None) -> dict:
         return {"source_root": "torch/include", "source": "torch/include of the installed torch"}
     path = Path(root) / CORPUS_MANIFEST
     if path.exists():
-        sources = json.loads(path.read_text())["summary"]["sources"]
+        summary = read_json_manifest(path, required=("summary",))["summary"]
+        manifest_object(summary, path, "summary", required=("sources",))
+        sources = manifest_object(summary["sources"], path, "summary.sources")
+        for name, s in sources.items():
+            manifest_object(s, path, f"summary.sources.{name}", required=("version", "role"))
         return {"source_root": "megacpp-lab data corpus", "source": "the training split of the Debian C++ corpus",
                 "corpus_sources": {name: s["version"] for name, s in sources.items() if s["role"] != "heldout"}}  # fmt: skip
     return {"source_root": str(root), "source": "user directory"}
@@ -123,7 +178,7 @@ def repo_data_dir() -> Path:
 
 def read_manifest(data_dir: Path) -> dict:
     path = Path(data_dir) / MANIFEST_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_json_manifest(path) if path.exists() else {}
 
 
 def update_manifest(data_dir: Path, byte_fields: dict | None = None, **sections: dict) -> None:
@@ -305,7 +360,7 @@ def load_corpus_split(split: str, corpus_dir: str | Path | None = None) -> list[
     if not path.exists():
         raise FileNotFoundError(f"no corpus at {root} ({CORPUS_MANIFEST} missing): `megacpp-lab data corpus` builds it")
     out = []
-    for rec in json.loads(path.read_text())["files"]:
+    for rec in read_corpus_manifest(path)[1]:
         if rec["status"] == "kept" and rec["split"] == split:
             data = (root / "files" / rec["path"]).read_bytes()
             if hashlib.sha256(data).hexdigest() != rec["sha256"]:
@@ -325,7 +380,7 @@ def archive_corpus(corpus_dir: str | Path | None, path: str | Path) -> Path:
     manifest = root / CORPUS_MANIFEST
     if not manifest.exists():
         raise FileNotFoundError(f"no corpus at {root} ({CORPUS_MANIFEST} missing): `megacpp-lab data corpus` builds it")
-    kept = sorted(r["path"] for r in json.loads(manifest.read_text())["files"] if r["status"] == "kept")
+    kept = sorted(r["path"] for r in read_corpus_manifest(manifest)[1] if r["status"] == "kept")
 
     def add(tf: tarfile.TarFile, src: Path, name: str) -> None:
         info = tarfile.TarInfo(name)
@@ -366,7 +421,11 @@ def restore_corpus(archive: str | Path, out_dir: str | Path | None = None) -> Pa
                 target.write_bytes(tf.extractfile(member).read())
         if not (staging / CORPUS_MANIFEST).exists():
             raise ValueError(f"corpus archive {archive} holds no {CORPUS_MANIFEST}")
-        for rec in json.loads((staging / CORPUS_MANIFEST).read_text())["files"]:
+        try:
+            records = read_corpus_manifest(staging / CORPUS_MANIFEST)[1]
+        except ValueError as exc:  # the staging copy goes: name the archive it came from
+            raise ValueError(f"corpus archive {archive}: {exc}") from exc
+        for rec in records:
             if rec["status"] == "kept":
                 f = staging / "files" / rec["path"]
                 if not f.exists() or hashlib.sha256(f.read_bytes()).hexdigest() != rec["sha256"]:
@@ -394,8 +453,13 @@ def write_corpus_summary(corpus_dir: str | Path, out_dir: str | Path, tokenizer:
     import numpy as np
 
     root = Path(corpus_dir)
-    manifest = json.loads((root / CORPUS_MANIFEST).read_text())
-    kept = [r for r in manifest["files"] if r["status"] == "kept"]
+    path = root / CORPUS_MANIFEST
+    manifest, records = read_corpus_manifest(path)
+    manifest_object(manifest, path, required=("summary", "config"))
+    kept = [r for r in records if r["status"] == "kept"]
+    for i, rec in enumerate(records):
+        if rec["status"] == "kept":
+            manifest_object(rec, path, f"files[{i}]", required=("source", "bytes"))
     edges = [0, *_LENGTH_BINS, 2**62]
     hist: dict[str, dict] = {}
     for key in sorted({r["source"] for r in kept}):

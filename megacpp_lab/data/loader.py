@@ -95,6 +95,13 @@ def tokenize_files(files: Sequence[SourceFile], tokenizer: Any, *, progress: boo
     return docs
 
 
+def _is_int_dtype(dtype: np.dtype | torch.dtype) -> bool:
+    """An integer dtype, numpy's or torch's; bool is not one."""
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return np.issubdtype(dtype, np.integer)
+
+
 class PackedRowStream:
     """Full batches of packed rows over `docs`, epoch after epoch; see the module docstring.
 
@@ -105,11 +112,16 @@ class PackedRowStream:
                  shuffle: bool = True, max_doc_tokens: int | None = None) -> None:  # fmt: skip
         check_int("PackedRowStream", "seq_len", seq_len, low=1)
         check_int("PackedRowStream", "batch_size", batch_size, low=1)
+        check_int("PackedRowStream", "pad_id", pad_id, low=0)
         if not docs:
             raise ValueError("PackedRowStream needs at least one document")
         empty = [i for i, d in enumerate(docs) if len(d) == 0]
         if empty:
             raise ValueError(f"PackedRowStream: document {empty[0]} is empty")
+        for i, d in enumerate(docs):  # pack_documents casts to int64: a float document would be truncated silently
+            dtype = d.dtype if isinstance(d, (np.ndarray, torch.Tensor)) else np.asarray(d).dtype
+            if not _is_int_dtype(dtype):
+                raise ValueError(f"PackedRowStream: document {i} must hold integer token ids, got dtype {dtype}")
         self.docs, self.seq_len, self.batch_size = list(docs), seq_len, batch_size
         self.pad_id, self.seed, self.shuffle, self.max_doc_tokens = pad_id, seed, shuffle, max_doc_tokens
         tokens = sum(len(d) for d in docs)

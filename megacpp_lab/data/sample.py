@@ -22,6 +22,8 @@ from megacpp_lab.data.corpus import (
     corpus_base,
     describe_source,
     list_cpp_files,
+    manifest_object,
+    manifest_relpath,
     read_manifest,
     repo_data_dir,
     torch_include_dir,
@@ -227,18 +229,25 @@ def load_sample(data_dir: str | Path | None = None, *, tokenizer: str = "byte") 
     if not path.exists() or not fields:
         flag = "" if tokenizer == "byte" else " --tokenizer bpe"
         raise FileNotFoundError(f"no packed {tokenizer} sample in {d}: run `megacpp-lab data{flag}` to build it")
+    manifest_path = d / MANIFEST_FILE
+    manifest_object(fields, manifest_path, "" if tokenizer == "byte" else BPE_SAMPLE_KEY,
+                    required=("sample_sha256",) if tokenizer == "byte" else ("sample_sha256", "tokenizer"))  # fmt: skip
     digest = sha256_file(path)
     if digest != fields["sample_sha256"]:
         raise ValueError(f"{path} sha256 {digest} does not match the manifest's {fields['sample_sha256']}")
     if tokenizer == "bpe":
-        built_with = fields["tokenizer"]["sha256"]
-        recorded = manifest.get(BPE_TOKENIZER_KEY, {}).get("sha256")
+        built_with = manifest_object(fields["tokenizer"], manifest_path, f"{BPE_SAMPLE_KEY}.tokenizer",
+                                     required=("sha256",))["sha256"]  # fmt: skip
+        recorded = manifest_object(manifest.get(BPE_TOKENIZER_KEY, {}), manifest_path, BPE_TOKENIZER_KEY).get("sha256")
         if built_with != recorded:
             raise ValueError(
                 f"{path} was built with tokenizer sha256 {built_with}, but {d / MANIFEST_FILE} records tokenizer "
                 f"sha256 {recorded}: rebuild it with `megacpp-lab data --tokenizer bpe`"
             )
     blob = torch.load(path, weights_only=True)
+    missing = [k for k in ("tokens", "doc_ids", "segments") if not isinstance(blob, dict) or k not in blob]
+    if missing:
+        raise ValueError(f"{path} holds no {missing[0]!r}: not a packed sample; rebuild it with `megacpp-lab data`")
     batch = PackedBatch.from_doc_ids(blob["tokens"].to(torch.int64), blob["doc_ids"].to(torch.int64))
     return PackedRows(batch=batch, segments=blob["segments"]), fields
 
@@ -248,7 +257,11 @@ def write_sample_corpus(out_dir: str | Path, data_dir: str | Path | None = None)
     paths from the manifest), and return out_dir: a small real corpus pinned by the manifest's sha256, the
     same on every machine, where the installed torch's headers differ between torch versions."""
     rows, manifest = load_sample(data_dir, tokenizer="byte")
-    tokens, files = rows.batch.tokens, manifest["files"]
+    manifest_path = (Path(data_dir) if data_dir is not None else repo_data_dir()) / MANIFEST_FILE
+    files = manifest_object(manifest, manifest_path, required=("files",))["files"]
+    if not isinstance(files, list):
+        raise ValueError(f"manifest {manifest_path}: 'files' must be a JSON list")
+    tokens = rows.batch.tokens
     parts: dict[int, list[tuple[int, bytes]]] = {}
     for row, start, length, source, offset in rows.segments.tolist():
         if source < 0:
@@ -259,7 +272,9 @@ def write_sample_corpus(out_dir: str | Path, data_dir: str | Path | None = None)
     for source, pieces in sorted(parts.items()):
         if not 0 <= source < len(files):
             raise ValueError(f"segment source {source} is not a file of the manifest ({len(files)} files)")
-        path = out / files[source]["path"]
+        where = f"files[{source}]"
+        rec = manifest_object(files[source], manifest_path, where, required=("path",))
+        path = out / manifest_relpath(rec, "path", manifest_path, where)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"".join(piece for _, piece in sorted(pieces)))
     return out

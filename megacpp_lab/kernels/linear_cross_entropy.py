@@ -447,6 +447,12 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
         raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     if x.dtype not in (torch.bfloat16, torch.float32):  # fp16: dlogits / n_valid underflows in the [C, V] buffer
         raise ValueError(f"x.dtype must be bfloat16 or float32, got {x.dtype}")
+    # ints, not anything that compares: a chunk_size of 2.7 was truncated to 2, an ignore_index of 5.5 ignored nothing
+    for name, value in (("chunk_size", chunk_size), ("ignore_index", ignore_index)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if x.shape[-1] == 0:  # a reshape error deep in the chunking before
+        raise ValueError(f"x must have a hidden size H >= 1, got shape {tuple(x.shape)}")
     if not z_loss >= 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     if filter_eps is not None and not 0 < filter_eps < 1:

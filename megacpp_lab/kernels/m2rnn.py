@@ -29,6 +29,7 @@ reads the parallel order's states stored in it (BWD_DOTS_IN_INPUT_DTYPE; fp32 ac
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -36,8 +37,8 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import INTERPRETED, OFFLINE_COMPILE, launchable, warn_at_caller
-from megacpp_lab.kernels.ssd import slot_document
-from megacpp_lab.varlen import PackedContext, build_context, check_cu_seqlens
+from megacpp_lab.kernels.ssd import FLOAT_DTYPES, slot_document
+from megacpp_lab.varlen import PackedContext, build_context, check_context, check_cu_seqlens
 
 __all__ = [
     "BWD_ORDERS",
@@ -743,7 +744,7 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], floating: bool = True) -> None:
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if floating and t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    if floating and t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be float32, bfloat16, float16 (or float64 for the reference), got {t.dtype}")
 
 
@@ -793,6 +794,12 @@ def m2rnn_scan(
     _check("q", q, (B, S, H, K))
     if (doc_ids is not None) + (cu_seqlens is not None) + (ctx is not None) > 1:
         raise ValueError("give only one of doc_ids, cu_seqlens and ctx")
+    check_context(ctx)
+    if B == 0 or S == 0:  # no document: an IndexError deep in the scan before
+        raise ValueError(f"q must hold tokens, got [B,S,H,K] = {list(q.shape)}")
+    # a negative clip turned clipping off silently (the hook clamps only for grad_clip > 0)
+    if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float)) or not 0 <= grad_clip < math.inf:
+        raise ValueError(f"grad_clip must be a number >= 0 (0: no clipping), got {grad_clip!r}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if z_mode not in Z_MODES:

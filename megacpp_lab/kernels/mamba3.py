@@ -56,10 +56,10 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import INTERPRETED, launchable
-from megacpp_lab.kernels.ssd import (Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask, dot_types,
-                                     launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, slot_chunk, ssd_scan,
-                                     states_dtype)
-from megacpp_lab.varlen import PackedContext, check_cu_seqlens
+from megacpp_lab.kernels.ssd import (FLOAT_DTYPES, Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask,
+                                     dot_types, launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, slot_chunk,
+                                     ssd_scan, states_dtype)
+from megacpp_lab.varlen import PackedContext, check_context, check_cu_seqlens
 
 __all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "doc_angle_sum_torch", "doc_angle_sum_triton",
            "doc_suffix_sum_torch", "doc_suffix_sum_triton", "mamba3_scan", "mamba3_scan_reference", "mamba3_step",
@@ -68,10 +68,17 @@ __all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "doc_angle_sum_torch
 KERNELS = ("auto", "triton", "chunked", "reference")
 
 
+def _check_float(name: str, t: torch.Tensor) -> None:
+    # an integer or bool x once came back as an integer y (the step loop truncating, the kernels 6 off)
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"mamba3 {name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
+
+
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
         raise ValueError(f"mamba3 {name} must be a tensor of shape {list(shape)}, got "
                          f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")  # fmt: skip
+    _check_float(name, t)
 
 
 def rotate_pairs(v: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
@@ -158,11 +165,14 @@ def _rank_inputs(x, mimo_x):  # noqa: ANN001, ANN202
 
 
 def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tuple[int, ...]:  # noqa: ANN001
-    if x.dim() != 4:
-        raise ValueError(f"mamba3 x must be [B,T,H,P], got {list(x.shape)}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"mamba3 x must be a tensor [B,T,H,P], got "
+                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")  # fmt: skip
+    _check_float("x", x)
     B, T, H, P = x.shape
-    if Bm.dim() not in (4, 5):
-        raise ValueError(f"mamba3 Bm must be [B,T,G,N] (SISO) or [B,T,R,G,N] (MIMO), got {list(Bm.shape)}")
+    if not isinstance(Bm, torch.Tensor) or Bm.dim() not in (4, 5):
+        raise ValueError(f"mamba3 Bm must be [B,T,G,N] (SISO) or [B,T,R,G,N] (MIMO), got "
+                         f"{list(Bm.shape) if isinstance(Bm, torch.Tensor) else type(Bm).__name__}")  # fmt: skip
     mimo = Bm.dim() == 5
     R = Bm.shape[2] if mimo else 1
     G, N = Bm.shape[-2], Bm.shape[-1]
@@ -939,6 +949,8 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamm
     skip)."""
     B, T, H, P = x.shape
     R = Bm.shape[2]
+    if R == 1 and mimo_x is not None:  # rank-1 MIMO is SISO on the scaled inputs (the kernels take a scale for R > 1)
+        x, mimo_x = x * mimo_x[:, 0].to(x.dtype), None
     if chunk % R:
         raise ValueError(f"mamba3: the Triton scan's chunk ({chunk} sub-tokens) must hold whole steps of R={R} ranks")
     for name, n in (("chunk", chunk), ("P (x's head dim)", P), ("N (Bm's state dim)", Bm.shape[-1])):
@@ -999,10 +1011,13 @@ def mamba3_scan(
     if kernel not in KERNELS:
         raise ValueError(f"mamba3 kernel must be one of {KERNELS}, got {kernel!r}")
     if ctx is not None:
+        check_context(ctx)
         if cu_seqlens is not None:
             raise ValueError("mamba3: give ctx or cu_seqlens, not both")
         cu_seqlens = ctx.cu_seqlens
     B, T, H, P, G, N, n_a, R = _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x)
+    if B == 0 or T == 0:  # an empty batch has no document: it failed deep inside the chunking before
+        raise ValueError(f"mamba3 x must hold tokens, got [B,T,H,P] = {list(x.shape)}")
     if ctx is not None:
         if ctx.shape != (B, T):
             raise ValueError(f"mamba3: ctx is for [B,T] = {ctx.shape}, x is {tuple(x.shape)}")

@@ -374,6 +374,12 @@ def _pos_args(n_tokens: int, seq_len: int | None, positions: torch.Tensor | None
     if positions is not None:
         if positions.numel() != n_tokens or positions.dtype not in _ID_DTYPES:
             raise ValueError(f"positions must be int32/int64 with {n_tokens} entries, got {positions.dtype} {tuple(positions.shape)}")
+        # one entry a token, in the input's token order: [N], or [B, T] beside a [B, T, H, D] input (a [T, B]
+        # transpose has as many entries and once rotated every token by another's position)
+        if not (positions.dim() == 1 or (seq_len is not None and positions.dim() == 2 and positions.shape[1] == seq_len)):
+            rows = f"[{n_tokens}]" + (f" or [{n_tokens // seq_len}, {seq_len}]" if seq_len else "")
+            raise ValueError(f"positions must be {rows} (one entry a token, in the input's order), got "
+                             f"{tuple(positions.shape)}")  # fmt: skip
         if positions.device != device:
             raise ValueError(f"positions are on {positions.device}, the input on {device}")
         pos = positions.reshape(-1)

@@ -44,9 +44,10 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import TRITON_INTERPRET, launchable
-from megacpp_lab.varlen import PackedContext, check_cu_seqlens
+from megacpp_lab.varlen import PackedContext, check_context, check_cu_seqlens
 
 __all__ = [
+    "FLOAT_DTYPES",
     "KERNELS",
     "Mamba3Operands",
     "chunk_log_decay",
@@ -85,12 +86,16 @@ def doc_start_mask(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torc
     return reset[: B * T].view(B, T)
 
 
+# the floating dtypes the scans take (float64 on their torch paths only): an integer or bool input is refused
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    if t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be float32, bfloat16, float16 (or float64 off the kernel), got {t.dtype}")
 
 
@@ -103,6 +108,8 @@ def validate_ssd_inputs(
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be [B,T,H,P], got shape {tuple(getattr(x, 'shape', ()))}")
     B, T, H, P = x.shape
+    if B == 0 or T == 0:  # no document: it failed deep inside the chunking (a reshape, a zero step) before
+        raise ValueError(f"x must hold tokens, got [B,T,H,P] = {list(x.shape)}")
     if not isinstance(Bm, torch.Tensor) or Bm.dim() != 4:
         raise ValueError(f"Bm must be [B,T,G,N], got shape {tuple(getattr(Bm, 'shape', ()))}")
     G, N = Bm.shape[2], Bm.shape[3]
@@ -723,6 +730,7 @@ def ssd_scan(
     elsewhere.
     """
     if ctx is not None:
+        check_context(ctx)
         if cu_seqlens is not None:
             raise ValueError("give ctx or cu_seqlens, not both")
         if ctx.shape != tuple(x.shape[:2]):

@@ -123,6 +123,12 @@ class CheckpointingPolicy:
             if not all(op and op[0].isalpha() and op.replace("_", "").replace(".", "").isalnum() for op in ops):
                 raise ValueError(f"remat policy {spec!r}: {where} {text!r} is not 'none', 'full', a budget in [0, 1] "
                                  "or aten op names joined by '+'")  # fmt: skip
+            # saves_output matches an op by its overload packet's name (aten.mm's is 'mm'): a misspelt or qualified
+            # name ('adddmm', 'mm.default') would match nothing, and the block would quietly save less
+            unknown = [op for op in ops if "." in op or not hasattr(torch.ops.aten, op)]
+            if unknown:
+                raise ValueError(f"remat policy {spec!r}: {where} names {unknown}, not aten ops (a save list names "
+                                 "them as torch.ops.aten spells them, e.g. 'mm+addmm')")  # fmt: skip
             return ops
 
         default: Entry = "none"

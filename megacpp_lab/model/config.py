@@ -306,7 +306,18 @@ def device_kernels(device: str, compiled: bool = False) -> dict[str, dict[str, s
     """HybridConfig overrides that name the scans' and the loss's kernels for a device: Triton on a GPU; on a
     CPU the chunked SSD and Mamba-3 scans, the M2RNN reference loop and the eager chunked loss, but the scans'
     Triton kernels (under the interpreter) when the model is compiled, since a compiled graph holds the scans'
-    custom ops and never the reference loops. The one place that rule is written."""
+    custom ops and never the reference loops. The one place that rule is written. device: anything
+    torch.device takes ('cuda:1', a torch.device); its type decides, and any type but cuda or cpu is refused (a
+    GPU named another way must not quietly get the CPU's reference loops)."""
+    import torch  # here: the configs themselves import no torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device_kernels device: a torch device ('cuda', 'cuda:0', 'cpu'), got {device!r}") from err
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"device_kernels device: the lab's kernels run on 'cuda' or 'cpu', got {device!r}")
+    device = kind
     if device == "cuda" or compiled:
         scans = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), mamba3=dict(kernel="triton"))
         return dict(scans, lm_head=dict(loss_impl="triton" if device == "cuda" else "eager"))

@@ -211,6 +211,11 @@ def precompile(model: nn.Module, tokens: torch.Tensor, ctx: Any, targets: torch.
     plan = precompile_plan(model, worker_count(config.compile_workers, others))
     if not plan:
         return None
+    # the context the step's blocks will see: on a GPU HybridLM adds the flex block mask before the blocks run, and
+    # a saved graph's key says whether the context has one; compiled on the bare context, each structure missed
+    # its graph at the step and was compiled again (bench compile at 7d4a5dc on the H200: [M, engram] twice, the
+    # workers' R and M again in this process)
+    ctx = model.attention_context(ctx)
     manifest = manifest_path(model, tokens, ctx, targets)
     if manifest.exists():
         return None

@@ -63,6 +63,11 @@ class StateSpaceFields:
         check_decay_init(self, fail)
         if self.kernel not in KERNELS:  # the SSD and Mamba-3 scans take the same four
             raise fail("kernel", f"one of {KERNELS}", self.kernel)
+        if self.kernel == "triton":  # tl.dot tiles: refused here, not at the first forward (kernels/ssd.py's rule)
+            for field in ("chunk", "head_dim", "state_dim"):
+                value = getattr(self, field)
+                if value < 16 or value & (value - 1):
+                    raise fail(field, "a power of two >= 16 with kernel='triton' (the Triton scan's tiles)", value)
         if not 0 < self.eps < 1:
             raise fail("eps", "in (0, 1)", self.eps)
 
