@@ -330,10 +330,11 @@ def test_a_documents_first_angle_rate_has_no_gradient(kernel, chunk_pass):
     assert first.abs().max() < 1e-5 * d_angles.abs().max(), (first.abs().max(), d_angles.abs().max())
 
 
-@pytest.mark.parametrize("reverse, dtype", [(False, torch.float32), (False, torch.float64), (True, torch.float32)])
+@pytest.mark.parametrize("reverse, dtype", [(False, torch.float32), (False, torch.float64), (True, torch.float32),
+                                            (True, torch.float64)])
 def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter(reverse, dtype):
-    """The angle sums (fp32: 32-bit turns; fp64: int64 fixed point) and their backward's suffix sums (fp64) as
-    Triton scans, one program per document: equal to the torch forms (fp32 angles bit for bit), over documents
+    """The angle sums (fp32: 32-bit turns; fp64: int64 fixed point) and their backward's suffix sums (fp32 and
+    fp64, against the torch form's fp64) as Triton scans, one program per document: equal to the torch forms (fp32 angles bit for bit), over documents
     longer than one block of SCAN_BLOCK_T tokens (the carry between blocks), documents of one token, and more
     columns than one block."""
     from megacpp_lab.kernels import TRITON_INTERPRET
@@ -347,8 +348,10 @@ def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter
     B, T = 3, 300
     cu = torch.tensor([0, 1, 2, 140, 300, 301, 600, 630, 899, 900], dtype=torch.int32).to(device)
     v = (torch.randn(B, T, 3, 7, generator=g, dtype=dtype) * 4).to(device)  # 21 columns: more than one block of SCAN_BLOCK_C
-    if reverse:
-        torch.testing.assert_close(doc_suffix_sum_triton(v, cu), doc_suffix_sum_torch(v, cu), atol=1e-6, rtol=1e-6)
+    if reverse:  # fp32: a few roundings of a sum of up to 300 terms of |v| ~ 4; a gradient crossing a document
+        # boundary, or one term lost, is off by O(1)
+        tol = 1e-12 if dtype == torch.float64 else 2e-4
+        torch.testing.assert_close(doc_suffix_sum_triton(v, cu), doc_suffix_sum_torch(v, cu), atol=tol, rtol=tol)
     elif dtype == torch.float32:
         assert torch.equal(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu))
     else:  # the same integer sums; the last fp64 mod 2 pi rounds as each side's division does (5.7e-14 seen)

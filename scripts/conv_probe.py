@@ -1,0 +1,73 @@
+"""Probe (not a receipt): the doc-masked causal depthwise conv's two forms, compiled and eager, forward+backward, at
+the widths the `base` model runs them (the R block's q/k/v conv, 2304 channels; Engram's, 256) and one wider.
+
+    PYTHONPATH=. python scripts/conv_probe.py [--out DIR]
+
+nn/primitives.DocCausalDepthwiseConv: `maxtext_depthwise` (F.conv1d with groups=D over the transposed row, the first
+K-1 tokens of each document replaced by the shifted sum) and `xla_safe` (the K doc-masked shifts, weighted and summed:
+pointwise work inductor fuses). Each row: median ms with its p20-p80 spread (profiling.time_spread_ms), the kernels'
+time by name, and the two forms' largest difference (y and each gradient, relative to its largest magnitude).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megacpp_lab.nn.primitives import CONV_IMPLS, DocCausalDepthwiseConv
+from megacpp_lab.profiling import kernel_times_ms, time_spread_ms
+from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens
+
+
+def _row(impl: str, compiled: bool, B: int, T: int, D: int, docs: int) -> dict:
+    torch.manual_seed(0)
+    conv = DocCausalDepthwiseConv(D, 4, impl).cuda().to(torch.bfloat16)  # the model's bf16 parameters (apply_precision)
+    x = torch.randn(B, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.linspace(0, B * T, B * docs + 1, device="cuda").round().to(torch.int32)
+    ctx = build_context(doc_ids_from_cu_seqlens(cu, B, T), cu_seqlens=cu)
+    fn = torch.compile(conv) if compiled else conv
+    dy = torch.randn_like(x)
+
+    def fwd_bwd():
+        y = fn(x, ctx)
+        return torch.autograd.grad(y, [x, conv.weight, conv.bias], dy)
+
+    for _ in range(3):
+        grads = fwd_bwd()
+    y = fn(x, ctx)
+    return {"impl": impl, "compiled": compiled, "B": B, "T": T, "D": D, "docs": docs,
+            "fwd_bwd": time_spread_ms(fwd_bwd, device="cuda"), "kernels": kernel_times_ms(fwd_bwd),
+            "y": y.detach().float(), "grads": [g.float() for g in grads]}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    rows = []
+    for B, T, D, docs in [(4, 4096, 2304, 8), (4, 4096, 256, 8), (8, 4096, 1024, 16), (1, 16384, 2304, 3)]:
+        for compiled in (True, False):
+            pair = [_row(impl, compiled, B, T, D, docs) for impl in CONV_IMPLS]
+            diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip([pair[0]["y"], *pair[0]["grads"]],
+                                                                   [pair[1]["y"], *pair[1]["grads"]]))  # fmt: skip
+            for r in pair:
+                r.pop("y"), r.pop("grads")
+                r["max_rel_diff_between_forms"] = diff  # of y and each gradient, against its largest magnitude
+                rows.append(r)
+                f = r["fwd_bwd"]
+                print(f"B={B} T={T} D={D} docs={docs} {'compiled' if compiled else 'eager':8s} {r['impl']:18s} "
+                      f"{f['ms']:.3f} ms [{f['ms_p20']:.3f}, {f['ms_p80']:.3f}]  diff {diff:.2e}", flush=True)
+                for name, ms in list(r["kernels"].items())[:5]:
+                    print(f"      {ms:7.3f}  {name[:90]}")
+            Path(args.out, "conv_probe.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                                     "torch": torch.__version__, "rows": rows}, indent=1))  # fmt: skip
+    print("done", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
