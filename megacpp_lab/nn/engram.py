@@ -53,7 +53,7 @@ class EngramConfig:
     orders: tuple[int, ...] = (2, 3, 4)
     gated: bool = True
     conv_kernel: int = 4
-    conv_impl: str = "maxtext_depthwise"
+    conv_impl: str = "xla_safe"  # nn/primitives.DocCausalDepthwiseConv says why
     dropout: float = 0.0
     eps: float = 1e-6
 
