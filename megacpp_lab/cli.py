@@ -228,6 +228,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0 <= args.seed < 2**64:  # torch would take -1 as 2**64 - 1: two seeds, the same samples
+        raise ValueError(f"--seed must be >= 0 and < 2**64, got {args.seed}")
     prompt: str | bytes = args.prompt
     if args.prompt_file is not None:
         path = Path(args.prompt_file)

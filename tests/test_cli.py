@@ -588,6 +588,7 @@ def test_corrupt_checkpoint_is_named_without_torch_advice(tmp_path, capsys, cont
     [
         (["--prompt", ""], "--prompt must not be empty"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--seed", "-1"], "--seed must be >= 0 and < 2**64, got -1"),
         (["--prompt-file", "EMPTY"], "--prompt-file EMPTY is empty"),
         (["--prompt-file", "MISSING"], "--prompt-file MISSING is not a file"),
     ],
@@ -635,3 +636,13 @@ def test_cli_resources_prints_the_kernels_table_and_writes_its_json(tmp_path, ca
 def test_cli_resources_fails_closed_on_an_unknown_subject(capsys):
     assert main(["resources", "mamba9"]) == 2
     assert "['mamba9'] unknown" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True])
+def test_sample_text_refuses_a_seed_torch_would_wrap_or_cast(seed):
+    """torch.Generator.manual_seed takes -1 as 2**64 - 1 (two seeds, the same samples): the library refuses it before
+    reading any checkpoint, as it refuses a float or a bool."""
+    from megacpp_lab.model.decode import sample_text
+
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\)"):
+        sample_text("no-such-checkpoint", "int", seed=seed)

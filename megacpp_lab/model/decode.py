@@ -222,6 +222,9 @@ def sample_text(checkpoint: str | Path, prompt: str | bytes, *, max_new_tokens: 
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    # torch.Generator.manual_seed takes -1 as 2**64 - 1: two seeds would draw the same samples
+    if not is_int(seed) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     if dev == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but this machine has no CUDA device")
