@@ -179,6 +179,17 @@ def test_parallel_config_fails_closed_naming_the_field(fields, message):
         ParallelConfig(**fields)
 
 
+@pytest.mark.parametrize("fields", [dict(reshard_after_forward=True), dict(fsdp_blocks_per_group=2)])
+def test_parallelize_refuses_fsdp_knobs_without_fsdp(fields):
+    """One process (no FSDP2) would run as if reshard_after_forward or fsdp_blocks_per_group were unset: refused,
+    naming the field; the same config shards (fsdp=True) elsewhere, as tests/test_fsdp.py runs it."""
+    from megacpp_lab.model.parallelize import ParallelConfig, parallelize
+
+    name = next(iter(fields))
+    with pytest.raises(ValueError, match=rf"ParallelConfig.{name} \(.*\) applies to FSDP2 over several processes"):
+        parallelize(_tiny(), ParallelConfig(**fields), fsdp=False)
+
+
 def test_parallel_config_spells_one_policy_one_way():
     from megacpp_lab.model.parallelize import ParallelConfig
 

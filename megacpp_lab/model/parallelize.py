@@ -157,6 +157,11 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, device: str | None 
     device = device or next(lm.parameters()).device.type
     if fsdp is None:
         fsdp = dist.is_initialized() and dist.get_world_size() > 1
+    if not fsdp:  # FSDP2's own knobs: one process would silently run without them
+        for name, default in (("reshard_after_forward", False), ("fsdp_blocks_per_group", 1)):
+            if getattr(config, name) != default:
+                raise ValueError(f"ParallelConfig.{name} ({getattr(config, name)!r}) applies to FSDP2 over several "
+                                 f"processes (--nproc > 1); this model is not sharded: leave it at {default!r}")
     dtype = config.resolve_dtype(device)
     plan: PrecisionPlan | None = None
     if dtype != torch.float32 and not fsdp:
