@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/scan_probe.py [--out DIR]
 
-Times kernels/mamba3's _doc_scan_kernel (int64 fixed point forward, fp64 suffix sum backward) over tiles, against a
+Times kernels/mamba3's _doc_scan_kernel (the library's: int32 turns forward, fp32 suffix sum backward) over tiles, against a
 copy of the same bytes and against probe-only variants: the sum in int32 turns (2**32 a turn, wrap-around is the
 mod 2 pi), the suffix sum in fp32, and the forward reading the angle logits and dt itself.
 """

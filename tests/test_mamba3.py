@@ -108,7 +108,7 @@ def _chunked_equals_the_step_loop(a, cu, chunk, dy):
 
 
 def test_long_documents_keep_their_angles_in_fp32():
-    """Angle sums of hundreds of radians (dt ~ 2, T = 700, 3 documents; the scan sums them in fp64,
+    """Angle sums of hundreds of radians (dt ~ 2, T = 700, 3 documents; the scan sums them in integer turns,
     kernels/mamba3.doc_angle_sum): the fp32 chunked scan against the fp64 step loop on the same values."""
     a = _inputs(B=1, T=700, H=2, G=1, P=4, N=8, n_a=4, dtype=torch.float64, seed=4)
     a["dt"] = a["dt"] * 4 + 1.0
@@ -118,6 +118,32 @@ def test_long_documents_keep_their_angles_in_fp32():
     got = mamba3_scan(**{k: v.float() for k, v in a.items()}, cu_seqlens=cu, chunk=64, kernel="chunked")
     rel = ((got.double() - ref).norm() / ref.norm()).item()
     assert rel < 2e-5, rel
+
+
+@pytest.mark.parametrize("increments", ["small negative", "one-signed, about a radian", "random sign"])
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_fp32_angle_sums_keep_their_low_bits_over_a_long_document(increments, path):
+    """fp32 increments over one 16384-token document (a second one after it) against an fp64 cumsum mod 2 pi: the
+    turns quantize each increment to half a step of 2 pi / 2**32 at most, 1.2e-5 rad over 16384 tokens at worst,
+    and the fp32 output's own rounding (4.8e-7 at 2 pi). An fp32 fraction of a small negative increment (1 - |t|
+    keeps 2**-24 of a turn) or fp32's 1 / (2 pi) drifted 1e-4 to 1e-3 rad here."""
+    from megacpp_lab.kernels import TRITON_INTERPRET
+    from megacpp_lab.kernels.mamba3 import doc_angle_sum_torch, doc_angle_sum_triton
+
+    if path == "triton" and not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if path == "triton" and torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(12)
+    T = 16384 + 512
+    inc = {"small negative": torch.full((1, T, 2), -3e-3, dtype=torch.float64),
+           "one-signed, about a radian": 0.5 + torch.rand(1, T, 2, generator=g, dtype=torch.float64),
+           "random sign": torch.randn(1, T, 2, generator=g, dtype=torch.float64) * 1e-3}[increments].float()  # fmt: skip
+    cu = torch.tensor([0, 16384, T], dtype=torch.int32)
+    got = (doc_angle_sum_triton if path == "triton" else doc_angle_sum_torch)(inc.to(device), cu.to(device)).cpu()
+    want = torch.cat([torch.remainder(torch.cumsum(inc[:, lo:hi].double(), 1), 2 * math.pi)
+                      for lo, hi in ((0, 16384), (16384, T))], dim=1)  # fmt: skip
+    err = torch.remainder(got.double() - want + math.pi, 2 * math.pi) - math.pi  # the difference on the circle
+    assert err.abs().max().item() < 1.3e-5, (increments, err.abs().max().item())
 
 
 def test_the_document_angle_sum_and_its_gradient_against_a_per_document_loop():

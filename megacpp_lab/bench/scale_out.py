@@ -62,6 +62,8 @@ def _launch(config: TrainConfig, nproc: int, env: dict[str, str], label: str) ->
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "parallel"}
     values.update((f.name, getattr(config.parallel, f.name)) for f in dataclasses.fields(config.parallel)
                   if f.name != "backend")  # the flags of `train`: ParallelConfig's fields are flat there
+    if nproc == 1:  # FSDP2's knobs: one process shards nothing, and parallelize refuses them set
+        values.update(reshard_after_forward=None, fsdp_blocks_per_group=None)
     for name, value in values.items():
         if value is None:
             continue

@@ -54,6 +54,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from megacpp_lab.kernels import INTERPRETED, launchable
 from megacpp_lab.kernels.ssd import (FLOAT_DTYPES, Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask,
@@ -202,8 +203,10 @@ def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tupl
 # below 2 pi * 2**36, so int64 holds the sum of 2**63 / (2 pi 2**36) = 21 million tokens of one document
 ANGLE_FIXED_POINT = 2.0**36
 # the fp32 angle sums' unit: 2**32 a turn, so a 32-bit sum's wrap-around is exactly the mod 2 pi (steps of 1.5e-9
-# rad, finer than fp32's 4.8e-7 at 2 pi), with no fp64 and no bound on a document's length (on the H200 at bench
-# ssd's main shape the forward scan took 0.050 ms in turns, against the int64 fixed point's 0.109: scan_probe.py)
+# rad, finer than fp32's 4.8e-7 at 2 pi) and no bound on a document's length. Each increment's fraction of a turn is
+# taken in fp64 (one product and two floors a token; the scan itself stays int32): in fp32 a small negative
+# increment's fraction 1 - |t| kept only 2**-24 of a turn, and fp32's 1 / (2 pi) is 4e-8 off, errors that add up
+# along a document (7e-4 rad over 4096 tokens of -3e-3 rad each, where the int64 fixed point kept 2.5e-7)
 ANGLE_TURN = 2.0**32
 
 
@@ -212,12 +215,12 @@ def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """theta [B,T,...]: the increments inc [B,T,...] summed along T from each document start, mod 2 pi, in inc's
     dtype; cu_seqlens [D+1] int32 over the flattened B*T tokens (kernels/ssd.py's convention; one document a row
     is arange(0, B*T + 1, T)). The sum runs in integers: fp32 (and 16-bit) increments in turns, 2**32 a turn
-    (ANGLE_TURN: each increment's fraction of a turn, rounded once in fp32, and a 32-bit sum whose wrap-around is
-    the mod 2 pi); fp64 ones in int64 fixed point (each increment first taken mod 2 pi in fp64). Integer sums are
+    (ANGLE_TURN: each increment's fraction of a turn taken in fp64 and rounded to a step, and a 32-bit sum whose
+    wrap-around is the mod 2 pi); fp64 ones in int64 fixed point (each increment first taken mod 2 pi). Integer sums are
     exact, so a document's angle takes no rounding from any other document, and a long document keeps its low
     bits, where a float sum would lose them (hundreds of radians). On CUDA one Triton program per
     document and column block (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
-    tests/test_mamba3.py holds the two equal, bit for bit. An opaque op: inductor's Triton codegen fails on this
+    tests/test_mamba3.py holds the two equal (fp32: bit for bit; fp64: within 1e-12). An opaque op: inductor's Triton codegen fails on this
     long scan over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen, at
     [8,4096,16,32] on the H200), and torch's own int64 scan over a middle dim took 1.6 ms there, a fifth of the
     whole Mamba-3 scan's forward and backward."""
@@ -232,9 +235,9 @@ def doc_angle_sum_torch(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Te
     start = doc_start_mask(cu_seqlens, *inc.shape[:2], inc.device)
     if inc.dtype == torch.float64:
         steps = torch.floor(torch.remainder(inc, 2 * math.pi) * ANGLE_FIXED_POINT + 0.5).to(torch.int64)
-    else:  # the turns' fraction in fp32 (the scan's arithmetic), then an int64 sum whose low 32 bits are its own
-        turns = inc.float() * (0.5 / math.pi)
-        steps = ((turns - torch.floor(turns)) * ANGLE_TURN + 0.5).to(torch.int64)
+    else:  # the turns' fraction in fp64 (the scan's arithmetic), then an int64 sum whose low 32 bits are its own
+        turns = inc.float().double() * (0.5 / math.pi)
+        steps = torch.floor((turns - torch.floor(turns)) * ANGLE_TURN + 0.5).to(torch.int64)
     total = torch.cumsum(steps, dim=1)
     own = total - torch.gather(total - steps, 1, _first_of_document(start, steps.shape))
     if inc.dtype == torch.float64:
@@ -328,20 +331,20 @@ def _doc_block(rt0, i, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
 
 @triton.jit
 def _mul_rounded(x, c: tl.constexpr):
-    """x * c in fp32, rounded before any later use, as torch's own multiply is. A plain product may be contracted
+    """x * c in fp64, rounded before any later use, as torch's own multiply is. A plain product may be contracted
     into the next subtraction as an FMA (rounding once where torch rounds twice), so the turns' fraction could
     differ from doc_angle_sum_torch's in its last bit: on the H200 the two were unequal with the plain product
-    (0c9fba7), under the interpreter equal. mul.rn, an explicit rounding, is never contracted (PTX ISA)."""
+    (0c9fba7, fp32), under the interpreter equal. libdevice's mul_rn (mul.rn.f64, an explicit rounding) is never
+    contracted (PTX ISA)."""
     if INTERPRETED:
         return x * c
-    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, tl.full(x.shape, c, tl.float32)],
-                                     dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+    return libdevice.mul_rn(x, tl.full(x.shape, c, tl.float64))
 
 
 @triton.jit
 def _doc_turns_scan(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, TURN: tl.constexpr):
-    """The fp32 angle sum in turns: each increment's fraction of a turn in fp32, rounded once to a step of 1 / TURN,
-    summed in int32 (the wrap-around is the mod 2 pi), out in [0, 2 pi) as doc_angle_sum_torch's fp32 arithmetic."""
+    """The fp32 angle sum in turns: each increment's fraction of a turn in fp64, rounded to a step of 1 / TURN (ties
+    up), summed in int32 (the wrap-around is the mod 2 pi), out in [0, 2 pi) as doc_angle_sum_torch's arithmetic."""
     start = tl.load(cu_ptr + tl.program_id(0))
     end = tl.load(cu_ptr + tl.program_id(0) + 1)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -351,8 +354,9 @@ def _doc_turns_scan(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexp
         rt, mt = _doc_block(tl.arange(0, BT), i, start, end, BT, False)
         at = rt[:, None] * C + rc[None, :]
         m = mt[:, None] & mc[None, :]
-        turns = _mul_rounded(tl.load(v_ptr + at, mask=m, other=0.0).to(tl.float32), 0.15915494309189535)  # 1 / (2 pi)
-        steps = tl.where(m, ((turns - tl.floor(turns)) * TURN + 0.5).to(tl.int64).to(tl.int32), 0)
+        turns = _mul_rounded(tl.load(v_ptr + at, mask=m, other=0.0).to(tl.float32).to(tl.float64),
+                             0.15915494309189535)  # 1 / (2 pi) in fp64  # fmt: skip
+        steps = tl.where(m, tl.floor((turns - tl.floor(turns)) * TURN + 0.5).to(tl.int64).to(tl.int32), 0)
         run = tl.cumsum(steps, axis=0) + carry[None, :]
         carry += tl.sum(steps, axis=0)
         out = (run.to(tl.int64) & 0xFFFFFFFF).to(tl.float32) * (6.283185307179586 / TURN)

@@ -129,7 +129,8 @@ def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Hybrid
         config = run.hybrid_config(device, int(state["model_config"]["vocab_size"]))
     except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"checkpoint {path} field 'train_config' does not build the model: {err}") from None
-    kernels = ("kernel", "loss_impl")  # where the model runs, not what it is
+    kernels = ("kernel", "loss_impl", "conv_impl")  # how the model runs, not what it is (conv_impl: its default
+    # changed, the weights are the same)
     diff = _config_diff(dataclasses.asdict(config), state["model_config"], skip=kernels)
     if diff:
         raise ValueError(f"checkpoint {path} field 'model_config.{diff[0]}' differs from the model this code "

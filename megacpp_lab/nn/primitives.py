@@ -84,15 +84,15 @@ class DocCausalDepthwiseConv(nn.Module):
 
     def _unfold_sum(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """The K taps of each window as K doc-masked shifts of x, weighted and summed in fp32 for 16-bit inputs (as
-        F.conv1d accumulates: bf16 sums would round at every tap in eager), out in x's dtype."""
+        F.conv1d accumulates: bf16 sums would round at every tap in eager), out in x's dtype. The shifts stay in x's
+        dtype (the products promote): eager's autograd keeps them, not fp32 copies. `step` sums in the same order."""
         K = self.kernel
-        acc = torch.promote_types(x.dtype, torch.float32)
-        xa, w = x.to(acc), self.weight[:, 0].to(acc)
-        out = xa * w[:, K - 1]
+        w = self.weight[:, 0].to(torch.promote_types(self.weight.dtype, torch.float32))
+        out = x * w[:, K - 1]
         if self.bias is not None:
-            out = out + self.bias.to(acc)
+            out = out + self.bias.to(w.dtype)
         for lag in range(1, K):
-            out = out + doc_causal_shift(xa, positions, lag) * w[:, K - 1 - lag]
+            out = out + doc_causal_shift(x, positions, lag) * w[:, K - 1 - lag]
         return out.to(x.dtype)
 
     def forward(self, x: torch.Tensor, ctx: PackedContext | None = None) -> torch.Tensor:
@@ -118,10 +118,14 @@ class DocCausalDepthwiseConv(nn.Module):
     def step(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token x [B,1,D] after `window` [B,K-1,D] (the last K-1 inputs) -> (y [B,1,D], the next window)."""
         taps = torch.cat([window, x.to(window.dtype)], dim=1)  # [B,K,D], oldest first: F.conv1d's tap order
-        y = torch.einsum("bkd,dk->bd", taps, self.weight[:, 0].to(taps.dtype))[:, None]
+        K = self.kernel
+        w = self.weight[:, 0].to(torch.promote_types(self.weight.dtype, torch.float32))
+        y = taps[:, K - 1] * w[:, K - 1]  # _unfold_sum's sum, term by term in its order: the forward's numbers
         if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype), taps[:, 1:]
+            y = y + self.bias.to(w.dtype)
+        for lag in range(1, K):
+            y = y + taps[:, K - 1 - lag] * w[:, K - 1 - lag]
+        return y[:, None].to(x.dtype), taps[:, 1:]
 
     def extra_repr(self) -> str:
         return f"channels={self.weight.shape[0]}, kernel={self.kernel}, impl={self.impl}"
