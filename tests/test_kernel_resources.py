@@ -74,9 +74,12 @@ def test_the_mamba3_scan_compiles_every_kernel_for_sm90(mamba3_report):
     names = {r["kernel"] for r in rows}
     assert names == {"_keys_kernel", "_ssd_fwd_state_kernel", "_ssd_fwd_output_kernel", "_ssd_bwd_state_kernel",
                      "_m3_bwd_chunk_kernel", "_m3_bwd_own_kernel", "_m3_bwd_sweeps_kernel", "_doc_scan_kernel"}
+    from megacpp_lab.kernels.mamba3 import SCAN_WARPS
+
     for r in rows:
         assert 0 < r["regs"] <= 255, r  # Hopper's limit a thread
-        assert r["num_warps"] == 4 and 1 <= r["programs_per_sm"] <= HOPPER["blocks_per_sm"], r
+        warps = SCAN_WARPS if r["kernel"] == "_doc_scan_kernel" else 4  # the launches' own num_warps
+        assert r["num_warps"] == warps and 1 <= r["programs_per_sm"] <= HOPPER["blocks_per_sm"], r
         assert r["spills"] == (r["spill_store_bytes"] > 0 or r["spill_load_bytes"] > 0), r
     chunk = next(r for r in rows if r["kernel"] == "_m3_bwd_chunk_kernel")
     assert chunk["constexprs"]["CHUNK"] == "64" and chunk["constexprs"]["P"] == "64" and chunk["constexprs"]["N"] == "128"

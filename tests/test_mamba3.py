@@ -108,7 +108,7 @@ def _chunked_equals_the_step_loop(a, cu, chunk, dy):
 
 
 def test_long_documents_keep_their_angles_in_fp32():
-    """Angle sums of hundreds of radians (dt ~ 2, T = 700, 3 documents; the scan sums them in integer turns,
+    """Angle sums of hundreds of radians (dt ~ 2, T = 700, 3 documents; the scan sums them in int64 fixed point,
     kernels/mamba3.doc_angle_sum): the fp32 chunked scan against the fp64 step loop on the same values."""
     a = _inputs(B=1, T=700, H=2, G=1, P=4, N=8, n_a=4, dtype=torch.float64, seed=4)
     a["dt"] = a["dt"] * 4 + 1.0
@@ -124,9 +124,11 @@ def test_long_documents_keep_their_angles_in_fp32():
 @pytest.mark.parametrize("path", ["torch", "triton"])
 def test_fp32_angle_sums_keep_their_low_bits_over_a_long_document(increments, path):
     """fp32 increments over one 16384-token document (a second one after it) against an fp64 cumsum mod 2 pi: the
-    turns quantize each increment to half a step of 2 pi / 2**32 at most, 1.2e-5 rad over 16384 tokens at worst,
-    and the fp32 output's own rounding (4.8e-7 at 2 pi). An fp32 fraction of a small negative increment (1 - |t|
-    keeps 2**-24 of a turn) or fp32's 1 / (2 pi) drifted 1e-4 to 1e-3 rad here."""
+    integer sum keeps the low bits a float sum loses. Its bound holds any integer sum whose steps are at most
+    2 pi / 2**32 (the int64 fixed point's are 2**-36 rad; the turns of branch lead/angle-turns 1.5e-9 rad, 1.2e-5
+    rad over 16384 tokens at worst) and the fp32 output's own rounding (4.8e-7 at 2 pi). Turns whose fraction was
+    taken in fp32 (1 - |t| of a small negative increment keeps 2**-24 of a turn; fp32's 1 / (2 pi) is 4e-8 off)
+    drifted 6.6e-4 to 2.9e-3 rad here."""
     from megacpp_lab.kernels import TRITON_INTERPRET
     from megacpp_lab.kernels.mamba3 import doc_angle_sum_torch, doc_angle_sum_triton
 
@@ -359,8 +361,8 @@ def test_a_documents_first_angle_rate_has_no_gradient(kernel, chunk_pass):
 @pytest.mark.parametrize("reverse, dtype", [(False, torch.float32), (False, torch.float64), (True, torch.float32),
                                             (True, torch.float64)])
 def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter(reverse, dtype):
-    """The angle sums (fp32: 32-bit turns; fp64: int64 fixed point) and their backward's suffix sums (fp32 and
-    fp64, against the torch form's fp64) as Triton scans, one program per document: equal to the torch forms (fp32 angles bit for bit), over documents
+    """The angle sums (int64 fixed point) and their backward's suffix sums (fp32 and fp64, against the torch form's
+    fp64) as Triton scans, one program per document: equal to the torch forms (fp32 angles bit for bit), over documents
     longer than one block of SCAN_BLOCK_T tokens (the carry between blocks), documents of one token, and more
     columns than one block."""
     from megacpp_lab.kernels import TRITON_INTERPRET

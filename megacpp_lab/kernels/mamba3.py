@@ -54,7 +54,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from megacpp_lab.kernels import INTERPRETED, launchable
 from megacpp_lab.kernels.ssd import (FLOAT_DTYPES, Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask,
@@ -199,26 +198,19 @@ def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tupl
     return B, T, H, P, G, N, n_a, R
 
 
-# the fp64 angle sums' fixed-point scale: steps of 1.5e-11 rad (fp32 resolves 4.8e-7 at 2 pi), and each increment
-# below 2 pi * 2**36, so int64 holds the sum of 2**63 / (2 pi 2**36) = 21 million tokens of one document
+# the angle sums' fixed-point scale: steps of 1.5e-11 rad (fp32 resolves 4.8e-7 at 2 pi), and each increment below
+# 2 pi * 2**36, so int64 holds the sum of 2**63 / (2 pi 2**36) = 21 million tokens of one document. (A lead, on branch
+# lead/angle-turns, not on main: fp32 increments summed in int32 turns, 2**32 a turn, twice as fast; design.md.)
 ANGLE_FIXED_POINT = 2.0**36
-# the fp32 angle sums' unit: 2**32 a turn, so a 32-bit sum's wrap-around is exactly the mod 2 pi (steps of 1.5e-9
-# rad, finer than fp32's 4.8e-7 at 2 pi) and no bound on a document's length. Each increment's fraction of a turn is
-# taken in fp64 (one product and two floors a token; the scan itself stays int32): in fp32 a small negative
-# increment's fraction 1 - |t| kept only 2**-24 of a turn, and fp32's 1 / (2 pi) is 4e-8 off, errors that add up
-# along a document (7e-4 rad over 4096 tokens of -3e-3 rad each, where the int64 fixed point kept 2.5e-7)
-ANGLE_TURN = 2.0**32
 
 
 @torch.library.custom_op("megacpp::doc_angle_sum", mutates_args=())
 def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """theta [B,T,...]: the increments inc [B,T,...] summed along T from each document start, mod 2 pi, in inc's
     dtype; cu_seqlens [D+1] int32 over the flattened B*T tokens (kernels/ssd.py's convention; one document a row
-    is arange(0, B*T + 1, T)). The sum runs in integers: fp32 (and 16-bit) increments in turns, 2**32 a turn
-    (ANGLE_TURN: each increment's fraction of a turn taken in fp64 and rounded to a step, and a 32-bit sum whose
-    wrap-around is the mod 2 pi); fp64 ones in int64 fixed point (each increment first taken mod 2 pi). Integer sums are
-    exact, so a document's angle takes no rounding from any other document, and a long document keeps its low
-    bits, where a float sum would lose them (hundreds of radians). On CUDA one Triton program per
+    is arange(0, B*T + 1, T)). The sum runs in int64 fixed point (each increment first taken mod 2 pi in fp64):
+    integer sums are exact, so a document's angle takes no rounding from any other document, and a long document
+    keeps its low bits, where an fp32 sum would lose them (hundreds of radians). On CUDA one Triton program per
     document and column block (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
     tests/test_mamba3.py holds the two equal (fp32: bit for bit; fp64: within 1e-12). An opaque op: inductor's Triton codegen fails on this
     long scan over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen, at
@@ -231,18 +223,12 @@ def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 def doc_angle_sum_torch(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """doc_angle_sum in plain torch: a cumsum over the whole row less the sum before each document's start, each
-    step rounded as the Triton scan rounds it (ties up: floor(x + 1/2)), so the two stay equal bit for bit."""
+    step rounded as the Triton scan rounds it (ties up: floor(x + 1/2)), so the two stay equal."""
     start = doc_start_mask(cu_seqlens, *inc.shape[:2], inc.device)
-    if inc.dtype == torch.float64:
-        steps = torch.floor(torch.remainder(inc, 2 * math.pi) * ANGLE_FIXED_POINT + 0.5).to(torch.int64)
-    else:  # the turns' fraction in fp64 (the scan's arithmetic), then an int64 sum whose low 32 bits are its own
-        turns = inc.float().double() * (0.5 / math.pi)
-        steps = torch.floor((turns - torch.floor(turns)) * ANGLE_TURN + 0.5).to(torch.int64)
+    steps = torch.floor(torch.remainder(inc.double(), 2 * math.pi) * ANGLE_FIXED_POINT + 0.5).to(torch.int64)
     total = torch.cumsum(steps, dim=1)
     own = total - torch.gather(total - steps, 1, _first_of_document(start, steps.shape))
-    if inc.dtype == torch.float64:
-        return torch.remainder(own.double() / ANGLE_FIXED_POINT, 2 * math.pi)
-    return ((own & 0xFFFFFFFF).float() * (2 * math.pi / ANGLE_TURN)).to(inc.dtype)
+    return torch.remainder(own.double() / ANGLE_FIXED_POINT, 2 * math.pi).to(inc.dtype)
 
 
 @doc_angle_sum.register_fake
@@ -307,16 +293,13 @@ doc_angle_sum.register_autograd(
 
 @triton.jit
 def _doc_scan_kernel(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
-                     REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr, TURN: tl.constexpr):  # fmt: skip
+                     REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
     """One program per (document, BC columns): walks the document's tokens in blocks of BT (from its end if
     REVERSE), a cumsum within each block plus the sum carried from the blocks before. ANGLES: the forward's sum
-    of increments mod 2 pi, out mod 2 pi: in 32-bit turns for fp32 increments (doc_angle_sum), in int64 fixed
-    point for fp64 ones; else the backward's suffix sum (fp32, fp64 for fp64 gradients). Tokens index the flattened rows (cu_seqlens'
-    convention), so a document is one contiguous run of C-wide rows."""
-    if ANGLES and v_ptr.dtype.element_ty != tl.float64:
-        _doc_turns_scan(v_ptr, cu_ptr, out_ptr, C, BT, BC, TURN)
-    else:
-        _doc_fixed_scan(v_ptr, cu_ptr, out_ptr, C, BT, BC, ANGLES, REVERSE, FIXED_POINT)
+    of increments mod 2 pi in int64 fixed point, out mod 2 pi; else the backward's suffix sum (fp32, fp64 for fp64
+    gradients). Tokens index the flattened rows (cu_seqlens' convention), so a document is one contiguous run of
+    C-wide rows."""
+    _doc_fixed_scan(v_ptr, cu_ptr, out_ptr, C, BT, BC, ANGLES, REVERSE, FIXED_POINT)
 
 
 @triton.jit
@@ -330,43 +313,9 @@ def _doc_block(rt0, i, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def _mul_rounded(x, c: tl.constexpr):
-    """x * c in fp64, rounded before any later use, as torch's own multiply is. A plain product may be contracted
-    into the next subtraction as an FMA (rounding once where torch rounds twice), so the turns' fraction could
-    differ from doc_angle_sum_torch's in its last bit: on the H200 the two were unequal with the plain product
-    (0c9fba7, fp32), under the interpreter equal. libdevice's mul_rn (mul.rn.f64, an explicit rounding) is never
-    contracted (PTX ISA)."""
-    if INTERPRETED:
-        return x * c
-    return libdevice.mul_rn(x, tl.full(x.shape, c, tl.float64))
-
-
-@triton.jit
-def _doc_turns_scan(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, TURN: tl.constexpr):
-    """The fp32 angle sum in turns: each increment's fraction of a turn in fp64, rounded to a step of 1 / TURN (ties
-    up), summed in int32 (the wrap-around is the mod 2 pi), out in [0, 2 pi) as doc_angle_sum_torch's arithmetic."""
-    start = tl.load(cu_ptr + tl.program_id(0))
-    end = tl.load(cu_ptr + tl.program_id(0) + 1)
-    rc = tl.program_id(1) * BC + tl.arange(0, BC)
-    mc = rc < C
-    carry = tl.zeros((BC,), dtype=tl.int32)
-    for i in range(0, tl.cdiv(end - start, BT)):
-        rt, mt = _doc_block(tl.arange(0, BT), i, start, end, BT, False)
-        at = rt[:, None] * C + rc[None, :]
-        m = mt[:, None] & mc[None, :]
-        turns = _mul_rounded(tl.load(v_ptr + at, mask=m, other=0.0).to(tl.float32).to(tl.float64),
-                             0.15915494309189535)  # 1 / (2 pi) in fp64  # fmt: skip
-        steps = tl.where(m, tl.floor((turns - tl.floor(turns)) * TURN + 0.5).to(tl.int64).to(tl.int32), 0)
-        run = tl.cumsum(steps, axis=0) + carry[None, :]
-        carry += tl.sum(steps, axis=0)
-        out = (run.to(tl.int64) & 0xFFFFFFFF).to(tl.float32) * (6.283185307179586 / TURN)
-        tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def _doc_fixed_scan(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
                     REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
-    """The fp64 angle sum in int64 fixed point (ANGLES), or the backward's suffix sum: in fp64 for fp64 gradients,
+    """The angle sum in int64 fixed point (ANGLES), or the backward's suffix sum: in fp64 for fp64 gradients,
     else in fp32 (a gradient's sum over one document, which never reaches another's: fp32's 6e-8 relative rounding
     a step, where fp64's arithmetic took 0.103 ms against fp32's 0.064 on the H200, scan_probe.py)."""
     acc = tl.float64 if (ANGLES or v_ptr.dtype.element_ty == tl.float64) else tl.float32
@@ -402,15 +351,16 @@ def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, revers
         return out
     _doc_scan_kernel[(cu_seqlens.numel() - 1, triton.cdiv(C, SCAN_BLOCK_C))](
         v, cu_seqlens, out, C, BT=SCAN_BLOCK_T, BC=SCAN_BLOCK_C, ANGLES=angles, REVERSE=reverse,
-        FIXED_POINT=ANGLE_FIXED_POINT, TURN=ANGLE_TURN, num_warps=SCAN_WARPS,
+        FIXED_POINT=ANGLE_FIXED_POINT, num_warps=SCAN_WARPS,
     )  # fmt: skip
     return out
 
 
 # a scan's tile, tokens x columns, and its warps: on the H200 at bench ssd's main shape ([8,4096,16,32], 8 documents a
-# row; scripts/scan_probe.py, one run) 32 x 16 at 2 warps took 0.051 ms for the turns and 0.103 for the fp64 suffix
-# sum, against 0.059 and 0.112 at the earlier 128 x 8 and 4 warps; 32 x 32 at 4 warps 0.050 and 0.118, 64 x 4 at 2
-# warps 0.18 and 0.16
+# row; branch lead/angle-turns' scan_probe.py, one run) 32 x 16 at 2 warps took 0.103 ms for the fp64 suffix sum
+# against 0.112 at the earlier 128 x 8 and 4 warps (32 x 32 at 4 warps 0.118, 64 x 4 at 2 warps 0.16); the int64
+# forward scan was not timed at this tile. With the suffix sum in fp32 and this tile, both scans took 0.200 ms of
+# an H100 call of the SISO scan (branch lead/angle-turns at f9f19f1, its forward in turns; mamba3_probe.py)
 SCAN_BLOCK_T = 32
 SCAN_BLOCK_C = 16
 SCAN_WARPS = 2
