@@ -182,7 +182,8 @@ def test_parallel_config_fails_closed_naming_the_field(fields, message):
 @pytest.mark.parametrize("fields", [dict(reshard_after_forward=True), dict(fsdp_blocks_per_group=2)])
 def test_parallelize_refuses_fsdp_knobs_without_fsdp(fields):
     """One process (no FSDP2) would run as if reshard_after_forward or fsdp_blocks_per_group were unset: refused,
-    naming the field; the same config shards (fsdp=True) elsewhere, as tests/test_fsdp.py runs it."""
+    naming the field. (With fsdp=True they reach apply_fsdp; tests/test_fsdp.py shards through apply_fsdp with
+    blocks_per_group on two processes.)"""
     from megacpp_lab.model.parallelize import ParallelConfig, parallelize
 
     name = next(iter(fields))
