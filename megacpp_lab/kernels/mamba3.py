@@ -212,8 +212,8 @@ def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     integer sums are exact, so a document's angle takes no rounding from any other document, and a long document
     keeps its low bits, where an fp32 sum would lose them (hundreds of radians). On CUDA one Triton program per
     document and column block (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
-    tests/test_mamba3.py holds the two equal (fp32: bit for bit; fp64: within 1e-12). An opaque op: inductor's Triton codegen fails on this
-    long scan over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen, at
+    tests/test_mamba3.py holds the two equal (fp32: bit for bit; fp64: within 1e-12). An opaque op: inductor's
+    Triton codegen fails on this long scan over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen, at
     [8,4096,16,32] on the H200), and torch's own int64 scan over a middle dim took 1.6 ms there, a fifth of the
     whole Mamba-3 scan's forward and backward."""
     if inc.is_cuda:
@@ -296,28 +296,11 @@ def _doc_scan_kernel(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constex
                      REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
     """One program per (document, BC columns): walks the document's tokens in blocks of BT (from its end if
     REVERSE), a cumsum within each block plus the sum carried from the blocks before. ANGLES: the forward's sum
-    of increments mod 2 pi in int64 fixed point, out mod 2 pi; else the backward's suffix sum (fp32, fp64 for fp64
-    gradients). Tokens index the flattened rows (cu_seqlens' convention), so a document is one contiguous run of
-    C-wide rows."""
-    _doc_fixed_scan(v_ptr, cu_ptr, out_ptr, C, BT, BC, ANGLES, REVERSE, FIXED_POINT)
-
-
-@triton.jit
-def _doc_block(rt0, i, start, end, BT: tl.constexpr, REVERSE: tl.constexpr):
-    """Block i of a document's walk: its tokens and their mask (from the document's end if REVERSE)."""
-    if REVERSE:
-        rt = end - (i + 1) * BT + rt0
-        return rt, rt >= start
-    rt = start + i * BT + rt0
-    return rt, rt < end
-
-
-@triton.jit
-def _doc_fixed_scan(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
-                    REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
-    """The angle sum in int64 fixed point (ANGLES), or the backward's suffix sum: in fp64 for fp64 gradients,
-    else in fp32 (a gradient's sum over one document, which never reaches another's: fp32's 6e-8 relative rounding
-    a step, where fp64's arithmetic took 0.103 ms against fp32's 0.064 on the H200, scan_probe.py)."""
+    of increments mod 2 pi in int64 fixed point, out mod 2 pi; else the backward's suffix sum, in fp32 for fp32 and
+    16-bit gradients, fp64 for fp64 (a gradient's sum over one document, which never reaches another's: fp32's
+    6e-8 relative rounding a step, where fp64's arithmetic took 0.103 ms against fp32's 0.064 on the H200,
+    lead/angle-turns' scan_probe.py). Tokens index the flattened rows (cu_seqlens' convention), so a document is
+    one contiguous run of C-wide rows."""
     acc = tl.float64 if (ANGLES or v_ptr.dtype.element_ty == tl.float64) else tl.float32
     start = tl.load(cu_ptr + tl.program_id(0))
     end = tl.load(cu_ptr + tl.program_id(0) + 1)
@@ -326,7 +309,12 @@ def _doc_fixed_scan(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexp
     carry = tl.zeros((BC,), dtype=tl.int64 if ANGLES else acc)
     two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
     for i in range(0, tl.cdiv(end - start, BT)):
-        rt, mt = _doc_block(tl.arange(0, BT), i, start, end, BT, REVERSE)
+        if REVERSE:
+            rt = end - (i + 1) * BT + tl.arange(0, BT)
+            mt = rt >= start
+        else:
+            rt = start + i * BT + tl.arange(0, BT)
+            mt = rt < end
         at = rt[:, None] * C + rc[None, :]
         m = mt[:, None] & mc[None, :]
         v = tl.load(v_ptr + at, mask=m, other=0.0).to(acc)

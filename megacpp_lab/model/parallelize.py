@@ -21,6 +21,7 @@ whose cu_seqlens build_context marks dynamic, so a new number of documents per r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import Counter
@@ -158,7 +159,9 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, device: str | None 
     if fsdp is None:
         fsdp = dist.is_initialized() and dist.get_world_size() > 1
     if not fsdp:  # FSDP2's own knobs: one process would silently run without them
-        for name, default in (("reshard_after_forward", False), ("fsdp_blocks_per_group", 1)):
+        defaults = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
+        for name in ("reshard_after_forward", "fsdp_blocks_per_group"):
+            default = defaults[name]
             if getattr(config, name) != default:
                 raise ValueError(f"ParallelConfig.{name} ({getattr(config, name)!r}) applies to FSDP2 over several "
                                  f"processes (--nproc > 1); this model is not sharded: leave it at {default!r}")

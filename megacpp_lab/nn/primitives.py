@@ -82,18 +82,23 @@ class DocCausalDepthwiseConv(nn.Module):
         self.weight = nn.Parameter(conv.weight.detach().clone())  # [D, 1, K]
         self.bias = nn.Parameter(conv.bias.detach().clone()) if bias else None  # [D]
 
-    def _unfold_sum(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """The K taps of each window as K doc-masked shifts of x, weighted and summed in fp32 for 16-bit inputs (as
-        F.conv1d accumulates: bf16 sums would round at every tap in eager), out in x's dtype. The shifts stay in x's
-        dtype (the products promote): eager's autograd keeps them, not fp32 copies. `step` sums in the same order."""
+    def _tap_sum(self, tap: Callable[[int], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """sum over lags of tap(lag) * the lag's weight, plus the bias, in fp32 for 16-bit inputs (as F.conv1d
+        accumulates: bf16 sums would round at every tap in eager), out in `dtype`. tap(lag) is the input `lag`
+        tokens back, in the input's dtype (the products promote: eager's autograd keeps it, not an fp32 copy). The
+        forward and the decode step both sum here, in this one order: the step equals the forward bit for bit."""
         K = self.kernel
         w = self.weight[:, 0].to(torch.promote_types(self.weight.dtype, torch.float32))
-        out = x * w[:, K - 1]
+        out = tap(0) * w[:, K - 1]
         if self.bias is not None:
             out = out + self.bias.to(w.dtype)
         for lag in range(1, K):
-            out = out + doc_causal_shift(x, positions, lag) * w[:, K - 1 - lag]
-        return out.to(x.dtype)
+            out = out + tap(lag) * w[:, K - 1 - lag]
+        return out.to(dtype)
+
+    def _unfold_sum(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """The K taps of each window as K doc-masked shifts of x, weighted and summed (_tap_sum)."""
+        return self._tap_sum(lambda lag: doc_causal_shift(x, positions, lag), x.dtype)
 
     def forward(self, x: torch.Tensor, ctx: PackedContext | None = None) -> torch.Tensor:
         """x [B,T,D]; ctx, the batch's PackedContext (None: one document per row)."""
@@ -118,14 +123,8 @@ class DocCausalDepthwiseConv(nn.Module):
     def step(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token x [B,1,D] after `window` [B,K-1,D] (the last K-1 inputs) -> (y [B,1,D], the next window)."""
         taps = torch.cat([window, x.to(window.dtype)], dim=1)  # [B,K,D], oldest first: F.conv1d's tap order
-        K = self.kernel
-        w = self.weight[:, 0].to(torch.promote_types(self.weight.dtype, torch.float32))
-        y = taps[:, K - 1] * w[:, K - 1]  # _unfold_sum's sum, term by term in its order: the forward's numbers
-        if self.bias is not None:
-            y = y + self.bias.to(w.dtype)
-        for lag in range(1, K):
-            y = y + taps[:, K - 1 - lag] * w[:, K - 1 - lag]
-        return y[:, None].to(x.dtype), taps[:, 1:]
+        y = self._tap_sum(lambda lag: taps[:, self.kernel - 1 - lag], x.dtype)  # the forward's sum, term by term
+        return y[:, None], taps[:, 1:]
 
     def extra_repr(self) -> str:
         return f"channels={self.weight.shape[0]}, kernel={self.kernel}, impl={self.impl}"
