@@ -386,6 +386,36 @@ def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter
         torch.testing.assert_close(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_document_scans_carry_across_many_blocks_and_through_blocks_of_many_documents(reverse):
+    """The scans run one program per block of SCAN_BLOCK_T tokens: a block's rows before its first document boundary
+    take the totals of the blocks back to their document's start (the suffix sum: forward to its end), summed
+    SCAN_LOOKBACK blocks a load. A document over more than SCAN_LOOKBACK blocks (several loads of totals), a run of
+    one-token documents (a boundary on every row of a block), documents ending exactly on block edges and a last
+    block cut short, against the torch forms."""
+    from megacpp_lab.kernels import TRITON_INTERPRET
+    from megacpp_lab.kernels.mamba3 import (SCAN_BLOCK_T, SCAN_LOOKBACK, doc_angle_sum_torch, doc_angle_sum_triton,
+                                            doc_suffix_sum_torch, doc_suffix_sum_triton)  # fmt: skip
+
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bt = SCAN_BLOCK_T
+    long_doc = (SCAN_LOOKBACK * 2 + 3) * bt + 5  # three loads of totals, ending mid-block
+    ones = list(range(long_doc + 1, long_doc + 1 + bt + 3))  # more than a block of one-token documents
+    edge = -(-ones[-1] // bt) * bt  # a document ending on a block edge
+    total = edge + 2 * bt + 7  # the row's last block cut short
+    cu = torch.tensor([0, long_doc, *ones, edge, edge + bt, total], dtype=torch.int32)
+    assert cu.diff().min() > 0
+    g = torch.Generator().manual_seed(14)
+    v = (torch.randn(1, total, 3, generator=g) * 2).to(device)
+    cu = cu.to(device)
+    if reverse:  # fp32 sums of up to ~2300 terms of |v| ~ 2 in another order than torch's fp64
+        torch.testing.assert_close(doc_suffix_sum_triton(v, cu), doc_suffix_sum_torch(v, cu), atol=2e-3, rtol=1e-5)
+    else:
+        assert torch.equal(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dots are fp32: this isolates the gradients' storage")
 @pytest.mark.parametrize("T, docs", [(128, 2), (256, 1)])
 def test_bf16_inputs_hold_every_gradient_within_the_keys_rounding_under_the_interpreter(T, docs, chunk_pass):

@@ -292,66 +292,122 @@ doc_angle_sum.register_autograd(
 
 
 @triton.jit
-def _doc_scan_kernel(v_ptr, cu_ptr, out_ptr, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
-                     REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
-    """One program per (document, BC columns): walks the document's tokens in blocks of BT (from its end if
-    REVERSE), a cumsum within each block plus the sum carried from the blocks before. ANGLES: the forward's sum
-    of increments mod 2 pi in int64 fixed point, out mod 2 pi; else the backward's suffix sum, in fp32 for fp32 and
-    16-bit gradients, fp64 for fp64 (a gradient's sum over one document, which never reaches another's: fp32's
-    6e-8 relative rounding a step, where fp64's arithmetic took 0.103 ms against fp32's 0.064 on the H200,
-    lead/angle-turns' scan_probe.py). Tokens index the flattened rows (cu_seqlens' convention), so a document is
-    one contiguous run of C-wide rows."""
-    acc = tl.float64 if (ANGLES or v_ptr.dtype.element_ty == tl.float64) else tl.float32
-    start = tl.load(cu_ptr + tl.program_id(0))
-    end = tl.load(cu_ptr + tl.program_id(0) + 1)
+def _segmented_add(a, a_cut, b, b_cut):
+    """A segmented sum's combine: b's run restarts where b holds a document boundary (cut)."""
+    return tl.where(b_cut != 0, b, a + b), a_cut | b_cut
+
+
+@triton.jit
+def _doc_block(v_ptr, cu_ptr, n_docs, N, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
+               REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
+    """Program (token block, column block)'s tile in scan order (REVERSE: the block's tokens from its last), each
+    row's cut (where the scan restarts: a document's first token, REVERSE its last), the offsets, the masks, and
+    the bounds of the carry: the blocks whose totals reach this block's first rows ([lo, hi) block indices)."""
+    b0 = tl.program_id(0) * BT
+    r = tl.arange(0, BT)
+    rt = b0 + BT - 1 - r if REVERSE else b0 + r
+    mt = rt < N
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = rc < C
-    carry = tl.zeros((BC,), dtype=tl.int64 if ANGLES else acc)
-    two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
-    for i in range(0, tl.cdiv(end - start, BT)):
-        if REVERSE:
-            rt = end - (i + 1) * BT + tl.arange(0, BT)
-            mt = rt >= start
-        else:
-            rt = start + i * BT + tl.arange(0, BT)
-            mt = rt < end
-        at = rt[:, None] * C + rc[None, :]
-        m = mt[:, None] & mc[None, :]
-        v = tl.load(v_ptr + at, mask=m, other=0.0).to(acc)
-        if ANGLES:
-            v = tl.where(m, tl.floor((v - two_pi * tl.floor(v / two_pi)) * FIXED_POINT + 0.5).to(tl.int64), 0)
-        run = tl.cumsum(v, axis=0, reverse=REVERSE) + carry[None, :]
-        carry += tl.sum(v, axis=0)
-        if ANGLES:
-            out = run.to(tl.float64) * (1.0 / FIXED_POINT)  # a power of two: exact, and no fp64 division
-            out = out - two_pi * tl.floor(out / two_pi)
-        else:
-            out = run
-        tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=m)
+    # the document of the block's first token: cu[d] <= b0 < cu[d + 1] (a binary search over the boundaries)
+    lo = tl.zeros((), dtype=tl.int32)
+    hi = lo + n_docs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = tl.load(cu_ptr + mid) <= b0
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    # the boundaries after it: at most BT of them fall inside the block, so 2 BT of them reach past its end
+    rd = lo + 1 + tl.arange(0, 2 * BT)
+    bounds = tl.load(cu_ptr + rd, mask=rd <= n_docs, other=2147483647)
+    cut_at = rt + 1 if REVERSE else rt  # a document starts at cu[d]; one ends where the next starts
+    cut = tl.max((bounds[None, :] == cut_at[:, None]).to(tl.int32), axis=1)
+    if REVERSE:  # the blocks after this one, up to the one holding the end of this block's last document
+        last = tl.minimum(b0 + BT, N) - 1
+        doc_end = tl.min(tl.where(bounds > last, bounds, 2147483647), axis=0)
+        carry_lo = tl.program_id(0) + 1
+        carry_hi = tl.where(doc_end > b0 + BT, (doc_end - 1) // BT + 1, carry_lo)
+    else:  # the blocks before this one, from the one holding this block's first document's start
+        doc_start = tl.load(cu_ptr + lo)
+        carry_hi = tl.program_id(0)
+        carry_lo = tl.where(doc_start < b0, doc_start // BT, carry_hi)
+    at = rt[:, None] * C + rc[None, :]
+    m = mt[:, None] & mc[None, :]
+    acc = tl.float64 if (ANGLES or v_ptr.dtype.element_ty == tl.float64) else tl.float32
+    v = tl.load(v_ptr + at, mask=m, other=0.0).to(acc)
+    if ANGLES:  # each increment mod 2 pi in fp64, then in int64 fixed point: integer sums are exact in any order
+        two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
+        v = tl.where(m, tl.floor((v - two_pi * tl.floor(v / two_pi)) * FIXED_POINT + 0.5).to(tl.int64), 0)
+    return v, cut, r, at, m, rc, mc, carry_lo, carry_hi
+
+
+@triton.jit(do_not_specialize=["n_docs"])
+def _doc_scan_totals_kernel(v_ptr, cu_ptr, tot_ptr, n_docs, N, C, BT: tl.constexpr, BC: tl.constexpr,
+                            ANGLES: tl.constexpr, REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
+    """The scan's first pass: each block's total from its last cut to its end in scan order (its last document's
+    tokens in it; REVERSE its first document's), what it carries into the blocks after it (before it)."""
+    v, cut, r, _at, _m, rc, mc, _lo, _hi = _doc_block(v_ptr, cu_ptr, n_docs, N, C, BT, BC, ANGLES, REVERSE,
+                                                      FIXED_POINT)  # fmt: skip
+    last_cut = tl.max(tl.where(cut != 0, r, 0), axis=0)
+    total = tl.sum(tl.where((r >= last_cut)[:, None], v, 0), axis=0)
+    tl.store(tot_ptr + tl.program_id(0) * C + rc, total, mask=mc)
+
+
+@triton.jit(do_not_specialize=["n_docs"])
+def _doc_scan_kernel(v_ptr, cu_ptr, tot_ptr, out_ptr, n_docs, N, C, BT: tl.constexpr, BC: tl.constexpr,
+                     LOOKBACK: tl.constexpr, ANGLES: tl.constexpr, REVERSE: tl.constexpr,
+                     FIXED_POINT: tl.constexpr):  # fmt: skip
+    """The scan's second pass: a segmented sum within the block (restarting at every cut), plus, for the rows
+    before its first cut, the totals of the blocks between this one and its first document's start (REVERSE: its
+    last document's end), summed LOOKBACK blocks a load. ANGLES: the forward's sums mod 2 pi in int64 fixed point,
+    out mod 2 pi; else the backward's suffix sums in fp32 (fp64 for fp64 gradients)."""
+    v, cut, _r, at, m, rc, mc, carry_lo, carry_hi = _doc_block(v_ptr, cu_ptr, n_docs, N, C, BT, BC, ANGLES,
+                                                               REVERSE, FIXED_POINT)  # fmt: skip
+    carry = tl.zeros((BC,), dtype=v.dtype)
+    for j in range(carry_lo, carry_hi, LOOKBACK):
+        rj = j + tl.arange(0, LOOKBACK)
+        tot = tl.load(tot_ptr + rj[:, None] * C + rc[None, :], mask=(rj < carry_hi)[:, None] & mc[None, :], other=0)
+        carry += tl.sum(tot, axis=0)
+    cuts = tl.broadcast_to(cut[:, None], v.shape)
+    run, seen = tl.associative_scan((v, cuts), axis=0, combine_fn=_segmented_add)
+    run = tl.where(seen != 0, run, run + carry[None, :])
+    if ANGLES:
+        two_pi = tl.full((), 6.283185307179586, tl.float64)
+        out = run.to(tl.float64) * (1.0 / FIXED_POINT)  # a power of two: exact, and no fp64 division
+        out = out - two_pi * tl.floor(out / two_pi)
+    else:
+        out = run
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, reverse: bool) -> torch.Tensor:
-    """One program per (document, SCAN_BLOCK_C columns), each walking its document."""
+    """Two passes over (block of SCAN_BLOCK_T tokens, SCAN_BLOCK_C columns) programs: each block's total, then
+    each block's own segmented scan plus the totals it is carried. Every program's work is one block, however long
+    its document: one program per document walked the longest document's blocks in a chain (157 us forward and
+    183 us backward at the base model's shape on an H100, profile_base_compiled at 56ef312)."""
     v = v.contiguous()
     C = v[0, 0].numel()
     out = torch.empty_like(v)
     if out.numel() == 0:  # no rotated pairs (rope_pairs = 0): nothing to scan, and a launch grid may not be empty
         return out
-    _doc_scan_kernel[(cu_seqlens.numel() - 1, triton.cdiv(C, SCAN_BLOCK_C))](
-        v, cu_seqlens, out, C, BT=SCAN_BLOCK_T, BC=SCAN_BLOCK_C, ANGLES=angles, REVERSE=reverse,
-        FIXED_POINT=ANGLE_FIXED_POINT, num_warps=SCAN_WARPS,
-    )  # fmt: skip
+    N = v.shape[0] * v.shape[1]
+    grid = (triton.cdiv(N, SCAN_BLOCK_T), triton.cdiv(C, SCAN_BLOCK_C))
+    acc = torch.int64 if angles else torch.promote_types(v.dtype, torch.float32)
+    totals = torch.empty((grid[0], C), device=v.device, dtype=acc)
+    consts = dict(BT=SCAN_BLOCK_T, BC=SCAN_BLOCK_C, ANGLES=angles, REVERSE=reverse, FIXED_POINT=ANGLE_FIXED_POINT,
+                  num_warps=SCAN_WARPS)  # fmt: skip
+    n_docs = cu_seqlens.numel() - 1
+    _doc_scan_totals_kernel[grid](v, cu_seqlens, totals, n_docs, N, C, **consts)
+    _doc_scan_kernel[grid](v, cu_seqlens, totals, out, n_docs, N, C, LOOKBACK=SCAN_LOOKBACK, **consts)
     return out
 
 
-# a scan's tile, tokens x columns, and its warps: on the H200 at bench ssd's main shape ([8,4096,16,32], 8 documents a
-# row; branch lead/angle-turns' scan_probe.py, one run) 32 x 16 at 2 warps took 0.103 ms for the fp64 suffix sum
-# against 0.112 at the earlier 128 x 8 and 4 warps (32 x 32 at 4 warps 0.118, 64 x 4 at 2 warps 0.16); the int64
-# forward scan was not timed at this tile. With the suffix sum in fp32 and this tile, both scans took 0.200 ms of
-# an H100 call of the SISO scan (branch lead/angle-turns at f9f19f1, its forward in turns; mamba3_probe.py)
-SCAN_BLOCK_T = 32
-SCAN_BLOCK_C = 16
-SCAN_WARPS = 2
+# a scan's tile, tokens x columns, its warps, and the carry's blocks a load: chosen, not yet measured (the one-program-
+# per-document scan before it was tuned at 32 x 16 and 2 warps)
+SCAN_BLOCK_T = 64
+SCAN_BLOCK_C = 32
+SCAN_WARPS = 4
+SCAN_LOOKBACK = 16
 
 
 def doc_angle_sum_triton(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
