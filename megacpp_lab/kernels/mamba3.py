@@ -317,8 +317,9 @@ def _doc_block(v_ptr, cu_ptr, n_docs, N, C, BT: tl.constexpr, BC: tl.constexpr, 
         below = tl.load(cu_ptr + mid) <= b0
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid)
-    # the boundaries after it: at most BT of them fall inside the block, so 2 BT of them reach past its end
-    rd = lo + 1 + tl.arange(0, 2 * BT)
+    # the BT boundaries after it: at most BT - 1 fall inside the block, so these reach the first one past its last
+    # token (a reverse cut's cu[d] - 1, and the carry's document end, included)
+    rd = lo + 1 + tl.arange(0, BT)
     bounds = tl.load(cu_ptr + rd, mask=rd <= n_docs, other=2147483647)
     cut_at = rt + 1 if REVERSE else rt  # a document starts at cu[d]; one ends where the next starts
     cut = tl.max((bounds[None, :] == cut_at[:, None]).to(tl.int32), axis=1)
