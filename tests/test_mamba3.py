@@ -362,7 +362,7 @@ def test_a_documents_first_angle_rate_has_no_gradient(kernel, chunk_pass):
                                             (True, torch.float64)])
 def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter(reverse, dtype):
     """The angle sums (int64 fixed point) and their backward's suffix sums (fp32 and fp64, against the torch form's
-    fp64) as Triton scans, one program per document: equal to the torch forms (fp32 angles bit for bit), over documents
+    fp64) as Triton scans over token blocks: equal to the torch forms (fp32 angles bit for bit), over documents
     longer than one block of SCAN_BLOCK_T tokens (the carry between blocks), documents of one token, and more
     columns than one block."""
     from megacpp_lab.kernels import TRITON_INTERPRET

@@ -332,7 +332,7 @@ def bench_mamba3(shapes: dict[str, Mamba3Shape] = FULL_SHAPES, *, dtype: torch.d
             "(torch.compile, Triton JIT, the peer's autotuning). The lab's rows call mamba3_scan(kernel='triton') "
             "with the batch's PackedContext (the op megacpp::mamba3_scan_fwd: the keys rotated by one Triton pass, the "
             "SSD kernels in Mamba-3 mode; MIMO's x read a step at a time, scaled by mimo_x in the kernels; the angle "
-            "sums one Triton program per document), compiled whole (fullgraph: the elementwise work around the ops "
+            "sums two Triton passes over token blocks), compiled whole (fullgraph: the elementwise work around the ops "
             "fused by inductor) as the model runs it, and at the main shape eager beside it, and compiled with each "
             "of the backward's switches (kernels/mamba3: STATE_DOTS_IN_INPUT_DTYPE, the chunk pass's dots against "
             "the state in bf16 or TF32; M3_BWD_SPLIT, the chunk pass as two kernels) set the other way from its "

@@ -37,7 +37,7 @@ from the backward's chunk pass. One Triton pass rotates the keys and queries per
 dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
 document's angle gradients stop summing to zero, and the suffix sums carry the difference). MIMO's rank inputs
 x * mimo_x[r] are formed as the kernels read x, one row a step (kernels/ssd.py's rank_inputs), and the chunk pass
-sums a step's ranks' angle gradients itself. The angle sums run as one Triton program per document. The step loop
+sums a step's ranks' angle gradients itself. The angle sums run as two Triton passes over blocks of tokens (block totals, then each block's segmented sum plus the totals carried into it). The step loop
 is every path's oracle.
 
 Shapes follow kernels/ssd.py: x [B,T,H,P], dt [B,T,H], A [H], the trapezoid logits trap [B,T,H], the angle
