@@ -5,6 +5,7 @@ under it)."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -166,3 +167,26 @@ def test_on_a_hopper_the_offline_report_equals_what_the_driver_loads(subject):
     # be among the loaded ones (a kernel whose registers or stack differ from the driver's fails here)
     missing = Counter(offline) - Counter(loaded)
     assert not missing, f"offline rows the driver does not report: {sorted(missing)}; loaded: {sorted(loaded)}"
+
+
+def test_ptxas_for_picks_a_ptxas_that_reads_the_ptx_version(monkeypatch):
+    """Triton may emit a newer PTX version than the ptxas its get_ptxas names for sm_90 reads (the GPU box: PTX 9.0
+    from Triton 3.6, whose `ptxas` is CUDA 12.8's, 8.7 at most: both driver-comparison tests failed there). The spill
+    report takes the first ptxas, from get_ptxas's and those beside it in Triton's wheel, that reads it, and fails
+    naming each candidate's version when none does."""
+    from megacpp_lab.kernels import resources
+
+    folder = os.path.dirname(resources._ptxas_path())
+    old = os.path.join(folder, "ptxas")
+    new = os.path.join(folder, "ptxas-blackwell")
+    if not (os.path.isfile(old) and os.path.isfile(new)) or resources._ptx_isa_of(old) >= resources._ptx_isa_of(new):
+        pytest.skip("needs Triton's wheel with an older `ptxas` beside a newer `ptxas-blackwell` (Triton 3.9's)")
+    newest = resources._ptx_isa_of(new)
+    header = "//\n.version {}.{}\n.target sm_90a\n"
+    monkeypatch.setattr(resources, "_ptxas_path", lambda: old)  # get_ptxas naming the older one, as on the GPU box
+    assert resources.ptxas_for(header.format(*divmod(resources._ptx_isa_of(old), 10))) == old
+    assert resources.ptxas_for(header.format(*divmod(newest, 10))) == new
+    with pytest.raises(RuntimeError, match=r"no ptxas here reads PTX 99\.9: .*ptxas reads up to"):
+        resources.ptxas_for(header.format(99, 9))
+    with pytest.raises(RuntimeError, match="no .version directive"):
+        resources.ptxas_for(".target sm_90a\n")

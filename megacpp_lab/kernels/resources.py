@@ -26,6 +26,7 @@ bench/resources.py (`megacpp-lab resources`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import subprocess
@@ -135,13 +136,54 @@ def _nvidia_tool(name: str) -> str:
     return path
 
 
-def _tool_output(tool: str, args: list[str], data: bytes | str, suffix: str) -> str:
-    """Run a CUDA tool on `data` written to a temporary file; its stdout and stderr together."""
+_PTX_VERSION = re.compile(r"^\s*\.version\s+(\d+)\.(\d+)", re.MULTILINE)
+_CUDA_RELEASE = re.compile(r"cuda_(\d+)\.(\d+)")
+
+
+@functools.lru_cache(maxsize=None)
+def _ptx_isa_of(ptxas: str) -> int:
+    """The newest PTX ISA version (as 10 * major + minor) the ptxas at `ptxas` reads, by Triton's own table
+    (ptx_get_version: CUDA 12.8's reads 8.7, 13.0's 9.0)."""
+    from triton.backends.nvidia.compiler import ptx_get_version
+
+    out = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    found = _CUDA_RELEASE.search(out)
+    if found is None:
+        raise RuntimeError(f"{ptxas} --version names no CUDA release:\n{out}")
+    return ptx_get_version(f"{found[1]}.{found[2]}")
+
+
+def ptxas_for(ptx: str) -> str:
+    """A ptxas that reads this PTX's `.version`: _ptxas_path's, else one beside it in Triton's wheel (`ptxas`,
+    `ptxas-blackwell`) or TRITON_PTXAS_BLACKWELL_PATH's. Triton may emit a newer PTX version than the ptxas its
+    get_ptxas names for sm_90 reads (on the GPU box, Triton 3.6 emitted PTX 9.0 for sm_90 and its `ptxas` was
+    CUDA 12.8's, which reads 8.7 at most); fails closed, naming each candidate's version, when none reads it."""
+    found = _PTX_VERSION.search(ptx)
+    if found is None:
+        raise RuntimeError("the PTX has no .version directive")
+    need = 10 * int(found[1]) + int(found[2])
+    first = _ptxas_path()
+    folder = os.path.dirname(first)
+    candidates = [first, os.path.join(folder, "ptxas"), os.path.join(folder, "ptxas-blackwell"),
+                  os.environ.get("TRITON_PTXAS_BLACKWELL_PATH", "")]  # fmt: skip
+    seen = {}
+    for path in candidates:
+        if path and path not in seen and os.path.isfile(path):
+            seen[path] = _ptx_isa_of(path)
+            if seen[path] >= need:
+                return path
+    raise RuntimeError(f"no ptxas here reads PTX {need // 10}.{need % 10}: "
+                       + ", ".join(f"{p} reads up to {v // 10}.{v % 10}" for p, v in seen.items()))
+
+
+def _tool_output(tool: str, args: list[str], data: bytes | str, suffix: str, binary: str | None = None) -> str:
+    """Run a CUDA tool (binary: its path; else _nvidia_tool's) on `data` written to a temporary file; its stdout and
+    stderr together."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel" + suffix)
         with open(path, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
-        done = subprocess.run([_nvidia_tool(tool), *args, path], capture_output=True, text=True, cwd=tmp)
+        done = subprocess.run([binary or _nvidia_tool(tool), *args, path], capture_output=True, text=True, cwd=tmp)
     if done.returncode != 0:
         raise RuntimeError(f"{tool} {' '.join(args)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
     return done.stdout + done.stderr
@@ -165,7 +207,7 @@ def ptxas_spills(ptx: str, name: str, fp_fusion: bool, ptx_options: str | None) 
     register allocation, any TRITON_PTXAS_OPTIONS): what the cubin does not record apart."""
     cmd = ["-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v", "--regAllocOptLevel=2",
            *(ptx_options.split() if ptx_options else []), f"--gpu-name={PTXAS_ARCH}", "-o", "kernel.o"]  # fmt: skip
-    log = _tool_output("ptxas", cmd, ptx, ".ptx")
+    log = _tool_output("ptxas", cmd, ptx, ".ptx", binary=ptxas_for(ptx))
     head = f"Compiling entry function '{name}'"
     if head not in log:
         raise RuntimeError(f"ptxas -v printed no report for the entry {name!r}:\n{log}")
