@@ -375,7 +375,7 @@ def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter
     g = torch.Generator().manual_seed(8)
     B, T = 3, 300
     cu = torch.tensor([0, 1, 2, 140, 300, 301, 600, 630, 899, 900], dtype=torch.int32).to(device)
-    v = (torch.randn(B, T, 3, 7, generator=g, dtype=dtype) * 4).to(device)  # 21 columns: more than one block of SCAN_BLOCK_C
+    v = (torch.randn(B, T, 3, 13, generator=g, dtype=dtype) * 4).to(device)  # 39 columns: over one block of SCAN_BLOCK_C
     if reverse:  # fp32: a few roundings of a sum of up to 300 terms of |v| ~ 4; a gradient crossing a document
         # boundary, or one term lost, is off by O(1)
         tol = 1e-12 if dtype == torch.float64 else 2e-4
@@ -388,29 +388,32 @@ def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_the_document_scans_carry_across_many_blocks_and_through_blocks_of_many_documents(reverse):
-    """The scans run one program per block of SCAN_BLOCK_T tokens: a block's rows before its first document boundary
-    take the totals of the blocks back to their document's start (the suffix sum: forward to its end), summed
-    SCAN_LOOKBACK blocks a load. A document over more than SCAN_LOOKBACK blocks (several loads of totals), a run of
-    one-token documents (a boundary on every row of a block), documents ending exactly on block edges and a last
-    block cut short, against the torch forms."""
+    """The scans run one program per block of SCAN_BLOCK_T tokens and SCAN_BLOCK_C columns: a block's rows before its
+    first document boundary take the totals of the blocks back to their document's start (the suffix sum: forward
+    to its end), summed SCAN_LOOKBACK blocks a load. A document over more than SCAN_LOOKBACK blocks (several loads
+    of totals), a block of one-token documents (a boundary on every row and at its end: every one of the boundaries
+    a block loads is needed), documents ending on block edges, a last block cut short and more columns than one
+    column block, against the torch forms. The increments stay under 2 pi (the model's are pi tanh(.) dt), where
+    the two forms' mods agree (doc_angle_sum's docstring)."""
     from megacpp_lab.kernels import TRITON_INTERPRET
-    from megacpp_lab.kernels.mamba3 import (SCAN_BLOCK_T, SCAN_LOOKBACK, doc_angle_sum_torch, doc_angle_sum_triton,
-                                            doc_suffix_sum_torch, doc_suffix_sum_triton)  # fmt: skip
+    from megacpp_lab.kernels.mamba3 import (SCAN_BLOCK_C, SCAN_BLOCK_T, SCAN_LOOKBACK, doc_angle_sum_torch,
+                                            doc_angle_sum_triton, doc_suffix_sum_torch, doc_suffix_sum_triton)  # fmt: skip
 
     if not (TRITON_INTERPRET or torch.cuda.is_available()):
         pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bt = SCAN_BLOCK_T
     long_doc = (SCAN_LOOKBACK * 2 + 3) * bt + 5  # three loads of totals, ending mid-block
-    ones = list(range(long_doc + 1, long_doc + 1 + bt + 3))  # more than a block of one-token documents
-    edge = -(-ones[-1] // bt) * bt  # a document ending on a block edge
+    first = -(-long_doc // bt) + 1  # a whole block of one-token documents, and three more after it
+    ones = list(range(first * bt, (first + 1) * bt + 3))
+    edge = -(-ones[-1] // bt) * bt + bt  # a document ending on a block edge
     total = edge + 2 * bt + 7  # the row's last block cut short
     cu = torch.tensor([0, long_doc, *ones, edge, edge + bt, total], dtype=torch.int32)
     assert cu.diff().min() > 0
     g = torch.Generator().manual_seed(14)
-    v = (torch.randn(1, total, 3, generator=g) * 2).to(device)
+    v = ((torch.rand(1, total, SCAN_BLOCK_C + 3, generator=g) * 2 - 1) * 3).to(device)
     cu = cu.to(device)
-    if reverse:  # fp32 sums of up to ~2300 terms of |v| ~ 2 in another order than torch's fp64
+    if reverse:  # fp32 sums of up to ~2300 terms of |v| < 3 in another order than torch's fp64
         torch.testing.assert_close(doc_suffix_sum_triton(v, cu), doc_suffix_sum_torch(v, cu), atol=2e-3, rtol=1e-5)
     else:
         assert torch.equal(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu))

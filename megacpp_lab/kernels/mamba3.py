@@ -37,8 +37,8 @@ from the backward's chunk pass. One Triton pass rotates the keys and queries per
 dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
 document's angle gradients stop summing to zero, and the suffix sums carry the difference). MIMO's rank inputs
 x * mimo_x[r] are formed as the kernels read x, one row a step (kernels/ssd.py's rank_inputs), and the chunk pass
-sums a step's ranks' angle gradients itself. The angle sums run as two Triton passes over blocks of tokens (block totals, then each block's segmented sum plus the totals carried into it). The step loop
-is every path's oracle.
+sums a step's ranks' angle gradients itself. The angle sums run as two Triton passes over blocks of tokens (block
+totals, then each block's segmented sum plus the totals carried into it). The step loop is every path's oracle.
 
 Shapes follow kernels/ssd.py: x [B,T,H,P], dt [B,T,H], A [H], the trapezoid logits trap [B,T,H], the angle
 rates angles [B,T,H,N_a] with N_a <= N/2 (the pairs past N_a are not rotated), D [H]. SISO: B and C [B,T,G,N]
@@ -210,9 +210,12 @@ def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     dtype; cu_seqlens [D+1] int32 over the flattened B*T tokens (kernels/ssd.py's convention; one document a row
     is arange(0, B*T + 1, T)). The sum runs in int64 fixed point (each increment first taken mod 2 pi in fp64):
     integer sums are exact, so a document's angle takes no rounding from any other document, and a long document
-    keeps its low bits, where an fp32 sum would lose them (hundreds of radians). On CUDA one Triton program per
-    document and column block (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
-    tests/test_mamba3.py holds the two equal (fp32: bit for bit; fp64: within 1e-12). An opaque op: inductor's
+    keeps its low bits, where an fp32 sum would lose them (hundreds of radians). On CUDA two Triton passes over
+    blocks of tokens and columns (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
+    tests/test_mamba3.py holds the two equal (fp32: bit for bit at its seeds; fp64: within 1e-12). Not by
+    construction: the final mod, x - 2 pi floor(x / 2 pi) here and torch's exact remainder there, can differ in
+    fp64's last bit, which can flip an fp32 rounding of a result near zero, and an increment past 2 pi can land one
+    fixed-point step apart. An opaque op: inductor's
     Triton codegen fails on this long scan over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen, at
     [8,4096,16,32] on the H200), and torch's own int64 scan over a middle dim took 1.6 ms there, a fifth of the
     whole Mamba-3 scan's forward and backward."""
@@ -252,7 +255,7 @@ def _doc_angle_sum_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
 @torch.library.custom_op("megacpp::doc_suffix_sum", mutates_args=())
 def doc_suffix_sum(grad: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The angle sums' backward: grad [B,T,...] summed over t >= s within s's document (cu_seqlens as
-    doc_angle_sum's), out in grad's dtype. On CUDA the Triton scan walking each document backwards
+    doc_angle_sum's), out in grad's dtype. On CUDA the Triton block scan in reverse
     (`doc_suffix_sum_triton`: in fp32, fp64 for fp64 gradients), elsewhere plain torch (`doc_suffix_sum_torch`, in
     fp64: a row's sum less the sum past the document, which must not round one document's gradient into another's).
     An opaque op, as the forward is: the backward graph would trace into the kernel."""
@@ -384,8 +387,10 @@ def _doc_scan_kernel(v_ptr, cu_ptr, tot_ptr, out_ptr, n_docs, N, C, BT: tl.const
 def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, reverse: bool) -> torch.Tensor:
     """Two passes over (block of SCAN_BLOCK_T tokens, SCAN_BLOCK_C columns) programs: each block's total, then
     each block's own segmented scan plus the totals it is carried. Every program's work is one block, however long
-    its document: one program per document walked the longest document's blocks in a chain (157 us forward and
-    183 us backward at the base model's shape on an H100, profile_base_compiled at 56ef312)."""
+    its document: one program per document walked the longest document's blocks in a chain (154-188 us a forward
+    call and 77-98 us a backward one at the base model's shape on an H100, profile_base_compiled at 56ef312; on the
+    H200 at that shape, 8 documents a row, scripts/scan_probe.py read 0.213 and 0.120 ms for it against 0.176 and
+    0.083 for the two passes)."""
     v = v.contiguous()
     C = v[0, 0].numel()
     out = torch.empty_like(v)
@@ -403,8 +408,11 @@ def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, revers
     return out
 
 
-# a scan's tile, tokens x columns, its warps, and the carry's blocks a load: chosen, not yet measured (the one-program-
-# per-document scan before it was tuned at 32 x 16 and 2 warps)
+# a scan's tile, tokens x columns, its warps, and the carry's blocks a load. scripts/scan_probe.py on the H200 (at
+# 3626dc0, GPU time of both scans, five shapes): 64 x 32 at 4 warps took 0.259 ms at the base model's M block against
+# 0.333 for the one-program-per-document scan, 0.345 against 1.904 at T = 16384 in two documents. 32 x 64 and 32 x 32
+# were within 5% of it at three shapes and 1.14 to 1.90 times it at the two with fewer, longer documents; 64 x 16,
+# 128 x 16 and 8 warps took 1.16 to 1.91 times it at every shape
 SCAN_BLOCK_T = 64
 SCAN_BLOCK_C = 32
 SCAN_WARPS = 4
@@ -412,12 +420,12 @@ SCAN_LOOKBACK = 16
 
 
 def doc_angle_sum_triton(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """doc_angle_sum as one Triton scan (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    """doc_angle_sum as the Triton block scan (_doc_scan; CUDA, or the CPU under TRITON_INTERPRET=1)."""
     return _doc_scan(inc, cu_seqlens, angles=True, reverse=False)
 
 
 def doc_suffix_sum_triton(grad: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The angle sums' backward as one Triton scan, each document walked from its end."""
+    """The angle sums' backward as the Triton block scan in reverse (_doc_scan: each block's rows from its last)."""
     return _doc_scan(grad, cu_seqlens, angles=False, reverse=True)
 
 
