@@ -127,9 +127,8 @@ def _ptxas_path() -> str:
 
 
 def _nvidia_tool(name: str) -> str:
-    """ptxas (_ptxas_path), or a CUDA binary shipped beside it in Triton's wheel (cuobjdump)."""
-    ptxas = _ptxas_path()
-    path = ptxas if name == "ptxas" else os.path.join(os.path.dirname(ptxas), name)
+    """A CUDA binary shipped beside ptxas (_ptxas_path) in Triton's wheel (cuobjdump); ptxas itself: ptxas_for."""
+    path = os.path.join(os.path.dirname(_ptxas_path()), name)
     if not os.path.isfile(path):
         raise RuntimeError(f"kernel resources need {name}: not at {path} (Triton's wheel ships it in "
                            f"backends/nvidia/bin)")  # fmt: skip
@@ -176,16 +175,15 @@ def ptxas_for(ptx: str) -> str:
                        + ", ".join(f"{p} reads up to {v // 10}.{v % 10}" for p, v in seen.items()))
 
 
-def _tool_output(tool: str, args: list[str], data: bytes | str, suffix: str, binary: str | None = None) -> str:
-    """Run a CUDA tool (binary: its path; else _nvidia_tool's) on `data` written to a temporary file; its stdout and
-    stderr together."""
+def _tool_output(binary: str, args: list[str], data: bytes | str, suffix: str) -> str:
+    """Run the CUDA tool at `binary` on `data` written to a temporary file; its stdout and stderr together."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel" + suffix)
         with open(path, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
-        done = subprocess.run([binary or _nvidia_tool(tool), *args, path], capture_output=True, text=True, cwd=tmp)
+        done = subprocess.run([binary, *args, path], capture_output=True, text=True, cwd=tmp)
     if done.returncode != 0:
-        raise RuntimeError(f"{tool} {' '.join(args)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+        raise RuntimeError(f"{os.path.basename(binary)} {' '.join(args)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
     return done.stdout + done.stderr
 
 
@@ -193,7 +191,7 @@ def cubin_usage(cubin: bytes, name: str) -> dict[str, int]:
     """The kernel's resources as its cubin records them (cuobjdump --dump-resource-usage: what the driver loads):
     registers a thread, stack frame bytes, shared memory (with the 1 KiB sm_90 reserves for a block that uses any)
     and local memory."""
-    out = _tool_output("cuobjdump", ["--dump-resource-usage"], cubin, ".cubin")
+    out = _tool_output(_nvidia_tool("cuobjdump"), ["--dump-resource-usage"], cubin, ".cubin")
     entry = out.split(f"Function {name}:", 1)
     found = _CUBIN_USAGE.search(entry[1]) if len(entry) == 2 else None
     if found is None:
@@ -207,7 +205,7 @@ def ptxas_spills(ptx: str, name: str, fp_fusion: bool, ptx_options: str | None) 
     register allocation, any TRITON_PTXAS_OPTIONS): what the cubin does not record apart."""
     cmd = ["-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v", "--regAllocOptLevel=2",
            *(ptx_options.split() if ptx_options else []), f"--gpu-name={PTXAS_ARCH}", "-o", "kernel.o"]  # fmt: skip
-    log = _tool_output("ptxas", cmd, ptx, ".ptx", binary=ptxas_for(ptx))
+    log = _tool_output(ptxas_for(ptx), cmd, ptx, ".ptx")
     head = f"Compiling entry function '{name}'"
     if head not in log:
         raise RuntimeError(f"ptxas -v printed no report for the entry {name!r}:\n{log}")
@@ -220,7 +218,7 @@ def ptxas_spills(ptx: str, name: str, fp_fusion: bool, ptx_options: str | None) 
 
 def sass_mix(cubin: bytes) -> dict[str, int]:
     """The cubin's SASS instructions by class (SASS_CLASSES; every class present, 0 where none), and "total"."""
-    sass = _tool_output("cuobjdump", ["-sass"], cubin, ".cubin")
+    sass = _tool_output(_nvidia_tool("cuobjdump"), ["-sass"], cubin, ".cubin")
     ops = _SASS_OP.findall(sass)
     if not ops:
         raise RuntimeError(f"cuobjdump -sass printed no instructions:\n{sass[:2000]}")
