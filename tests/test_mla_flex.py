@@ -14,8 +14,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megacpp_lab.varlen import build_context, doc_causal_block_mask
-from megacpp_lab.nn.mla import FLEX_PROVEN, FlexNotProvenError, MLAConfig, MultiLatentAttention, flex_refusal
+from megacpp_lab.nn import mla
+from megacpp_lab.nn.mla import (FLEX_KERNEL_OPTIONS, FLEX_PROVEN, FlexNotProvenError, MLAConfig, MultiLatentAttention,
+                                flex_kernel_options, flex_refusal)  # fmt: skip
+from megacpp_lab.varlen import FLEX_BLOCK, build_context, doc_causal_block_mask
 
 SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=8, d_v=8, max_positions=256)
 # the MLA block of a real model: DeepSeek-V2-Lite-like ranks and head dims
@@ -82,6 +84,23 @@ def test_compiled_flex_equals_sdpa_and_never_recompiles_for_new_document_layouts
 # fullgraph=True reports the refusal as dynamo's Unsupported (the disabled refusal's reason); without it, the
 # refusal itself propagates: it must not degrade into a graph break followed by an eager run that succeeds.
 REFUSED = {True: "refuses this compiled attn_impl='flex' call", False: None}
+
+
+def test_flex_launch_options_apply_to_their_gpu_and_head_dims_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLEX_KERNEL_OPTIONS's entries reach flex_attention only on their capability and head dims (else torch's own
+    choice), and every entry is a valid flex option whose blocks tile the block mask's."""
+    assert flex_kernel_options(torch.device("cpu"), 192, 128) is None
+    monkeypatch.setattr(mla, "_capability", lambda index: (9, 0))
+    sm90 = flex_kernel_options(torch.device("cuda", 0), 192, 128)
+    assert sm90 is FLEX_KERNEL_OPTIONS[((9, 0), 192, 128)]
+    assert flex_kernel_options(torch.device("cuda", 0), 128, 128) is None  # other head dims: torch's choice
+    monkeypatch.setattr(mla, "_capability", lambda index: (8, 0))
+    assert flex_kernel_options(torch.device("cuda", 0), 192, 128) is None  # another GPU: torch's choice
+    names = {f"{p}_{n}" for p in ("fwd", "bwd") for n in ("num_stages", "num_warps")}
+    names |= {"fwd_BLOCK_M", "fwd_BLOCK_N"} | {f"bwd_BLOCK_{n}" for n in ("M1", "N1", "M2", "N2")}
+    for key, options in FLEX_KERNEL_OPTIONS.items():
+        assert set(options) <= names, (key, set(options) - names)
+        assert all(FLEX_BLOCK % v == 0 for k, v in options.items() if "BLOCK" in k), (key, options)
 
 
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks_allowed"])
@@ -209,7 +228,10 @@ def _check_against_sdpa(layer_fn, sdpa: MultiLatentAttention, B: int, T: int, gr
 @pytest.mark.parametrize("T", [256, 1024, 2048])
 @pytest.mark.parametrize("B", [1, 2, 4])
 def test_cuda_compiled_flex_equals_eager_sdpa(B: int, T: int, grad: bool) -> None:
-    """B in {1, 2, 4} x T in {256, 1024, 2048}, each shape compiled on its own (static shapes), bf16."""
+    """B in {1, 2, 4} x T in {256, 1024, 2048}, each shape compiled on its own (static shapes), bf16; on an sm90
+    GPU with FLEX_KERNEL_OPTIONS's launch options for REAL's head dims (192, 128)."""
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert flex_kernel_options(torch.device("cuda"), REAL["d_nope"] + REAL["d_rope"], REAL["d_v"]) is not None
     torch._dynamo.reset()
     sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
     compiled = torch.compile(flex, fullgraph=True, dynamic=False)
