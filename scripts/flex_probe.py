@@ -24,6 +24,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from megacpp_lab.profiling import kernel_times_ms, time_spread_ms
+from megacpp_lab.receipts import stamp
 from megacpp_lab.varlen import doc_causal_block_mask, doc_ids_from_cu_seqlens, packed_cu_seqlens
 
 SHAPES = [  # B, T, heads, qk dim, v dim, documents per row
@@ -101,8 +102,7 @@ def main() -> None:
                 print(f"{shape} {name:30s} FAILED {row['error'][:200]}", flush=True)
                 traceback.print_exc(limit=1)
             rows.append(row)
-            out_path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                            "rows": rows}, indent=1))
+            out_path.write_text(json.dumps({**stamp("cuda"), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

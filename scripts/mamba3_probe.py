@@ -22,6 +22,7 @@ import torch
 from megacpp_lab.bench.mamba3 import MAIN, make_inputs
 from megacpp_lab.kernels.mamba3 import mamba3_scan
 from megacpp_lab.profiling import kernel_times_ms, time_spread_ms
+from megacpp_lab.receipts import stamp
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens
 
 
@@ -116,8 +117,8 @@ def main() -> None:
             rows.append(run(v))
         except Exception as exc:  # noqa: BLE001  (a variant that fails is reported, the others still run)
             rows.append({"variant": v, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-        Path(args.out, "mamba3_probe.json").write_text(json.dumps({"rows": rows, "triton": _triton_resources(),
-                                                                   "device": torch.cuda.get_device_name()}, indent=1))
+        Path(args.out, "mamba3_probe.json").write_text(json.dumps({**stamp("cuda"), "rows": rows,
+                                                                   "triton_kernels": _triton_resources()}, indent=1))
         r = rows[-1]
         if "error" in r:
             print(f"{v}: {r['error']}")

@@ -22,6 +22,7 @@ import torch
 
 from megacpp_lab.kernels import mamba3
 from megacpp_lab.profiling import kernel_times_ms, time_spread_ms
+from megacpp_lab.receipts import stamp
 from megacpp_lab.varlen import packed_cu_seqlens
 
 SHAPES = [  # B, T, H, n_a, docs per row
@@ -78,7 +79,7 @@ def main() -> None:
                 print(f"{shape} {kind:6s} {r['contender']:40s} gpu {r['gpu_ms']:.4f} ms  wall {r['ms']:.4f}  "
                       f"equal {equal} diff {diff:.1e}", flush=True)
         Path(args.out, "scan_probe.json").write_text(json.dumps(
-            {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, indent=1))
+            {**stamp("cuda"), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
