@@ -86,21 +86,48 @@ def test_compiled_flex_equals_sdpa_and_never_recompiles_for_new_document_layouts
 REFUSED = {True: "refuses this compiled attn_impl='flex' call", False: None}
 
 
-def test_flex_launch_options_apply_to_their_gpu_and_head_dims_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLEX_KERNEL_OPTIONS's entries reach flex_attention only on their capability and head dims (else torch's own
+def test_flex_launch_options_apply_to_their_gpu_dtype_and_head_dims_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLEX_KERNEL_OPTIONS's entries are found only for their capability, dtype and head dims (else torch's own
     choice), and every entry is a valid flex option whose blocks tile the block mask's."""
-    assert flex_kernel_options(torch.device("cpu"), 192, 128) is None
+    bf16, cuda = torch.bfloat16, torch.device("cuda", 0)
+    assert flex_kernel_options(torch.device("cpu"), bf16, 192, 128) is None
     monkeypatch.setattr(mla, "_capability", lambda index: (9, 0))
-    sm90 = flex_kernel_options(torch.device("cuda", 0), 192, 128)
-    assert sm90 is FLEX_KERNEL_OPTIONS[((9, 0), 192, 128)]
-    assert flex_kernel_options(torch.device("cuda", 0), 128, 128) is None  # other head dims: torch's choice
+    assert flex_kernel_options(cuda, bf16, 192, 128) is FLEX_KERNEL_OPTIONS[((9, 0), bf16, 192, 128)]
+    assert flex_kernel_options(cuda, bf16, 128, 128) is None  # other head dims: torch's choice
+    assert flex_kernel_options(cuda, torch.float16, 192, 128) is None  # another dtype (measured in bf16 only)
     monkeypatch.setattr(mla, "_capability", lambda index: (8, 0))
-    assert flex_kernel_options(torch.device("cuda", 0), 192, 128) is None  # another GPU: torch's choice
+    assert flex_kernel_options(cuda, bf16, 192, 128) is None  # another GPU: torch's choice
     names = {f"{p}_{n}" for p in ("fwd", "bwd") for n in ("num_stages", "num_warps")}
     names |= {"fwd_BLOCK_M", "fwd_BLOCK_N"} | {f"bwd_BLOCK_{n}" for n in ("M1", "N1", "M2", "N2")}
     for key, options in FLEX_KERNEL_OPTIONS.items():
         assert set(options) <= names, (key, set(options) - names)
         assert all(FLEX_BLOCK % v == 0 for k, v in options.items() if "BLOCK" in k), (key, options)
+
+
+def test_the_layer_hands_its_launch_options_to_flex_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flex path passes flex_kernel_options's answer for its device, dtype and head dims to flex_attention
+    (eager on a CPU, fp32 without gradients: a configuration FLEX_PROVEN lists; the options recorded, then dropped,
+    since the CPU's flex takes no CUDA launch options)."""
+    asked, seen = [], []
+    sentinel = {"fwd_num_warps": 8}
+
+    def options(device, dtype, d_qk, d_v):  # noqa: ANN001, ANN202
+        asked.append((device.type, dtype, d_qk, d_v))
+        return sentinel
+
+    real = mla.flex_attention
+
+    def recorder(*args, kernel_options=None, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(kernel_options)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mla, "flex_kernel_options", options)
+    monkeypatch.setattr(mla, "flex_attention", recorder)
+    _, flex = _pair("cpu", **SMALL)
+    with torch.no_grad():
+        flex(torch.randn(1, 16, SMALL["d_model"]))
+    assert asked == [("cpu", torch.float32, SMALL["d_nope"] + SMALL["d_rope"], SMALL["d_v"])]
+    assert seen == [sentinel]
 
 
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks_allowed"])
@@ -231,7 +258,7 @@ def test_cuda_compiled_flex_equals_eager_sdpa(B: int, T: int, grad: bool) -> Non
     """B in {1, 2, 4} x T in {256, 1024, 2048}, each shape compiled on its own (static shapes), bf16; on an sm90
     GPU with FLEX_KERNEL_OPTIONS's launch options for REAL's head dims (192, 128)."""
     if torch.cuda.get_device_capability() == (9, 0):
-        assert flex_kernel_options(torch.device("cuda"), REAL["d_nope"] + REAL["d_rope"], REAL["d_v"]) is not None
+        assert flex_kernel_options(torch.device("cuda"), torch.bfloat16, REAL["d_nope"] + REAL["d_rope"], REAL["d_v"])
     torch._dynamo.reset()
     sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
     compiled = torch.compile(flex, fullgraph=True, dynamic=False)

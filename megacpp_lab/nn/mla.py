@@ -274,19 +274,22 @@ FLEX_PROVEN: frozenset[tuple[str, torch.dtype, bool, bool]] = frozenset(
 )  # fmt: skip
 
 
-# Compiled flex attention's launch options where torch's own choice was measured slower, by (CUDA capability, q/k head
-# dim, v head dim): flex_attention's kernel_options (fwd_/bwd_ block sizes, stages, warps). scripts/flex_probe.py
-# measures them against torch's default on the A block's shapes; a listed configuration runs every compiled flex test
-# of tests/test_mla_flex.py (their REAL head dims are the base model's), which compare it with sdpa.
-# sm90 at 192/128 (the base model's MLA): torch 2.11 picks forward 64/64 (3 stages, 4 warps) and backward 64/64/64/64
-# (2 stages, 4 warps); these took the forward and backward 0.91 ms against 1.51 at B=4 T=4096 8 heads 8 docs/row, and
-# 0.89/1.51, 1.50/2.60, 2.10/3.74 at (2, 8192, 8 heads, 16 docs), (8, 2048, 16 heads, 4 docs), (4, 4096, 8 heads,
-# 1 doc), the same output and gradients bit for bit (H100, scripts/flex_probe.py); 64/128 forward blocks and 4-stage
-# 128/64 ones overflow shared memory at this head dim
-FLEX_KERNEL_OPTIONS: dict[tuple[tuple[int, int], int, int], dict[str, int]] = {
-    ((9, 0), 192, 128): dict(fwd_BLOCK_M=128, fwd_BLOCK_N=64, fwd_num_stages=3, fwd_num_warps=8,
-                             bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_stages=3,
-                             bwd_num_warps=8),
+# Compiled flex attention's launch options where torch's own choice was measured slower, by (CUDA capability, dtype,
+# q/k head dim, v head dim): flex_attention's kernel_options (fwd_/bwd_ block sizes, stages, warps), which pin the
+# launch (under inductor's max-autotune too: they override every candidate). scripts/flex_probe.py measures them
+# against torch's default on the A block's shapes (its output: profiles/<device>/attention/flex_probe.json); a
+# listed configuration runs every compiled flex test of tests/test_mla_flex.py (their REAL head dims are the base
+# model's), which compare it with sdpa.
+# sm90, bf16, 192/128 (the base model's MLA): torch 2.11 picks forward 64/64 (3 stages, 4 warps) and backward
+# 64/64/64/64 (2 stages, 4 warps); these took the forward and backward 0.91 ms against 1.51 at B=4 T=4096 8 heads
+# 8 docs/row, and 0.89/1.51, 1.50/2.60, 2.10/3.74 at (2, 8192, 8 heads, 16 docs), (8, 2048, 16 heads, 4 docs),
+# (4, 4096, 8 heads, 1 doc), the same output and gradients bit for bit (H100). At this head dim the forward's
+# 64/128 and 128/128 blocks, its 128/64 at 4 stages and the backward's 64/128/128/64 at 3 stages overflow shared
+# memory.
+FLEX_KERNEL_OPTIONS: dict[tuple[tuple[int, int], torch.dtype, int, int], dict[str, int]] = {
+    ((9, 0), torch.bfloat16, 192, 128): dict(fwd_BLOCK_M=128, fwd_BLOCK_N=64, fwd_num_stages=3, fwd_num_warps=8,
+                                             bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32,
+                                             bwd_num_stages=3, bwd_num_warps=8),
 }
 
 
@@ -295,14 +298,14 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def flex_kernel_options(device: torch.device, d_qk: int, d_v: int) -> dict[str, int] | None:
-    """FLEX_KERNEL_OPTIONS's entry for attention of head dims d_qk (queries, keys) and d_v (values) on `device`, or
-    None (torch's choice; every device but CUDA). A constant under torch.compile: the capability is read at trace
-    time."""
+def flex_kernel_options(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> dict[str, int] | None:
+    """FLEX_KERNEL_OPTIONS's entry for attention in `dtype` of head dims d_qk (queries, keys) and d_v (values) on
+    `device`, or None (torch's choice; every device but CUDA). A constant under torch.compile: the capability is read
+    at trace time."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return FLEX_KERNEL_OPTIONS.get((_capability(index), d_qk, d_v))
+    return FLEX_KERNEL_OPTIONS.get((_capability(index), dtype, d_qk, d_v))
 
 
 class FlexNotProvenError(NotImplementedError):
@@ -462,7 +465,7 @@ class MultiLatentAttention(nn.Module):
                                                    seq_len=q.shape[2], device=q.device)  # fmt: skip
             # contiguous: inductor's CPU flex lowering fails on q/k/v that are views of a concat
             out = flex_attention(q.contiguous(), key.contiguous(), value.contiguous(), block_mask=block_mask, scale=scale,
-                                 kernel_options=flex_kernel_options(q.device, q.shape[-1], value.shape[-1]))
+                                 kernel_options=flex_kernel_options(q.device, q.dtype, q.shape[-1], value.shape[-1]))
         elif ctx is None:
             out = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale)
         else:
