@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
+from megacpp_lab.nn.mla import FLEX_KERNEL_OPTIONS
 from megacpp_lab.profiling import kernel_times_ms, time_spread_ms
 from megacpp_lab.receipts import stamp
 from megacpp_lab.varlen import doc_causal_block_mask, doc_ids_from_cu_seqlens, packed_cu_seqlens
@@ -33,18 +34,28 @@ SHAPES = [  # B, T, heads, qk dim, v dim, documents per row
     (2, 8192, 8, 192, 128, 16),
     (8, 2048, 16, 192, 128, 4),
 ]
-# (name, kernel_options): None is torch's own choice
+
+def _bwd(m1: int, n1: int, m2: int, n2: int, stages: int, warps: int) -> dict[str, int]:
+    return dict(bwd_BLOCK_M1=m1, bwd_BLOCK_N1=n1, bwd_BLOCK_M2=m2, bwd_BLOCK_N2=n2, bwd_num_stages=stages,
+                bwd_num_warps=warps)  # fmt: skip
+
+
+def _fwd(m: int, n: int, stages: int, warps: int) -> dict[str, int]:
+    return dict(fwd_BLOCK_M=m, fwd_BLOCK_N=n, fwd_num_stages=stages, fwd_num_warps=warps)
+
+
+# (name, kernel_options): None is torch's own choice; the lab's own entry read from nn/mla.py, not retyped
 CONFIGS: list[tuple[str, dict | None]] = [
     ("default", None),
-    ("bwd 32/128/128/32 s3 w8", dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_stages=3, bwd_num_warps=8)),
-    ("bwd 32/128/128/32 s4 w8", dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_stages=4, bwd_num_warps=8)),
-    ("bwd 32/128/128/32 s2 w8", dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_stages=2, bwd_num_warps=8)),
-    ("bwd 32/64/64/32 s3 w8", dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=64, bwd_BLOCK_N2=32, bwd_num_stages=3, bwd_num_warps=8)),
-    ("bwd 32/128/128/32 s3 w4", dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_stages=3, bwd_num_warps=4)),
-    ("bwd 32/128/64/32 s3 w8", dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=64, bwd_BLOCK_N2=32, bwd_num_stages=3, bwd_num_warps=8)),
-    ("fwd 128/64 s3 w8 + bwd 32/128/128/32 s3 w8", dict(fwd_BLOCK_M=128, fwd_BLOCK_N=64, fwd_num_stages=3, fwd_num_warps=8, bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_stages=3, bwd_num_warps=8)),
-    ("fwd 128/64 s4 w8", dict(fwd_BLOCK_M=128, fwd_BLOCK_N=64, fwd_num_stages=4, fwd_num_warps=8)),
-    ("fwd 128/32 s3 w8", dict(fwd_BLOCK_M=128, fwd_BLOCK_N=32, fwd_num_stages=3, fwd_num_warps=8)),
+    ("bwd 32/128/128/32 s3 w8", _bwd(32, 128, 128, 32, 3, 8)),
+    ("bwd 32/128/128/32 s4 w8", _bwd(32, 128, 128, 32, 4, 8)),
+    ("bwd 32/128/128/32 s2 w8", _bwd(32, 128, 128, 32, 2, 8)),
+    ("bwd 32/64/64/32 s3 w8", _bwd(32, 64, 64, 32, 3, 8)),
+    ("bwd 32/128/128/32 s3 w4", _bwd(32, 128, 128, 32, 3, 4)),
+    ("bwd 32/128/64/32 s3 w8", _bwd(32, 128, 64, 32, 3, 8)),
+    ("FLEX_KERNEL_OPTIONS (sm90, bf16, 192/128)", FLEX_KERNEL_OPTIONS[((9, 0), torch.bfloat16, 192, 128)]),
+    ("fwd 128/64 s4 w8", _fwd(128, 64, 4, 8)),
+    ("fwd 128/32 s3 w8", _fwd(128, 32, 3, 8)),
 ]
 
 
