@@ -397,10 +397,13 @@ def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, revers
     if out.numel() == 0:  # no rotated pairs (rope_pairs = 0): nothing to scan, and a launch grid may not be empty
         return out
     N = v.shape[0] * v.shape[1]
-    grid = (triton.cdiv(N, SCAN_BLOCK_T), triton.cdiv(C, SCAN_BLOCK_C))
+    # fewer columns than a column block (tests; the model has H * n_a >= 32): a block of their power of two, not
+    # SCAN_BLOCK_C lanes of padding (under the interpreter every padded lane costs a Python combine call)
+    block_c = min(SCAN_BLOCK_C, triton.next_power_of_2(C))
+    grid = (triton.cdiv(N, SCAN_BLOCK_T), triton.cdiv(C, block_c))
     acc = torch.int64 if angles else torch.promote_types(v.dtype, torch.float32)
     totals = torch.empty((grid[0], C), device=v.device, dtype=acc)
-    consts = dict(BT=SCAN_BLOCK_T, BC=SCAN_BLOCK_C, ANGLES=angles, REVERSE=reverse, FIXED_POINT=ANGLE_FIXED_POINT,
+    consts = dict(BT=SCAN_BLOCK_T, BC=block_c, ANGLES=angles, REVERSE=reverse, FIXED_POINT=ANGLE_FIXED_POINT,
                   num_warps=SCAN_WARPS)  # fmt: skip
     n_docs = cu_seqlens.numel() - 1
     _doc_scan_totals_kernel[grid](v, cu_seqlens, totals, n_docs, N, C, **consts)
