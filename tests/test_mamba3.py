@@ -364,7 +364,7 @@ def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter
     """The angle sums (int64 fixed point) and their backward's suffix sums (fp32 and fp64, against the torch form's
     fp64) as Triton scans over token blocks: equal to the torch forms (fp32 angles bit for bit), over documents
     longer than one block of SCAN_BLOCK_T tokens (the carry between blocks), documents of one token, and more
-    columns than one block."""
+    columns than one block; and with 3 columns and 1 (one block of their power of two: a padded lane, and none)."""
     from megacpp_lab.kernels import TRITON_INTERPRET
     from megacpp_lab.kernels.mamba3 import (doc_angle_sum_torch, doc_angle_sum_triton, doc_suffix_sum_torch,
                                             doc_suffix_sum_triton)  # fmt: skip
@@ -375,15 +375,16 @@ def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter
     g = torch.Generator().manual_seed(8)
     B, T = 3, 300
     cu = torch.tensor([0, 1, 2, 140, 300, 301, 600, 630, 899, 900], dtype=torch.int32).to(device)
-    v = (torch.randn(B, T, 3, 13, generator=g, dtype=dtype) * 4).to(device)  # 39 columns: over one block of SCAN_BLOCK_C
-    if reverse:  # fp32: a few roundings of a sum of up to 300 terms of |v| ~ 4; a gradient crossing a document
-        # boundary, or one term lost, is off by O(1)
-        tol = 1e-12 if dtype == torch.float64 else 2e-4
-        torch.testing.assert_close(doc_suffix_sum_triton(v, cu), doc_suffix_sum_torch(v, cu), atol=tol, rtol=tol)
-    elif dtype == torch.float32:
-        assert torch.equal(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu))
-    else:  # the same integer sums; the last fp64 mod 2 pi rounds as each side's division does (5.7e-14 seen)
-        torch.testing.assert_close(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu), atol=1e-12, rtol=0)
+    for columns in ((3, 13), (1, 3), (1, 1)):  # 39 columns: over one block of SCAN_BLOCK_C
+        v = (torch.randn(B, T, *columns, generator=g, dtype=dtype) * 4).to(device)
+        if reverse:  # fp32: a few roundings of a sum of up to 300 terms of |v| ~ 4; a gradient crossing a document
+            # boundary, or one term lost, is off by O(1)
+            tol = 1e-12 if dtype == torch.float64 else 2e-4
+            torch.testing.assert_close(doc_suffix_sum_triton(v, cu), doc_suffix_sum_torch(v, cu), atol=tol, rtol=tol)
+        elif dtype == torch.float32:
+            assert torch.equal(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu)), columns
+        else:  # the same integer sums; the last fp64 mod 2 pi rounds as each side's division does (5.7e-14 seen)
+            torch.testing.assert_close(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu), atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("reverse", [False, True])

@@ -385,20 +385,21 @@ def _doc_scan_kernel(v_ptr, cu_ptr, tot_ptr, out_ptr, n_docs, N, C, BT: tl.const
 
 
 def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, reverse: bool) -> torch.Tensor:
-    """Two passes over (block of SCAN_BLOCK_T tokens, SCAN_BLOCK_C columns) programs: each block's total, then
-    each block's own segmented scan plus the totals it is carried. Every program's work is one block, however long
-    its document: one program per document walked the longest document's blocks in a chain (154-188 us a forward
-    call and 77-98 us a backward one at the base model's shape on an H100, profile_base_compiled at 56ef312; on the
-    H200 at that shape, 8 documents a row, scripts/scan_probe.py read 0.213 and 0.120 ms for it against 0.176 and
-    0.083 for the two passes)."""
+    """Two passes over (block of SCAN_BLOCK_T tokens, SCAN_BLOCK_C columns or the next power of two of fewer)
+    programs: each block's total, then each block's own segmented scan plus the totals it is carried. Every
+    program's work is one block, however long its document: one program per document walked the longest
+    document's blocks in a chain (154-188 us a forward call and 77-98 us a backward one at the base model's shape
+    on an H100, profile_base_compiled at 56ef312; on the H200 at that shape, 8 documents a row,
+    scripts/scan_probe.py read 0.213 and 0.120 ms for it against 0.176 and 0.083 for the two passes)."""
     v = v.contiguous()
     C = v[0, 0].numel()
     out = torch.empty_like(v)
     if out.numel() == 0:  # no rotated pairs (rope_pairs = 0): nothing to scan, and a launch grid may not be empty
         return out
     N = v.shape[0] * v.shape[1]
-    # fewer columns than a column block (tests; the model has H * n_a >= 32): a block of their power of two, not
-    # SCAN_BLOCK_C lanes of padding (under the interpreter every padded lane costs a Python combine call)
+    # fewer columns than a column block (tests, the tiny preset's 16; small, base and stack have H * n_a >= 96): a
+    # block of their power of two, not SCAN_BLOCK_C lanes of padding (under the interpreter every padded lane costs
+    # a Python combine call)
     block_c = min(SCAN_BLOCK_C, triton.next_power_of_2(C))
     grid = (triton.cdiv(N, SCAN_BLOCK_T), triton.cdiv(C, block_c))
     acc = torch.int64 if angles else torch.promote_types(v.dtype, torch.float32)
