@@ -375,7 +375,7 @@ def test_the_triton_document_scans_equal_their_torch_forms_under_the_interpreter
     g = torch.Generator().manual_seed(8)
     B, T = 3, 300
     cu = torch.tensor([0, 1, 2, 140, 300, 301, 600, 630, 899, 900], dtype=torch.int32).to(device)
-    for columns in ((3, 13), (1, 3), (1, 1)):  # 39 columns: over one block of SCAN_BLOCK_C
+    for columns in ((3, 13), (1, 3), (1, 1)):  # 39 columns (over one block of SCAN_BLOCK_C), 3 and 1
         v = (torch.randn(B, T, *columns, generator=g, dtype=dtype) * 4).to(device)
         if reverse:  # fp32: a few roundings of a sum of up to 300 terms of |v| ~ 4; a gradient crossing a document
             # boundary, or one term lost, is off by O(1)
