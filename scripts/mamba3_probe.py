@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -100,8 +102,43 @@ def _run(variant: str) -> dict:
 
     fwd_bwd()
     fwd()
+    if os.environ.get("MAMBA3_PROBE_HOST_PROFILE"):  # where the host's time to issue a call goes (cProfile, stderr)
+        import cProfile
+        import pstats
+
+        torch.cuda.synchronize()
+        with cProfile.Profile() as prof:
+            for _ in range(20):
+                fwd_bwd()
+        torch.cuda.synchronize()
+        stats = pstats.Stats(prof, stream=sys.stderr)
+        stats.sort_stats("tottime").print_stats(35)
+        stats.sort_stats("cumulative").print_stats(45)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
+            for _ in range(5):
+                fwd_bwd()
+            torch.cuda.synchronize()
+        print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60),
+              file=sys.stderr)
+        tprof.export_chrome_trace(str(Path(os.environ.get("OUT", "/tmp"), "mamba3_host.trace.json")))
     return {"variant": variant, "rank": rank, "chunk": chunk, "fwd_bwd": time_spread_ms(fwd_bwd, device="cuda"),
-            "fwd": time_spread_ms(fwd, device="cuda"), "kernels_fwd_bwd": kernel_times_ms(fwd_bwd)}  # fmt: skip
+            "fwd": time_spread_ms(fwd, device="cuda"), "host_ms_fwd_bwd": _host_ms(fwd_bwd),
+            "kernels_fwd_bwd": kernel_times_ms(fwd_bwd)}  # fmt: skip
+
+
+def _host_ms(fn) -> float:  # noqa: ANN001
+    """The host's time to issue one call of fn (perf_counter from an idle GPU to fn's return, no sync after): above
+    the call's GPU kernel time, the call is launch-bound and the GPU waits between kernels."""
+    samples = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 def main() -> None:
@@ -124,7 +161,7 @@ def main() -> None:
             print(f"{v}: {r['error']}")
             continue
         print(f"== {v}: fwd+bwd {r['fwd_bwd']['ms']:.3f} ms [{r['fwd_bwd']['ms_p20']:.3f}, {r['fwd_bwd']['ms_p80']:.3f}]"
-              f"  fwd {r['fwd']['ms']:.3f} ms")
+              f"  fwd {r['fwd']['ms']:.3f} ms  host {r['host_ms_fwd_bwd']:.3f} ms  kernels {sum(r['kernels_fwd_bwd'].values()):.3f} ms")
         for name, ms in list(r["kernels_fwd_bwd"].items())[:14]:
             print(f"   {ms:7.3f}  {name[:70]}")
     for name, res in _triton_resources().items():

@@ -73,7 +73,7 @@ def test_the_mamba3_scan_compiles_every_kernel_for_sm90(mamba3_report):
     assert mamba3_report["arch"] == "sm_90"
     rows = mamba3_report["subjects"]["mamba3"]
     names = {r["kernel"] for r in rows}
-    assert names == {"_keys_kernel", "_ssd_fwd_state_kernel", "_ssd_fwd_output_kernel", "_ssd_bwd_state_kernel",
+    assert names == {"_angle_keys_kernel", "_ssd_fwd_state_kernel", "_ssd_fwd_output_kernel", "_ssd_bwd_state_kernel",
                      "_m3_bwd_chunk_kernel", "_m3_bwd_own_kernel", "_m3_bwd_sweeps_kernel", "_doc_scan_totals_kernel",
                      "_doc_scan_kernel"}
     from megacpp_lab.kernels.mamba3 import SCAN_WARPS
@@ -125,7 +125,8 @@ def test_the_sass_mix_agrees_with_ptxas_and_finds_hoppers_mmas(mamba3_report):
     rows = {r["kernel"]: r for r in mamba3_report["subjects"]["mamba3"]}
     for kernel in ("_ssd_fwd_output_kernel", "_m3_bwd_chunk_kernel", "_m3_bwd_own_kernel", "_m3_bwd_sweeps_kernel"):
         assert rows[kernel]["sass"]["wgmma"] > 0 and rows[kernel]["sass"]["mma"] == 0, rows[kernel]["sass"]
-    assert rows["_keys_kernel"]["sass"]["wgmma"] == rows["_keys_kernel"]["sass"]["mma"] == 0  # no dot in it
+    keys = rows["_angle_keys_kernel"]["sass"]  # the angle sums' second pass and the key pass: no dot in it
+    assert keys["wgmma"] == keys["mma"] == 0
 
 
 def test_m2rnn_compiles_its_three_kernels_planned_for_a_gh100(mamba3_report):

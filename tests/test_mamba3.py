@@ -264,9 +264,10 @@ def test_kept_keys_spare_the_backward_its_key_pass_and_change_no_gradient(R, mon
     make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
     a = {k: v.float().to(device).requires_grad_() for k, v in make(B=2, T=32, H=2, G=2, P=16, N=16).items()}
     cu = torch.tensor([0, 20, 32, 45, 64], dtype=torch.int32, device=device)
-    passes = []
-    key_pass = m3._rotated_keys
-    monkeypatch.setattr(m3, "_rotated_keys", lambda *args: passes.append(1) or key_pass(*args))
+    passes = []  # the key passes: the forward's (with the angles, _angles_and_keys) and a recomputing backward's
+    for name in ("_rotated_keys", "_angles_and_keys"):
+        monkeypatch.setattr(m3, name, functools.partial(lambda fn, *args: passes.append(1) or fn(*args),
+                                                        getattr(m3, name)))  # fmt: skip
 
     def grads(keep):
         monkeypatch.setattr(m3, "keeps_keys", lambda x, Bm: keep)
@@ -418,6 +419,34 @@ def test_the_document_scans_carry_across_many_blocks_and_through_blocks_of_many_
         torch.testing.assert_close(doc_suffix_sum_triton(v, cu), doc_suffix_sum_torch(v, cu), atol=2e-3, rtol=1e-5)
     else:
         assert torch.equal(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu))
+
+
+@pytest.mark.parametrize("R, H, G, n_a", [(1, 4, 2, 3), (2, 2, 2, 4), (1, 2, 1, 0)])
+def test_the_forwards_angle_and_key_pass_equals_the_angle_sums_then_the_key_pass(R, H, G, n_a):
+    """The forward's _angles_and_keys (the angle sums' block totals, then their second pass and the rotation of the
+    keys and queries in one kernel) against doc_angle_sum_triton's angles and the key pass on them (_rotated_keys,
+    the backward's when it recomputes the keys): bit for bit, with documents over several blocks of SCAN_BLOCK_T
+    steps and ending mid-block, a last block cut short, groups of two heads, n_a under its power of two (a padded
+    lane), MIMO's sub-tokens, and no rotated pairs (n_a = 0: the keys only biased)."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(21)
+    B, T, N = 2, m3.SCAN_BLOCK_T + 37, 16
+    cu = torch.tensor([0, 5, m3.SCAN_BLOCK_T + 20, T, T + 1, 2 * T], dtype=torch.int32).to(device)
+    inc = ((torch.rand(B, T, H, n_a, generator=g) * 2 - 1) * 3).to(device)
+    Bm, Cm = (torch.randn(B, T * R, G, N, generator=g).to(device=device, dtype=torch.bfloat16) for _ in range(2))
+    b_bias, c_bias = (torch.randn(H, R, N, generator=g).to(device) for _ in range(2))
+    theta, k, q = m3._angles_and_keys(inc, cu, Bm, Cm, b_bias, c_bias, H, R, torch.bfloat16)
+    want = m3.doc_angle_sum_triton(inc, cu)
+    assert torch.equal(theta, want)
+    k_want, q_want = m3._rotated_keys(Bm, Cm, want, b_bias, c_bias, H, R, torch.bfloat16)
+    assert torch.equal(k, k_want) and torch.equal(q, q_want)
+    if n_a:  # the keys rotate: against the torch rotation in fp32 (bf16 keys: within their rounding)
+        keys = m3._keys(Bm.view(B, T, R, G, N), b_bias, want[:, :, None], H).reshape(B, T * R, H, N)
+        torch.testing.assert_close(k.float(), keys, atol=0.05, rtol=0.02)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dots are fp32: this isolates the gradients' storage")

@@ -34,7 +34,8 @@ def _mamba3_scan(rank: int) -> Callable[[str], None]:
     """The Mamba-3 scan forward and backward through its public entry (kernel='triton'), bench ssd's main shape's
     heads (H, P, N, G, chunk, rope pairs) in bf16, few tokens (16 documents: the specialisation of the main shape's
     64); the backward twice, its chunk pass as one kernel and as two (M3_BWD_SPLIT); and the angle sums' Triton scan
-    (on a GPU the scan runs it; on a CPU the torch form stands in). On `device`: the CPU for the offline compile,
+    on its own (the scan's forward takes its second pass with the key pass, _angle_keys_kernel; a group per head keeps
+    the keys, so the backward's own key pass, _keys_kernel, does not run). On `device`: the CPU for the offline compile,
     CUDA for the same launches run for real (tests/test_kernel_resources.py holds the two reports equal)."""
 
     def run(device: str = "cpu") -> None:

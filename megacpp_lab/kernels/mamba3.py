@@ -301,17 +301,18 @@ def _segmented_add(a, a_cut, b, b_cut):
 
 
 @triton.jit
-def _doc_block(v_ptr, cu_ptr, n_docs, N, C, BT: tl.constexpr, BC: tl.constexpr, ANGLES: tl.constexpr,
-               REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
-    """Program (token block, column block)'s tile in scan order (REVERSE: the block's tokens from its last), each
-    row's cut (where the scan restarts: a document's first token, REVERSE its last), the offsets, the masks, and
-    the bounds of the carry: the blocks whose totals reach this block's first rows ([lo, hi) block indices)."""
-    b0 = tl.program_id(0) * BT
+def _doc_block(v_ptr, cu_ptr, n_docs, N, C, block, col0, col_end, BT: tl.constexpr, BC: tl.constexpr,
+               ANGLES: tl.constexpr, REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
+    """Token block `block`'s tile of the columns [col0, col_end) (BC lanes from col0) in scan order (REVERSE: the
+    block's tokens from its last), each row's cut (where the scan restarts: a document's first token, REVERSE its
+    last), the offsets, the masks, and the bounds of the carry: the blocks whose totals reach this block's first
+    rows ([lo, hi) block indices)."""
+    b0 = block * BT
     r = tl.arange(0, BT)
     rt = b0 + BT - 1 - r if REVERSE else b0 + r
     mt = rt < N
-    rc = tl.program_id(1) * BC + tl.arange(0, BC)
-    mc = rc < C
+    rc = col0 + tl.arange(0, BC)
+    mc = rc < col_end
     # the document of the block's first token: cu[d] <= b0 < cu[d + 1] (a binary search over the boundaries)
     lo = tl.zeros((), dtype=tl.int32)
     hi = lo + n_docs
@@ -329,11 +330,11 @@ def _doc_block(v_ptr, cu_ptr, n_docs, N, C, BT: tl.constexpr, BC: tl.constexpr, 
     if REVERSE:  # the blocks after this one, up to the one holding the end of this block's last document
         last = tl.minimum(b0 + BT, N) - 1
         doc_end = tl.min(tl.where(bounds > last, bounds, 2147483647), axis=0)
-        carry_lo = tl.program_id(0) + 1
+        carry_lo = block + 1
         carry_hi = tl.where(doc_end > b0 + BT, (doc_end - 1) // BT + 1, carry_lo)
     else:  # the blocks before this one, from the one holding this block's first document's start
         doc_start = tl.load(cu_ptr + lo)
-        carry_hi = tl.program_id(0)
+        carry_hi = block
         carry_lo = tl.where(doc_start < b0, doc_start // BT, carry_hi)
     at = rt[:, None] * C + rc[None, :]
     m = mt[:, None] & mc[None, :]
@@ -350,7 +351,8 @@ def _doc_scan_totals_kernel(v_ptr, cu_ptr, tot_ptr, n_docs, N, C, BT: tl.constex
                             ANGLES: tl.constexpr, REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
     """The scan's first pass: each block's total from its last cut to its end in scan order (its last document's
     tokens in it; REVERSE its first document's), what it carries into the blocks after it (before it)."""
-    v, cut, r, _at, _m, rc, mc, _lo, _hi = _doc_block(v_ptr, cu_ptr, n_docs, N, C, BT, BC, ANGLES, REVERSE,
+    v, cut, r, _at, _m, rc, mc, _lo, _hi = _doc_block(v_ptr, cu_ptr, n_docs, N, C, tl.program_id(0),
+                                                      tl.program_id(1) * BC, C, BT, BC, ANGLES, REVERSE,
                                                       FIXED_POINT)  # fmt: skip
     last_cut = tl.max(tl.where(cut != 0, r, 0), axis=0)
     total = tl.sum(tl.where((r >= last_cut)[:, None], v, 0), axis=0)
@@ -365,8 +367,19 @@ def _doc_scan_kernel(v_ptr, cu_ptr, tot_ptr, out_ptr, n_docs, N, C, BT: tl.const
     before its first cut, the totals of the blocks between this one and its first document's start (REVERSE: its
     last document's end), summed LOOKBACK blocks a load. ANGLES: the forward's sums mod 2 pi in int64 fixed point,
     out mod 2 pi; else the backward's suffix sums in fp32 (fp64 for fp64 gradients)."""
-    v, cut, _r, at, m, rc, mc, carry_lo, carry_hi = _doc_block(v_ptr, cu_ptr, n_docs, N, C, BT, BC, ANGLES,
-                                                               REVERSE, FIXED_POINT)  # fmt: skip
+    out, at, m = _doc_scan_tile(v_ptr, cu_ptr, tot_ptr, n_docs, N, C, tl.program_id(0), tl.program_id(1) * BC, C, BT,
+                                BC, LOOKBACK, ANGLES, REVERSE, FIXED_POINT)  # fmt: skip
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _doc_scan_tile(v_ptr, cu_ptr, tot_ptr, n_docs, N, C, block, col0, col_end, BT: tl.constexpr, BC: tl.constexpr,
+                   LOOKBACK: tl.constexpr, ANGLES: tl.constexpr, REVERSE: tl.constexpr,
+                   FIXED_POINT: tl.constexpr):  # fmt: skip
+    """The scan's second pass on token block `block`'s columns [col0, col_end) (_doc_block): its sums (ANGLES: mod
+    2 pi, in fp64), their offsets and mask."""
+    v, cut, _r, at, m, rc, mc, carry_lo, carry_hi = _doc_block(v_ptr, cu_ptr, n_docs, N, C, block, col0, col_end, BT,
+                                                               BC, ANGLES, REVERSE, FIXED_POINT)  # fmt: skip
     carry = tl.zeros((BC,), dtype=v.dtype)
     for j in range(carry_lo, carry_hi, LOOKBACK):
         rj = j + tl.arange(0, LOOKBACK)
@@ -381,7 +394,7 @@ def _doc_scan_kernel(v_ptr, cu_ptr, tot_ptr, out_ptr, n_docs, N, C, BT: tl.const
         out = out - two_pi * tl.floor(out / two_pi)
     else:
         out = run
-    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=m)
+    return out, at, m
 
 
 def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, reverse: bool) -> torch.Tensor:
@@ -402,7 +415,7 @@ def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, revers
     # a Python combine call)
     block_c = min(SCAN_BLOCK_C, triton.next_power_of_2(C))
     grid = (triton.cdiv(N, SCAN_BLOCK_T), triton.cdiv(C, block_c))
-    acc = torch.int64 if angles else torch.promote_types(v.dtype, torch.float32)
+    acc = torch.int64 if angles else (torch.float64 if v.dtype == torch.float64 else torch.float32)
     totals = torch.empty((grid[0], C), device=v.device, dtype=acc)
     consts = dict(BT=SCAN_BLOCK_T, BC=block_c, ANGLES=angles, REVERSE=reverse, FIXED_POINT=ANGLE_FIXED_POINT,
                   num_warps=SCAN_WARPS)  # fmt: skip
@@ -486,13 +499,10 @@ def _unrotate(d, v, cos, sin, ROWS: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G, n_a,
-                 RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
-    """k = rot(B + b_bias, theta) and q = rot(C + c_bias, theta) per head, in k's dtype: one program per BT
-    sub-tokens (over the flattened B*T*R) and group, B and C loaded once for the group's heads. fp32 arithmetic."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    g = tl.program_id(1)
-    m = t < TOTAL
+def _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, m, g, H, G, n_a, RANK: tl.constexpr,
+                 BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """k = rot(B + b_bias, theta) and q = rot(C + c_bias, theta) of group g's heads at the sub-tokens t (mask m), in
+    k's dtype: B and C loaded once for the group's heads, fp32 arithmetic."""
     rn = tl.arange(0, N)
     at = (t[:, None] * G + g) * N + rn[None, :]
     Bg = tl.load(b_ptr + at, mask=m[:, None], other=0.0).to(tl.float32)
@@ -506,6 +516,40 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
         tl.store(k_ptr + out_at, k.to(k_ptr.dtype.element_ty), mask=m[:, None])
         q = _rotate(Cg + tl.load(cb_ptr + bias_at), cos, sin, BT, N)
         tl.store(q_ptr + out_at, q.to(q_ptr.dtype.element_ty), mask=m[:, None])
+
+
+@triton.jit
+def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G, n_a,
+                 RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """The key pass on given angles (the backward's, where it recomputes the keys): k and q per head (_rotate_keys),
+    one program per BT sub-tokens (over the flattened B*T*R) and group."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < TOTAL, tl.program_id(1), H, G, n_a, RANK,
+                 BT, N)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["n_docs"])
+def _angle_keys_kernel(inc_ptr, cu_ptr, tot_ptr, th_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, k_ptr, q_ptr, n_docs, STEPS, H, G,
+                       n_a, BS: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr, FIXED_POINT: tl.constexpr,
+                       RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """The forward's angles and keys in one pass: program (block of BS steps, group g) takes the angle sums' second
+    pass (_doc_scan_tile, after _doc_scan_totals_kernel's block totals) on each of the group's heads' n_a columns,
+    stores theta [B*T, H, n_a] (the backward reads it), then rotates the block's keys and queries BT sub-tokens at a
+    time (_rotate_keys, theta read back as stored). In place of doc_angle_sum's own second pass and the key pass:
+    the increments read once, theta written once and read back from cache, one launch fewer."""
+    blk = tl.program_id(0)
+    g = tl.program_id(1)
+    C = H * n_a
+    for j in range(0, H // G):
+        col0 = (g * (H // G) + j) * n_a
+        theta, at, m = _doc_scan_tile(inc_ptr, cu_ptr, tot_ptr, n_docs, STEPS, C, blk, col0, col0 + n_a, BS, BA,
+                                      LOOKBACK, True, False, FIXED_POINT)  # fmt: skip
+        tl.store(th_ptr + at, theta.to(th_ptr.dtype.element_ty), mask=m)
+    tl.debug_barrier()  # the rotation reads angles other threads stored: every thread sees them
+    for s0 in range(0, BS * RANK, BT):
+        t = blk * (BS * RANK) + s0 + tl.arange(0, BT)
+        _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < STEPS * RANK, g, H, G, n_a, RANK, BT,
+                     N)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the backward's chunk pass
@@ -800,26 +844,60 @@ def _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, rank, dtype) -> tuple[torch.
     return k, q
 
 
+def _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, H, rank, dtype) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+    """theta = doc_angle_sum(inc) [B,T,H,n_a] and the rotated keys and queries per head [B,T*R,H,N] in `dtype`: the
+    angle sums' block totals (_doc_scan_totals_kernel), then their second pass and the key pass in one
+    (_angle_keys_kernel). Bit for bit doc_angle_sum_triton's theta and _rotated_keys's keys on it (the same jit
+    code on the same values; tests/test_mamba3.py holds them equal)."""
+    B, TR, G, N = Bm.shape
+    theta = torch.empty_like(inc)
+    n_a = inc.shape[-1]
+    if n_a == 0:  # no rotated pairs: nothing to scan (and a scan's grid may not be empty); the keys only biased
+        return (theta, *_rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, rank, dtype))
+    steps, C = inc.shape[0] * inc.shape[1], H * n_a
+    block_c = min(SCAN_BLOCK_C, triton.next_power_of_2(C))
+    blocks = triton.cdiv(steps, SCAN_BLOCK_T)
+    totals = torch.empty((blocks, C), device=inc.device, dtype=torch.int64)
+    n_docs = cu_steps.numel() - 1
+    _doc_scan_totals_kernel[(blocks, triton.cdiv(C, block_c))](
+        inc, cu_steps, totals, n_docs, steps, C, BT=SCAN_BLOCK_T, BC=block_c, ANGLES=True, REVERSE=False,
+        FIXED_POINT=ANGLE_FIXED_POINT, num_warps=SCAN_WARPS,
+    )  # fmt: skip
+    k = torch.empty((B, TR, H, N), device=Bm.device, dtype=dtype)
+    q = torch.empty_like(k)
+    _angle_keys_kernel[(blocks, G)](
+        inc, cu_steps, totals, theta, Bm, Cm, b_bias, c_bias, k, q, n_docs, steps, H, G, n_a, BS=SCAN_BLOCK_T,
+        BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK, FIXED_POINT=ANGLE_FIXED_POINT, RANK=rank,
+        BT=KEYS_BLOCK_T, N=N, num_warps=4,
+    )  # fmt: skip
+    return theta, k, q
+
+
 @torch.library.custom_op("megacpp::mamba3_scan_fwd", mutates_args=())
 def mamba3_scan_fwd(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, theta: torch.Tensor,
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, inc: torch.Tensor,
     b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
-    mimo_x: Optional[torch.Tensor], cu_seqlens: torch.Tensor, chunk: int, rank: int, save: bool,  # noqa: UP045
-    keep_keys: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), the saved chunk states, and the keys
-    and queries kept for the backward (keep_keys, as keeps_keys decides; else empty). The keys and queries per
-    head, k = rot(B + b_bias, theta) in x's dtype (one Triton pass), then kernels/ssd.py's kernels in Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight (the trapezoid's exact diagonal;
-    a step's ranks see each other). x [B,T,H,P], one row a step: MIMO's rank inputs x * mimo_x[r]
-    (mimo_x [H,R,P] fp32; None for SISO) are formed as the kernels read x; dt (rank 0's, the others 0), weight and
-    gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; theta [B,T,H,n_a] fp32; the biases [H,R,N] fp32; cu_seqlens over the
-    sub-tokens. Contiguous, validated by mamba3_scan."""
-    k, q = _rotated_keys(Bm, Cm, theta, b_bias, c_bias, x.shape[2], rank, x.dtype)
+    mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor, cu_seqlens: torch.Tensor, chunk: int, rank: int,  # noqa: UP045
+    save: bool, keep_keys: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), the saved chunk states, the keys
+    and queries kept for the backward (keep_keys, as keeps_keys decides; else empty), and the angles theta
+    [B,T,H,n_a] (doc_angle_sum of the increments inc, which the backward reads). The angles and the keys and
+    queries per head, k = rot(B + b_bias, theta) in x's dtype, in two Triton passes (_angles_and_keys), then
+    kernels/ssd.py's kernels in Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight
+    (the trapezoid's exact diagonal; a step's ranks see each other). x [B,T,H,P], one row a step: MIMO's rank
+    inputs x * mimo_x[r] (mimo_x [H,R,P] fp32; None for SISO) are formed as the kernels read x; dt (rank 0's, the
+    others 0), weight and gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; the angle increments inc [B,T,H,n_a] fp32
+    (pi tanh(angles) dt); the biases [H,R,N] fp32; cu_steps over the steps (doc_angle_sum's), cu_seqlens over the
+    sub-tokens (R times it; the same tensor for SISO). Contiguous, validated by mamba3_scan. One op for the
+    angles and the scan: at bench ssd's main shape the angle sums as an op of their own cost a dispatch and a
+    launch on a host that issues the scan's forward and backward no faster than an H200 runs them."""
+    theta, k, q = _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, x.shape[2], rank, x.dtype)
     y, states = launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype,
                                Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
     if save and keep_keys:
-        return y, states, k, q
-    return y, states, k.new_empty((0,)), q.new_empty((0,))
+        return y, states, k, q, theta
+    return y, states, k.new_empty((0,)), q.new_empty((0,)), theta
 
 
 def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
@@ -835,26 +913,29 @@ def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
 
 
 @mamba3_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, chunk, rank, save, keep_keys):  # noqa: ANN001, ANN202
+def _(x, dt, A, Bm, Cm, inc, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, chunk, rank, save,  # noqa: ANN001, ANN202
+      keep_keys):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P = x.shape[2:]
     n_slots = B * TR // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
     keys = (B, TR, H, Bm.shape[-1]) if save and keep_keys else (0,)
     return (x.new_empty((B, TR, H, P)),
             x.new_empty((n_slots if save else 0, H, P, Bm.shape[-1]), dtype=states_dtype(x.dtype)),
-            x.new_empty(keys), x.new_empty(keys))  # fmt: skip
+            x.new_empty(keys), x.new_empty(keys), torch.empty_like(inc))  # fmt: skip
 
 
 @torch.library.custom_op("megacpp::mamba3_scan_bwd", mutates_args=())
 def mamba3_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
-    D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_seqlens: torch.Tensor, states: torch.Tensor,  # noqa: UP045
-    chunk: int, rank: int, rotated: bool,
+    D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor, cu_seqlens: torch.Tensor,  # noqa: UP045
+    states: torch.Tensor, chunk: int, rank: int, rotated: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt,
-    dB, dC (B's dtype), d theta [B,T,H,n_a] fp32 (summed over the ranks), d weight, d gamma, and the gradients of A,
+    dB, dC (B's dtype), d inc [B,T,H,n_a] fp32 (the angle increments' gradient: the angles' gradient, summed over
+    the ranks, then over each document's later steps by the angle sums' backward, doc_suffix_sum_triton, in this op
+    as the forward's sums are in its), d weight, d gamma, and the gradients of A,
     D and the two biases in one fp32 vector [2H + 2HRN] (split_sums parts it: a custom op's outputs may not be views
     of one another, and four reductions over the chunks would be four launches).
     rotated: Bm and Cm are the forward's rotated keys and queries (keeps_keys), else B and C, and the keys are
@@ -900,11 +981,12 @@ def mamba3_scan_bwd(
         )  # fmt: skip
     dB, dC = (t if G == H else t.view(B, TR, G, H // G, N).sum(3, dtype=torch.float32).to(Bm.dtype)
               for t in (dBh, dCh))  # fmt: skip
-    return dx, ddt, dB, dC, dth, dw, dgam, sums.sum(0)
+    return dx, ddt, dB, dC, doc_suffix_sum_triton(dth, cu_steps), dw, dgam, sums.sum(0)
 
 
 @mamba3_scan_bwd.register_fake
-def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, states, chunk, rank, rotated):  # noqa: ANN001, ANN202
+def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states, chunk,  # noqa: ANN001, ANN202
+      rank, rotated):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), torch.empty_like(Bm), torch.empty_like(Cm),
@@ -913,12 +995,13 @@ def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, chunk, rank, _save, _keep = inputs
-    _y, states, k, q = output
+    x, dt, A, Bm, Cm, _inc, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, chunk, rank, _save, _keep = inputs
+    _y, states, k, q, theta = output
     ctx.rotated = k.numel() > 0  # the rotated keys kept (keeps_keys): saved in place of B and C
     if ctx.rotated:
         Bm, Cm = k, q
-    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, states)
+    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens,
+                          states)  # fmt: skip
     ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
 
@@ -929,13 +1012,13 @@ def split_sums(sums: torch.Tensor, H: int, R: int, N: int) -> tuple[torch.Tensor
     return dA, dD, dbb.view(H, R, N), dcb.view(H, R, N)
 
 
-def _mamba3_backward(ctx, dy, _dstates, _dk, _dq):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_seqlens, states = ctx.saved_tensors
+def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN202
+    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
-    dxr, ddt, dB, dC, d_theta, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight,
-                                                               gamma, D, mimo_x, cu_seqlens, states, ctx.chunk,
-                                                               ctx.rank, ctx.rotated)  # fmt: skip
+    dxr, ddt, dB, dC, d_inc, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight,
+                                                             gamma, D, mimo_x, cu_steps, cu_seqlens, states, ctx.chunk,
+                                                             ctx.rank, ctx.rotated)  # fmt: skip
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums, x.shape[2], ctx.rank, Bm.shape[-1])
     dx, dmx = dxr, None
@@ -945,7 +1028,7 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq):  # noqa: ANN001, ANN202
         scale = mimo_x.transpose(0, 1).to(x.dtype).float()  # as the kernels scaled x
         dx = (dxr * scale).sum(2).to(x.dtype) if ctx.needs_input_grad[0] else None
         dmx = (dxr * x.float()[:, :, None]).sum((0, 1)).transpose(0, 1) if ctx.needs_input_grad[11] else None
-    return dx, ddt, dA.to(A.dtype), dB, dC, d_theta, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None, None
+    return dx, ddt, dA.to(A.dtype), dB, dC, d_inc, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None, None, None
 
 
 mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
@@ -958,10 +1041,10 @@ def _keys(Bm: torch.Tensor, bias: torch.Tensor, theta: torch.Tensor, H: int) -> 
     return rotate_pairs(Bm.to(acc).repeat_interleave(H // Bm.shape[3], dim=3) + bias.transpose(0, 1).to(acc), theta)
 
 
-def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk):  # noqa: ANN001, ANN202
-    """The Triton op on x [B,T,H,P] (MIMO: with its rank scale mimo_x [H,R,P], applied in the kernels; SISO: None) and
-    the rank form of the keys (_ranked_keys's B, C [B,T,R,G,N] and biases [H,R,N]): y [B,T,R,H,P] with D x (D None: no
-    skip)."""
+def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, inc, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk):  # noqa: ANN001, ANN202
+    """The Triton op on x [B,T,H,P] (MIMO: with its rank scale mimo_x [H,R,P], applied in the kernels; SISO: None),
+    the rank form of the keys (_ranked_keys's B, C [B,T,R,G,N] and biases [H,R,N]) and the angle increments inc
+    [B,T,H,n_a] (summed into the angles in the op): y [B,T,R,H,P] with D x (D None: no skip)."""
     B, T, H, P = x.shape
     R = Bm.shape[2]
     if R == 1 and mimo_x is not None:  # rank-1 MIMO is SISO on the scaled inputs (the kernels take a scale for R > 1)
@@ -991,25 +1074,26 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamm
     # no generator expression: dynamo cannot trace one under fullgraph
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
-        or theta.requires_grad or b_bias.requires_grad or c_bias.requires_grad or weight.requires_grad
+        or inc.requires_grad or b_bias.requires_grad or c_bias.requires_grad or weight.requires_grad
         or gamma.requires_grad or (D is not None and D.requires_grad) or (mimo_x is not None and mimo_x.requires_grad)
     )  # fmt: skip
     skip = D.float().contiguous() if D is not None else A.new_zeros((H,), dtype=torch.float32)
     Bs, Cs = sub(Bm), sub(Cm)
+    cu_steps = cu_seqlens.to(torch.int32)
     y, *_ = mamba3_scan_fwd(
-        x.contiguous(), sub(dt_sub), A.float().contiguous(), Bs, Cs, theta.float().contiguous(),
+        x.contiguous(), sub(dt_sub), A.float().contiguous(), Bs, Cs, inc.float().contiguous(),
         b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
-        None if mimo_x is None else mimo_x.float().contiguous(), (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
+        None if mimo_x is None else mimo_x.float().contiguous(), cu_steps,
+        cu_steps if R == 1 else (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
         needs_grad and keeps_keys(x, Bs),
     )  # fmt: skip
     return y.view(B, T, R, H, P)
 
 
-def _angles(angles: torch.Tensor, dt: torch.Tensor, cu_seqlens: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """theta [B,T,H,N_a] in the accumulation dtype: the increments pi tanh(angles) dt summed from each document
-    start, mod 2 pi (doc_angle_sum)."""
-    inc = torch.tanh(angles.to(acc)) * math.pi * dt.to(acc)[..., None]  # [B,T,H,n_a]
-    return doc_angle_sum(inc, cu_seqlens)
+def _angle_increments(angles: torch.Tensor, dt: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """The angles' increments pi tanh(angles) dt [B,T,H,N_a] in the accumulation dtype: theta is their sum from each
+    document start, mod 2 pi (doc_angle_sum; the Triton op takes them in its own passes)."""
+    return torch.tanh(angles.to(acc)) * math.pi * dt.to(acc)[..., None]
 
 
 def mamba3_scan(
@@ -1048,7 +1132,7 @@ def mamba3_scan(
     # [B,T] document starts: the batch's context holds them (no mask built in every M block); bare cu_seqlens build it
     start = ctx.starts if ctx is not None else doc_start_mask(cu_seqlens, B, T, x.device)
     dts, lam = dt.to(acc), torch.sigmoid(trap.to(acc))
-    theta = _angles(angles, dt, cu_seqlens, acc)  # [B,T,H,N_a]: shared by the ranks
+    inc = _angle_increments(angles, dt, acc)  # [B,T,H,N_a]; theta, their document sums, is shared by the ranks
     # delta_next: the next token's previous-input weight, zero where the next token starts a document (or past the row)
     continues = torch.cat((~start[:, 1:], torch.zeros_like(start[:, :1])), dim=1)
     delta_next = torch.cat((((1 - lam) * dts)[:, 1:], torch.zeros_like(dts[:, :1])), dim=1) * continues[..., None]
@@ -1057,14 +1141,17 @@ def mamba3_scan(
     if kernel == "auto":
         kernel = "triton" if x.device.type == "cuda" else "chunked"
     if kernel == "triton":  # one op: keys and queries biased and rotated in the kernels, the diagonal exact, D x added
-        y = _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk)
+        y = _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, inc, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk)
     else:
         xr = _rank_inputs(x, mimo_x)
+        theta = doc_angle_sum(inc, cu_seqlens)
         y = _mamba3_chunked(xr, dts, A, Bm, Cm, theta[:, :, None], b_bias, c_bias, weight, gamma, delta_next,
                             cu_seqlens, chunk)  # fmt: skip
         if D is not None:
             y = y + D.to(acc)[:, None] * xr.to(acc)
-    return (y if mimo else y[:, :, 0]).to(x.dtype)
+    # SISO: the one rank's dim dropped by a view, not a select (a select's backward wrote dy into a fresh zero
+    # [B,T,1,H,P] buffer before the op's backward: a 41 us copy a call at bench ssd's main shape, H100)
+    return (y if mimo else y.view(B, T, H, P)).to(x.dtype)
 
 
 def _mamba3_chunked(xr, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, delta_next, cu_seqlens, chunk):  # noqa: ANN001, ANN202
