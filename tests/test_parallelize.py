@@ -67,7 +67,7 @@ def test_one_graph_per_block_structure_with_the_scans_as_opaque_ops():
     # the M block's scan (Mamba-3's op, or Mamba-2's SSD op) and the R block's
     scans = {"megacpp.mamba3_scan_fwd", "megacpp.ssd_scan_fwd", "megacpp.m2rnn_scan_fwd"}
     rope = {"megacpp.mla_rope_q_", "megacpp.mla_rope_kv_fwd"}  # A graphs on a GPU: the RoPE kernels' ops
-    angles = {"megacpp.doc_angle_sum"}  # Mamba-3's document angle sums, beside its SSD op
+    angles = {"megacpp.doc_angle_sum"}  # the chunked scan's document angle sums (the Triton op sums its own)
     for gm in capture.graphs:
         ops = [op.split(".default")[0] for op in _ops(gm)]
         # every M or R graph holds its scan as one custom op call; an unrolled step loop would hold none
