@@ -73,17 +73,17 @@ def _with_constants(overrides: str):
     return undo
 
 
-def run(variant: str) -> dict:
+def run(variant: str, out: str) -> dict:
     base, _, overrides = variant.partition(":")
     undo = _with_constants(overrides)
     try:
-        return _run(base) | {"variant": variant}
+        return _run(base, out) | {"variant": variant}
     finally:
         for mod, name, value in undo:
             setattr(mod, name, value)
 
 
-def _run(variant: str) -> dict:
+def _run(variant: str, out: str) -> dict:
     rank, chunk = (1, MAIN.chunk) if variant == "siso" else map(int, variant[1:].split("c"))
     s = MAIN.__class__(**{**MAIN.__dict__, "chunk": chunk})
     a, cu = make_inputs(s, torch.bfloat16, "cuda", rank=rank)
@@ -122,7 +122,7 @@ def _run(variant: str) -> dict:
             torch.cuda.synchronize()
         print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60),
               file=sys.stderr)
-        tprof.export_chrome_trace(str(Path(os.environ.get("OUT", "/tmp"), "mamba3_host.trace.json")))
+        tprof.export_chrome_trace(str(Path(out, "mamba3_host.trace.json")))
     return {"variant": variant, "rank": rank, "chunk": chunk, "fwd_bwd": time_spread_ms(fwd_bwd, device="cuda"),
             "fwd": time_spread_ms(fwd, device="cuda"), "host_ms_fwd_bwd": _host_ms(fwd_bwd),
             "kernels_fwd_bwd": kernel_times_ms(fwd_bwd)}  # fmt: skip
@@ -151,7 +151,7 @@ def main() -> None:
     for v in args.variants.split(","):
         print(f"probe: {v} (compiling)", file=sys.stderr, flush=True)
         try:
-            rows.append(run(v))
+            rows.append(run(v, args.out))
         except Exception as exc:  # noqa: BLE001  (a variant that fails is reported, the others still run)
             rows.append({"variant": v, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         Path(args.out, "mamba3_probe.json").write_text(json.dumps({**stamp("cuda"), "rows": rows,

@@ -444,9 +444,10 @@ def test_the_forwards_angle_and_key_pass_equals_the_angle_sums_then_the_key_pass
     assert torch.equal(theta, want)
     k_want, q_want = m3._rotated_keys(Bm, Cm, want, b_bias, c_bias, H, R, torch.bfloat16)
     assert torch.equal(k, k_want) and torch.equal(q, q_want)
-    if n_a:  # the keys rotate: against the torch rotation in fp32 (bf16 keys: within their rounding)
-        keys = m3._keys(Bm.view(B, T, R, G, N), b_bias, want[:, :, None], H).reshape(B, T * R, H, N)
-        torch.testing.assert_close(k.float(), keys, atol=0.05, rtol=0.02)
+    # against the torch rotation in fp32 (bf16 keys: within their rounding); with n_a = 0 the keys only biased
+    for got, v, bias in ((k, Bm, b_bias), (q, Cm, c_bias)):
+        torch_form = m3._keys(v.view(B, T, R, G, N), bias, want[:, :, None], H).reshape(B, T * R, H, N)
+        torch.testing.assert_close(got.float(), torch_form, atol=0.05, rtol=0.02)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dots are fp32: this isolates the gradients' storage")

@@ -33,9 +33,9 @@ __all__ = ["SUBJECTS", "report", "resources_table"]
 def _mamba3_scan(rank: int) -> Callable[[str], None]:
     """The Mamba-3 scan forward and backward through its public entry (kernel='triton'), bench ssd's main shape's
     heads (H, P, N, G, chunk, rope pairs) in bf16, few tokens (16 documents: the specialisation of the main shape's
-    64); the backward twice, its chunk pass as one kernel and as two (M3_BWD_SPLIT); and the angle sums' Triton scan
-    on its own (the scan's forward takes its second pass with the key pass, _angle_keys_kernel; a group per head keeps
-    the keys, so the backward's own key pass, _keys_kernel, does not run). On `device`: the CPU for the offline compile,
+    64); the backward twice, its chunk pass as one kernel and as two (M3_BWD_SPLIT), the first under an activation-
+    memory budget below 1, so that it recomputes the keys (_keys_kernel; the forward's angles and keys are
+    _angle_keys_kernel); and the angle sums' Triton scan on its own. On `device`: the CPU for the offline compile,
     CUDA for the same launches run for real (tests/test_kernel_resources.py holds the two reports equal)."""
 
     def run(device: str = "cpu") -> None:
@@ -47,9 +47,10 @@ def _mamba3_scan(rank: int) -> Callable[[str], None]:
         a, cu = make_inputs(s, torch.bfloat16, device, rank=rank)
         default = m3.M3_BWD_SPLIT
         try:
-            for split in (default, not default):
+            for split, budget in ((default, 0.5), (not default, 1.0)):
                 m3.M3_BWD_SPLIT = split
-                mamba3_scan(**a, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
+                with torch._functorch.config.patch(activation_memory_budget=budget):  # below 1: keys recomputed
+                    mamba3_scan(**a, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
         finally:
             m3.M3_BWD_SPLIT = default
         inc = torch.rand(s.B, s.T, s.H, s.rope_pairs, device=device)

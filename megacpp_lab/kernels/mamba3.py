@@ -33,12 +33,14 @@ where r <= r' (for SISO, the diagonal -delta_next (q . k) x). That is the chunke
 kernels run in a Mamba-3 mode where a step's own inputs take gamma and every earlier step's take w (the decay mask
 and the weights by step, so a step's ranks see each other), which makes the diagonal exact and each output free
 of the next token's dt and trapezoid; the skip D x is added there too (one rounding of y), and its gradients come
-from the backward's chunk pass. One Triton pass rotates the keys and queries per head and stores them in x's
+from the backward's chunk pass. The op takes the angles' increments: the angle sums' block totals, then one Triton
+pass takes the sums' second pass, stores the angles and rotates the keys and queries per head, stored in x's
 dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
 document's angle gradients stop summing to zero, and the suffix sums carry the difference). MIMO's rank inputs
 x * mimo_x[r] are formed as the kernels read x, one row a step (kernels/ssd.py's rank_inputs), and the chunk pass
-sums a step's ranks' angle gradients itself. The angle sums run as two Triton passes over blocks of tokens (block
-totals, then each block's segmented sum plus the totals carried into it). The step loop is every path's oracle.
+sums a step's ranks' angle gradients itself, whose suffix sums the backward op takes too. The angle sums
+(doc_angle_sum, the chunked path's op) run as two Triton passes over blocks of tokens (block totals, then each
+block's segmented sum plus the totals carried into it). The step loop is every path's oracle.
 
 Shapes follow kernels/ssd.py: x [B,T,H,P], dt [B,T,H], A [H], the trapezoid logits trap [B,T,H], the angle
 rates angles [B,T,H,N_a] with N_a <= N/2 (the pairs past N_a are not rotated), D [H]. SISO: B and C [B,T,G,N]
@@ -521,8 +523,8 @@ def _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, m, g, H,
 @triton.jit
 def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G, n_a,
                  RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
-    """The key pass on given angles (the backward's, where it recomputes the keys): k and q per head (_rotate_keys),
-    one program per BT sub-tokens (over the flattened B*T*R) and group."""
+    """The key pass on given angles (the backward's, where it recomputes the keys, and the forward's with no rotated
+    pairs): k and q per head (_rotate_keys), one program per BT sub-tokens (over the flattened B*T*R) and group."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < TOTAL, tl.program_id(1), H, G, n_a, RANK,
                  BT, N)  # fmt: skip
@@ -809,7 +811,9 @@ def _m3_bwd_sweeps_kernel(
                            slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
 
-# sub-tokens per key program (4 warps): on the H200 at [8,4096,16,128], 16 took 210 us (32: 302)
+# sub-tokens per key program (_keys_kernel, 4 warps; on the H200 at [8,4096,16,128], 16 took 210 us, 32 302), and the
+# rotation's tile in _angle_keys_kernel, whose program covers SCAN_BLOCK_T * R sub-tokens: it must divide that (past
+# the program's block a tile would read angles the next program has not stored; _angles_and_keys checks)
 KEYS_BLOCK_T = 16
 # the backward's chunk pass (_m3_bwd_chunk_kernel): state columns per sweep step and warps (on the H100 at the issue's
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
@@ -854,6 +858,9 @@ def _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, H, rank, dtype) -> t
     n_a = inc.shape[-1]
     if n_a == 0:  # no rotated pairs: nothing to scan (and a scan's grid may not be empty); the keys only biased
         return (theta, *_rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, rank, dtype))
+    if (SCAN_BLOCK_T * rank) % KEYS_BLOCK_T:
+        raise ValueError(f"mamba3: KEYS_BLOCK_T ({KEYS_BLOCK_T}) must divide SCAN_BLOCK_T * R ({SCAN_BLOCK_T} * {rank}): "
+                         "the angle-and-key pass rotates its block of sub-tokens in tiles of KEYS_BLOCK_T")  # fmt: skip
     steps, C = inc.shape[0] * inc.shape[1], H * n_a
     block_c = min(SCAN_BLOCK_C, triton.next_power_of_2(C))
     blocks = triton.cdiv(steps, SCAN_BLOCK_T)
