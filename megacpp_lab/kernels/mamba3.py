@@ -897,8 +897,9 @@ def mamba3_scan_fwd(
     others 0), weight and gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; the angle increments inc [B,T,H,n_a] fp32
     (pi tanh(angles) dt); the biases [H,R,N] fp32; cu_steps over the steps (doc_angle_sum's), cu_seqlens over the
     sub-tokens (R times it; the same tensor for SISO). Contiguous, validated by mamba3_scan. One op for the
-    angles and the scan: at bench ssd's main shape the angle sums as an op of their own cost a dispatch and a
-    launch on a host that issues the scan's forward and backward no faster than an H200 runs them."""
+    angles and the scan: the angle sums as ops of their own cost two dispatches and a launch a forward and backward,
+    where an H100 box's host took 2.11 ms to issue the old ops' compiled forward and backward at bench ssd's main
+    shape and an H200 runs their kernels in 2.04 (scripts/mamba3_probe.py)."""
     theta, k, q = _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, x.shape[2], rank, x.dtype)
     y, states = launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype,
                                Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
