@@ -407,10 +407,21 @@ def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, revers
     on an H100, profile_base_compiled at 56ef312; on the H200 at that shape, 8 documents a row,
     scripts/scan_probe.py read 0.213 and 0.120 ms for it against 0.176 and 0.083 for the two passes)."""
     v = v.contiguous()
-    C = v[0, 0].numel()
     out = torch.empty_like(v)
     if out.numel() == 0:  # no rotated pairs (rope_pairs = 0): nothing to scan, and a launch grid may not be empty
         return out
+    totals, grid, consts = _doc_block_totals(v, cu_seqlens, angles=angles, reverse=reverse)
+    N, C = v.shape[0] * v.shape[1], v[0, 0].numel()
+    _doc_scan_kernel[grid](v, cu_seqlens, totals, out, cu_seqlens.numel() - 1, N, C, LOOKBACK=SCAN_LOOKBACK, **consts)
+    return out
+
+
+def _doc_block_totals(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool,
+                      reverse: bool) -> tuple[torch.Tensor, tuple[int, int], dict[str, object]]:  # fmt: skip
+    """The scans' first pass on v [B,T,...] (contiguous, not empty): each block's total [blocks, C] (int64 fixed point
+    for the angles), with the launch grid and constants the second pass takes (_doc_scan, or the forward's
+    _angle_keys_kernel on the same token blocks)."""
+    C = v[0, 0].numel()
     N = v.shape[0] * v.shape[1]
     # fewer columns than a column block (tests, the tiny preset's 16; small, base and stack have H * n_a >= 96): a
     # block of their power of two, not SCAN_BLOCK_C lanes of padding (under the interpreter every padded lane costs
@@ -421,10 +432,8 @@ def _doc_scan(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool, revers
     totals = torch.empty((grid[0], C), device=v.device, dtype=acc)
     consts = dict(BT=SCAN_BLOCK_T, BC=block_c, ANGLES=angles, REVERSE=reverse, FIXED_POINT=ANGLE_FIXED_POINT,
                   num_warps=SCAN_WARPS)  # fmt: skip
-    n_docs = cu_seqlens.numel() - 1
-    _doc_scan_totals_kernel[grid](v, cu_seqlens, totals, n_docs, N, C, **consts)
-    _doc_scan_kernel[grid](v, cu_seqlens, totals, out, n_docs, N, C, LOOKBACK=SCAN_LOOKBACK, **consts)
-    return out
+    _doc_scan_totals_kernel[grid](v, cu_seqlens, totals, cu_seqlens.numel() - 1, N, C, **consts)
+    return totals, grid, consts
 
 
 # a scan's tile, tokens x columns, its warps, and the carry's blocks a load. scripts/scan_probe.py on the H200 (at
@@ -861,19 +870,12 @@ def _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, H, rank, dtype) -> t
     if (SCAN_BLOCK_T * rank) % KEYS_BLOCK_T:
         raise ValueError(f"mamba3: KEYS_BLOCK_T ({KEYS_BLOCK_T}) must divide SCAN_BLOCK_T * R ({SCAN_BLOCK_T} * {rank}): "
                          "the angle-and-key pass rotates its block of sub-tokens in tiles of KEYS_BLOCK_T")  # fmt: skip
-    steps, C = inc.shape[0] * inc.shape[1], H * n_a
-    block_c = min(SCAN_BLOCK_C, triton.next_power_of_2(C))
-    blocks = triton.cdiv(steps, SCAN_BLOCK_T)
-    totals = torch.empty((blocks, C), device=inc.device, dtype=torch.int64)
-    n_docs = cu_steps.numel() - 1
-    _doc_scan_totals_kernel[(blocks, triton.cdiv(C, block_c))](
-        inc, cu_steps, totals, n_docs, steps, C, BT=SCAN_BLOCK_T, BC=block_c, ANGLES=True, REVERSE=False,
-        FIXED_POINT=ANGLE_FIXED_POINT, num_warps=SCAN_WARPS,
-    )  # fmt: skip
+    totals, (blocks, _), _ = _doc_block_totals(inc, cu_steps, angles=True, reverse=False)
     k = torch.empty((B, TR, H, N), device=Bm.device, dtype=dtype)
     q = torch.empty_like(k)
     _angle_keys_kernel[(blocks, G)](
-        inc, cu_steps, totals, theta, Bm, Cm, b_bias, c_bias, k, q, n_docs, steps, H, G, n_a, BS=SCAN_BLOCK_T,
+        inc, cu_steps, totals, theta, Bm, Cm, b_bias, c_bias, k, q, cu_steps.numel() - 1, inc.shape[0] * inc.shape[1],
+        H, G, n_a, BS=SCAN_BLOCK_T,
         BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK, FIXED_POINT=ANGLE_FIXED_POINT, RANK=rank,
         BT=KEYS_BLOCK_T, N=N, num_warps=4,
     )  # fmt: skip
