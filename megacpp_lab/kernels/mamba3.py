@@ -510,16 +510,16 @@ def _unrotate(d, v, cos, sin, ROWS: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, m, g, H, G, n_a, RANK: tl.constexpr,
+def _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, m, hd0, n_heads, H, G, n_a, RANK: tl.constexpr,
                  BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
-    """k = rot(B + b_bias, theta) and q = rot(C + c_bias, theta) of group g's heads at the sub-tokens t (mask m), in
-    k's dtype: B and C loaded once for the group's heads, fp32 arithmetic."""
+    """k = rot(B + b_bias, theta) and q = rot(C + c_bias, theta) of the heads hd0 .. hd0 + n_heads - 1 (of one group)
+    at the sub-tokens t (mask m), in k's dtype: their group's B and C loaded once, fp32 arithmetic."""
     rn = tl.arange(0, N)
-    at = (t[:, None] * G + g) * N + rn[None, :]
+    at = (t[:, None] * G + hd0 // (H // G)) * N + rn[None, :]
     Bg = tl.load(b_ptr + at, mask=m[:, None], other=0.0).to(tl.float32)
     Cg = tl.load(c_ptr + at, mask=m[:, None], other=0.0).to(tl.float32)
-    for j in range(0, H // G):
-        hd = g * (H // G) + j
+    for j in range(0, n_heads):
+        hd = hd0 + j
         cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, 0, N, RANK)
         bias_at = ((hd * RANK + t % RANK) * N)[:, None] + rn[None, :]
         out_at = (t[:, None] * H + hd) * N + rn[None, :]
@@ -535,32 +535,34 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
     """The key pass on given angles (the backward's, where it recomputes the keys, and the forward's with no rotated
     pairs): k and q per head (_rotate_keys), one program per BT sub-tokens (over the flattened B*T*R) and group."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < TOTAL, tl.program_id(1), H, G, n_a, RANK,
-                 BT, N)  # fmt: skip
+    _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < TOTAL, tl.program_id(1) * (H // G), H // G,
+                 H, G, n_a, RANK, BT, N)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["n_docs"])
 def _angle_keys_kernel(inc_ptr, cu_ptr, tot_ptr, th_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, k_ptr, q_ptr, n_docs, STEPS, H, G,
                        n_a, BS: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr, FIXED_POINT: tl.constexpr,
                        RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
-    """The forward's angles and keys in one pass: program (block of BS steps, group g) takes the angle sums' second
-    pass (_doc_scan_tile, after _doc_scan_totals_kernel's block totals) on each of the group's heads' n_a columns,
-    stores theta [B*T, H, n_a] (the backward reads it), then rotates the block's keys and queries BT sub-tokens at a
-    time (_rotate_keys, theta read back as stored). In place of doc_angle_sum's own second pass and the key pass:
-    the increments read once, theta written once and read back from cache, one launch fewer."""
+    """The forward's angles and keys in one pass: program (block of BS steps, head hd) takes the angle sums' second
+    pass (_doc_scan_tile, after _doc_scan_totals_kernel's block totals) on the head's n_a columns, stores theta
+    [B*T, H, n_a] (the backward reads it), then rotates the block's keys and queries of that head BT sub-tokens at a
+    time (_rotate_keys, theta read back as stored; its group's B and C read by each of the group's heads, from L2
+    after the first). In place of doc_angle_sum's own second pass and the key pass: the increments read once, theta
+    written once and read back from cache, one launch fewer. A program a head, not a group: with one group of 32
+    heads (bench ssd's H=32 shape) a program a group left 256 programs for 132 SMs, each scanning and rotating 32
+    heads in turn: bench ssd's forward kernels there took 0.832 ms at 418f173 against 0.685 at 3626dc0, before the
+    fused pass (H200; at the main shape, a group a head, 0.717 against 0.743). Not yet measured on a GPU."""
     blk = tl.program_id(0)
-    g = tl.program_id(1)
-    C = H * n_a
-    for j in range(0, H // G):
-        col0 = (g * (H // G) + j) * n_a
-        theta, at, m = _doc_scan_tile(inc_ptr, cu_ptr, tot_ptr, n_docs, STEPS, C, blk, col0, col0 + n_a, BS, BA,
-                                      LOOKBACK, True, False, FIXED_POINT)  # fmt: skip
-        tl.store(th_ptr + at, theta.to(th_ptr.dtype.element_ty), mask=m)
+    hd = tl.program_id(1)
+    col0 = hd * n_a
+    theta, at, m = _doc_scan_tile(inc_ptr, cu_ptr, tot_ptr, n_docs, STEPS, H * n_a, blk, col0, col0 + n_a, BS, BA,
+                                  LOOKBACK, True, False, FIXED_POINT)  # fmt: skip
+    tl.store(th_ptr + at, theta.to(th_ptr.dtype.element_ty), mask=m)
     tl.debug_barrier()  # the rotation reads angles other threads stored: every thread sees them
     for s0 in range(0, BS * RANK, BT):
         t = blk * (BS * RANK) + s0 + tl.arange(0, BT)
-        _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < STEPS * RANK, g, H, G, n_a, RANK, BT,
-                     N)  # fmt: skip
+        _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < STEPS * RANK, hd, 1, H, G, n_a, RANK,
+                     BT, N)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the backward's chunk pass
@@ -873,7 +875,7 @@ def _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, H, rank, dtype) -> t
     totals, (blocks, _), _ = _doc_block_totals(inc, cu_steps, angles=True, reverse=False)
     k = torch.empty((B, TR, H, N), device=Bm.device, dtype=dtype)
     q = torch.empty_like(k)
-    _angle_keys_kernel[(blocks, G)](
+    _angle_keys_kernel[(blocks, H)](
         inc, cu_steps, totals, theta, Bm, Cm, b_bias, c_bias, k, q, cu_steps.numel() - 1, inc.shape[0] * inc.shape[1],
         H, G, n_a, BS=SCAN_BLOCK_T,
         BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK, FIXED_POINT=ANGLE_FIXED_POINT, RANK=rank,
