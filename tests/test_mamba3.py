@@ -421,6 +421,83 @@ def test_the_document_scans_carry_across_many_blocks_and_through_blocks_of_many_
         assert torch.equal(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_angle_sums_are_nan_exactly_at_a_non_finite_increment(dtype):
+    """The sums run in int64 fixed point, where a NaN or infinite increment becomes an arbitrary integer (0 on a
+    GPU, INT64_MIN in the torch twin): its angle came out finite, a silent wrong number. Bad input fails closed: the
+    angle is NaN exactly where the increment is not finite (NaN, +inf, -inf); every angle before it in its document,
+    in its token's other columns and in the other documents is the clean input's, bit for bit; the Triton scan and
+    the torch twin agree there and on where the NaNs are. Past the bad token, in its document and column, the
+    integer sum's value is left as it falls (the keys at the bad token are NaN, so the scan's output is NaN from
+    there on): not compared. Documents over more than one block of SCAN_BLOCK_T tokens (the carry)."""
+    from megacpp_lab.kernels.mamba3 import doc_angle_sum_torch, doc_angle_sum_triton
+
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(30)
+    B, T, C = 2, 150, 3
+    cu = torch.tensor([0, 20, 150, 151, 230, 300], dtype=torch.int32)
+    clean = (torch.rand(B, T, C, generator=g, dtype=dtype) * 2 - 1) * 3
+    inc = clean.clone()
+    bad = [(0, 7, 1, math.nan), (0, 100, 2, math.inf), (1, 50, 0, -math.inf)]  # documents [0,20), [20,150), [151,230)
+    for b, t, c, value in bad:
+        inc[b, t, c] = value
+    # the positions whose angle the fix defines: all but those past a bad token in its document and column
+    defined = torch.ones(B * T, C, dtype=torch.bool)
+    for b, t, c, _ in bad:
+        s = b * T + t
+        end = cu[cu > s].min().item()
+        defined[s + 1 : end, c] = False
+    defined = defined.view(B, T, C)
+    cu = cu.to(device)
+    ok = defined & torch.isfinite(inc)
+    outs = []
+    for fn in (doc_angle_sum_triton, doc_angle_sum_torch):
+        out = fn(inc.to(device), cu).cpu()
+        assert torch.equal(torch.isnan(out), ~torch.isfinite(inc)), fn.__name__
+        assert torch.isfinite(out[~torch.isnan(out)]).all(), fn.__name__
+        assert torch.equal(out[ok], fn(clean.to(device), cu).cpu()[ok]), fn.__name__
+        outs.append(out)
+    tri, twin = outs
+    if dtype == torch.float32:
+        assert torch.equal(tri[ok], twin[ok])
+    else:  # the final mod's last fp64 bit (doc_angle_sum's docstring)
+        torch.testing.assert_close(tri[ok], twin[ok], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "chunked"])
+def test_a_nan_angle_makes_the_output_nan_from_its_token_to_its_documents_end(kernel):
+    """A NaN angle rate at one token and head: in the step loop theta is NaN from there to the document's end (the
+    sum carries it), so are that head's keys, state and output, and nothing else is. The Triton and chunked paths
+    are NaN there too (before the fix their int64 angle sums made the NaN token's angle finite: a silent wrong
+    number). Their SSD spreads a NaN further, never silently: C B^T is multiplied by the causal decay mask, whose 0
+    times a NaN key is NaN at the chunk's earlier tokens (Triton: its chunks hold one document's tokens); the
+    chunked torch form's chunks cross documents and its state passes a document start by a decay of
+    exp(-inf) = 0, so that head's row from the token's chunk on (here the whole row). Everywhere else the output is
+    the clean input's, bit for bit."""
+    if kernel == "triton" and not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() and kernel == "triton" else "cpu"
+    a = {k: v.float().to(device) for k, v in _inputs(B=2, T=48, H=2, G=1, P=16, N=16, n_a=4).items()}
+    cu = torch.tensor([0, 5, 30, 48, 61, 96], dtype=torch.int32, device=device)
+    clean = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel=kernel).cpu()
+    a["angles"][0, 12, 1, 2] = math.nan  # document [5, 30) of row 0, head 1
+    ref = mamba3_scan(**a, cu_seqlens=cu, kernel="reference").cpu()
+    y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel=kernel).cpu()
+    expect = torch.zeros_like(y, dtype=torch.bool)
+    expect[0, 12:30, 1] = True
+    assert torch.equal(torch.isnan(ref), expect)
+    assert torch.isnan(y[expect]).all()
+    reach = torch.zeros_like(expect)  # where the path's SSD may spread it (docstring)
+    if kernel == "triton":
+        reach[0, 5:30, 1] = True
+    else:
+        reach[0, :, 1] = True
+    assert not torch.isnan(y[~reach]).any()
+    assert torch.equal(y[~reach], clean[~reach])
+
+
 @pytest.mark.parametrize("R, H, G, n_a", [(1, 4, 2, 3), (2, 2, 2, 4), (1, 2, 1, 0)])
 def test_the_forwards_angle_and_key_pass_equals_the_angle_sums_then_the_key_pass(R, H, G, n_a):
     """The forward's _angles_and_keys (the angle sums' block totals, then their second pass and the rotation of the

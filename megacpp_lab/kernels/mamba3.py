@@ -212,7 +212,10 @@ def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     dtype; cu_seqlens [D+1] int32 over the flattened B*T tokens (kernels/ssd.py's convention; one document a row
     is arange(0, B*T + 1, T)). The sum runs in int64 fixed point (each increment first taken mod 2 pi in fp64):
     integer sums are exact, so a document's angle takes no rounding from any other document, and a long document
-    keeps its low bits, where an fp32 sum would lose them (hundreds of radians). On CUDA two Triton passes over
+    keeps its low bits, where an fp32 sum would lose them (hundreds of radians). A NaN or infinite increment has no
+    integer (its conversion gives 0 on a GPU, INT64_MIN in torch): theta is NaN at its token, selected there on the
+    output; the integer sums are left as they are, so the document's later angles in that column are not defined
+    (its keys, state and outputs are NaN from that token on). On CUDA two Triton passes over
     blocks of tokens and columns (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
     tests/test_mamba3.py holds the two equal (fp32: bit for bit at its seeds; fp64: within 1e-12). Not by
     construction: the final mod, x - 2 pi floor(x / 2 pi) here and torch's exact remainder there, can differ in
@@ -228,12 +231,14 @@ def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 def doc_angle_sum_torch(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """doc_angle_sum in plain torch: a cumsum over the whole row less the sum before each document's start, each
-    step rounded as the Triton scan rounds it (ties up: floor(x + 1/2)), so the two stay equal."""
+    step rounded as the Triton scan rounds it (ties up: floor(x + 1/2)), so the two stay equal; NaN where the
+    increment is not finite, as there."""
     start = doc_start_mask(cu_seqlens, *inc.shape[:2], inc.device)
     steps = torch.floor(torch.remainder(inc.double(), 2 * math.pi) * ANGLE_FIXED_POINT + 0.5).to(torch.int64)
     total = torch.cumsum(steps, dim=1)
     own = total - torch.gather(total - steps, 1, _first_of_document(start, steps.shape))
-    return torch.remainder(own.double() / ANGLE_FIXED_POINT, 2 * math.pi).to(inc.dtype)
+    out = torch.remainder(own.double() / ANGLE_FIXED_POINT, 2 * math.pi)
+    return torch.where(torch.isfinite(inc), out, math.nan).to(inc.dtype)
 
 
 @doc_angle_sum.register_fake
@@ -307,8 +312,8 @@ def _doc_block(v_ptr, cu_ptr, n_docs, N, C, block, col0, col_end, BT: tl.constex
                ANGLES: tl.constexpr, REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
     """Token block `block`'s tile of the columns [col0, col_end) (BC lanes from col0) in scan order (REVERSE: the
     block's tokens from its last), each row's cut (where the scan restarts: a document's first token, REVERSE its
-    last), the offsets, the masks, and the bounds of the carry: the blocks whose totals reach this block's first
-    rows ([lo, hi) block indices)."""
+    last), the offsets, the masks, the bounds of the carry: the blocks whose totals reach this block's first
+    rows ([lo, hi) block indices), and (ANGLES) where the increment is finite, taken before its int64 conversion."""
     b0 = block * BT
     r = tl.arange(0, BT)
     rt = b0 + BT - 1 - r if REVERSE else b0 + r
@@ -342,10 +347,12 @@ def _doc_block(v_ptr, cu_ptr, n_docs, N, C, block, col0, col_end, BT: tl.constex
     m = mt[:, None] & mc[None, :]
     acc = tl.float64 if (ANGLES or v_ptr.dtype.element_ty == tl.float64) else tl.float32
     v = tl.load(v_ptr + at, mask=m, other=0.0).to(acc)
+    fin = m  # the suffix sums' (unused)
     if ANGLES:  # each increment mod 2 pi in fp64, then in int64 fixed point: integer sums are exact in any order
+        fin = tl.abs(v) < float("inf")  # False at NaN and +-inf, whose int64 conversion is arbitrary
         two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
         v = tl.where(m, tl.floor((v - two_pi * tl.floor(v / two_pi)) * FIXED_POINT + 0.5).to(tl.int64), 0)
-    return v, cut, r, at, m, rc, mc, carry_lo, carry_hi
+    return v, cut, r, at, m, rc, mc, carry_lo, carry_hi, fin
 
 
 @triton.jit(do_not_specialize=["n_docs"])
@@ -353,9 +360,9 @@ def _doc_scan_totals_kernel(v_ptr, cu_ptr, tot_ptr, n_docs, N, C, BT: tl.constex
                             ANGLES: tl.constexpr, REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
     """The scan's first pass: each block's total from its last cut to its end in scan order (its last document's
     tokens in it; REVERSE its first document's), what it carries into the blocks after it (before it)."""
-    v, cut, r, _at, _m, rc, mc, _lo, _hi = _doc_block(v_ptr, cu_ptr, n_docs, N, C, tl.program_id(0),
-                                                      tl.program_id(1) * BC, C, BT, BC, ANGLES, REVERSE,
-                                                      FIXED_POINT)  # fmt: skip
+    v, cut, r, _at, _m, rc, mc, _lo, _hi, _fin = _doc_block(v_ptr, cu_ptr, n_docs, N, C, tl.program_id(0),
+                                                            tl.program_id(1) * BC, C, BT, BC, ANGLES, REVERSE,
+                                                            FIXED_POINT)  # fmt: skip
     last_cut = tl.max(tl.where(cut != 0, r, 0), axis=0)
     total = tl.sum(tl.where((r >= last_cut)[:, None], v, 0), axis=0)
     tl.store(tot_ptr + tl.program_id(0) * C + rc, total, mask=mc)
@@ -379,9 +386,10 @@ def _doc_scan_tile(v_ptr, cu_ptr, tot_ptr, n_docs, N, C, block, col0, col_end, B
                    LOOKBACK: tl.constexpr, ANGLES: tl.constexpr, REVERSE: tl.constexpr,
                    FIXED_POINT: tl.constexpr):  # fmt: skip
     """The scan's second pass on token block `block`'s columns [col0, col_end) (_doc_block): its sums (ANGLES: mod
-    2 pi, in fp64), their offsets and mask."""
-    v, cut, _r, at, m, rc, mc, carry_lo, carry_hi = _doc_block(v_ptr, cu_ptr, n_docs, N, C, block, col0, col_end, BT,
-                                                               BC, ANGLES, REVERSE, FIXED_POINT)  # fmt: skip
+    2 pi, in fp64, NaN where the increment is not finite), their offsets and mask."""
+    v, cut, _r, at, m, rc, mc, carry_lo, carry_hi, fin = _doc_block(v_ptr, cu_ptr, n_docs, N, C, block, col0,
+                                                                    col_end, BT, BC, ANGLES, REVERSE,
+                                                                    FIXED_POINT)  # fmt: skip
     carry = tl.zeros((BC,), dtype=v.dtype)
     for j in range(carry_lo, carry_hi, LOOKBACK):
         rj = j + tl.arange(0, LOOKBACK)
@@ -394,6 +402,7 @@ def _doc_scan_tile(v_ptr, cu_ptr, tot_ptr, n_docs, N, C, block, col0, col_end, B
         two_pi = tl.full((), 6.283185307179586, tl.float64)
         out = run.to(tl.float64) * (1.0 / FIXED_POINT)  # a power of two: exact, and no fp64 division
         out = out - two_pi * tl.floor(out / two_pi)
+        out = tl.where(fin, out, float("nan"))  # bad input fails closed: the integer sum there is arbitrary
     else:
         out = run
     return out, at, m
