@@ -192,3 +192,49 @@ def test_ptxas_for_picks_a_ptxas_that_reads_the_ptx_version(monkeypatch):
         resources.ptxas_for(header.format(99, 9))
     with pytest.raises(RuntimeError, match="no .version directive"):
         resources.ptxas_for(".target sm_90a\n")
+
+
+def _fake_ptxas(folder, release: str) -> str:
+    """An executable `ptxas` in folder whose --version names CUDA `release` (what _ptx_isa_of reads)."""
+    path = os.path.join(folder, "ptxas")
+    with open(path, "w") as f:
+        f.write(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n"
+                f"echo 'Build cuda_{release}.r{release}/compiler.0_0'\n")  # fmt: skip
+    os.chmod(path, 0o755)
+    return path
+
+
+def test_ptxas_for_takes_torchs_ptxas_where_inductor_pointed_triton_at_it(monkeypatch, tmp_path):
+    """On the GPU box, inductor points TRITON_PTXAS_PATH at torch's own ptxas (CUDA 13.0 in torch 2.11+cu130) before
+    its first compile, so Triton emits PTX 9.0, which neither ptxas of Triton 3.6's wheel reads: the spill report
+    must take TRITON_PTXAS_PATH's, or torch's bin folders', not fail. cuobjdump is still found in Triton's wheel when
+    _ptxas_path names a folder without one (the box's 'sass: unread')."""
+    from megacpp_lab.kernels import resources
+
+    old_dir, torch_dir, wheel_dir = tmp_path / "old", tmp_path / "torch_bin", tmp_path / "wheel_bin"
+    for d in (old_dir, torch_dir, wheel_dir):
+        d.mkdir()
+    old = _fake_ptxas(str(old_dir), "12.8")
+    new = _fake_ptxas(str(torch_dir), "13.0")
+    (wheel_dir / "cuobjdump").write_text("")
+    header = "//\n.version 9.0\n.target sm_90a\n"
+    real = resources._tool_folders()  # the real search: Triton's wheel and torch's folders are in it
+    from triton.backends import nvidia
+
+    assert os.path.join(os.path.dirname(nvidia.__file__), "bin") in real
+    assert os.path.join(os.path.dirname(torch.__file__), "bin") in real
+    monkeypatch.setattr(resources, "_ptxas_path", lambda: old)
+    monkeypatch.setattr(resources, "_tool_folders", lambda: [str(old_dir), str(wheel_dir)])
+    for env in ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"):
+        monkeypatch.delenv(env, raising=False)
+    with pytest.raises(RuntimeError, match=r"no ptxas here reads PTX 9\.0: .*old/ptxas reads up to 8\.7"):
+        resources.ptxas_for(header)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", new)
+    assert resources.ptxas_for(header) == new
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    monkeypatch.setattr(resources, "_tool_folders", lambda: [str(old_dir), str(wheel_dir), str(torch_dir)])
+    assert resources.ptxas_for(header) == new
+    assert resources._nvidia_tool("cuobjdump") == str(wheel_dir / "cuobjdump")  # not beside _ptxas_path's
+    monkeypatch.setattr(resources, "_tool_folders", lambda: [str(old_dir)])
+    with pytest.raises(RuntimeError, match="kernel resources need cuobjdump"):
+        resources._nvidia_tool("cuobjdump")

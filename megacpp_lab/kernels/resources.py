@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 import triton
 
 from megacpp_lab.kernels import OFFLINE_COMPILE
@@ -126,13 +127,28 @@ def _ptxas_path() -> str:
     return nvidia._path_to_binary("ptxas")[0]
 
 
+def _tool_folders() -> list[str]:
+    """Where CUDA binaries may be, in order: beside _ptxas_path's ptxas, Triton's wheel (backends/nvidia/bin), and
+    torch's (bin/ and _inductor/bin/ of a CUDA build: inductor points TRITON_PTXAS_PATH at its ptxas before it
+    compiles, so after the first compiled graph Triton assembles with torch's ptxas and emits that one's PTX
+    version; the GPU box's torch 2.11+cu130 ships CUDA 13.0's, which reads PTX 9.0, where Triton 3.6's own read
+    8.7 and 8.8: both driver-comparison tests failed there for want of it)."""
+    from triton.backends import nvidia
+
+    torch_root = os.path.dirname(torch.__file__)
+    folders = [os.path.dirname(_ptxas_path()), os.path.join(os.path.dirname(nvidia.__file__), "bin"),
+               os.path.join(torch_root, "bin"), os.path.join(torch_root, "_inductor", "bin")]  # fmt: skip
+    return list(dict.fromkeys(folders))
+
+
 def _nvidia_tool(name: str) -> str:
-    """A CUDA binary shipped beside ptxas (_ptxas_path) in Triton's wheel (cuobjdump); ptxas itself: ptxas_for."""
-    path = os.path.join(os.path.dirname(_ptxas_path()), name)
-    if not os.path.isfile(path):
-        raise RuntimeError(f"kernel resources need {name}: not at {path} (Triton's wheel ships it in "
-                           f"backends/nvidia/bin)")  # fmt: skip
-    return path
+    """A CUDA binary (cuobjdump) from the first of _tool_folders that holds it; ptxas itself: ptxas_for."""
+    for folder in _tool_folders():
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return path
+    raise RuntimeError(f"kernel resources need {name}: not in {', '.join(_tool_folders())} (Triton's wheel ships it "
+                       f"in backends/nvidia/bin)")  # fmt: skip
 
 
 _PTX_VERSION = re.compile(r"^\s*\.version\s+(\d+)\.(\d+)", re.MULTILINE)
@@ -153,17 +169,17 @@ def _ptx_isa_of(ptxas: str) -> int:
 
 
 def ptxas_for(ptx: str) -> str:
-    """A ptxas that reads this PTX's `.version`: _ptxas_path's, else one beside it in Triton's wheel (`ptxas`,
-    `ptxas-blackwell`) or TRITON_PTXAS_BLACKWELL_PATH's. Triton may emit a newer PTX version than the ptxas its
-    get_ptxas names for sm_90 reads (on the GPU box, Triton 3.6 emitted PTX 9.0 for sm_90 and its `ptxas` was
-    CUDA 12.8's, which reads 8.7 at most); fails closed, naming each candidate's version, when none reads it."""
+    """A ptxas that reads this PTX's `.version`: _ptxas_path's, else TRITON_PTXAS_PATH's, else `ptxas` or
+    `ptxas-blackwell` in one of _tool_folders (Triton's wheel, torch's), else TRITON_PTXAS_BLACKWELL_PATH's. Triton
+    may emit a newer PTX version than the ptxas its get_ptxas names for sm_90 reads (on the GPU box, Triton 3.6
+    emitted PTX 9.0 for sm_90 and its `ptxas` was CUDA 12.8's, which reads 8.7 at most); fails closed, naming each
+    candidate's version, when none reads it."""
     found = _PTX_VERSION.search(ptx)
     if found is None:
         raise RuntimeError("the PTX has no .version directive")
     need = 10 * int(found[1]) + int(found[2])
-    first = _ptxas_path()
-    folder = os.path.dirname(first)
-    candidates = [first, os.path.join(folder, "ptxas"), os.path.join(folder, "ptxas-blackwell"),
+    candidates = [_ptxas_path(), os.environ.get("TRITON_PTXAS_PATH", ""),
+                  *(os.path.join(f, n) for f in _tool_folders() for n in ("ptxas", "ptxas-blackwell")),
                   os.environ.get("TRITON_PTXAS_BLACKWELL_PATH", "")]  # fmt: skip
     seen = {}
     for path in candidates:
