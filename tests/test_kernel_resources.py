@@ -205,10 +205,11 @@ def _fake_ptxas(folder, release: str) -> str:
 
 
 def test_ptxas_for_takes_torchs_ptxas_where_inductor_pointed_triton_at_it(monkeypatch, tmp_path):
-    """On the GPU box, inductor points TRITON_PTXAS_PATH at torch's own ptxas (CUDA 13.0 in torch 2.11+cu130) before
-    its first compile, so Triton emits PTX 9.0, which neither ptxas of Triton 3.6's wheel reads: the spill report
-    must take TRITON_PTXAS_PATH's, or torch's bin folders', not fail. cuobjdump is still found in Triton's wheel when
-    _ptxas_path names a folder without one (the box's 'sass: unread')."""
+    """Where Triton wrote a PTX version the ptxas _ptxas_path names cannot read (the last two H100 boxes: PTX 9.0,
+    the wheel's ptxas 8.7; torch's CUDA 13.0 ptxas, where inductor points TRITON_PTXAS_PATH, is the guess at its
+    source), the spill report takes TRITON_PTXAS_PATH's, or a ptxas in torch's bin folders, that reads it, skips
+    one it cannot run, and fails closed naming each otherwise. cuobjdump is found in Triton's wheel when
+    _ptxas_path names a folder without one (the box's 'sass: unread'), or at TRITON_CUOBJDUMP_PATH."""
     from megacpp_lab.kernels import resources
 
     old_dir, torch_dir, wheel_dir = tmp_path / "old", tmp_path / "torch_bin", tmp_path / "wheel_bin"
@@ -232,9 +233,20 @@ def test_ptxas_for_takes_torchs_ptxas_where_inductor_pointed_triton_at_it(monkey
     monkeypatch.setenv("TRITON_PTXAS_PATH", new)
     assert resources.ptxas_for(header) == new
     monkeypatch.delenv("TRITON_PTXAS_PATH")
-    monkeypatch.setattr(resources, "_tool_folders", lambda: [str(old_dir), str(wheel_dir), str(torch_dir)])
-    assert resources.ptxas_for(header) == new
+    broken_dir = tmp_path / "broken"
+    broken_dir.mkdir()
+    (broken_dir / "ptxas").write_text("#!/bin/sh\necho no release here\n")
+    os.chmod(broken_dir / "ptxas", 0o755)
+    monkeypatch.setattr(resources, "_tool_folders",
+                        lambda: [str(old_dir), str(broken_dir), str(wheel_dir), str(torch_dir)])
+    assert resources.ptxas_for(header) == new  # past the one that names no CUDA release
+    with pytest.raises(RuntimeError, match=r"broken/ptxas unreadable"):
+        resources.ptxas_for("//\n.version 99.9\n.target sm_90a\n")
+    monkeypatch.delenv("TRITON_CUOBJDUMP_PATH", raising=False)
     assert resources._nvidia_tool("cuobjdump") == str(wheel_dir / "cuobjdump")  # not beside _ptxas_path's
+    monkeypatch.setenv("TRITON_CUOBJDUMP_PATH", str(old))  # any file: Triton's own knob comes first
+    assert resources._nvidia_tool("cuobjdump") == old
+    monkeypatch.delenv("TRITON_CUOBJDUMP_PATH")
     monkeypatch.setattr(resources, "_tool_folders", lambda: [str(old_dir)])
     with pytest.raises(RuntimeError, match="kernel resources need cuobjdump"):
         resources._nvidia_tool("cuobjdump")

@@ -421,6 +421,7 @@ def test_the_document_scans_carry_across_many_blocks_and_through_blocks_of_many_
         assert torch.equal(doc_angle_sum_triton(v, cu), doc_angle_sum_torch(v, cu))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy casts NaN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_angle_sums_are_nan_exactly_at_a_non_finite_increment(dtype):
     """The sums run in int64 fixed point, where a NaN or infinite increment becomes an arbitrary integer (0 on a
@@ -466,6 +467,7 @@ def test_the_angle_sums_are_nan_exactly_at_a_non_finite_increment(dtype):
         torch.testing.assert_close(tri[ok], twin[ok], atol=1e-12, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy casts NaN
 @pytest.mark.parametrize("kernel", ["triton", "chunked"])
 def test_a_nan_angle_makes_the_output_nan_from_its_token_to_its_documents_end(kernel):
     """A NaN angle rate at one token and head: in the step loop theta is NaN from there to the document's end (the

@@ -214,9 +214,11 @@ def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     integer sums are exact, so a document's angle takes no rounding from any other document, and a long document
     keeps its low bits, where an fp32 sum would lose them (hundreds of radians). A NaN or infinite increment has no
     integer (its conversion gives 0 on a GPU, INT64_MIN in torch): theta is NaN at its token, selected there on the
-    output; the integer sums are left as they are, so the document's later angles in that column are not defined
-    (its keys, state and outputs are NaN from that token on). On CUDA two Triton passes over
-    blocks of tokens and columns (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
+    output; the integer sums are left as they are, so the document's later angles in that column are finite but
+    not defined (the key at that token is NaN, so the head's state and outputs are NaN from there on). A finite
+    increment too large for fp64 to hold its fraction of a turn (above 2**53 radians; past about 1e24 its remainder
+    overflows the int64 fixed point) is not caught: a wrong angle. On CUDA two Triton passes over blocks of tokens
+    and columns (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
     tests/test_mamba3.py holds the two equal (fp32: bit for bit at its seeds; fp64: within 1e-12). Not by
     construction: the final mod, x - 2 pi floor(x / 2 pi) here and torch's exact remainder there, can differ in
     fp64's last bit, which can flip an fp32 rounding of a result near zero, and an increment past 2 pi can land one

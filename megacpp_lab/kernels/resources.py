@@ -129,10 +129,11 @@ def _ptxas_path() -> str:
 
 def _tool_folders() -> list[str]:
     """Where CUDA binaries may be, in order: beside _ptxas_path's ptxas, Triton's wheel (backends/nvidia/bin), and
-    torch's (bin/ and _inductor/bin/ of a CUDA build: inductor points TRITON_PTXAS_PATH at its ptxas before it
-    compiles, so after the first compiled graph Triton assembles with torch's ptxas and emits that one's PTX
-    version; the GPU box's torch 2.11+cu130 ships CUDA 13.0's, which reads PTX 9.0, where Triton 3.6's own read
-    8.7 and 8.8: both driver-comparison tests failed there for want of it)."""
+    torch's (bin/ and _inductor/bin/ of a CUDA build, where inductor points TRITON_PTXAS_PATH before it compiles).
+    Why torch's: on the last two H100 boxes (Triton 3.6, torch 2.11+cu130) Triton wrote PTX 9.0, which neither
+    ptxas of its wheel reads (8.7, 8.8), and the driver-comparison tests failed for want of a ptxas that does. A
+    newer ptxas from torch's CUDA 13.0 build is a guess at where that PTX version came from, not yet confirmed on
+    such a box: _ptxas_path (which honours TRITON_PTXAS_PATH) named the wheel's there."""
     from triton.backends import nvidia
 
     torch_root = os.path.dirname(torch.__file__)
@@ -142,10 +143,11 @@ def _tool_folders() -> list[str]:
 
 
 def _nvidia_tool(name: str) -> str:
-    """A CUDA binary (cuobjdump) from the first of _tool_folders that holds it; ptxas itself: ptxas_for."""
-    for folder in _tool_folders():
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
+    """A CUDA binary (cuobjdump): TRITON_<NAME>_PATH's as Triton honours it, else the first of _tool_folders that
+    holds it; ptxas itself: ptxas_for."""
+    paths = [os.environ.get(f"TRITON_{name.upper()}_PATH", "")] + [os.path.join(f, name) for f in _tool_folders()]
+    for path in paths:
+        if path and os.path.isfile(path):
             return path
     raise RuntimeError(f"kernel resources need {name}: not in {', '.join(_tool_folders())} (Triton's wheel ships it "
                        f"in backends/nvidia/bin)")  # fmt: skip
@@ -181,14 +183,18 @@ def ptxas_for(ptx: str) -> str:
     candidates = [_ptxas_path(), os.environ.get("TRITON_PTXAS_PATH", ""),
                   *(os.path.join(f, n) for f in _tool_folders() for n in ("ptxas", "ptxas-blackwell")),
                   os.environ.get("TRITON_PTXAS_BLACKWELL_PATH", "")]  # fmt: skip
-    seen = {}
+    seen: dict[str, int | str] = {}
     for path in candidates:
         if path and path not in seen and os.path.isfile(path):
-            seen[path] = _ptx_isa_of(path)
+            try:
+                seen[path] = _ptx_isa_of(path)
+            except (OSError, RuntimeError) as e:  # not executable, or no CUDA release named: the next one
+                seen[path] = f"unreadable ({e})".splitlines()[0]
+                continue
             if seen[path] >= need:
                 return path
-    raise RuntimeError(f"no ptxas here reads PTX {need // 10}.{need % 10}: "
-                       + ", ".join(f"{p} reads up to {v // 10}.{v % 10}" for p, v in seen.items()))
+    raise RuntimeError(f"no ptxas here reads PTX {need // 10}.{need % 10}: " + ", ".join(
+        f"{p} reads up to {v // 10}.{v % 10}" if isinstance(v, int) else f"{p} {v}" for p, v in seen.items()))
 
 
 def _tool_output(binary: str, args: list[str], data: bytes | str, suffix: str) -> str:
