@@ -4,9 +4,13 @@ runs them, one process (the probe behind kernel work; the receipts come from `me
     PYTHONPATH=. python scripts/mamba3_probe.py [--variants siso,r4c64,...] [--out DIR]
 
 Each variant: forward+backward median ms (do_bench), the GPU kernels' time by kernel name over 5 calls, and each
-Triton kernel's registers, spills and SASS instruction mix. A variant is `siso`, or `r<R>c<chunk>` (MIMO rank R, chunk in sub-tokens),
-optionally followed by `:NAME=VALUE+NAME=VALUE` setting kernels/mamba3's or kernels/ssd's launch constants for it
-(e.g. `siso:M3_BWD_WARPS=8+M3_BWD_BLOCK_N=32`).
+Triton kernel's registers, spills and SASS instruction mix. A variant is `siso`, or `r<R>c<chunk>` (MIMO rank R,
+chunk in sub-tokens), optionally at another of bench ssd's shapes by `@<label>` (bench/mamba3.FULL_SHAPES: main,
+H=32, T=16384; e.g. `siso@H=32`), optionally followed by `:NAME=VALUE+NAME=VALUE` setting kernels/mamba3's or
+kernels/ssd's launch constants for it (e.g. `siso@H=32:M3_BWD_WARPS=8+M3_BWD_BLOCK_N=32`).
+
+Two code trees on one card, in one device call: run the probe once per tree with PYTHONPATH naming it (a lead
+branch's tree carried as an ignored folder, say), each with its own --out; the rows name the package tree each ran.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megacpp_lab.bench.mamba3 import MAIN, make_inputs
+from megacpp_lab.bench.mamba3 import FULL_SHAPES, make_inputs
 from megacpp_lab.kernels.mamba3 import mamba3_scan
 from megacpp_lab.profiling import kernel_times_ms, time_spread_ms
 from megacpp_lab.receipts import stamp
@@ -84,8 +88,12 @@ def run(variant: str, out: str) -> dict:
 
 
 def _run(variant: str, out: str) -> dict:
-    rank, chunk = (1, MAIN.chunk) if variant == "siso" else map(int, variant[1:].split("c"))
-    s = MAIN.__class__(**{**MAIN.__dict__, "chunk": chunk})
+    kind, _, label = variant.partition("@")
+    if (label or "main") not in FULL_SHAPES:
+        raise ValueError(f"variant {variant!r}: shape {label!r} is none of bench ssd's {tuple(FULL_SHAPES)}")
+    shape = FULL_SHAPES[label or "main"]
+    rank, chunk = (1, shape.chunk) if kind == "siso" else map(int, kind[1:].split("c"))
+    s = shape.__class__(**{**shape.__dict__, "chunk": chunk})
     a, cu = make_inputs(s, torch.bfloat16, "cuda", rank=rank)
     ctx = build_context(doc_ids_from_cu_seqlens(cu, s.B, s.T), cu_seqlens=cu)
     shape = (s.B, s.T, s.H, s.P) if rank == 1 else (s.B, s.T, rank, s.H, s.P)
@@ -123,7 +131,7 @@ def _run(variant: str, out: str) -> dict:
         print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60),
               file=sys.stderr)
         tprof.export_chrome_trace(str(Path(out, "mamba3_host.trace.json")))
-    return {"variant": variant, "rank": rank, "chunk": chunk, "fwd_bwd": time_spread_ms(fwd_bwd, device="cuda"),
+    return {"variant": variant, "shape": s.__dict__, "rank": rank, "chunk": chunk, "fwd_bwd": time_spread_ms(fwd_bwd, device="cuda"),
             "fwd": time_spread_ms(fwd, device="cuda"), "host_ms_fwd_bwd": _host_ms(fwd_bwd),
             "kernels_fwd_bwd": kernel_times_ms(fwd_bwd)}  # fmt: skip
 
