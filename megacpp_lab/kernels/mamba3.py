@@ -220,9 +220,9 @@ def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     overflows the int64 fixed point) is not caught: a wrong angle. On CUDA two Triton passes over blocks of tokens
     and columns (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
     tests/test_mamba3.py holds the two equal (fp32: bit for bit at its seeds; fp64: within 1e-12). Not by
-    construction: the final mod, x - 2 pi floor(x / 2 pi) here and torch's exact remainder there, can differ in
-    fp64's last bit, which can flip an fp32 rounding of a result near zero, and an increment past 2 pi can land one
-    fixed-point step apart. An opaque op: inductor's
+    construction: the final mod, x - 2 pi floor(x / (2 pi)) here (its floor by a product, _mod_two_pi) and torch's
+    exact remainder there, can differ in fp64's last bit, which can flip an fp32 rounding of a result near zero, and
+    an increment past 2 pi can land one fixed-point step apart. An opaque op: inductor's
     Triton codegen fails on this long scan over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen, at
     [8,4096,16,32] on the H200), and torch's own int64 scan over a middle dim took 1.6 ms there, a fifth of the
     whole Mamba-3 scan's forward and backward."""
@@ -310,6 +310,20 @@ def _segmented_add(a, a_cut, b, b_cut):
 
 
 @triton.jit
+def _mod_two_pi(x):
+    """x mod 2 pi in fp64, in [0, 2 pi): the turns by a product with 1 / (2 pi), then one turn added or taken
+    where that product's rounding put the floor a turn off (x within an ulp of a multiple of 2 pi). In place of
+    floor(x / (2 pi)): an fp64 division is a dozen double-precision instructions an element (a reciprocal and its
+    Newton steps), and the angle sums take two an increment (its mod, the output's mod) at the double-precision
+    rate, a 64th of the fp32 one on an H100. Where the product's floor equals the quotient's, the result is the
+    division's bit for bit (the same x - 2 pi q)."""
+    two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
+    r = x - two_pi * tl.floor(x * tl.full((), 0.15915494309189535, tl.float64))
+    r = tl.where(r < 0, r + two_pi, r)
+    return tl.where(r >= two_pi, r - two_pi, r)
+
+
+@triton.jit
 def _doc_block(v_ptr, cu_ptr, n_docs, N, C, block, col0, col_end, BT: tl.constexpr, BC: tl.constexpr,
                ANGLES: tl.constexpr, REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
     """Token block `block`'s tile of the columns [col0, col_end) (BC lanes from col0) in scan order (REVERSE: the
@@ -352,8 +366,7 @@ def _doc_block(v_ptr, cu_ptr, n_docs, N, C, block, col0, col_end, BT: tl.constex
     fin = m  # the suffix sums' (unused)
     if ANGLES:  # each increment mod 2 pi in fp64, then in int64 fixed point: integer sums are exact in any order
         fin = tl.abs(v) < float("inf")  # False at NaN and +-inf, whose int64 conversion is arbitrary
-        two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
-        v = tl.where(m, tl.floor((v - two_pi * tl.floor(v / two_pi)) * FIXED_POINT + 0.5).to(tl.int64), 0)
+        v = tl.where(m, tl.floor(_mod_two_pi(v) * FIXED_POINT + 0.5).to(tl.int64), 0)
     return v, cut, r, at, m, rc, mc, carry_lo, carry_hi, fin
 
 
@@ -401,9 +414,7 @@ def _doc_scan_tile(v_ptr, cu_ptr, tot_ptr, n_docs, N, C, block, col0, col_end, B
     run, seen = tl.associative_scan((v, cuts), axis=0, combine_fn=_segmented_add)
     run = tl.where(seen != 0, run, run + carry[None, :])
     if ANGLES:
-        two_pi = tl.full((), 6.283185307179586, tl.float64)
-        out = run.to(tl.float64) * (1.0 / FIXED_POINT)  # a power of two: exact, and no fp64 division
-        out = out - two_pi * tl.floor(out / two_pi)
+        out = _mod_two_pi(run.to(tl.float64) * (1.0 / FIXED_POINT))  # a power of two: exact
         out = tl.where(fin, out, float("nan"))  # bad input fails closed: the integer sum there is arbitrary
     else:
         out = run
