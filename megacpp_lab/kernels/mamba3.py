@@ -939,13 +939,14 @@ def mamba3_scan_fwd(
 def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
     """x [B,T,H,P] and B [B,T*R,G,N] as mamba3_scan_fwd takes them: whether the forward keeps its rotated keys and
     queries for the backward, which then takes them in place of B and C and runs no key pass of its own. Where they
-    are no larger than B and C (a group per head, G == H), in their dtype, and nothing asks for activation memory
-    back (inductor's activation_memory_budget at 1, as eager runs and as apply_ac leaves a block at budget 1: the
-    op's outputs cannot be recomputed, where B and C, saved in their place, can, so a budget below 1 keeps the key
-    pass). Else (G < H: the keys per head are H / G times B's size) the backward recomputes them. At bench ssd's
-    main shape (G = H) the key pass took 0.16 ms of the scan's 2.6 (probe, H200)."""
-    budget = torch._functorch.config.activation_memory_budget
-    return Bm.shape[2] == x.shape[2] and Bm.dtype == x.dtype and budget >= 1.0
+    are in B's dtype and nothing asks for activation memory back (inductor's activation_memory_budget at 1, as eager
+    runs and as apply_ac leaves a block at budget 1: the op's outputs cannot be recomputed, where B and C, saved in
+    their place, can, so a budget below 1 keeps the key pass). At any G: with fewer groups than heads the kept keys
+    are H / G times B's size (the base model's M block, G = 1, H = 32: 268 MB a layer at B=4 T=4096 in bf16), the
+    memory a budget of 1 says to spend, and the key pass they spare took 0.147 ms of that layer's backward on an H100
+    (profiles/nvidia-h100-80gb-hbm3/compile/, 860c8e6). At bench ssd's main shape (G = H) it took 0.16 ms of the
+    scan's 2.6 (probe, H200)."""
+    return Bm.dtype == x.dtype and torch._functorch.config.activation_memory_budget >= 1.0
 
 
 @mamba3_scan_fwd.register_fake
@@ -965,7 +966,7 @@ def mamba3_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
     D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor, cu_seqlens: torch.Tensor,  # noqa: UP045
-    states: torch.Tensor, chunk: int, rank: int, rotated: bool,
+    states: torch.Tensor, chunk: int, rank: int, rotated: bool, groups: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt,
@@ -974,12 +975,16 @@ def mamba3_scan_bwd(
     as the forward's sums are in its), d weight, d gamma, and the gradients of A,
     D and the two biases in one fp32 vector [2H + 2HRN] (split_sums parts it: a custom op's outputs may not be views
     of one another, and four reductions over the chunks would be four launches).
-    rotated: Bm and Cm are the forward's rotated keys and queries (keeps_keys), else B and C, and the keys are
-    recomputed (per head they are H / G times B's size); SSD's sequential state pass, then
+    rotated: Bm and Cm are the forward's rotated keys and queries per head (keeps_keys), else B and C, and the keys
+    are recomputed; groups: B's G either way (dB and dC are [B,T*R,G,N]). SSD's sequential state pass, then
     the chunk pass (_m3_bwd_chunk_kernel; with M3_BWD_SPLIT, _m3_bwd_own_kernel then _m3_bwd_sweeps_kernel), which
     also takes dk and dq back through the rotation, unrounded."""
-    B, TR, G, N = Bm.shape
+    B, TR, _, N = Bm.shape
+    G = groups
     H, P, R, n_a = x.shape[2], x.shape[3], rank, theta.shape[-1]
+    if H % G or Bm.shape[2] != (H if rotated else G):
+        raise ValueError(f"mamba3_scan_bwd: groups={G} must divide H={H}, and Bm's dim 2 ({Bm.shape[2]}) be "
+                         f"{'H (rotated keys)' if rotated else 'groups'}")  # fmt: skip
     k, q = (Bm, Cm) if rotated else _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
     dy = dy.contiguous()
     dstates = launch_ssd_bwd_states(dy, dt, A, q, cu_seqlens, states, chunk, x.dtype)
@@ -1022,10 +1027,11 @@ def mamba3_scan_bwd(
 
 @mamba3_scan_bwd.register_fake
 def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states, chunk,  # noqa: ANN001, ANN202
-      rank, rotated):  # fmt: skip
+      rank, rotated, groups):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
-    return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), torch.empty_like(Bm), torch.empty_like(Cm),
+    dB = Bm.new_empty((B, Bm.shape[1], groups, N))
+    return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB),
             torch.empty_like(theta), torch.empty_like(weight), torch.empty_like(gamma),
             x.new_empty((2 * H + 2 * H * rank * N,), dtype=torch.float32))  # fmt: skip
 
@@ -1034,6 +1040,7 @@ def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
     x, dt, A, Bm, Cm, _inc, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, chunk, rank, _save, _keep = inputs
     _y, states, k, q, theta = output
     ctx.rotated = k.numel() > 0  # the rotated keys kept (keeps_keys): saved in place of B and C
+    ctx.groups = Bm.shape[2]
     if ctx.rotated:
         Bm, Cm = k, q
     ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens,
@@ -1054,7 +1061,7 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
     dxr, ddt, dB, dC, d_inc, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight,
                                                              gamma, D, mimo_x, cu_steps, cu_seqlens, states, ctx.chunk,
-                                                             ctx.rank, ctx.rotated)  # fmt: skip
+                                                             ctx.rank, ctx.rotated, ctx.groups)  # fmt: skip
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums, x.shape[2], ctx.rank, Bm.shape[-1])
     dx, dmx = dxr, None
