@@ -960,3 +960,27 @@ def test_the_triton_path_without_gpu_or_interpreter_fails_closed(monkeypatch):
     a = _inputs(B=1, T=16, H=2, G=1, P=16, N=16, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="kernel='triton' needs CUDA tensors"):
         mamba3_scan(**a, kernel="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,G", [(4, 1), (4, 2), (6, 3)])
+def test_the_group_sum_kernel_adds_each_groups_heads_in_fp32(H, G, dtype):
+    """The backward's dB and dC at G < H: the per-head parts [rows, H, N] summed over each group's heads in fp32 and
+    rounded once to B's dtype (_group_sum_kernel), against torch's fp32 sum of the same parts; rows past a program's
+    block (ROWS not a multiple of GROUP_SUM_ROWS) are masked, not written."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(7)
+    rows, N = m3.GROUP_SUM_ROWS + 5, 16
+    dbh, dch = (torch.randn(rows, H, N, generator=g).to(device, dtype) for _ in range(2))
+    db = torch.full((rows + 3, G, N), 7.0, device=device, dtype=dtype)  # 3 rows past the end: must stay 7
+    dc = torch.full_like(db, 7.0)
+    grid = (-(-rows // m3.GROUP_SUM_ROWS), G)
+    m3._group_sum_kernel[grid](dbh, dch, db, dc, rows, H, G, N=N, BR=m3.GROUP_SUM_ROWS, num_warps=4)
+    for got, parts in ((db, dbh), (dc, dch)):
+        want = parts.view(rows, G, H // G, N).float().sum(2).to(dtype)
+        torch.testing.assert_close(got[:rows], want, rtol=0 if dtype == torch.float32 else 1e-2, atol=1e-6)
+        assert (got[rows:] == 7).all()

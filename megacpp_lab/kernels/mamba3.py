@@ -846,6 +846,40 @@ def _m3_bwd_sweeps_kernel(
                            slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
 
+@triton.jit
+def _group_sum_kernel(dbh_ptr, dch_ptr, db_ptr, dc_ptr, ROWS, H, G, N: tl.constexpr, BR: tl.constexpr):
+    """dB and dC of B's groups from the chunk pass's per-head parts [ROWS, H, N] (ROWS = B*T*R): each group's heads
+    added in order in fp32, stored in db_ptr's dtype; a program a block of BR rows and a group. One launch for both
+    in place of two torch reductions and two casts (and their fp32 [ROWS, G, N] intermediates)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    g = tl.program_id(1)
+    rn = tl.arange(0, N)
+    m = (r < ROWS)[:, None]
+    acc_b = tl.zeros((BR, N), dtype=tl.float32)
+    acc_c = tl.zeros((BR, N), dtype=tl.float32)
+    for j in range(0, H // G):
+        at = (r[:, None] * H + g * (H // G) + j) * N + rn[None, :]
+        acc_b += tl.load(dbh_ptr + at, mask=m, other=0.0).to(tl.float32)
+        acc_c += tl.load(dch_ptr + at, mask=m, other=0.0).to(tl.float32)
+    out = (r[:, None] * G + g) * N + rn[None, :]
+    tl.store(db_ptr + out, acc_b.to(db_ptr.dtype.element_ty), mask=m)
+    tl.store(dc_ptr + out, acc_c.to(dc_ptr.dtype.element_ty), mask=m)
+
+
+# rows a program of _group_sum_kernel (4 warps: 32 x 128 fp32 accumulators, two of them)
+GROUP_SUM_ROWS = 32
+
+
+def group_sums(dBh: torch.Tensor, dCh: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dB and dC [B, T*R, G, N] from per-head parts [B, T*R, H, N] (contiguous, one dtype): _group_sum_kernel."""
+    B, TR, H, N = dBh.shape
+    dB = torch.empty((B, TR, G, N), device=dBh.device, dtype=dBh.dtype)
+    dC = torch.empty_like(dB)
+    _group_sum_kernel[(triton.cdiv(B * TR, GROUP_SUM_ROWS), G)](dBh, dCh, dB, dC, B * TR, H, G, N=N,
+                                                                BR=GROUP_SUM_ROWS, num_warps=4)  # fmt: skip
+    return dB, dC
+
+
 # sub-tokens per key program (_keys_kernel, 4 warps; on the H200 at [8,4096,16,128], 16 took 210 us, 32 302), and the
 # rotation's tile in _angle_keys_kernel, whose program covers SCAN_BLOCK_T * R sub-tokens: it must divide that (past
 # the program's block a tile would read angles the next program has not stored; _angles_and_keys checks)
@@ -1000,7 +1034,7 @@ def mamba3_scan_bwd(
     xs = mimo_x if R > 1 else dt  # SISO: a placeholder pointer the kernels never read
     dth = torch.empty_like(theta)  # one row a step: the kernels sum a step's ranks
     # dB and dC per head in B's dtype: one head a group, the gradients themselves; else each head's part, summed over
-    # the group below in fp32 (per-head parts in fp32 doubled the traffic of the largest buffers at H=32, G=1)
+    # the group below in fp32 (_group_sum_kernel)
     dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype)
     dCh = torch.empty_like(dBh)
     consts = dict(P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
@@ -1020,8 +1054,7 @@ def mamba3_scan_bwd(
             x, xs, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
             dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts,
         )  # fmt: skip
-    dB, dC = (t if G == H else t.view(B, TR, G, H // G, N).sum(3, dtype=torch.float32).to(Bm.dtype)
-              for t in (dBh, dCh))  # fmt: skip
+    dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     return dx, ddt, dB, dC, doc_suffix_sum_triton(dth, cu_steps), dw, dgam, sums.sum(0)
 
 
