@@ -571,11 +571,8 @@ def _angle_keys_kernel(inc_ptr, cu_ptr, tot_ptr, th_ptr, b_ptr, c_ptr, bb_ptr, c
     time (_rotate_keys, theta read back as stored; its group's B and C read by each of the group's heads, from L2
     after the first). In place of doc_angle_sum's own second pass and the key pass: the increments read once, theta
     written once and read back from cache, one launch fewer. A program a head, not a group: with one group of 32
-    heads (bench ssd's H=32 shape) a program a group left 256 programs for 132 SMs, each scanning and rotating 32
-    heads in turn: bench ssd's forward kernels there took 0.832 ms at 418f173 against 0.685 at 3626dc0, before the
-    fused pass (H200; at the main shape, a group a head, 0.717 against 0.743). A program a head took 0.271 ms a call in
-    the base step's trace on an H100 (860c8e6, profiles/nvidia-h100-80gb-hbm3/compile/), where a program a group took
-    0.371 on the H200 (418f173): two cards, so no ratio; bench ssd's H=32 forward kernels 0.798 ms (H100)."""
+    heads (the base model's M blocks) a program a group left 256 programs for 132 SMs (docs/design.md has the
+    measurements)."""
     blk = tl.program_id(0)
     hd = tl.program_id(1)
     col0 = hd * n_a

@@ -145,12 +145,12 @@ def _tool_folders() -> list[str]:
 def _nvidia_tool(name: str) -> str:
     """A CUDA binary (cuobjdump): TRITON_<NAME>_PATH's as Triton honours it, else the first of _tool_folders that
     holds it; ptxas itself: ptxas_for."""
-    paths = [os.environ.get(f"TRITON_{name.upper()}_PATH", "")] + [os.path.join(f, name) for f in _tool_folders()]
-    for path in paths:
+    folders = _tool_folders()
+    for path in [os.environ.get(f"TRITON_{name.upper()}_PATH", "")] + [os.path.join(f, name) for f in folders]:
         if path and os.path.isfile(path):
             return path
-    raise RuntimeError(f"kernel resources need {name}: not in {', '.join(_tool_folders())} (Triton's wheel ships it "
-                       f"in backends/nvidia/bin)")  # fmt: skip
+    raise RuntimeError(f"kernel resources need {name}: not in {', '.join(folders)} (Triton's wheel ships it in "
+                       f"backends/nvidia/bin)")  # fmt: skip
 
 
 _PTX_VERSION = re.compile(r"^\s*\.version\s+(\d+)\.(\d+)", re.MULTILINE)
