@@ -252,17 +252,18 @@ def test_the_split_chunk_pass_equals_the_one_kernel_bit_for_bit(R, monkeypatch):
             assert ((two - one).norm() / one.norm()).item() < 1e-6, f"d{name}: two chunk kernels against one"
 
 
-@pytest.mark.parametrize("R", [1, 4])
-def test_kept_keys_spare_the_backward_its_key_pass_and_change_no_gradient(R, monkeypatch):
-    """With a group per head (G == H) the forward keeps its rotated keys and queries for the backward (keeps_keys),
-    saved in place of B and C: one key pass in a forward and backward, where recomputing them runs two, and every
-    gradient the same bits as the recomputing backward's (the same kernels on the same keys). With G < H, or under
-    an activation-memory budget below 1, nothing is kept."""
+@pytest.mark.parametrize("R,G", [(1, 2), (4, 2), (1, 1), (4, 1)])
+def test_kept_keys_spare_the_backward_its_key_pass_and_change_no_gradient(R, G, monkeypatch):
+    """The forward keeps its rotated keys and queries per head for the backward (keeps_keys), saved in place of B and
+    C, with a group per head (G == H) and with fewer groups (G < H: dB and dC still B's shape, the heads' parts summed
+    over each group): one key pass in a forward and backward, where recomputing them runs two, and every gradient the
+    same bits as the recomputing backward's (the same kernels on the same keys). Under an activation-memory budget
+    below 1, or keys in another dtype than B's, nothing is kept."""
     from megacpp_lab.kernels import mamba3 as m3
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
-    a = {k: v.float().to(device).requires_grad_() for k, v in make(B=2, T=32, H=2, G=2, P=16, N=16).items()}
+    a = {k: v.float().to(device).requires_grad_() for k, v in make(B=2, T=32, H=2, G=G, P=16, N=16).items()}
     cu = torch.tensor([0, 20, 32, 45, 64], dtype=torch.int32, device=device)
     passes = []  # the key passes: the forward's (with the angles, _angles_and_keys) and a recomputing backward's
     for name in ("_rotated_keys", "_angles_and_keys"):
@@ -279,10 +280,11 @@ def test_kept_keys_spare_the_backward_its_key_pass_and_change_no_gradient(R, mon
     (kept, n_kept), (recomputed, n_recomputed) = grads(True), grads(False)
     assert (n_kept, n_recomputed) == (1, 2)
     for name, one, two in zip(a, kept, recomputed):
+        assert one.shape == a[name].shape, f"d{name}: {tuple(one.shape)} for {tuple(a[name].shape)}"
         assert torch.equal(one, two), f"d{name} differs between kept and recomputed keys"
     monkeypatch.undo()
     x, Bm = a["x"], a["Bm"] if R == 1 else a["Bm"][:, :, 0]
-    assert m3.keeps_keys(x, Bm) and not m3.keeps_keys(x, Bm[:, :, :1])
+    assert m3.keeps_keys(x, Bm) and m3.keeps_keys(x, Bm[:, :, :1])  # a group per head, and one group for all
     assert not m3.keeps_keys(x, Bm.double())  # the kept keys are in x's dtype: B's gradient must be B's dtype
     with torch._functorch.config.patch(activation_memory_budget=0.5):  # memory asked back: B and C can be recomputed
         assert not m3.keeps_keys(x, Bm)
@@ -958,3 +960,27 @@ def test_the_triton_path_without_gpu_or_interpreter_fails_closed(monkeypatch):
     a = _inputs(B=1, T=16, H=2, G=1, P=16, N=16, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="kernel='triton' needs CUDA tensors"):
         mamba3_scan(**a, kernel="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,G", [(4, 1), (4, 2), (6, 3)])
+def test_the_group_sum_kernel_adds_each_groups_heads_in_fp32(H, G, dtype):
+    """The backward's dB and dC at G < H: the per-head parts [rows, H, N] summed over each group's heads in fp32 and
+    rounded once to B's dtype (_group_sum_kernel), against torch's fp32 sum of the same parts; rows past a program's
+    block (ROWS not a multiple of GROUP_SUM_ROWS) are masked, not written."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(7)
+    rows, N = m3.GROUP_SUM_ROWS + 5, 16
+    dbh, dch = (torch.randn(rows, H, N, generator=g).to(device, dtype) for _ in range(2))
+    db = torch.full((rows + 3, G, N), 7.0, device=device, dtype=dtype)  # 3 rows past the end: must stay 7
+    dc = torch.full_like(db, 7.0)
+    grid = (-(-rows // m3.GROUP_SUM_ROWS), G)
+    m3._group_sum_kernel[grid](dbh, dch, db, dc, rows, H, G, N=N, BR=m3.GROUP_SUM_ROWS, num_warps=4)
+    for got, parts in ((db, dbh), (dc, dch)):
+        want = parts.view(rows, G, H // G, N).float().sum(2).to(dtype)
+        torch.testing.assert_close(got[:rows], want, rtol=0 if dtype == torch.float32 else 1e-2, atol=1e-6)
+        assert (got[rows:] == 7).all()

@@ -220,9 +220,9 @@ def doc_angle_sum(inc: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     overflows the int64 fixed point) is not caught: a wrong angle. On CUDA two Triton passes over blocks of tokens
     and columns (`doc_angle_sum_triton`); elsewhere plain torch (`doc_angle_sum_torch`);
     tests/test_mamba3.py holds the two equal (fp32: bit for bit at its seeds; fp64: within 1e-12). Not by
-    construction: the final mod, x - 2 pi floor(x / 2 pi) here and torch's exact remainder there, can differ in
-    fp64's last bit, which can flip an fp32 rounding of a result near zero, and an increment past 2 pi can land one
-    fixed-point step apart. An opaque op: inductor's
+    construction: the final mod, x - 2 pi floor(x / (2 pi)) here (its floor by a product, _mod_two_pi) and torch's
+    exact remainder there, can differ in fp64's last bit, which can flip an fp32 rounding of a result near zero, and
+    an increment past 2 pi can land one fixed-point step apart. An opaque op: inductor's
     Triton codegen fails on this long scan over a middle dim (torch 2.11: `list indices must be integers` in SplitScan codegen, at
     [8,4096,16,32] on the H200), and torch's own int64 scan over a middle dim took 1.6 ms there, a fifth of the
     whole Mamba-3 scan's forward and backward."""
@@ -310,6 +310,20 @@ def _segmented_add(a, a_cut, b, b_cut):
 
 
 @triton.jit
+def _mod_two_pi(x):
+    """x mod 2 pi in fp64, in [0, 2 pi): the turns by a product with 1 / (2 pi), then one turn added or taken
+    where that product's rounding put the floor a turn off (x within an ulp of a multiple of 2 pi). In place of
+    floor(x / (2 pi)): an fp64 division is a dozen double-precision instructions an element (a reciprocal and its
+    Newton steps), and the angle sums take two an increment (its mod, the output's mod) at the double-precision
+    rate, a 64th of the fp32 one on an H100. Where the product's floor equals the quotient's, the result is the
+    division's bit for bit (the same x - 2 pi q)."""
+    two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
+    r = x - two_pi * tl.floor(x * tl.full((), 0.15915494309189535, tl.float64))
+    r = tl.where(r < 0, r + two_pi, r)
+    return tl.where(r >= two_pi, r - two_pi, r)
+
+
+@triton.jit
 def _doc_block(v_ptr, cu_ptr, n_docs, N, C, block, col0, col_end, BT: tl.constexpr, BC: tl.constexpr,
                ANGLES: tl.constexpr, REVERSE: tl.constexpr, FIXED_POINT: tl.constexpr):  # fmt: skip
     """Token block `block`'s tile of the columns [col0, col_end) (BC lanes from col0) in scan order (REVERSE: the
@@ -352,8 +366,7 @@ def _doc_block(v_ptr, cu_ptr, n_docs, N, C, block, col0, col_end, BT: tl.constex
     fin = m  # the suffix sums' (unused)
     if ANGLES:  # each increment mod 2 pi in fp64, then in int64 fixed point: integer sums are exact in any order
         fin = tl.abs(v) < float("inf")  # False at NaN and +-inf, whose int64 conversion is arbitrary
-        two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
-        v = tl.where(m, tl.floor((v - two_pi * tl.floor(v / two_pi)) * FIXED_POINT + 0.5).to(tl.int64), 0)
+        v = tl.where(m, tl.floor(_mod_two_pi(v) * FIXED_POINT + 0.5).to(tl.int64), 0)
     return v, cut, r, at, m, rc, mc, carry_lo, carry_hi, fin
 
 
@@ -401,9 +414,7 @@ def _doc_scan_tile(v_ptr, cu_ptr, tot_ptr, n_docs, N, C, block, col0, col_end, B
     run, seen = tl.associative_scan((v, cuts), axis=0, combine_fn=_segmented_add)
     run = tl.where(seen != 0, run, run + carry[None, :])
     if ANGLES:
-        two_pi = tl.full((), 6.283185307179586, tl.float64)
-        out = run.to(tl.float64) * (1.0 / FIXED_POINT)  # a power of two: exact, and no fp64 division
-        out = out - two_pi * tl.floor(out / two_pi)
+        out = _mod_two_pi(run.to(tl.float64) * (1.0 / FIXED_POINT))  # a power of two: exact
         out = tl.where(fin, out, float("nan"))  # bad input fails closed: the integer sum there is arbitrary
     else:
         out = run
@@ -832,6 +843,40 @@ def _m3_bwd_sweeps_kernel(
                            slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
 
+@triton.jit
+def _group_sum_kernel(dbh_ptr, dch_ptr, db_ptr, dc_ptr, ROWS, H, G, N: tl.constexpr, BR: tl.constexpr):
+    """dB and dC of B's groups from the chunk pass's per-head parts [ROWS, H, N] (ROWS = B*T*R): each group's heads
+    added in order in fp32, stored in db_ptr's dtype; a program a block of BR rows and a group. One launch for both
+    in place of two torch reductions and two casts (and their fp32 [ROWS, G, N] intermediates)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    g = tl.program_id(1)
+    rn = tl.arange(0, N)
+    m = (r < ROWS)[:, None]
+    acc_b = tl.zeros((BR, N), dtype=tl.float32)
+    acc_c = tl.zeros((BR, N), dtype=tl.float32)
+    for j in range(0, H // G):
+        at = (r[:, None] * H + g * (H // G) + j) * N + rn[None, :]
+        acc_b += tl.load(dbh_ptr + at, mask=m, other=0.0).to(tl.float32)
+        acc_c += tl.load(dch_ptr + at, mask=m, other=0.0).to(tl.float32)
+    out = (r[:, None] * G + g) * N + rn[None, :]
+    tl.store(db_ptr + out, acc_b.to(db_ptr.dtype.element_ty), mask=m)
+    tl.store(dc_ptr + out, acc_c.to(dc_ptr.dtype.element_ty), mask=m)
+
+
+# rows a program of _group_sum_kernel (4 warps: 32 x 128 fp32 accumulators, two of them)
+GROUP_SUM_ROWS = 32
+
+
+def group_sums(dBh: torch.Tensor, dCh: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dB and dC [B, T*R, G, N] from per-head parts [B, T*R, H, N] (contiguous, one dtype): _group_sum_kernel."""
+    B, TR, H, N = dBh.shape
+    dB = torch.empty((B, TR, G, N), device=dBh.device, dtype=dBh.dtype)
+    dC = torch.empty_like(dB)
+    _group_sum_kernel[(triton.cdiv(B * TR, GROUP_SUM_ROWS), G)](dBh, dCh, dB, dC, B * TR, H, G, N=N,
+                                                                BR=GROUP_SUM_ROWS, num_warps=4)  # fmt: skip
+    return dB, dC
+
+
 # sub-tokens per key program (_keys_kernel, 4 warps; on the H200 at [8,4096,16,128], 16 took 210 us, 32 302), and the
 # rotation's tile in _angle_keys_kernel, whose program covers SCAN_BLOCK_T * R sub-tokens: it must divide that (past
 # the program's block a tile would read angles the next program has not stored; _angles_and_keys checks)
@@ -925,13 +970,14 @@ def mamba3_scan_fwd(
 def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
     """x [B,T,H,P] and B [B,T*R,G,N] as mamba3_scan_fwd takes them: whether the forward keeps its rotated keys and
     queries for the backward, which then takes them in place of B and C and runs no key pass of its own. Where they
-    are no larger than B and C (a group per head, G == H), in their dtype, and nothing asks for activation memory
-    back (inductor's activation_memory_budget at 1, as eager runs and as apply_ac leaves a block at budget 1: the
-    op's outputs cannot be recomputed, where B and C, saved in their place, can, so a budget below 1 keeps the key
-    pass). Else (G < H: the keys per head are H / G times B's size) the backward recomputes them. At bench ssd's
-    main shape (G = H) the key pass took 0.16 ms of the scan's 2.6 (probe, H200)."""
-    budget = torch._functorch.config.activation_memory_budget
-    return Bm.shape[2] == x.shape[2] and Bm.dtype == x.dtype and budget >= 1.0
+    are in B's dtype and nothing asks for activation memory back (inductor's activation_memory_budget at 1, as eager
+    runs and as apply_ac leaves a block at budget 1: the op's outputs cannot be recomputed, where B and C, saved in
+    their place, can, so a budget below 1 keeps the key pass). At any G: with fewer groups than heads the kept keys
+    are H / G times B's size (the base model's M block, G = 1, H = 32: 268 MB a layer at B=4 T=4096 in bf16), the
+    memory a budget of 1 says to spend, and the key pass they spare took 0.147 ms of that layer's backward on an H100
+    (profiles/nvidia-h100-80gb-hbm3/compile/, 860c8e6). At bench ssd's main shape (G = H) it took 0.16 ms of the
+    scan's 2.6 (probe, H200)."""
+    return Bm.dtype == x.dtype and torch._functorch.config.activation_memory_budget >= 1.0
 
 
 @mamba3_scan_fwd.register_fake
@@ -951,7 +997,7 @@ def mamba3_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
     D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor, cu_seqlens: torch.Tensor,  # noqa: UP045
-    states: torch.Tensor, chunk: int, rank: int, rotated: bool,
+    states: torch.Tensor, chunk: int, rank: int, rotated: bool, groups: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt,
@@ -960,12 +1006,16 @@ def mamba3_scan_bwd(
     as the forward's sums are in its), d weight, d gamma, and the gradients of A,
     D and the two biases in one fp32 vector [2H + 2HRN] (split_sums parts it: a custom op's outputs may not be views
     of one another, and four reductions over the chunks would be four launches).
-    rotated: Bm and Cm are the forward's rotated keys and queries (keeps_keys), else B and C, and the keys are
-    recomputed (per head they are H / G times B's size); SSD's sequential state pass, then
+    rotated: Bm and Cm are the forward's rotated keys and queries per head (keeps_keys), else B and C, and the keys
+    are recomputed; groups: B's G either way (dB and dC are [B,T*R,G,N]). SSD's sequential state pass, then
     the chunk pass (_m3_bwd_chunk_kernel; with M3_BWD_SPLIT, _m3_bwd_own_kernel then _m3_bwd_sweeps_kernel), which
     also takes dk and dq back through the rotation, unrounded."""
-    B, TR, G, N = Bm.shape
+    B, TR, _, N = Bm.shape
+    G = groups
     H, P, R, n_a = x.shape[2], x.shape[3], rank, theta.shape[-1]
+    if H % G or Bm.shape[2] != (H if rotated else G):
+        raise ValueError(f"mamba3_scan_bwd: groups={G} must divide H={H}, and Bm's dim 2 ({Bm.shape[2]}) be "
+                         f"{'H (rotated keys)' if rotated else 'groups'}")  # fmt: skip
     k, q = (Bm, Cm) if rotated else _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
     dy = dy.contiguous()
     dstates = launch_ssd_bwd_states(dy, dt, A, q, cu_seqlens, states, chunk, x.dtype)
@@ -981,7 +1031,7 @@ def mamba3_scan_bwd(
     xs = mimo_x if R > 1 else dt  # SISO: a placeholder pointer the kernels never read
     dth = torch.empty_like(theta)  # one row a step: the kernels sum a step's ranks
     # dB and dC per head in B's dtype: one head a group, the gradients themselves; else each head's part, summed over
-    # the group below in fp32 (per-head parts in fp32 doubled the traffic of the largest buffers at H=32, G=1)
+    # the group below in fp32 (_group_sum_kernel)
     dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype)
     dCh = torch.empty_like(dBh)
     consts = dict(P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
@@ -1001,17 +1051,17 @@ def mamba3_scan_bwd(
             x, xs, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
             dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts,
         )  # fmt: skip
-    dB, dC = (t if G == H else t.view(B, TR, G, H // G, N).sum(3, dtype=torch.float32).to(Bm.dtype)
-              for t in (dBh, dCh))  # fmt: skip
+    dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     return dx, ddt, dB, dC, doc_suffix_sum_triton(dth, cu_steps), dw, dgam, sums.sum(0)
 
 
 @mamba3_scan_bwd.register_fake
 def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states, chunk,  # noqa: ANN001, ANN202
-      rank, rotated):  # fmt: skip
+      rank, rotated, groups):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
-    return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), torch.empty_like(Bm), torch.empty_like(Cm),
+    dB = Bm.new_empty((B, Bm.shape[1], groups, N))
+    return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB),
             torch.empty_like(theta), torch.empty_like(weight), torch.empty_like(gamma),
             x.new_empty((2 * H + 2 * H * rank * N,), dtype=torch.float32))  # fmt: skip
 
@@ -1020,6 +1070,7 @@ def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
     x, dt, A, Bm, Cm, _inc, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, chunk, rank, _save, _keep = inputs
     _y, states, k, q, theta = output
     ctx.rotated = k.numel() > 0  # the rotated keys kept (keeps_keys): saved in place of B and C
+    ctx.groups = Bm.shape[2]
     if ctx.rotated:
         Bm, Cm = k, q
     ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens,
@@ -1040,7 +1091,7 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
     dxr, ddt, dB, dC, d_inc, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight,
                                                              gamma, D, mimo_x, cu_steps, cu_seqlens, states, ctx.chunk,
-                                                             ctx.rank, ctx.rotated)  # fmt: skip
+                                                             ctx.rank, ctx.rotated, ctx.groups)  # fmt: skip
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums, x.shape[2], ctx.rank, Bm.shape[-1])
     dx, dmx = dxr, None
