@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from megacpp_lab import source_digest
 from megacpp_lab.checks import check_int, is_int
 from megacpp_lab.model.precision import PrecisionPlan, apply_precision
 from megacpp_lab.nn.config_builder import option
@@ -295,22 +296,8 @@ def model_fingerprint(lm: nn.Module) -> str:
     param = next(lm.parameters())
     device = torch.cuda.get_device_name(param.device) if param.is_cuda else param.device.type
     text = repr((lm.config, getattr(lm, "parallel_config", None), device, torch.__version__, triton.__version__,
-                 os.environ.get("TRITON_INTERPRET", "0"), _source_digest()))  # fmt: skip
+                 os.environ.get("TRITON_INTERPRET", "0"), source_digest()))  # fmt: skip
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _source_digest() -> str:
-    """The lab's source: a changed kernel or block changes the graphs, so a graph or manifest of older code is
-    not warm."""
-    import hashlib
-    from pathlib import Path
-
-    package = Path(__file__).resolve().parents[1]  # megacpp_lab/
-    h = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        h.update(str(path.relative_to(package)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 def _cache_compiles(backend: Any) -> None:
