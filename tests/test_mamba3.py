@@ -984,3 +984,41 @@ def test_the_group_sum_kernel_adds_each_groups_heads_in_fp32(H, G, dtype):
         want = parts.view(rows, G, H // G, N).float().sum(2).to(dtype)
         torch.testing.assert_close(got[:rows], want, rtol=0 if dtype == torch.float32 else 1e-2, atol=1e-6)
         assert (got[rows:] == 7).all()
+
+
+def test_group_sums_refuses_bad_input_by_name():
+    """group_sums (the backward's dB and dC at G < H; bench/resources calls it too) fails closed: a G that does not
+    divide H would skip heads, a dC unlike dB or a strided part would be read wrong, and N must be a power of two
+    (the kernel's tile); each raises a ValueError naming what is wrong. Checked before any launch."""
+    from megacpp_lab.kernels.mamba3 import group_sums
+
+    dbh = torch.zeros(1, 4, 6, 16)
+    cases = [
+        ((dbh, dbh.clone(), 4), "G=4 must be a positive divisor of the heads H=6"),
+        ((dbh, dbh.clone(), 0), "G=0 must be a positive divisor"),
+        ((dbh, dbh[..., :8].clone(), 2), "dCh .* must match dBh"),
+        ((dbh, dbh.to(torch.bfloat16), 2), "dCh .* must match dBh"),
+        ((dbh.transpose(1, 2), dbh.transpose(1, 2), 2), "must be contiguous"),
+        ((torch.zeros(1, 4, 6, 12), torch.zeros(1, 4, 6, 12), 2), "N=12 must be a power of two"),
+        ((dbh[0], dbh[0], 2), r"dBh must be \[B, T\*R, H, N\]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            group_sums(*args)
+
+
+@pytest.mark.parametrize("groups,rotated,message", [(0, False, "groups=0 must divide H=4"),
+                                                    (3, False, "groups=3 must divide H=4"),
+                                                    (2, True, r"Bm's dim 2 \(2\) be H \(rotated keys\)")])
+def test_the_backward_op_refuses_groups_that_do_not_fit_b(groups, rotated, message):
+    """mamba3_scan_bwd is told B's groups (the forward may have kept per-head keys in B's place): a count that does
+    not divide the heads, or B's dim 2 unlike what `rotated` says, raises before any launch, naming both."""
+    from megacpp_lab.kernels.mamba3 import mamba3_scan_bwd
+
+    B, T, H, P, N = 1, 8, 4, 8, 16
+    z = torch.zeros
+    Bm = z(B, T, 2, N)  # two groups of B and C
+    with pytest.raises(ValueError, match=message):
+        mamba3_scan_bwd(z(B, T, H, P), z(B, T, H, P), z(B, T, H), z(H), Bm, Bm.clone(), z(B, T, H, 4), z(H, 1, N),
+                        z(H, 1, N), z(B, T, H), z(B, T, H), z(H), None, torch.tensor([0, T]), torch.tensor([0, T]),
+                        z(2, H, P, N), 8, 1, rotated, groups)  # fmt: skip

@@ -2,45 +2,72 @@
 AOTAutograd caches key a graph by its operators, not by the Python autograd formulas behind the lab's custom ops, so
 without the tag an edited backward was served from a cache written by the old code."""
 
-import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import megacpp_lab
 from megacpp_lab.model.parallelize import model_fingerprint
 
 
-def test_source_digest_hashes_every_python_file_of_the_package_by_path_and_bytes(tmp_path: Path) -> None:
+def test_source_digest_changes_with_any_file_of_the_package_and_its_name(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     package = Path(megacpp_lab.__file__).resolve().parent
-    files = sorted(package.rglob("*.py"))
-    assert package / "kernels" / "mamba3.py" in files  # where the custom ops' backward formulas are
-    h = hashlib.sha256()
-    for path in files:
-        h.update(str(path.relative_to(package)).encode())
-        h.update(path.read_bytes())
-    assert megacpp_lab.source_digest() == h.hexdigest()
-    assert megacpp_lab.compile_cache_tag() == f"megacpp_lab-{h.hexdigest()[:16]}"
+    copy = tmp_path / "megacpp_lab"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    monkeypatch.setattr(megacpp_lab, "__file__", str(copy / "__init__.py"))
+    seen = {megacpp_lab.source_digest()}
+    assert seen == {megacpp_lab.source_digest()}  # the same files, the same digest
+    kernel = copy / "kernels" / "mamba3.py"  # where the custom ops' backward formulas are
+    kernel.write_text(kernel.read_text() + "\n# an edit\n")
+    seen.add(megacpp_lab.source_digest())
+    kernel.rename(copy / "kernels" / "mamba3_renamed.py")  # the same bytes under another name
+    seen.add(megacpp_lab.source_digest())
+    (copy / "kernels" / "ab.py").write_text("b")  # "ab.py" + "b" against "a.py" + "bb": the parts are delimited
+    seen.add(megacpp_lab.source_digest())
+    (copy / "kernels" / "ab.py").unlink()
+    (copy / "kernels" / "a.py").write_text("bb")
+    seen.add(megacpp_lab.source_digest())
+    assert len(seen) == 5
+    monkeypatch.undo()
+    assert megacpp_lab.compile_cache_tag() == f"megacpp_lab-{megacpp_lab.source_digest()[:16]}"
 
 
-def test_the_tag_is_in_torchs_cache_key_and_changes_it() -> None:
-    from torch._inductor.codecache import compiled_fx_graph_hash
+def test_a_changed_tag_misses_the_autograd_cache_an_unchanged_one_hits(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """End to end, as the stale backward was served: AOTAutogradCache saves a compiled forward and backward, a new
+    compile with the same tag loads them, one with another tag (older source) does not."""
+    from torch._dynamo.utils import counters
 
     assert megacpp_lab.compile_cache_tag() in torch.compiler.config.cache_key_tag.split("+")
-    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Tanh()))
-    x = [torch.randn(4)]
-    key, _ = compiled_fx_graph_hash(gm, x, {}, [])
-    assert compiled_fx_graph_hash(gm, x, {}, [])[0] == key  # the key is stable for the same graph and tag
-    with torch.compiler.config.patch(cache_key_tag="megacpp_lab-0000000000000000"):  # older source
-        assert compiled_fx_graph_hash(gm, x, {}, [])[0] != key
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(8, requires_grad=True)
+
+    def step() -> None:
+        torch._dynamo.reset()
+        torch.compile(lambda v: (v.sin() * 2).sum(), backend="inductor", fullgraph=True)(x).backward()
+
+    with torch._functorch.config.patch(enable_autograd_cache=True), torch._inductor.config.patch(fx_graph_cache=True):
+        counters.clear()
+        step()
+        assert counters["aot_autograd"]["autograd_cache_saved"] == 1, dict(counters["aot_autograd"])
+        step()
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+        with torch.compiler.config.patch(cache_key_tag="megacpp_lab-0000000000000000"):
+            step()
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+        assert counters["aot_autograd"]["autograd_cache_miss"] == 2, dict(counters["aot_autograd"])
+    torch._dynamo.reset()
 
 
-def test_a_users_tag_is_kept_when_the_lab_is_imported_before_torch() -> None:
-    code = "import megacpp_lab, torch; print(torch.compiler.config.cache_key_tag)"
-    env = {**os.environ, megacpp_lab.COMPILE_CACHE_TAG_ENV: "mine"}
+@pytest.mark.parametrize("torch_first", [False, True], ids=["lab, then torch", "torch, then lab"])
+def test_a_users_tag_stays_and_an_inherited_lab_tag_is_replaced(torch_first: bool) -> None:
+    imports = "import torch, megacpp_lab" if torch_first else "import megacpp_lab, torch"
+    code = f"{imports}; megacpp_lab._tag_compile_caches(); print(torch.compiler.config.cache_key_tag)"  # twice: idempotent
+    env = {**os.environ, megacpp_lab.COMPILE_CACHE_TAG_ENV: "mine+megacpp_lab-0123456789abcdef"}  # a parent's, older
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [f"mine+{megacpp_lab.compile_cache_tag()}"]
 

@@ -316,7 +316,8 @@ def _mod_two_pi(x):
     floor(x / (2 pi)): an fp64 division is a dozen double-precision instructions an element (a reciprocal and its
     Newton steps), and the angle sums take two an increment (its mod, the output's mod) at the double-precision
     rate, a 64th of the fp32 one on an H100. Where the product's floor equals the quotient's, the result is the
-    division's bit for bit (the same x - 2 pi q)."""
+    division's bit for bit (the same x - 2 pi q), except that an r the division left at exactly 2 pi is 0 here
+    (the last select keeps every result in [0, 2 pi))."""
     two_pi = tl.full((), 6.283185307179586, tl.float64)  # a bare literal would be an fp32 constant
     r = x - two_pi * tl.floor(x * tl.full((), 0.15915494309189535, tl.float64))
     r = tl.where(r < 0, r + two_pi, r)
@@ -868,8 +869,20 @@ GROUP_SUM_ROWS = 32
 
 
 def group_sums(dBh: torch.Tensor, dCh: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """dB and dC [B, T*R, G, N] from per-head parts [B, T*R, H, N] (contiguous, one dtype): _group_sum_kernel."""
+    """dB and dC [B, T*R, G, N] from per-head parts [B, T*R, H, N] (contiguous, one dtype): _group_sum_kernel,
+    group g the heads g*H/G .. (g+1)*H/G - 1 (as the forward's keys read B). Bad input raises a ValueError naming it."""
+    if dBh.dim() != 4:
+        raise ValueError(f"group_sums: dBh must be [B, T*R, H, N], got shape {tuple(dBh.shape)}")
     B, TR, H, N = dBh.shape
+    if dCh.shape != dBh.shape or dCh.dtype != dBh.dtype or dCh.device != dBh.device:
+        raise ValueError(f"group_sums: dCh ({tuple(dCh.shape)}, {dCh.dtype}, {dCh.device}) must match dBh "
+                         f"({tuple(dBh.shape)}, {dBh.dtype}, {dBh.device})")  # fmt: skip
+    if not (dBh.is_contiguous() and dCh.is_contiguous()):
+        raise ValueError("group_sums: dBh and dCh must be contiguous (the kernel reads rows H*N apart)")
+    if not isinstance(G, int) or G < 1 or H % G:
+        raise ValueError(f"group_sums: G={G!r} must be a positive divisor of the heads H={H}")
+    if N < 1 or N & (N - 1):
+        raise ValueError(f"group_sums: N={N} must be a power of two (the kernel's tile is N columns)")
     dB = torch.empty((B, TR, G, N), device=dBh.device, dtype=dBh.dtype)
     dC = torch.empty_like(dB)
     _group_sum_kernel[(triton.cdiv(B * TR, GROUP_SUM_ROWS), G)](dBh, dCh, dB, dC, B * TR, H, G, N=N,
@@ -975,7 +988,8 @@ def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
     their place, can, so a budget below 1 keeps the key pass). At any G: with fewer groups than heads the kept keys
     are H / G times B's size (the base model's M block, G = 1, H = 32: 268 MB a layer at B=4 T=4096 in bf16), the
     memory a budget of 1 says to spend, and the key pass they spare took 0.147 ms of that layer's backward on an H100
-    (profiles/nvidia-h100-80gb-hbm3/compile/, 860c8e6). At bench ssd's main shape (G = H) it took 0.16 ms of the
+    (profiles/nvidia-h100-80gb-hbm3/compile/, 860c8e6; 0.143 ms a call at bench ssd's H=32 shape, the probe at
+    16f4aee). At bench ssd's main shape (G = H) it took 0.16 ms of the
     scan's 2.6 (probe, H200)."""
     return Bm.dtype == x.dtype and torch._functorch.config.activation_memory_budget >= 1.0
 
@@ -1013,7 +1027,7 @@ def mamba3_scan_bwd(
     B, TR, _, N = Bm.shape
     G = groups
     H, P, R, n_a = x.shape[2], x.shape[3], rank, theta.shape[-1]
-    if H % G or Bm.shape[2] != (H if rotated else G):
+    if G < 1 or H % G or Bm.shape[2] != (H if rotated else G):
         raise ValueError(f"mamba3_scan_bwd: groups={G} must divide H={H}, and Bm's dim 2 ({Bm.shape[2]}) be "
                          f"{'H (rotated keys)' if rotated else 'groups'}")  # fmt: skip
     k, q = (Bm, Cm) if rotated else _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
