@@ -17,7 +17,8 @@ ALLOWED = {
     "data": {"varlen", "checks"},
     "nn": {"kernels", "store", "varlen", "checks"},
     "store": {"nn", "checks"},  # backends implement nn.table_store's TableBackend; nn imports no store module (checked below)
-    "model": {"nn", "kernels", "store", "data", "varlen", "profiling", "checks"},  # profiling: the saved-tensor count, no imports of ours
+    # profiling: the saved-tensor count, no imports of ours; source_key: the source digest in model_fingerprint
+    "model": {"nn", "kernels", "store", "data", "varlen", "profiling", "checks", "source_key"},
     # the regression packs reproduce bugs against the lab's own layers, as a benchmark does; nothing imports them
     # but the CLI. receipts: the commit stamped on a recorded lowering run
     "tripwires": {"model", "nn", "kernels", "varlen", "profiling", "receipts"},
@@ -49,6 +50,11 @@ def test_relative_imports_are_resolved_too(tmp_path) -> None:
 def test_varlen_imports_nothing_of_ours() -> None:
     """Below kernels/: importing it must not fix TRITON_INTERPRET (kernels/__init__ reads it once)."""
     assert _imports(PACKAGE / "varlen.py") == set()
+
+
+def test_source_key_imports_nothing_of_ours() -> None:
+    """The package's __init__ imports it to tag torch's compile caches: it must pull in no layer."""
+    assert _imports(PACKAGE / "source_key.py") == set()
 
 
 def test_checks_imports_nothing_of_ours() -> None:

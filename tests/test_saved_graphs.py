@@ -61,7 +61,7 @@ def test_a_cold_model_saves_one_graph_per_structure_and_a_new_one_loads_them_wit
     assert len(list(saved_graphs_dir().glob("*.bin"))) == n
     assert "0 loaded" in describe_compile(1.0, model=cold) and ", cold:" in describe_compile(1.0, model=cold)
     # other document counts per row: the same graphs (cu_seqlens' length is dynamic in them)
-    for docs in (1, 2, 7):
+    for docs in (1, 7):
         t, d, y = make_batch(ModelShape("tiny", 2, 32, docs), config.vocab_size, DEV, seed=docs)
         TrainingStep(cold, t, build_context(d), y)()
     assert cold.saved_graphs.summary()["compiled"] == n

@@ -1,6 +1,6 @@
-"""The lab's source in every compile cache key (megacpp_lab.source_digest, compile_cache_tag): torch's FX-graph and
-AOTAutograd caches key a graph by its operators, not by the Python autograd formulas behind the lab's custom ops, so
-without the tag an edited backward was served from a cache written by the old code."""
+"""The lab's source in every compile cache key (megacpp_lab/source_key.py: source_digest, compile_cache_tag):
+torch's FX-graph and AOTAutograd caches key a graph by its operators, not by the Python autograd formulas behind the
+lab's custom ops, so without the tag an edited backward was served from a cache written by the old code."""
 
 import os
 import shutil
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import megacpp_lab
+from megacpp_lab import source_key
 from megacpp_lab.model.parallelize import model_fingerprint
 
 
@@ -19,22 +20,22 @@ def test_source_digest_changes_with_any_file_of_the_package_and_its_name(tmp_pat
     package = Path(megacpp_lab.__file__).resolve().parent
     copy = tmp_path / "megacpp_lab"
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    monkeypatch.setattr(megacpp_lab, "__file__", str(copy / "__init__.py"))
-    seen = {megacpp_lab.source_digest()}
-    assert seen == {megacpp_lab.source_digest()}  # the same files, the same digest
+    monkeypatch.setattr(source_key, "__file__", str(copy / "source_key.py"))
+    seen = {source_key.source_digest()}
+    assert seen == {source_key.source_digest()}  # the same files, the same digest
     kernel = copy / "kernels" / "mamba3.py"  # where the custom ops' backward formulas are
     kernel.write_text(kernel.read_text() + "\n# an edit\n")
-    seen.add(megacpp_lab.source_digest())
+    seen.add(source_key.source_digest())
     kernel.rename(copy / "kernels" / "mamba3_renamed.py")  # the same bytes under another name
-    seen.add(megacpp_lab.source_digest())
+    seen.add(source_key.source_digest())
     (copy / "kernels" / "ab.py").write_text("b")  # "ab.py" + "b" against "a.py" + "bb": the parts are delimited
-    seen.add(megacpp_lab.source_digest())
+    seen.add(source_key.source_digest())
     (copy / "kernels" / "ab.py").unlink()
     (copy / "kernels" / "a.py").write_text("bb")
-    seen.add(megacpp_lab.source_digest())
+    seen.add(source_key.source_digest())
     assert len(seen) == 5
     monkeypatch.undo()
-    assert megacpp_lab.compile_cache_tag() == f"megacpp_lab-{megacpp_lab.source_digest()[:16]}"
+    assert source_key.compile_cache_tag() == f"megacpp_lab-{source_key.source_digest()[:16]}"
 
 
 def test_a_changed_tag_misses_the_autograd_cache_an_unchanged_one_hits(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -42,7 +43,7 @@ def test_a_changed_tag_misses_the_autograd_cache_an_unchanged_one_hits(tmp_path:
     compile with the same tag loads them, one with another tag (older source) does not."""
     from torch._dynamo.utils import counters
 
-    assert megacpp_lab.compile_cache_tag() in torch.compiler.config.cache_key_tag.split("+")
+    assert source_key.compile_cache_tag() in torch.compiler.config.cache_key_tag.split("+")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     x = torch.randn(8, requires_grad=True)
 
@@ -66,10 +67,10 @@ def test_a_changed_tag_misses_the_autograd_cache_an_unchanged_one_hits(tmp_path:
 @pytest.mark.parametrize("torch_first", [False, True], ids=["lab, then torch", "torch, then lab"])
 def test_a_users_tag_stays_and_an_inherited_lab_tag_is_replaced(torch_first: bool) -> None:
     imports = "import torch, megacpp_lab" if torch_first else "import megacpp_lab, torch"
-    code = f"{imports}; megacpp_lab._tag_compile_caches(); print(torch.compiler.config.cache_key_tag)"  # twice: idempotent
-    env = {**os.environ, megacpp_lab.COMPILE_CACHE_TAG_ENV: "mine+megacpp_lab-0123456789abcdef"}  # a parent's, older
+    code = f"{imports}; megacpp_lab.source_key.tag_compile_caches(); print(torch.compiler.config.cache_key_tag)"  # twice: idempotent
+    env = {**os.environ, source_key.COMPILE_CACHE_TAG_ENV: "mine+megacpp_lab-0123456789abcdef"}  # a parent's, older
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [f"mine+{megacpp_lab.compile_cache_tag()}"]
+    assert out.stdout.split() == [f"mine+{source_key.compile_cache_tag()}"]
 
 
 def test_model_fingerprint_includes_the_source_digest(monkeypatch) -> None:  # noqa: ANN001

@@ -231,7 +231,7 @@ def test_training_under_a_remat_policy_resumes_bit_exactly_and_reports_it(tmp_pa
     compiles; the Triton scans under the interpreter): the run trains, a run stopped and resumed equals the
     straight one bit for bit, and the console and history.json name the policy."""
     # two steps, the stop after the first: each step runs the interpreted scans (about 9 s a step on CI's CPU)
-    cfg = dict(TINY, steps=2, warmup_steps=1, log_every=1, val_every=2, ckpt_every=1)
+    cfg = dict(TINY, steps=2, warmup_steps=1, log_every=1, val_every=2, ckpt_every=1, val_batches=1)
     backend = "aot_eager_decomp_partition" if compiled else "inductor"
     config = TrainConfig.build(cfg, remat=remat, compile=compiled, backend=backend, out_dir=str(tmp_path / "straight"))
     torch._dynamo.reset()

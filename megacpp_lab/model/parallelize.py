@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from megacpp_lab import source_digest
 from megacpp_lab.checks import check_int, is_int
 from megacpp_lab.model.precision import PrecisionPlan, apply_precision
 from megacpp_lab.nn.config_builder import option
+from megacpp_lab.source_key import source_digest
 
 if TYPE_CHECKING:
     from megacpp_lab.model.checkpointing import CheckpointingPolicy
