@@ -21,7 +21,9 @@ TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), mamba3=dic
 # the tiny tests run where the kernels can: the GPU when there is one (its Triton kernels are not built for
 # the interpreter there), else the CPU under TRITON_INTERPRET (tests/conftest.py)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-DOCS = [1 + (7 * i) % 8 for i in range(8)]  # 8 batches: every count of 1..8 documents per row once, shuffled
+# 4 batches: a first count, then 1 (dynamo specialises sizes 0 and 1), the most (8 a row) and 2; each a new length
+# of the context's cu_seqlens (8 batches of every count 1..8 took two minutes of CI's interpreted scans)
+DOCS = [3, 1, 8, 2]
 
 
 def _tiny(**overrides) -> HybridLM:
@@ -91,7 +93,7 @@ def test_training_steps_with_every_document_count_add_no_graph():
     stats = compile_stats()
     assert after_first.graphs == len(block_structures(model)) == 4, after_first
     assert stats.graphs == after_first.graphs and stats.graph_breaks == 0, (after_first, stats)
-    assert len(set(DOCS)) == 8
+    assert len(set(DOCS)) == len(DOCS)
 
 
 def test_inductor_compiled_step_equals_eager_loss_and_gradients():
