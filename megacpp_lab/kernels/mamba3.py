@@ -591,48 +591,41 @@ def _angle_keys_kernel(inc_ptr, cu_ptr, tot_ptr, th_ptr, b_ptr, c_ptr, bb_ptr, c
 
 
 @triton.jit
-def _key_grad_back(d, v, cos, sin, out_ptr, bias_ptr, m, hd, slot, sums_row, rn, kq_at, RANK: tl.constexpr,
-                   CHUNK: tl.constexpr, BN: tl.constexpr, N: tl.constexpr):  # fmt: skip
-    """One [CHUNK, BN] block of dk (or dq) at the keys v as stored (fp32), taken back through the rotation by the
-    angles whose cos and sin are [CHUNK, BN // 2]: the gradient of B + b_bias per head into out_ptr and the bias's
-    partial sums over the chunk's sub-tokens, per rank; returns the block's pairs' angle gradients, summed over a
-    step's ranks ([CHUNK // RANK, BN // 2]). MIMO: a chunk holds whole steps, so each rank's bias sum is one reduction
-    of the block seen as [steps, RANK, BN] (compiled for sm_90, kernels/resources: at R = 4, with x read a step at a
-    time, the chunk kernel's shuffles went from 848 to 528 and its spills from 336/392 to 308/328 bytes a thread,
-    against stores per sub-token and a masked sum per rank; taking cos and sin once a step and broadcasting them to
-    the ranks spilled more: 708/808 against 524/604, both measured with dx summed over the ranks in the kernel, since
-    dropped)."""
+def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, col0, rn,
+                   kq_at, FIRST: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
+                   N: tl.constexpr):  # fmt: skip
+    """One [CHUNK, BN] block of dk (or dq) at the keys v as stored, taken back through the rotation: the gradient
+    of B + b_bias per head into out_ptr; the block's pairs' angle gradients into dth_ptr ([B*T, H, n_a], one row a
+    step; FIRST: stored, else added to what the queries' sweep stored); the bias's partial sums over the chunk's
+    sub-tokens, per rank. MIMO: a chunk holds whole steps ([first, end) sub-tokens), so the ranks' angle gradients
+    are summed here and each rank's bias sum is one reduction of the block seen as [steps, RANK, BN] (compiled for
+    sm_90, kernels/resources: at R = 4, with x read a step at a time, the chunk kernel's shuffles went from 848 to
+    528 and its spills from 336/392 to 308/328 bytes a thread, against stores per sub-token and a masked sum per
+    rank; taking cos and sin once a step and broadcasting them to the ranks spilled more: 708/808 against 524/604,
+    both measured with dx summed over the ranks in the kernel, since dropped)."""
+    pr = col0 // 2 + tl.arange(0, BN // 2)  # the block's pairs (rn = col0 + arange(BN))
+    pm = m[:, None] & (pr < n_a)[None, :]
+    cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, col0, BN, RANK)
     back, dth = _unrotate(d, v, cos, sin, CHUNK, BN)
     tl.store(out_ptr + kq_at + rn[None, :], back.to(out_ptr.dtype.element_ty), mask=m[:, None])
-    # rows past the chunk's end are zero
     if RANK == 1:
-        tl.store(bias_ptr + slot * sums_row + hd * N + rn, tl.sum(back, 0))
-    else:
-        STEPS: tl.constexpr = CHUNK // RANK
-        rr = tl.arange(0, RANK)
-        tl.store(bias_ptr + slot * sums_row + ((hd * RANK + rr) * N)[:, None] + rn[None, :],
-                 tl.sum(tl.reshape(back, (STEPS, RANK, BN)), axis=0))  # fmt: skip
-        dth = tl.sum(tl.reshape(dth, (STEPS, RANK, BN // 2)), axis=1)
-    return dth
-
-
-@triton.jit
-def _store_angle_grads(dth, dth_ptr, t, m, first, end, hd, H, n_a, col0, ADD: tl.constexpr, RANK: tl.constexpr,
-                       CHUNK: tl.constexpr, BN: tl.constexpr):  # fmt: skip
-    """A block's pairs' angle gradients [CHUNK // RANK, BN // 2] (its columns col0 + arange(BN)) into dth_ptr
-    ([B*T, H, n_a], one row a step); ADD: added to what is there (the queries' part, stored by their sweep)."""
-    pr = col0 // 2 + tl.arange(0, BN // 2)
-    if RANK == 1:
-        pm = m[:, None] & (pr < n_a)[None, :]
         th_at = dth_ptr + (t * H + hd)[:, None] * n_a + pr[None, :]
     else:
         STEPS: tl.constexpr = CHUNK // RANK
         steps = first // RANK + tl.arange(0, STEPS)
         pm = (steps < end // RANK)[:, None] & (pr < n_a)[None, :]
         th_at = dth_ptr + (steps * H + hd)[:, None] * n_a + pr[None, :]
-    if ADD:
+        dth = tl.sum(tl.reshape(dth, (STEPS, RANK, BN // 2)), axis=1)
+    if not FIRST:
         dth += tl.load(th_at, mask=pm, other=0.0)
     tl.store(th_at, dth, mask=pm)
+    # rows past the chunk's end are zero
+    if RANK == 1:
+        tl.store(bias_ptr + slot * sums_row + hd * N + rn, tl.sum(back, 0))
+    else:
+        rr = tl.arange(0, RANK)
+        tl.store(bias_ptr + slot * sums_row + ((hd * RANK + rr) * N)[:, None] + rn[None, :],
+                 tl.sum(tl.reshape(back, (STEPS, RANK, BN)), axis=0))  # fmt: skip
 
 
 @triton.jit
@@ -697,132 +690,49 @@ def _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, d
 
 
 @triton.jit
-def _m3_dq_block(nb, dcs, dye, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dq_ptr, dqb_ptr, st_at, kq_at, rp, t, m, first, end,
-                 hd, H, n_a, slot, sums_row, P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-                 PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
-    """The queries' sweep, block nb of BN state columns: dq = (L * dy x^T * W) k + exp(cs) dy S there, back through
-    the rotation, its angle gradients stored; returns dcs plus the block's share of the log-decay gradient's state
-    term q_i . (exp(cs_i) dy_i S)."""
-    rn = nb * BN + tl.arange(0, BN)
-    kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-    qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    S = tl.load(st_at + rp[:, None] * N + rn[None, :])
-    dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
-    dcs += tl.sum(dyS * qc, axis=1)
-    dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
-    cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, nb * BN, BN, RANK)
-    dth = _key_grad_back(dq, qc, cos, sin, dq_ptr, dqb_ptr, m, hd, slot, sums_row, rn, kq_at, RANK, CHUNK, BN, N)
-    _store_angle_grads(dth, dth_ptr, t, m, first, end, hd, H, n_a, nb * BN, False, RANK, CHUNK, BN)
-    return dcs
-
-
-@triton.jit
-def _m3_dk_block(nb, SdS, uw, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dk_ptr, dkb_ptr, st_at, dst_at, kq_at, rp, t, m,
-                 first, end, hd, H, n_a, slot, sums_row, P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-                 CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr,
-                 RANK: tl.constexpr):  # fmt: skip
-    """The keys' sweep, block nb: dk = (L * dy x^T * W)^T q + w x dS' there (x at its input weight), back through the
-    rotation, its angle gradients added to the queries'; returns SdS plus the block's sum(S * dS')."""
-    rn = nb * BN + tl.arange(0, BN)
-    qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-    S = tl.load(st_at + rp[:, None] * N + rn[None, :])
-    dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
-    dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
-          + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
-    kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, nb * BN, BN, RANK)
-    dth = _key_grad_back(dk, kc, cos, sin, dk_ptr, dkb_ptr, m, hd, slot, sums_row, rn, kq_at, RANK, CHUNK, BN, N)
-    _store_angle_grads(dth, dth_ptr, t, m, first, end, hd, H, n_a, nb * BN, True, RANK, CHUNK, BN)
-    return SdS + tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
-
-
-@triton.jit
-def _m3_dqdk_block(nb, dcs, SdS, dye, uw, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dq_ptr, dk_ptr, dqb_ptr, dkb_ptr, st_at,
-                   dst_at, kq_at, rp, t, m, first, end, hd, H, n_a, slot, sums_row, P: tl.constexpr, N: tl.constexpr,
-                   BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-                   SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
-    """The one sweep's block nb (M3_BWD_ONE_SWEEP): _m3_dq_block's and _m3_dk_block's work on one read of the block's
-    keys, queries, states and angles, one cos and sin, the angle gradients summed and stored once."""
-    rn = nb * BN + tl.arange(0, BN)
-    kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-    qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-    S = tl.load(st_at + rp[:, None] * N + rn[None, :])
-    dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
-    dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
-    dcs += tl.sum(dyS * qc.to(tl.float32), axis=1)
-    dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
-    dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
-          + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
-    SdS += tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
-    cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, nb * BN, BN, RANK)
-    dth = _key_grad_back(dq, qc.to(tl.float32), cos, sin, dq_ptr, dqb_ptr, m, hd, slot, sums_row, rn, kq_at, RANK,
-                         CHUNK, BN, N)  # fmt: skip
-    dth += _key_grad_back(dk, kc.to(tl.float32), cos, sin, dk_ptr, dkb_ptr, m, hd, slot, sums_row, rn, kq_at, RANK,
-                          CHUNK, BN, N)  # fmt: skip
-    _store_angle_grads(dth, dth_ptr, t, m, first, end, hd, H, n_a, nb * BN, False, RANK, CHUNK, BN)
-    return dcs, SdS
-
-
-@triton.jit
 def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                        dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w, slot,
                        hd, H, n_a, sums_row, P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-                       PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
-                       STAGES: tl.constexpr, ONE_SWEEP: tl.constexpr):  # fmt: skip
-    """The chunk pass's steps 3 and 4 (_m3_bwd_chunk_kernel), from step 2's LdYU, dcs and sum(R): dq and dk over the
-    blocks of N (each taken back through the rotation), in two sweeps (the queries', then the keys') or, ONE_SWEEP,
-    one; then the log-decay gradient: ddt and dA's partial sum. x and dy are read again here (a step-2 tile held
-    across the sweeps costs registers). STAGES: 0 unrolls the sweeps (static_range); n > 0 runs them as loops of
-    num_stages=n (kernels/resources: rolled, sm_90's register allocation spills less; 2 and more let Triton's
-    pipeliner load the next block during this one).
-    (Reading each block as its pairs' real and imaginary columns apart, two [.., BN // 2] dots each, so that nothing
-    splits a tile to rotate it back, compiled worse for sm_90: spills 444/452 against 312/340, barriers 231 to 147.)"""
+                       PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
+    """The chunk pass's steps 3 and 4 (_m3_bwd_chunk_kernel), from step 2's LdYU, dcs and sum(R): the sweeps over N for
+    dq and dk (each taken back through the rotation, _key_grads_out), then the log-decay gradient: ddt and dA's
+    partial sum. x and dy are read again here (a step-2 tile held across the sweeps costs registers)."""
     rp = tl.arange(0, P)
     st_at = st_ptr + (slot * H + hd) * P * N
     dst_at = dst_ptr + (slot * H + hd) * P * N
     kq_at = (t[:, None] * H + hd) * N
     xp_at = (t[:, None] * H + hd) * P + rp[None, :]
+    # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S).
+    # (Reading each block as its pairs' real and imaginary columns apart, two [.., BN // 2] dots each, so that nothing
+    # splits a tile to rotate it back, compiled worse for sm_90: spills 444/452 against 312/340, barriers 231 to 147.)
     dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(tl.float32)
     dye = (dy * tl.exp(cs)[:, None]).to(SDOT)
-    if ONE_SWEEP:
-        x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK).to(tl.float32)
-        uw = (x * (xw * w)[:, None]).to(SDOT)
-        SdS = tl.zeros((P,), dtype=tl.float32)
-        if STAGES == 0:
-            for nb in tl.static_range(N // BN):
-                dcs, SdS = _m3_dqdk_block(nb, dcs, SdS, dye, uw, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dq_ptr, dk_ptr,
-                                          dqb_ptr, dkb_ptr, st_at, dst_at, kq_at, rp, t, m, first, end, hd, H, n_a,
-                                          slot, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
-        else:
-            for nb in tl.range(0, N // BN, num_stages=STAGES):
-                dcs, SdS = _m3_dqdk_block(nb, dcs, SdS, dye, uw, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dq_ptr, dk_ptr,
-                                          dqb_ptr, dkb_ptr, st_at, dst_at, kq_at, rp, t, m, first, end, hd, H, n_a,
-                                          slot, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
-    else:
-        if STAGES == 0:
-            for nb in tl.static_range(N // BN):
-                dcs = _m3_dq_block(nb, dcs, dye, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dq_ptr, dqb_ptr, st_at, kq_at, rp,
-                                   t, m, first, end, hd, H, n_a, slot, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT,
-                                   RANK)  # fmt: skip
-        else:
-            for nb in tl.range(0, N // BN, num_stages=STAGES):
-                dcs = _m3_dq_block(nb, dcs, dye, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dq_ptr, dqb_ptr, st_at, kq_at, rp,
-                                   t, m, first, end, hd, H, n_a, slot, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT,
-                                   RANK)  # fmt: skip
-        tl.debug_barrier()  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
-        x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK).to(tl.float32)
-        uw = (x * (xw * w)[:, None]).to(SDOT)
-        SdS = tl.zeros((P,), dtype=tl.float32)
-        if STAGES == 0:
-            for nb in tl.static_range(N // BN):
-                SdS = _m3_dk_block(nb, SdS, uw, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dk_ptr, dkb_ptr, st_at, dst_at,
-                                   kq_at, rp, t, m, first, end, hd, H, n_a, slot, sums_row, P, N, BN, CHUNK, PRECISION,
-                                   DOT, SDOT, RANK)  # fmt: skip
-        else:
-            for nb in tl.range(0, N // BN, num_stages=STAGES):
-                SdS = _m3_dk_block(nb, SdS, uw, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dk_ptr, dkb_ptr, st_at, dst_at,
-                                   kq_at, rp, t, m, first, end, hd, H, n_a, slot, sums_row, P, N, BN, CHUNK, PRECISION,
-                                   DOT, SDOT, RANK)  # fmt: skip
+    for nb in tl.static_range(N // BN):
+        rn = nb * BN + tl.arange(0, BN)
+        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+        dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
+        dcs += tl.sum(dyS * qc, axis=1)
+        dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
+        _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
+                       rn, kq_at, True, RANK, CHUNK, BN, N)  # fmt: skip
+    tl.debug_barrier()  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
+    # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
+    x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK).to(tl.float32)
+    uw = (x * (xw * w)[:, None]).to(SDOT)
+    SdS = tl.zeros((P,), dtype=tl.float32)
+    for nb in tl.static_range(N // BN):
+        rn = nb * BN + tl.arange(0, BN)
+        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
+        S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+        dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+        dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
+              + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
+        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
+                       rn, kq_at, False, RANK, CHUNK, BN, N)  # fmt: skip
+        SdS += tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
     # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
     to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + sum_R
     dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
@@ -851,8 +761,7 @@ def _m3_bwd_chunk_kernel(
     dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dskip_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
     H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, STAGES: tl.constexpr = 0,
-    ONE_SWEEP: tl.constexpr = False,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """The backward's parallel pass (every chunk of every document at once, one program per chunk and head) for
     the forward output kernel's Mamba-3 mode: y = (q k^T * L * W) x + exp(cs) (q S^T) + D x, W[i, j] = w_j (the input
@@ -867,7 +776,7 @@ def _m3_bwd_chunk_kernel(
     Steps 1-2 are _m3_bwd_own_terms, 3-4 _m3_bwd_key_sweeps; M3_BWD_SPLIT runs them as two kernels instead
     (_m3_bwd_own_kernel, _m3_bwd_sweeps_kernel), step 2's results passing through memory.
     SDOT: the operands' dtype of the four dots against the state S and its gradient dS' (fp32, or DOT).
-    dk and dq go back through the rotation here, unrounded (_key_grad_back): dB and dC per head in their pointers'
+    dk and dq go back through the rotation here, unrounded (_key_grads_out): dB and dC per head in their pointers'
     dtype, the angles' gradient per step [B*T, H, n_a] (summed over a step's ranks) and the biases' partial sums per
     chunk (rows of the launcher's sums buffer, sums_row apart, beside dA's and dD's: [H, R, N] each). (This replaced a
     pass of their own over dk and dq stored in fp32 per head: no fp32 dk and dq go to memory, and one launch fewer.)
@@ -884,7 +793,7 @@ def _m3_bwd_chunk_kernel(
                                              P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
         _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                            dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w,
-                           slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, STAGES, ONE_SWEEP)  # fmt: skip
+                           slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
 
 @triton.jit
@@ -892,8 +801,7 @@ def _m3_bwd_own_kernel(
     x_ptr, xs_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, cu_ptr, dst_ptr, dy_ptr,
     dx_ptr, dw_ptr, dgam_ptr, dskip_ptr, ldyu_ptr, dcs_ptr, H, D, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, STAGES: tl.constexpr = 0,
-    ONE_SWEEP: tl.constexpr = False,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's first kernel: the chunk pass's steps 1-2 (_m3_bwd_own_terms), its results for the second
     kernel in memory: L * (dy x^T) * W [CHUNK, CHUNK] in the dots' dtype at ldyu_ptr, dcs [CHUNK] and sum(R) fp32 at
@@ -918,8 +826,7 @@ def _m3_bwd_sweeps_kernel(
     x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr, ldyu_ptr, dcs_ptr,
     ddt_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, STAGES: tl.constexpr = 0,
-    ONE_SWEEP: tl.constexpr = False,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's second kernel: the chunk pass's steps 3-4 (_m3_bwd_key_sweeps) from the first's results."""
     slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
@@ -934,7 +841,7 @@ def _m3_bwd_sweeps_kernel(
         sum_R = tl.load(dcs_ptr + block * (CHUNK + 1) + CHUNK)
         _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                            dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w,
-                           slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, STAGES, ONE_SWEEP)  # fmt: skip
+                           slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
 
 @triton.jit
@@ -991,15 +898,6 @@ KEYS_BLOCK_T = 16
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
-# the chunk pass's sweeps over N for dq and dk (_m3_bwd_key_sweeps), each form timed on one card by
-# scripts/mamba3_probe.py (profiles/<device>/ssd/mamba3_probe_bwd_sweeps.json): M3_BWD_STAGES 0 unrolls them
-# (static_range), n > 0 runs them as loops of num_stages=n (compiled for sm_90 at the main shape, kernels/resources:
-# rolled, the one kernel spills 120/136 bytes a thread against 284/308 unrolled; 2 and more pipeline the next block's
-# loads through shared memory); M3_BWD_ONE_SWEEP takes dq and dk in one sweep (each block's keys, queries, states
-# and angles read once, one cos and sin, the angle gradients stored once; rolled at 32 columns a block it spills
-# 160/164, unrolled at 64 1574/1808)
-M3_BWD_STAGES = 0
-M3_BWD_ONE_SWEEP = False
 # (M3_BWD_SPLIT's two kernels at 8 warps under a cap of 128 registers, 2 programs an SM of 16 warps for 232/252 bytes
 # of spills a thread, took 0.92 + 0.87 ms against the split's 0.50 + 0.68 and the one kernel's 1.11: a probe on the
 # H200 at bench ssd's main shape; the cap is not kept)
@@ -1151,7 +1049,7 @@ def mamba3_scan_bwd(
     dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype)
     dCh = torch.empty_like(dBh)
     consts = dict(P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
-                  STAGES=M3_BWD_STAGES, ONE_SWEEP=M3_BWD_ONE_SWEEP, num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
+                  num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
     n_docs = cu_seqlens.numel() - 1
     if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
