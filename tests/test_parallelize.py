@@ -21,8 +21,9 @@ TRITON = dict(m2rnn=dict(kernel="triton"), ssd=dict(kernel="triton"), mamba3=dic
 # the tiny tests run where the kernels can: the GPU when there is one (its Triton kernels are not built for
 # the interpreter there), else the CPU under TRITON_INTERPRET (tests/conftest.py)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# 4 batches: a first count, then 1 (dynamo specialises sizes 0 and 1), the most (8 a row) and 2; each a new length
-# of the context's cu_seqlens (8 batches of every count 1..8 took two minutes of CI's interpreted scans)
+# 4 batches of 3, 1, 8 and 2 documents a row (the fewest and the most the tiny rows take): each a new length of the
+# context's cu_seqlens (B=2 rows: 7, 3, 17 and 5 offsets), the shape dynamo would recompile for if it were static
+# (8 batches of every count 1..8 took two minutes of CI's interpreted scans)
 DOCS = [3, 1, 8, 2]
 
 
@@ -78,7 +79,7 @@ def test_one_graph_per_block_structure_with_the_scans_as_opaque_ops():
     assert with_scan == sum(1 for k in kinds if k[0] in "MR")
 
 
-def test_training_steps_with_every_document_count_add_no_graph():
+def test_training_steps_at_new_document_counts_add_no_graph():
     model = _tiny().train()
     capture = _Capture()
     apply_compile(model, backend=capture)
