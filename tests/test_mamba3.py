@@ -502,13 +502,14 @@ def test_a_nan_angle_makes_the_output_nan_from_its_token_to_its_documents_end(ke
     assert torch.equal(y[~reach], clean[~reach])
 
 
-@pytest.mark.parametrize("R", [1, 2])
-def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R):
+@pytest.mark.parametrize("R, H, n_a", [(1, 2, 4), (2, 2, 4), (1, 4, 3)])
+def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a):
     """The Triton op's angle gradients (the chunk pass's per-chunk sums of dth, each chunk's suffix sums plus its
     document's later chunks' sums, LOOKBACK chunks a load, then through pi tanh(rate) dt) against the chunked torch
     path's (doc_angle_sum's autograd): the angle rates' gradient and dt's, with a document of more than LOOKBACK + 1
     chunks (the carry takes two loads), one shorter than a chunk, and one ending mid-chunk; SISO and MIMO (a
-    step's rank sub-tokens in one chunk, dt's part at its rank-0 sub-token)."""
+    step's rank sub-tokens in one chunk, dt's part at its rank-0 sub-token); several heads a program, and n_a under
+    its power of two (a program's padded lanes between heads)."""
     from megacpp_lab.kernels import mamba3 as m3
 
     if not (TRITON_INTERPRET or torch.cuda.is_available()):
@@ -517,7 +518,7 @@ def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R):
     chunk = 16
     T = (m3.SCAN_LOOKBACK + 3) * chunk // R + 20  # the long document's chunks: more than LOOKBACK + 1
     make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
-    a = {k: v.float().to(device).requires_grad_() for k, v in make(B=1, T=T, H=2, G=1, P=16, N=16, n_a=4).items()}
+    a = {k: v.float().to(device).requires_grad_() for k, v in make(B=1, T=T, H=H, G=1, P=16, N=16, n_a=n_a).items()}
     cu = torch.tensor([0, 3, T - 9, T], dtype=torch.int32, device=device)
     assert (T - 12) * R // chunk > m3.SCAN_LOOKBACK + 1
     dy = torch.randn(a["x"].shape[:2] + ((R,) if R > 1 else ()) + a["x"].shape[2:],

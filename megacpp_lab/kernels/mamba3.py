@@ -866,17 +866,18 @@ def _m3_bwd_sweeps_kernel(
 
 @triton.jit
 def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, ddt_ptr, H, D, n_a, CHUNK: tl.constexpr,
-                        RANK: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr):  # fmt: skip
-    """The angles' backward from the chunk pass's angle gradients: program (slot, head) takes its chunk's steps' dth
-    [steps, n_a] (dth_ptr [B*T, H, n_a]), their suffix sums within the chunk plus the sums of the document's later
-    chunks (the chunk pass's per-chunk totals at dtt_ptr [slots, H, n_a], LOOKBACK a load): the gradient of each
-    angle increment, the document sum of every later angle's. Then through inc = pi tanh(rate) dt: the rates'
-    gradient (drate_ptr, the rates' dtype) and dt's part, added to ddt at the step's rank-0 sub-token (ddt_ptr [B*T*RANK,
-    H] fp32, the chunk pass's). In place of the angle sums' reverse scan over blocks of steps (two launches, its
-    cuts found per block) and the increments' backward in a kernel of their own: a chunk never spans two documents,
-    so one pass over the chunk pass's slots needs no cut."""
+                        RANK: tl.constexpr, HB: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr):  # fmt: skip
+    """The angles' backward from the chunk pass's angle gradients: program (slot, block of HB heads) takes its
+    chunk's steps' dth [steps, HB, n_a] (dth_ptr [B*T, H, n_a]), their suffix sums within the chunk plus the sums of
+    the document's later chunks (the chunk pass's per-chunk totals at dtt_ptr [slots, H, n_a], LOOKBACK a load): the
+    gradient of each angle increment, the document sum of every later angle's. Then through inc = pi tanh(rate) dt:
+    the rates' gradient (drate_ptr, the rates' dtype) and dt's part, added to ddt at the step's rank-0 sub-token
+    (ddt_ptr [B*T*RANK, H] fp32, the chunk pass's). In place of the angle sums' reverse scan over blocks of steps (two
+    launches, its cuts found per block) and the increments' backward in a kernel of their own: a chunk never spans
+    two documents, so one pass over the chunk pass's slots needs no cut. Lane j of a row is head j // BA's pair
+    j % BA (BA = n_a's power of two; the pairs past n_a masked)."""
     slot = tl.program_id(0)
-    hd = tl.program_id(1)
+    hd0 = tl.program_id(1) * HB
     d, doc_start = slot_document(cu_ptr, slot, D, CHUNK)
     first = doc_start + (slot - doc_start // CHUNK - d) * CHUNK
     doc_end = tl.load(cu_ptr + d + 1)
@@ -884,25 +885,28 @@ def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, d
         STEPS: tl.constexpr = CHUNK // RANK
         steps = first // RANK + tl.arange(0, STEPS)
         m = steps < tl.minimum(first + CHUNK, doc_end) // RANK
-        pr = tl.arange(0, BA)
-        pa = pr < n_a
+        lane = tl.arange(0, HB * BA)
+        col = (hd0 + lane // BA) * n_a + lane % BA  # the lane's column of a [H, n_a] row
+        pa = lane % BA < n_a
         last = doc_start // CHUNK + d + tl.cdiv(doc_end - doc_start, CHUNK)  # past the document's last chunk's slot
-        carry = tl.zeros((BA,), dtype=tl.float32)
+        carry = tl.zeros((HB * BA,), dtype=tl.float32)
         for j in range(slot + 1, last, LOOKBACK):
             rj = j + tl.arange(0, LOOKBACK)
-            tot = tl.load(dtt_ptr + ((rj * H + hd) * n_a)[:, None] + pr[None, :], mask=(rj < last)[:, None] & pa[None, :],
+            tot = tl.load(dtt_ptr + (rj * (H * n_a))[:, None] + col[None, :], mask=(rj < last)[:, None] & pa[None, :],
                           other=0.0)  # fmt: skip
             carry += tl.sum(tot, axis=0)
-        at = ((steps * H + hd) * n_a)[:, None] + pr[None, :]
+        at = (steps * (H * n_a))[:, None] + col[None, :]
         mm = m[:, None] & pa[None, :]
         d_inc = tl.cumsum(tl.load(dth_ptr + at, mask=mm, other=0.0), axis=0, reverse=True) + carry[None, :]
         th = _tanh(tl.load(rate_ptr + at, mask=mm, other=0.0).to(tl.float32))
-        dt_at = ddt_ptr + (steps * RANK) * H + hd
-        dt = tl.load(dt_ptr + (steps * RANK) * H + hd, mask=m, other=0.0)
+        heads = hd0 + tl.arange(0, HB)
+        dt_at = ((steps * RANK) * H)[:, None] + heads[None, :]  # [STEPS, HB]
+        dt = tl.load(dt_ptr + dt_at, mask=m[:, None], other=0.0)
         g = d_inc * 3.141592653589793
-        tl.store(drate_ptr + at, (g * dt[:, None] * (1.0 - th * th)).to(drate_ptr.dtype.element_ty), mask=mm)
-        ddt = tl.load(dt_at, mask=m, other=0.0) + tl.sum(tl.where(mm, g * th, 0.0), axis=1)
-        tl.store(dt_at, ddt, mask=m)
+        dt_lanes = tl.reshape(tl.broadcast_to(dt[:, :, None], (STEPS, HB, BA)), (STEPS, HB * BA))
+        tl.store(drate_ptr + at, (g * dt_lanes * (1.0 - th * th)).to(drate_ptr.dtype.element_ty), mask=mm)
+        d_dt = tl.sum(tl.reshape(tl.where(mm, g * th, 0.0), (STEPS, HB, BA)), axis=2)
+        tl.store(ddt_ptr + dt_at, tl.load(ddt_ptr + dt_at, mask=m[:, None], other=0.0) + d_dt, mask=m[:, None])
 
 
 @triton.jit
@@ -961,6 +965,9 @@ ANGLE_KEYS_BLOCK_T = 32
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
+# heads a program of the angles' backward (_angle_grads_kernel), at most: the largest power of two dividing H up to
+# this. One head a program (9216 programs of [64, 32] at bench ssd's main shape) took 86 us on the H100
+ANGLE_GRADS_HEADS = 4
 # a register cap for the chunk pass (Triton's maxnreg; 0: none). Uncapped it takes 255 registers a thread, two
 # programs of 4 warps an SM (Nsight Compute on the H100: 12.5% occupancy, an instruction issued every 4.6 cycles)
 M3_BWD_MAXNREG = 0
@@ -1143,9 +1150,10 @@ def mamba3_scan_bwd(
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     d_rates = torch.empty_like(rates)
     if n_a:  # the angles' suffix sums and the increments' backward, dt's part added to ddt
-        _angle_grads_kernel[(n_slots, H)](dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a, CHUNK=chunk,
-                                          RANK=R, BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK,
-                                          num_warps=4)  # fmt: skip
+        hb = math.gcd(H, ANGLE_GRADS_HEADS)
+        _angle_grads_kernel[(n_slots, H // hb)](dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a,
+                                                CHUNK=chunk, RANK=R, HB=hb, BA=triton.next_power_of_2(n_a),
+                                                LOOKBACK=SCAN_LOOKBACK, num_warps=4)  # fmt: skip
     return dx, ddt, dB, dC, d_rates, dw, dgam, sums.sum(0)
 
 
