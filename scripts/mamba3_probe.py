@@ -9,6 +9,10 @@ chunk in sub-tokens), optionally at another of bench ssd's shapes by `@<label>` 
 H=32, T=16384; e.g. `siso@H=32`), optionally followed by `:NAME=VALUE+NAME=VALUE` setting kernels/mamba3's or
 kernels/ssd's launch constants for it (e.g. `siso@H=32:M3_BWD_WARPS=8+M3_BWD_BLOCK_N=32`).
 
+`--launch-only`: each variant's compiled forward+backward and forward once each, nothing timed (the target for
+Nsight Compute: `ncu --clock-control none -k regex:_m3_bwd_chunk -c 1 --section ... python scripts/mamba3_probe.py
+--variants siso --launch-only`; profiles/nvidia-h100-80gb-hbm3/ssd/lead_ncu_host/ holds one such run).
+
 Two code trees on one card, in one device call: run the probe once per tree with PYTHONPATH naming it (a lead
 branch's tree carried as an ignored folder, say), each with its own --out; the rows name the package tree each ran.
 """
@@ -110,6 +114,9 @@ def _run(variant: str, out: str) -> dict:
 
     fwd_bwd()
     fwd()
+    if LAUNCH_ONLY:
+        torch.cuda.synchronize()
+        return {"variant": variant, "shape": s.__dict__, "rank": rank, "chunk": chunk, "launch_only": True}
     if os.environ.get("MAMBA3_PROBE_HOST_PROFILE"):  # where the host's time to issue a call goes (cProfile, stderr)
         import cProfile
         import pstats
@@ -149,11 +156,17 @@ def _host_ms(fn) -> float:  # noqa: ANN001
     return statistics.median(samples)
 
 
+LAUNCH_ONLY = False  # --launch-only
+
+
 def main() -> None:
+    global LAUNCH_ONLY
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="siso,r2c64,r4c64")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--launch-only", action="store_true", help="run each variant once, time nothing (an ncu target)")
     args = p.parse_args()
+    LAUNCH_ONLY = args.launch_only
     torch._dynamo.config.recompile_limit = 64
     rows = []
     for v in args.variants.split(","):
@@ -165,8 +178,8 @@ def main() -> None:
         Path(args.out, "mamba3_probe.json").write_text(json.dumps({**stamp("cuda"), "rows": rows,
                                                                    "triton_kernels": _triton_resources()}, indent=1))
         r = rows[-1]
-        if "error" in r:
-            print(f"{v}: {r['error']}")
+        if "error" in r or LAUNCH_ONLY:
+            print(f"{v}: {r.get('error', 'launched')}")
             continue
         print(f"== {v}: fwd+bwd {r['fwd_bwd']['ms']:.3f} ms [{r['fwd_bwd']['ms_p20']:.3f}, {r['fwd_bwd']['ms_p80']:.3f}]"
               f"  fwd {r['fwd']['ms']:.3f} ms  host {r['host_ms_fwd_bwd']:.3f} ms  kernels {sum(r['kernels_fwd_bwd'].values()):.3f} ms")
