@@ -75,7 +75,7 @@ def test_the_mamba3_scan_compiles_every_kernel_for_sm90(mamba3_report):
     names = {r["kernel"] for r in rows}
     assert names == {"_angle_keys_kernel", "_keys_kernel", "_ssd_fwd_state_kernel", "_ssd_fwd_output_kernel", "_ssd_bwd_state_kernel",
                      "_m3_bwd_chunk_kernel", "_m3_bwd_own_kernel", "_m3_bwd_sweeps_kernel", "_doc_scan_totals_kernel",
-                     "_doc_scan_kernel", "_group_sum_kernel"}
+                     "_doc_scan_kernel", "_group_sum_kernel", "_angle_grads_kernel"}
     from megacpp_lab.kernels.mamba3 import SCAN_WARPS
 
     for r in rows:

@@ -502,6 +502,54 @@ def test_a_nan_angle_makes_the_output_nan_from_its_token_to_its_documents_end(ke
     assert torch.equal(y[~reach], clean[~reach])
 
 
+@pytest.mark.parametrize("R, H, n_a, heads", [(1, 2, 4, 1), (2, 2, 4, 1), (1, 4, 3, 1), (2, 2, 4, 2), (1, 4, 3, 4)])
+def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, monkeypatch):
+    """The Triton op's angle gradients (the chunk pass's per-chunk sums of dth, each chunk's suffix sums plus its
+    document's later chunks' sums, LOOKBACK chunks a load, then through pi tanh(rate) dt) against the chunked torch
+    path's (doc_angle_sum's autograd): the angle rates' gradient and dt's, with a document of more than LOOKBACK + 1
+    chunks (the carry takes two loads), one shorter than a chunk, and one ending mid-chunk; SISO and MIMO (a
+    step's rank sub-tokens in one chunk, dt's part at its rank-0 sub-token); one head a program (the default) and
+    several (ANGLE_GRADS_HEADS), with n_a under its power of two (a program's padded lanes between heads)."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    monkeypatch.setattr(m3, "ANGLE_GRADS_HEADS", heads)
+
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    chunk = 16
+    T = (m3.SCAN_LOOKBACK + 3) * chunk // R + 20  # the long document's chunks: more than LOOKBACK + 1
+    make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
+    a = {k: v.float().to(device).requires_grad_() for k, v in make(B=1, T=T, H=H, G=1, P=16, N=16, n_a=n_a).items()}
+    cu = torch.tensor([0, 3, T - 9, T], dtype=torch.int32, device=device)
+    assert (T - 12) * R // chunk > m3.SCAN_LOOKBACK + 1
+    dy = torch.randn(a["x"].shape[:2] + ((R,) if R > 1 else ()) + a["x"].shape[2:],
+                     generator=torch.Generator().manual_seed(5)).to(device)  # fmt: skip
+    leaves = [a["angles"], a["dt"]]
+    got = torch.autograd.grad(mamba3_scan(**a, cu_seqlens=cu, chunk=chunk, kernel="triton"), leaves, dy)
+    want = torch.autograd.grad(mamba3_scan(**a, cu_seqlens=cu, chunk=chunk, kernel="chunked"), leaves, dy)
+    for name, g, w in zip(("angles", "dt"), got, want):
+        rel = ((g - w).norm() / w.norm()).item()
+        assert rel < 1e-5, f"d{name}: relative error {rel:.2e}"
+
+
+def test_mimos_rank_scale_gets_its_gradient_whichever_other_inputs_ask_for_one():
+    """The op's backward reads which inputs want a gradient by their position: mimo_x alone asking (no skip D, every
+    other input fixed) still gets its gradient, equal to the chunked torch path's (the op's inputs once shifted by
+    one, and mimo_x's flag then read D's: with D None its gradient came back None)."""
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = {k: v.float().to(device) for k, v in _mimo_inputs(R=2, B=1, T=32, H=2, G=1, P=16, N=16).items()}
+    a["D"] = None
+    a["mimo_x"].requires_grad_()
+    cu = torch.tensor([0, 11, 32], dtype=torch.int32, device=device)
+    dy = torch.randn(1, 32, 2, 2, 16, generator=torch.Generator().manual_seed(4)).to(device)
+    (got,) = torch.autograd.grad(mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton"), [a["mimo_x"]], dy)
+    (want,) = torch.autograd.grad(mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="chunked"), [a["mimo_x"]], dy)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
 @pytest.mark.parametrize("R, H, G, n_a", [(1, 4, 2, 3), (2, 2, 2, 4), (1, 2, 1, 0)])
 def test_the_forwards_angle_and_key_pass_equals_the_angle_sums_then_the_key_pass(R, H, G, n_a):
     """The forward's _angles_and_keys (the angle sums' block totals, then their second pass and the rotation of the
@@ -1019,6 +1067,6 @@ def test_the_backward_op_refuses_groups_that_do_not_fit_b(groups, rotated, messa
     z = torch.zeros
     Bm = z(B, T, 2, N)  # two groups of B and C
     with pytest.raises(ValueError, match=message):
-        mamba3_scan_bwd(z(B, T, H, P), z(B, T, H, P), z(B, T, H), z(H), Bm, Bm.clone(), z(B, T, H, 4), z(H, 1, N),
-                        z(H, 1, N), z(B, T, H), z(B, T, H), z(H), None, torch.tensor([0, T]), torch.tensor([0, T]),
-                        z(2, H, P, N), 8, 1, rotated, groups)  # fmt: skip
+        mamba3_scan_bwd(z(B, T, H, P), z(B, T, H, P), z(B, T, H), z(H), Bm, Bm.clone(), z(B, T, H, 4), z(B, T, H, 4),
+                        z(H, 1, N), z(H, 1, N), z(B, T, H), z(B, T, H), z(H), None, torch.tensor([0, T]),
+                        torch.tensor([0, T]), z(2, H, P, N), 8, 1, rotated, groups)  # fmt: skip

@@ -35,7 +35,8 @@ def _mamba3_scan(rank: int) -> Callable[[str], None]:
     heads (H, P, N, G, chunk, rope pairs) in bf16, few tokens (16 documents: the specialisation of the main shape's
     64); the backward twice, its chunk pass as one kernel and as two (M3_BWD_SPLIT), the first under an activation-
     memory budget below 1, so that it recomputes the keys (_keys_kernel; the forward's angles and keys are
-    _angle_keys_kernel); the angle sums' Triton scan on its own; and the group sums of dB and dC the backward takes
+    _angle_keys_kernel, the backward's angle gradients _angle_grads_kernel); the angle sums' Triton scan on its own
+    (doc_angle_sum's and its backward's, the chunked path's on a GPU); and the group sums of dB and dC the backward takes
     with fewer groups than heads (_group_sum_kernel, bf16 parts into one group). On `device`: the CPU for the offline compile,
     CUDA for the same launches run for real (tests/test_kernel_resources.py holds the two reports equal)."""
 

@@ -33,12 +33,15 @@ where r <= r' (for SISO, the diagonal -delta_next (q . k) x). That is the chunke
 kernels run in a Mamba-3 mode where a step's own inputs take gamma and every earlier step's take w (the decay mask
 and the weights by step, so a step's ranks see each other), which makes the diagonal exact and each output free
 of the next token's dt and trapezoid; the skip D x is added there too (one rounding of y), and its gradients come
-from the backward's chunk pass. The op takes the angles' increments: the angle sums' block totals, then one Triton
+from the backward's chunk pass. The op takes the angles' increments pi tanh(rate) dt (formed by the caller, without
+a gradient of their own) and, for its backward only, the angle rates: the angle sums' block totals, then one Triton
 pass takes the sums' second pass, stores the angles and rotates the keys and queries per head, stored in x's
 dtype; the backward's angle gradient is taken against those same rounded keys (against the unrounded ones a
 document's angle gradients stop summing to zero, and the suffix sums carry the difference). MIMO's rank inputs
 x * mimo_x[r] are formed as the kernels read x, one row a step (kernels/ssd.py's rank_inputs), and the chunk pass
-sums a step's ranks' angle gradients itself, whose suffix sums the backward op takes too. The angle sums
+sums a step's ranks' angle gradients itself, and each chunk's sum of them; one pass over the chunks then takes the
+suffix sums (a chunk's own, plus its document's later chunks' sums) and the increments' backward, the rates'
+gradient and dt's part (_angle_grads_kernel). The angle sums
 (doc_angle_sum, the chunked path's op) run as two Triton passes over blocks of tokens (block totals, then each
 block's segmented sum plus the totals carried into it). The step loop is every path's oracle.
 
@@ -56,11 +59,12 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from megacpp_lab.kernels import INTERPRETED, launchable
 from megacpp_lab.kernels.ssd import (FLOAT_DTYPES, Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask,
                                      dot_types, launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, slot_chunk,
-                                     ssd_scan, states_dtype)
+                                     slot_document, ssd_scan, states_dtype)
 from megacpp_lab.varlen import PackedContext, check_context, check_cu_seqlens
 
 __all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "doc_angle_sum_torch", "doc_angle_sum_triton",
@@ -322,6 +326,17 @@ def _mod_two_pi(x):
     r = x - two_pi * tl.floor(x * tl.full((), 0.15915494309189535, tl.float64))
     r = tl.where(r < 0, r + two_pi, r)
     return tl.where(r >= two_pi, r - two_pi, r)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh of fp32 x: libdevice's on a GPU (within 2 ulp of torch.tanh); under the interpreter, where libdevice
+    has no value, (1 - e) / (1 + e) with e = exp(-2|x|) in fp64 (no cancellation to speak of at fp32's precision)."""
+    if INTERPRETED:
+        e = tl.exp(-2.0 * tl.abs(x.to(tl.float64)))
+        t = ((1.0 - e) / (1.0 + e)).to(tl.float32)
+        return tl.where(x < 0, -t, t)
+    return libdevice.tanh(x)
 
 
 @triton.jit
@@ -591,12 +606,14 @@ def _angle_keys_kernel(inc_ptr, cu_ptr, tot_ptr, th_ptr, b_ptr, c_ptr, bb_ptr, c
 
 
 @triton.jit
-def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, col0, rn,
-                   kq_at, FIRST: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
+def _key_grads_out(d, v, th_ptr, dth_ptr, dtt_ptr, out_ptr, bias_ptr, t, m, first, end, hd, H, n_a, slot, sums_row,
+                   col0, rn, kq_at, FIRST: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
                    N: tl.constexpr):  # fmt: skip
     """One [CHUNK, BN] block of dk (or dq) at the keys v as stored, taken back through the rotation: the gradient
     of B + b_bias per head into out_ptr; the block's pairs' angle gradients into dth_ptr ([B*T, H, n_a], one row a
-    step; FIRST: stored, else added to what the queries' sweep stored); the bias's partial sums over the chunk's
+    step; FIRST: stored, else added to what the queries' sweep stored, and their sum over the chunk's steps stored
+    at dtt_ptr [slots, H, n_a], what _angle_grads_kernel carries into the document's earlier chunks); the bias's
+    partial sums over the chunk's
     sub-tokens, per rank. MIMO: a chunk holds whole steps ([first, end) sub-tokens), so the ranks' angle gradients
     are summed here and each rank's bias sum is one reduction of the block seen as [steps, RANK, BN] (compiled for
     sm_90, kernels/resources: at R = 4, with x read a step at a time, the chunk kernel's shuffles went from 848 to
@@ -616,8 +633,10 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, out_ptr, bias_ptr, t, m, first, end, h
         pm = (steps < end // RANK)[:, None] & (pr < n_a)[None, :]
         th_at = dth_ptr + (steps * H + hd)[:, None] * n_a + pr[None, :]
         dth = tl.sum(tl.reshape(dth, (STEPS, RANK, BN // 2)), axis=1)
-    if not FIRST:
+    if not FIRST:  # the block's pairs' angle gradients are whole: also their sum over the chunk's steps, per pair
         dth += tl.load(th_at, mask=pm, other=0.0)
+        pa = pr < n_a
+        tl.store(dtt_ptr + (slot * H + hd) * n_a + pr, tl.sum(tl.where(pa[None, :], dth, 0.0), axis=0), mask=pa)
     tl.store(th_at, dth, mask=pm)
     # rows past the chunk's end are zero
     if RANK == 1:
@@ -691,7 +710,7 @@ def _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, d
 
 @triton.jit
 def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
-                       dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w, slot,
+                       dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w, slot,
                        hd, H, n_a, sums_row, P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
                        PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
     """The chunk pass's steps 3 and 4 (_m3_bwd_chunk_kernel), from step 2's LdYU, dcs and sum(R): the sweeps over N for
@@ -715,7 +734,7 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
         dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
         dcs += tl.sum(dyS * qc, axis=1)
         dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
-        _key_grads_out(dq, qc, th_ptr, dth_ptr, dq_ptr, dqb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
+        _key_grads_out(dq, qc, th_ptr, dth_ptr, dtt_ptr, dq_ptr, dqb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
                        rn, kq_at, True, RANK, CHUNK, BN, N)  # fmt: skip
     tl.debug_barrier()  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
     # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
@@ -730,7 +749,7 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
         dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
               + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
         kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        _key_grads_out(dk, kc, th_ptr, dth_ptr, dk_ptr, dkb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
+        _key_grads_out(dk, kc, th_ptr, dth_ptr, dtt_ptr, dk_ptr, dkb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
                        rn, kq_at, False, RANK, CHUNK, BN, N)  # fmt: skip
         SdS += tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
     # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
@@ -758,7 +777,7 @@ def _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, OW
 @triton.jit
 def _m3_bwd_chunk_kernel(
     x_ptr, xs_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
-    dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dskip_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr,
+    dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dskip_ptr, dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr,
     H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
@@ -777,7 +796,8 @@ def _m3_bwd_chunk_kernel(
     (_m3_bwd_own_kernel, _m3_bwd_sweeps_kernel), step 2's results passing through memory.
     SDOT: the operands' dtype of the four dots against the state S and its gradient dS' (fp32, or DOT).
     dk and dq go back through the rotation here, unrounded (_key_grads_out): dB and dC per head in their pointers'
-    dtype, the angles' gradient per step [B*T, H, n_a] (summed over a step's ranks) and the biases' partial sums per
+    dtype, the angles' gradient per step [B*T, H, n_a] (summed over a step's ranks) and its sum over the chunk
+    [slots, H, n_a], and the biases' partial sums per
     chunk (rows of the launcher's sums buffer, sums_row apart, beside dA's and dD's: [H, R, N] each). (This replaced a
     pass of their own over dk and dq stored in fp32 per head: no fp32 dk and dq go to memory, and one launch fewer.)
     MIMO (RANK > 1): x [B*T, H, P] is read a step at a time and scaled by mimo_x [H, R, P] at xs_ptr (rank_inputs);
@@ -792,8 +812,8 @@ def _m3_bwd_chunk_kernel(
                                              dw_ptr, dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row,
                                              P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
         _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
-                           dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w,
-                           slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+                           dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last,
+                           xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
 
 
 @triton.jit
@@ -824,7 +844,7 @@ def _m3_bwd_own_kernel(
 @triton.jit
 def _m3_bwd_sweeps_kernel(
     x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr, ldyu_ptr, dcs_ptr,
-    ddt_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, H, D, n_a, sums_row,
+    ddt_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
@@ -840,8 +860,53 @@ def _m3_bwd_sweeps_kernel(
         dcs = tl.load(dcs_ptr + block * (CHUNK + 1) + rl)
         sum_R = tl.load(dcs_ptr + block * (CHUNK + 1) + CHUNK)
         _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
-                           dk_ptr, dq_ptr, dth_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w,
-                           slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+                           dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last,
+                           xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+
+
+@triton.jit
+def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, ddt_ptr, H, D, n_a, CHUNK: tl.constexpr,
+                        RANK: tl.constexpr, HB: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr):  # fmt: skip
+    """The angles' backward from the chunk pass's angle gradients: program (slot, block of HB heads) takes its
+    chunk's steps' dth [steps, HB, n_a] (dth_ptr [B*T, H, n_a]), their suffix sums within the chunk plus the sums of
+    the document's later chunks (the chunk pass's per-chunk totals at dtt_ptr [slots, H, n_a], LOOKBACK a load): the
+    gradient of each angle increment, the document sum of every later angle's. Then through inc = pi tanh(rate) dt:
+    the rates' gradient (drate_ptr, the rates' dtype) and dt's part, added to ddt at the step's rank-0 sub-token
+    (ddt_ptr [B*T*RANK, H] fp32, the chunk pass's). In place of the angle sums' reverse scan over blocks of steps (two
+    launches, its cuts found per block) and the increments' backward in a kernel of their own: a chunk never spans
+    two documents, so one pass over the chunk pass's slots needs no cut. Lane j of a row is head j // BA's pair
+    j % BA (BA = n_a's power of two; the pairs past n_a masked)."""
+    slot = tl.program_id(0)
+    hd0 = tl.program_id(1) * HB
+    d, doc_start = slot_document(cu_ptr, slot, D, CHUNK)
+    first = doc_start + (slot - doc_start // CHUNK - d) * CHUNK
+    doc_end = tl.load(cu_ptr + d + 1)
+    if first < doc_end:  # else a gap slot
+        STEPS: tl.constexpr = CHUNK // RANK
+        steps = first // RANK + tl.arange(0, STEPS)
+        m = steps < tl.minimum(first + CHUNK, doc_end) // RANK
+        lane = tl.arange(0, HB * BA)
+        col = (hd0 + lane // BA) * n_a + lane % BA  # the lane's column of a [H, n_a] row
+        pa = lane % BA < n_a
+        last = doc_start // CHUNK + d + tl.cdiv(doc_end - doc_start, CHUNK)  # past the document's last chunk's slot
+        carry = tl.zeros((HB * BA,), dtype=tl.float32)
+        for j in range(slot + 1, last, LOOKBACK):
+            rj = j + tl.arange(0, LOOKBACK)
+            tot = tl.load(dtt_ptr + (rj * (H * n_a))[:, None] + col[None, :], mask=(rj < last)[:, None] & pa[None, :],
+                          other=0.0)  # fmt: skip
+            carry += tl.sum(tot, axis=0)
+        at = (steps * (H * n_a))[:, None] + col[None, :]
+        mm = m[:, None] & pa[None, :]
+        d_inc = tl.cumsum(tl.load(dth_ptr + at, mask=mm, other=0.0), axis=0, reverse=True) + carry[None, :]
+        th = _tanh(tl.load(rate_ptr + at, mask=mm, other=0.0).to(tl.float32))
+        heads = hd0 + tl.arange(0, HB)
+        dt_at = ((steps * RANK) * H)[:, None] + heads[None, :]  # [STEPS, HB]
+        dt = tl.load(dt_ptr + dt_at, mask=m[:, None], other=0.0)
+        g = d_inc * 3.141592653589793
+        dt_lanes = tl.reshape(tl.broadcast_to(dt[:, :, None], (STEPS, HB, BA)), (STEPS, HB * BA))
+        tl.store(drate_ptr + at, (g * dt_lanes * (1.0 - th * th)).to(drate_ptr.dtype.element_ty), mask=mm)
+        d_dt = tl.sum(tl.reshape(tl.where(mm, g * th, 0.0), (STEPS, HB, BA)), axis=2)
+        tl.store(ddt_ptr + dt_at, tl.load(ddt_ptr + dt_at, mask=m[:, None], other=0.0) + d_dt, mask=m[:, None])
 
 
 @triton.jit
@@ -890,14 +955,25 @@ def group_sums(dBh: torch.Tensor, dCh: torch.Tensor, G: int) -> tuple[torch.Tens
     return dB, dC
 
 
-# sub-tokens per key program (_keys_kernel, 4 warps; on the H200 at [8,4096,16,128], 16 took 210 us, 32 302), and the
-# rotation's tile in _angle_keys_kernel, whose program covers SCAN_BLOCK_T * R sub-tokens: it must divide that (past
-# the program's block a tile would read angles the next program has not stored; _angles_and_keys checks)
+# sub-tokens per key program (_keys_kernel, 4 warps; on the H200 at [8,4096,16,128], 16 took 210 us, 32 302)
 KEYS_BLOCK_T = 16
+# the rotation's tile in _angle_keys_kernel, whose program covers SCAN_BLOCK_T * R sub-tokens: it must divide that
+# (past the program's block a tile would read angles the next program has not stored; _angles_and_keys checks). On
+# the H100 at bench ssd's main shape (scripts/mamba3_probe.py, one call) 32 took the kernel 0.263 ms against 16's 0.288
+ANGLE_KEYS_BLOCK_T = 32
 # the backward's chunk pass (_m3_bwd_chunk_kernel): state columns per sweep step and warps (on the H100 at the issue's
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
+# heads a program of the angles' backward (_angle_grads_kernel), at most: the largest power of two dividing H up to
+# this. On the H100 at bench ssd's main shape (scripts/mamba3_probe.py, profiles/nvidia-h100-80gb-hbm3/ssd/
+# lead_angle_grads/) four heads a program took the kernel 0.122 ms; one head a program (8192 programs of [64, 32]) 86 us
+# in an earlier form of the kernel, which read the same rates and dt
+ANGLE_GRADS_HEADS = 1
+# a register cap for the chunk pass (Triton's maxnreg; 0: none). Uncapped it takes 255 registers a thread, two
+# programs of 4 warps an SM (Nsight Compute on the H100: 12.5% occupancy, an instruction issued every 4.6 cycles a
+# scheduler)
+M3_BWD_MAXNREG = 0
 # (M3_BWD_SPLIT's two kernels at 8 warps under a cap of 128 registers, 2 programs an SM of 16 warps for 232/252 bytes
 # of spills a thread, took 0.92 + 0.87 ms against the split's 0.50 + 0.68 and the one kernel's 1.11: a probe on the
 # H200 at bench ssd's main shape; the cap is not kept)
@@ -937,9 +1013,10 @@ def _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, H, rank, dtype) -> t
     n_a = inc.shape[-1]
     if n_a == 0:  # no rotated pairs: nothing to scan (and a scan's grid may not be empty); the keys only biased
         return (theta, *_rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, rank, dtype))
-    if (SCAN_BLOCK_T * rank) % KEYS_BLOCK_T:
-        raise ValueError(f"mamba3: KEYS_BLOCK_T ({KEYS_BLOCK_T}) must divide SCAN_BLOCK_T * R ({SCAN_BLOCK_T} * {rank}): "
-                         "the angle-and-key pass rotates its block of sub-tokens in tiles of KEYS_BLOCK_T")  # fmt: skip
+    if (SCAN_BLOCK_T * rank) % ANGLE_KEYS_BLOCK_T:
+        raise ValueError(f"mamba3: ANGLE_KEYS_BLOCK_T ({ANGLE_KEYS_BLOCK_T}) must divide SCAN_BLOCK_T * R "
+                         f"({SCAN_BLOCK_T} * {rank}): the angle-and-key pass rotates its block of sub-tokens in tiles "
+                         "of ANGLE_KEYS_BLOCK_T")  # fmt: skip
     totals, (blocks, _), _ = _doc_block_totals(inc, cu_steps, angles=True, reverse=False)
     k = torch.empty((B, TR, H, N), device=Bm.device, dtype=dtype)
     q = torch.empty_like(k)
@@ -947,7 +1024,7 @@ def _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, H, rank, dtype) -> t
         inc, cu_steps, totals, theta, Bm, Cm, b_bias, c_bias, k, q, cu_steps.numel() - 1, inc.shape[0] * inc.shape[1],
         H, G, n_a, BS=SCAN_BLOCK_T,
         BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK, FIXED_POINT=ANGLE_FIXED_POINT, RANK=rank,
-        BT=KEYS_BLOCK_T, N=N, num_warps=4,
+        BT=ANGLE_KEYS_BLOCK_T, N=N, num_warps=4,
     )  # fmt: skip
     return theta, k, q
 
@@ -955,19 +1032,23 @@ def _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, H, rank, dtype) -> t
 @torch.library.custom_op("megacpp::mamba3_scan_fwd", mutates_args=())
 def mamba3_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, inc: torch.Tensor,
-    b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
+    rates: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
     mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor, cu_seqlens: torch.Tensor, chunk: int, rank: int,  # noqa: UP045
     save: bool, keep_keys: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), the saved chunk states, the keys
     and queries kept for the backward (keep_keys, as keeps_keys decides; else empty), and the angles theta
-    [B,T,H,n_a] (doc_angle_sum of the increments inc, which the backward reads). The angles and the keys and
+    [B,T,H,n_a] fp32 (doc_angle_sum of the increments inc, which the backward reads). The angles and the keys and
     queries per head, k = rot(B + b_bias, theta) in x's dtype, in two Triton passes (_angles_and_keys), then
     kernels/ssd.py's kernels in Mamba-3 mode: a step's own inputs weighted by gamma, every later step's by weight
     (the trapezoid's exact diagonal; a step's ranks see each other). x [B,T,H,P], one row a step: MIMO's rank
     inputs x * mimo_x[r] (mimo_x [H,R,P] fp32; None for SISO) are formed as the kernels read x; dt (rank 0's, the
     others 0), weight and gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; the angle increments inc [B,T,H,n_a] fp32
-    (pi tanh(angles) dt); the biases [H,R,N] fp32; cu_steps over the steps (doc_angle_sum's), cu_seqlens over the
+    (pi tanh(rates) dt, formed by the caller without a gradient of their own) and the angle rates [B,T,H,n_a] as the
+    layer gives them (any float dtype): the op's backward differentiates the increments itself, to the rates and dt
+    (_angle_grads_kernel: in an elementwise kernel of inductor's it took 70 us of the scan's backward at bench
+    ssd's main shape on an H100, and forming the increments inside the angle passes in place of reading them took
+    those passes 0.13 ms longer there); the biases [H,R,N] fp32; cu_steps over the steps (doc_angle_sum's), cu_seqlens over the
     sub-tokens (R times it; the same tensor for SISO). Contiguous, validated by mamba3_scan. One op for the
     angles and the scan: the angle sums as ops of their own cost two dispatches and a launch a forward and backward,
     where an H100 box's host took 2.11 ms to issue the old ops' compiled forward and backward at bench ssd's main
@@ -995,7 +1076,7 @@ def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
 
 
 @mamba3_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, inc, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, chunk, rank, save,  # noqa: ANN001, ANN202
+def _(x, dt, A, Bm, Cm, inc, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, chunk, rank, save,  # noqa: ANN001, ANN202
       keep_keys):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P = x.shape[2:]
@@ -1009,15 +1090,16 @@ def _(x, dt, A, Bm, Cm, inc, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps,
 @torch.library.custom_op("megacpp::mamba3_scan_bwd", mutates_args=())
 def mamba3_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    theta: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
-    D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor, cu_seqlens: torch.Tensor,  # noqa: UP045
-    states: torch.Tensor, chunk: int, rank: int, rotated: bool, groups: int,
+    theta: torch.Tensor, rates: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor,
+    gamma: torch.Tensor, D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor,  # noqa: UP045
+    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int, rotated: bool, groups: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
-    """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt,
-    dB, dC (B's dtype), d inc [B,T,H,n_a] fp32 (the angle increments' gradient: the angles' gradient, summed over
-    the ranks, then over each document's later steps by the angle sums' backward, doc_suffix_sum_triton, in this op
-    as the forward's sums are in its), d weight, d gamma, and the gradients of A,
+    """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt
+    (the angle increments' part included), dB, dC (B's dtype), d rates [B,T,H,n_a] in the rates' dtype (the angles'
+    gradient, summed over the ranks in the chunk pass, then over each document's later steps and through the
+    increments pi tanh(rates) dt by _angle_grads_kernel, in this op as the forward's sums are in its), d weight,
+    d gamma, and the gradients of A,
     D and the two biases in one fp32 vector [2H + 2HRN] (split_sums parts it: a custom op's outputs may not be views
     of one another, and four reductions over the chunks would be four launches).
     rotated: Bm and Cm are the forward's rotated keys and queries per head (keeps_keys), else B and C, and the keys
@@ -1044,12 +1126,15 @@ def mamba3_scan_bwd(
     dA, dD, dbb, dcb = sums.split([H, H, H * R * N, H * R * N], dim=1)  # strided views: the kernel's rows are sums'
     xs = mimo_x if R > 1 else dt  # SISO: a placeholder pointer the kernels never read
     dth = torch.empty_like(theta)  # one row a step: the kernels sum a step's ranks
+    dtt = torch.empty((n_slots, H, n_a), device=x.device, dtype=torch.float32)  # dth's sum over each chunk
     # dB and dC per head in B's dtype: one head a group, the gradients themselves; else each head's part, summed over
     # the group below in fp32 (_group_sum_kernel)
     dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype)
     dCh = torch.empty_like(dBh)
     consts = dict(P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
                   num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
+    if M3_BWD_MAXNREG:
+        consts["maxnreg"] = M3_BWD_MAXNREG
     n_docs = cu_seqlens.numel() - 1
     if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
@@ -1058,37 +1143,44 @@ def mamba3_scan_bwd(
         _m3_bwd_own_kernel[(n_slots, H)](x, xs, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam,
                                          dD, ldyu, dcs, H, n_docs, sums.shape[1], **consts)  # fmt: skip
         _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu,
-                                            dcs, ddt, dA, dBh, dCh, dth, dbb, dcb, H, n_docs, n_a, sums.shape[1],
+                                            dcs, ddt, dA, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1],
                                             **consts)  # fmt: skip
     else:
         _m3_bwd_chunk_kernel[(n_slots, H)](
             x, xs, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
-            dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts,
+            dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts,
         )  # fmt: skip
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
-    return dx, ddt, dB, dC, doc_suffix_sum_triton(dth, cu_steps), dw, dgam, sums.sum(0)
+    d_rates = torch.empty_like(rates)
+    if n_a:  # the angles' suffix sums and the increments' backward, dt's part added to ddt
+        hb = math.gcd(H, ANGLE_GRADS_HEADS)
+        _angle_grads_kernel[(n_slots, H // hb)](dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a,
+                                                CHUNK=chunk, RANK=R, HB=hb, BA=triton.next_power_of_2(n_a),
+                                                LOOKBACK=SCAN_LOOKBACK, num_warps=4)  # fmt: skip
+    return dx, ddt, dB, dC, d_rates, dw, dgam, sums.sum(0)
 
 
 @mamba3_scan_bwd.register_fake
-def _(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states, chunk,  # noqa: ANN001, ANN202
-      rank, rotated, groups):  # fmt: skip
+def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states,  # noqa: ANN001, ANN202
+      chunk, rank, rotated, groups):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     dB = Bm.new_empty((B, Bm.shape[1], groups, N))
     return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB),
-            torch.empty_like(theta), torch.empty_like(weight), torch.empty_like(gamma),
+            torch.empty_like(rates), torch.empty_like(weight), torch.empty_like(gamma),
             x.new_empty((2 * H + 2 * H * rank * N,), dtype=torch.float32))  # fmt: skip
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, _inc, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, chunk, rank, _save, _keep = inputs
+    x, dt, A, Bm, Cm, _inc, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, chunk, rank, _save, _keep = (
+        inputs)
     _y, states, k, q, theta = output
     ctx.rotated = k.numel() > 0  # the rotated keys kept (keeps_keys): saved in place of B and C
     ctx.groups = Bm.shape[2]
     if ctx.rotated:
         Bm, Cm = k, q
-    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens,
-                          states)  # fmt: skip
+    ctx.save_for_backward(x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps,
+                          cu_seqlens, states)  # fmt: skip
     ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
 
@@ -1100,12 +1192,12 @@ def split_sums(sums: torch.Tensor, H: int, R: int, N: int) -> tuple[torch.Tensor
 
 
 def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states = ctx.saved_tensors
+    x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
-    dxr, ddt, dB, dC, d_inc, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, b_bias, c_bias, weight,
-                                                             gamma, D, mimo_x, cu_steps, cu_seqlens, states, ctx.chunk,
-                                                             ctx.rank, ctx.rotated, ctx.groups)  # fmt: skip
+    dxr, ddt, dB, dC, d_rates, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias,
+                                                               weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states,
+                                                               ctx.chunk, ctx.rank, ctx.rotated, ctx.groups)  # fmt: skip
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums, x.shape[2], ctx.rank, Bm.shape[-1])
     dx, dmx = dxr, None
@@ -1114,8 +1206,8 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
         dxr = dxr.view(B, T, ctx.rank, H, P).float()
         scale = mimo_x.transpose(0, 1).to(x.dtype).float()  # as the kernels scaled x
         dx = (dxr * scale).sum(2).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dmx = (dxr * x.float()[:, :, None]).sum((0, 1)).transpose(0, 1) if ctx.needs_input_grad[11] else None
-    return dx, ddt, dA.to(A.dtype), dB, dC, d_inc, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None, None, None
+        dmx = (dxr * x.float()[:, :, None]).sum((0, 1)).transpose(0, 1) if ctx.needs_input_grad[12] else None
+    return dx, ddt, dA.to(A.dtype), dB, dC, None, d_rates, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None, None, None
 
 
 mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
@@ -1128,10 +1220,11 @@ def _keys(Bm: torch.Tensor, bias: torch.Tensor, theta: torch.Tensor, H: int) -> 
     return rotate_pairs(Bm.to(acc).repeat_interleave(H // Bm.shape[3], dim=3) + bias.transpose(0, 1).to(acc), theta)
 
 
-def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, inc, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk):  # noqa: ANN001, ANN202
+def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk):  # noqa: ANN001, ANN202
     """The Triton op on x [B,T,H,P] (MIMO: with its rank scale mimo_x [H,R,P], applied in the kernels; SISO: None),
-    the rank form of the keys (_ranked_keys's B, C [B,T,R,G,N] and biases [H,R,N]) and the angle increments inc
-    [B,T,H,n_a] (summed into the angles in the op): y [B,T,R,H,P] with D x (D None: no skip)."""
+    the rank form of the keys (_ranked_keys's B, C [B,T,R,G,N] and biases [H,R,N]) and the angle rates [B,T,H,n_a]
+    (their increments formed here without a gradient, summed into the angles in the op, and differentiated by its
+    backward): y [B,T,R,H,P] with D x (D None: no skip)."""
     B, T, H, P = x.shape
     R = Bm.shape[2]
     if R == 1 and mimo_x is not None:  # rank-1 MIMO is SISO on the scaled inputs (the kernels take a scale for R > 1)
@@ -1161,14 +1254,15 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, inc, b_bias, c_bias, weight, gamma,
     # no generator expression: dynamo cannot trace one under fullgraph
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
-        or inc.requires_grad or b_bias.requires_grad or c_bias.requires_grad or weight.requires_grad
+        or angles.requires_grad or b_bias.requires_grad or c_bias.requires_grad or weight.requires_grad
         or gamma.requires_grad or (D is not None and D.requires_grad) or (mimo_x is not None and mimo_x.requires_grad)
     )  # fmt: skip
     skip = D.float().contiguous() if D is not None else A.new_zeros((H,), dtype=torch.float32)
     Bs, Cs = sub(Bm), sub(Cm)
     cu_steps = cu_seqlens.to(torch.int32)
     y, *_ = mamba3_scan_fwd(
-        x.contiguous(), sub(dt_sub), A.float().contiguous(), Bs, Cs, inc.float().contiguous(),
+        x.contiguous(), sub(dt_sub), A.float().contiguous(), Bs, Cs,
+        _angle_increments(angles.detach(), dt.detach(), torch.float32).contiguous(), angles.contiguous(),
         b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
         None if mimo_x is None else mimo_x.float().contiguous(), cu_steps,
         cu_steps if R == 1 else (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
@@ -1219,7 +1313,6 @@ def mamba3_scan(
     # [B,T] document starts: the batch's context holds them (no mask built in every M block); bare cu_seqlens build it
     start = ctx.starts if ctx is not None else doc_start_mask(cu_seqlens, B, T, x.device)
     dts, lam = dt.to(acc), torch.sigmoid(trap.to(acc))
-    inc = _angle_increments(angles, dt, acc)  # [B,T,H,N_a]; theta, their document sums, is shared by the ranks
     # delta_next: the next token's previous-input weight, zero where the next token starts a document (or past the row)
     continues = torch.cat((~start[:, 1:], torch.zeros_like(start[:, :1])), dim=1)
     delta_next = torch.cat((((1 - lam) * dts)[:, 1:], torch.zeros_like(dts[:, :1])), dim=1) * continues[..., None]
@@ -1228,10 +1321,11 @@ def mamba3_scan(
     if kernel == "auto":
         kernel = "triton" if x.device.type == "cuda" else "chunked"
     if kernel == "triton":  # one op: keys and queries biased and rotated in the kernels, the diagonal exact, D x added
-        y = _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, inc, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk)
+        y = _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk)
     else:
         xr = _rank_inputs(x, mimo_x)
-        theta = doc_angle_sum(inc, cu_seqlens)
+        # the increments [B,T,H,N_a]; theta, their document sums, is shared by the ranks
+        theta = doc_angle_sum(_angle_increments(angles, dt, acc), cu_seqlens)
         y = _mamba3_chunked(xr, dts, A, Bm, Cm, theta[:, :, None], b_bias, c_bias, weight, gamma, delta_next,
                             cu_seqlens, chunk)  # fmt: skip
         if D is not None:
