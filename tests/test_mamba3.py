@@ -1070,3 +1070,20 @@ def test_the_backward_op_refuses_groups_that_do_not_fit_b(groups, rotated, messa
         mamba3_scan_bwd(z(B, T, H, P), z(B, T, H, P), z(B, T, H), z(H), Bm, Bm.clone(), z(B, T, H, 4), z(B, T, H, 4),
                         z(H, 1, N), z(H, 1, N), z(B, T, H), z(B, T, H), z(H), None, torch.tensor([0, T]),
                         torch.tensor([0, T]), z(2, H, P, N), 8, 1, rotated, groups)  # fmt: skip
+
+
+def test_the_bench_deadline_expects_a_later_shape_to_compile_and_the_peer_to_autotune_again():
+    """bench_mamba3 begins no later shape that next_shape_estimate_s puts past its deadline: the estimate keeps the
+    lab's first calls (they compile again at every shape) and a share of the peer's autotuning (it autotunes again),
+    dropping the rest of the peer's first call. (An estimate without any first call let a run with a deadline of
+    300 s begin a shape at 284 s, and the call's timeout killed it before a receipt was written.)"""
+    from megacpp_lab.bench.mamba3 import LAB, MAMBA2, PEER, PEER_REAUTOTUNE_SHARE, next_shape_estimate_s
+
+    rows = [{"contender": LAB, "shape": "main", "first_call_s": 4.0},
+            {"contender": PEER, "shape": "main", "first_call_s": 200.0},
+            {"contender": MAMBA2, "shape": "main", "first_call_s": 3.0},
+            {"contender": PEER, "shape": "H=32", "first_call_s": 40.0}]  # fmt: skip
+    want = 250.0 - (1.0 - PEER_REAUTOTUNE_SHARE) * 200.0  # the main shape's peer only
+    assert next_shape_estimate_s(250.0, rows) == pytest.approx(want)
+    assert next_shape_estimate_s(250.0, rows[:1]) == 250.0  # no peer: every second counts
+    assert next_shape_estimate_s(10.0, rows) == 0.0  # never negative
