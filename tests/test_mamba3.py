@@ -533,6 +533,22 @@ def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, 
         assert rel < 1e-5, f"d{name}: relative error {rel:.2e}"
 
 
+def test_the_angles_backward_refuses_heads_a_program_off_a_power_of_two(monkeypatch):
+    """ANGLE_GRADS_HEADS sizes a program's lanes (its heads times n_a's power of two): 3 with H = 6 would give a lane
+    count off a power of two, which fails to compile; the backward names the constant instead."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(m3, "ANGLE_GRADS_HEADS", 3)
+    a = {k: v.float().to(device).requires_grad_() for k, v in _inputs(B=1, T=16, H=6, G=1, P=16, N=16, n_a=4).items()}
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
+    y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
+    with pytest.raises(ValueError, match="ANGLE_GRADS_HEADS=3 must be a power of two"):
+        y.sum().backward()
+
+
 def test_mimos_rank_scale_gets_its_gradient_whichever_other_inputs_ask_for_one():
     """The op's backward reads which inputs want a gradient by their position: mimo_x alone asking (no skip D, every
     other input fixed) still gets its gradient, equal to the chunked torch path's (the op's inputs once shifted by

@@ -478,7 +478,8 @@ def _doc_block_totals(v: torch.Tensor, cu_seqlens: torch.Tensor, *, angles: bool
 # 3626dc0, GPU time of both scans, five shapes): 64 x 32 at 4 warps took 0.259 ms at the base model's M block against
 # 0.333 for the one-program-per-document scan, 0.345 against 1.904 at T = 16384 in two documents. 32 x 64 and 32 x 32
 # were within 5% of it at three shapes and 1.14 to 1.90 times it at the two with fewer, longer documents; 64 x 16,
-# 128 x 16 and 8 warps took 1.16 to 1.91 times it at every shape
+# 128 x 16 and 8 warps took 1.16 to 1.91 times it at every shape. The angles' backward (_angle_grads_kernel) loads
+# its document's later chunks' sums SCAN_LOOKBACK chunks at a time
 SCAN_BLOCK_T = 64
 SCAN_BLOCK_C = 32
 SCAN_WARPS = 4
@@ -965,10 +966,10 @@ ANGLE_KEYS_BLOCK_T = 32
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
-# heads a program of the angles' backward (_angle_grads_kernel), at most: the largest power of two dividing H up to
-# this. On the H100 at bench ssd's main shape (scripts/mamba3_probe.py, profiles/nvidia-h100-80gb-hbm3/ssd/
-# lead_angle_grads/) four heads a program took the kernel 0.122 ms; one head a program (8192 programs of [64, 32]) 86 us
-# in an earlier form of the kernel, which read the same rates and dt
+# heads a program of the angles' backward (_angle_grads_kernel), at most (a power of two): gcd(H, this). On the H100
+# at bench ssd's main shape (scripts/mamba3_probe.py, profiles/nvidia-h100-80gb-hbm3/ssd/lead_angle_grads/
+# mamba3_probe_heads_bc8cbac.json, one call) the kernel took 0.084 ms at one head a program (9216 programs of [64, 32]
+# lanes: 576 chunk slots by 16 heads), 0.095 at two, 0.123 at four
 ANGLE_GRADS_HEADS = 1
 # a register cap for the chunk pass (Triton's maxnreg; 0: none). Uncapped it takes 255 registers a thread, two
 # programs of 4 warps an SM (Nsight Compute on the H100: 12.5% occupancy, an instruction issued every 4.6 cycles a
@@ -1153,6 +1154,9 @@ def mamba3_scan_bwd(
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     d_rates = torch.empty_like(rates)
     if n_a:  # the angles' suffix sums and the increments' backward, dt's part added to ddt
+        if ANGLE_GRADS_HEADS < 1 or ANGLE_GRADS_HEADS & (ANGLE_GRADS_HEADS - 1):
+            raise ValueError(f"mamba3_scan_bwd: ANGLE_GRADS_HEADS={ANGLE_GRADS_HEADS} must be a power of two >= 1 (a "
+                             "program's lanes are its heads times n_a's power of two)")  # fmt: skip
         hb = math.gcd(H, ANGLE_GRADS_HEADS)
         _angle_grads_kernel[(n_slots, H // hb)](dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a,
                                                 CHUNK=chunk, RANK=R, HB=hb, BA=triton.next_power_of_2(n_a),
