@@ -971,10 +971,6 @@ M3_BWD_WARPS = 4
 # mamba3_probe_heads_bc8cbac.json, one call) the kernel took 0.084 ms at one head a program (9216 programs of [64, 32]
 # lanes: 576 chunk slots by 16 heads), 0.095 at two, 0.123 at four
 ANGLE_GRADS_HEADS = 1
-# a register cap for the chunk pass (Triton's maxnreg; 0: none). Uncapped it takes 255 registers a thread, two
-# programs of 4 warps an SM (Nsight Compute on the H100: 12.5% occupancy, an instruction issued every 4.6 cycles a
-# scheduler)
-M3_BWD_MAXNREG = 0
 # (M3_BWD_SPLIT's two kernels at 8 warps under a cap of 128 registers, 2 programs an SM of 16 warps for 232/252 bytes
 # of spills a thread, took 0.92 + 0.87 ms against the split's 0.50 + 0.68 and the one kernel's 1.11: a probe on the
 # H200 at bench ssd's main shape; the cap is not kept)
@@ -1134,8 +1130,6 @@ def mamba3_scan_bwd(
     dCh = torch.empty_like(dBh)
     consts = dict(P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
                   num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
-    if M3_BWD_MAXNREG:
-        consts["maxnreg"] = M3_BWD_MAXNREG
     n_docs = cu_seqlens.numel() - 1
     if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
