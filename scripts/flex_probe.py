@@ -10,6 +10,11 @@ one backward configuration for head dims above 128 on sm90. Each row: forward an
 spread (do_bench), the GPU kernels' ms by kernel over 5 calls, and the largest difference of the output and of
 each gradient from torch's default configuration's, relative to that tensor's largest magnitude (a configuration
 that computes something else shows here).
+
+Beside flex, `varlen` rows run torch's flash varlen kernel (torch.nn.attention.varlen.varlen_attn, torch >= 2.10) over
+the documents' cu_seqlens on [B*T, heads, D] leaves, v zero-padded to the q/k head dim (flash needs one head dim),
+its max sequence length T ("varlen max=T": what a compiled layer can pass without recompiling per batch) or the
+longest document ("varlen max=doc"). `--configs` picks rows by name prefix.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import os
 import traceback
 from pathlib import Path
 
+import inspect
+
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from megacpp_lab.nn.mla import FLEX_KERNEL_OPTIONS
@@ -56,7 +64,16 @@ CONFIGS: list[tuple[str, dict | None]] = [
     ("FLEX_KERNEL_OPTIONS (sm90, bf16, 192/128)", FLEX_KERNEL_OPTIONS[((9, 0), torch.bfloat16, 192, 128)]),
     ("fwd 128/64 s4 w8", _fwd(128, 64, 4, 8)),
     ("fwd 128/32 s3 w8", _fwd(128, 32, 3, 8)),
+    ("varlen max=T", None),
+    ("varlen max=doc", None),
 ]
+
+
+def _varlen_causal() -> dict:
+    """varlen_attn's causal keyword: torch 2.10 takes is_causal, later versions window_size=(-1, 0)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return {"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters else {"is_causal": True}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -67,7 +84,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="0,1,2,3", help="indices into SHAPES")
+    p.add_argument("--configs", default="", help="comma-separated name prefixes of CONFIGS to run (default: all)")
     args = p.parse_args()
+    prefixes = [c for c in args.configs.split(",") if c]
+    configs = [(n, o) for n, o in CONFIGS if not prefixes or any(n.startswith(c) for c in prefixes)]
     torch.manual_seed(0)
     rows = []
     out_path = Path(args.out, "flex_probe.json")
@@ -80,22 +100,51 @@ def main() -> None:
         dout = torch.randn(B, Hh, T, dv, device="cuda", dtype=torch.bfloat16)
         shape = {"B": B, "T": T, "heads": Hh, "dqk": dqk, "dv": dv, "docs": docs}
         want = None
-        for name, opts in CONFIGS:
+        cu_dev = cu.to("cuda", torch.int32)
+        max_doc = int(cu.diff().max())
+        # the same values as q, k, v on varlen's [B*T, heads, D] layout, leaves of their own
+        qt, kt, vt = (t.detach().transpose(1, 2).reshape(B * T, Hh, -1).clone().requires_grad_() for t in (q, k, v))
+        dout_t = dout.transpose(1, 2).reshape(B * T, Hh, dv)
+        for name, opts in configs:
             torch._dynamo.reset()
-            attn = torch.compile(flex_attention, fullgraph=True)
-            kw = dict(block_mask=mask, scale=dqk**-0.5, **({"kernel_options": opts} if opts else {}))
+            if name.startswith("varlen"):
+                from torch.nn.attention.varlen import varlen_attn
 
-            def fwd():
-                return attn(q, k, v, **kw)
+                max_len = T if name == "varlen max=T" else max_doc
+                causal = _varlen_causal()
+                leaves = (qt, kt, vt)
 
-            def fwd_bwd():
-                q.grad = k.grad = v.grad = None
-                attn(q, k, v, **kw).backward(dout)
+                def run():
+                    v_pad = F.pad(vt, (0, dqk - dv))
+                    return varlen_attn(qt, kt, v_pad, cu_dev, cu_dev, max_len, max_len, scale=dqk**-0.5, **causal)[..., :dv]
+
+                def fwd():
+                    return run().view(B, T, Hh, dv).transpose(1, 2)
+
+                def fwd_bwd():
+                    qt.grad = kt.grad = vt.grad = None
+                    run().backward(dout_t)
+
+                def grads():
+                    return tuple(t.grad.view(B, T, Hh, -1).transpose(1, 2) for t in leaves)
+            else:
+                attn = torch.compile(flex_attention, fullgraph=True)
+                kw = dict(block_mask=mask, scale=dqk**-0.5, **({"kernel_options": opts} if opts else {}))
+
+                def fwd():
+                    return attn(q, k, v, **kw)
+
+                def fwd_bwd():
+                    q.grad = k.grad = v.grad = None
+                    attn(q, k, v, **kw).backward(dout)
+
+                def grads():
+                    return (q.grad, k.grad, v.grad)
 
             try:
                 out = fwd()
                 fwd_bwd()
-                got = (out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone())
+                got = (out.detach().clone(), *(g.clone() for g in grads()))
                 if want is None:
                     want = got
                 diffs = {n: _rel(g, w) for n, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
