@@ -18,44 +18,14 @@ from megacpp_lab.nn import mla
 from megacpp_lab.nn.mla import (FLEX_KERNEL_OPTIONS, FLEX_PROVEN, FlexNotProvenError, MLAConfig, MultiLatentAttention,
                                 flex_kernel_options, flex_refusal)  # fmt: skip
 from megacpp_lab.varlen import FLEX_BLOCK, build_context, doc_causal_block_mask
-
-SMALL = dict(d_model=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=8, d_v=8, max_positions=256)
-# the MLA block of a real model: DeepSeek-V2-Lite-like ranks and head dims
-REAL = dict(d_model=2048, n_heads=16, q_lora_rank=1536, kv_lora_rank=512, d_nope=128, d_rope=64, d_v=128,
-            max_positions=4096)  # fmt: skip
-
-
-def _pair(device: str, dtype: torch.dtype = torch.float32, **kw) -> tuple[MultiLatentAttention, MultiLatentAttention]:
-    """(sdpa layer, flex layer) with the same weights."""
-    torch.manual_seed(0)
-    sdpa = MultiLatentAttention(MLAConfig.build(**kw, attn_impl="sdpa")).to(device, dtype)
-    flex = MultiLatentAttention(MLAConfig.build(**kw, attn_impl="flex")).to(device, dtype)
-    flex.load_state_dict(sdpa.state_dict())
-    return sdpa, flex
-
-
-def _packed_doc_ids(B: int, T: int, device: str, seed: int) -> torch.Tensor:
-    """B rows of packed documents; each row a different number of documents of random lengths."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for b in range(B):
-        n_docs = 1 + (seed + b) % 6
-        starts = torch.randperm(T - 1, generator=g)[: n_docs - 1] + 1
-        row = torch.zeros(T, dtype=torch.long)
-        row[starts] = 1
-        rows.append(row.cumsum(0))
-    return torch.stack(rows).to(device)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+from mla_pairs import REAL, SMALL, check_against_sdpa, layer_pair, packed_doc_ids, rel
 
 
 # ----------------------------------------------------------------------------- CPU (fp32, no gradients)
 
 
 def test_flex_equals_the_dense_doc_mask_eager_with_and_without_a_prebuilt_mask() -> None:
-    sdpa, flex = _pair("cpu", **SMALL)
+    sdpa, flex = layer_pair("flex", "cpu", **SMALL)
     x = torch.randn(2, 16, 32)
     doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 3 + [1] * 4 + [2] * 9])
     ctx, ctx_mask = build_context(doc_ids), build_context(doc_ids, block_mask=True)
@@ -68,13 +38,13 @@ def test_flex_equals_the_dense_doc_mask_eager_with_and_without_a_prebuilt_mask()
 
 def test_compiled_flex_equals_sdpa_and_never_recompiles_for_new_document_layouts() -> None:
     torch._dynamo.reset()
-    sdpa, flex = _pair("cpu", **SMALL)
+    sdpa, flex = layer_pair("flex", "cpu", **SMALL)
     compiled = torch.compile(flex, fullgraph=True)
     x = torch.randn(2, 128, 32)
     counters.clear()
     with torch.no_grad():
         for seed in range(4):  # 1..6 documents per row, different at every step
-            doc_ids = _packed_doc_ids(2, 128, "cpu", seed)
+            doc_ids = packed_doc_ids(2, 128, "cpu", seed)
             y = compiled(x, ctx=build_context(doc_ids, block_mask=True))
             torch.testing.assert_close(y, sdpa(x, ctx=build_context(doc_ids)), atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
@@ -83,7 +53,7 @@ def test_compiled_flex_equals_sdpa_and_never_recompiles_for_new_document_layouts
 
 # fullgraph=True reports the refusal as dynamo's Unsupported (the disabled refusal's reason); without it, the
 # refusal itself propagates: it must not degrade into a graph break followed by an eager run that succeeds.
-REFUSED = {True: "refuses this compiled attn_impl='flex' call", False: None}
+REFUSED = {True: "refuses this compiled attention call", False: None}
 
 
 def test_flex_launch_options_apply_to_their_gpu_dtype_and_head_dims_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,7 +93,7 @@ def test_the_layer_hands_its_launch_options_to_flex_attention(monkeypatch: pytes
 
     monkeypatch.setattr(mla, "flex_kernel_options", options)
     monkeypatch.setattr(mla, "flex_attention", recorder)
-    _, flex = _pair("cpu", **SMALL)
+    _, flex = layer_pair("flex", "cpu", **SMALL)
     with torch.no_grad():
         flex(torch.randn(1, 16, SMALL["d_model"]))
     assert asked == [("cpu", torch.float32, SMALL["d_nope"] + SMALL["d_rope"], SMALL["d_v"])]
@@ -133,7 +103,7 @@ def test_the_layer_hands_its_launch_options_to_flex_attention(monkeypatch: pytes
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks_allowed"])
 def test_compiled_flex_without_a_block_mask_is_refused(fullgraph: bool) -> None:
     torch._dynamo.reset()
-    _, flex = _pair("cpu", **SMALL)
+    _, flex = layer_pair("flex", "cpu", **SMALL)
     x = torch.randn(1, 128, 32)
     match = REFUSED[fullgraph] or "needs a context with a block mask.*build_context"
     with torch.no_grad(), pytest.raises(RuntimeError, match=match):
@@ -141,7 +111,7 @@ def test_compiled_flex_without_a_block_mask_is_refused(fullgraph: bool) -> None:
 
 
 def test_unproven_flex_configurations_are_refused_by_name() -> None:
-    _, flex = _pair("cpu", **SMALL)
+    _, flex = layer_pair("flex", "cpu", **SMALL)
     x = torch.randn(1, 16, 32)
     with pytest.raises(NotImplementedError, match="not proven on cpu float32 eager with gradients"):
         flex(x)  # flex has no CPU backward
@@ -159,7 +129,7 @@ def test_unproven_flex_configurations_are_refused_by_name() -> None:
 def test_compiled_flex_refuses_a_length_off_the_block_grid(fullgraph: bool) -> None:
     """Tripwire: one compiled module, after recompiling for dynamic shapes, gave wrong numbers at T=100."""
     torch._dynamo.reset()
-    _, flex = _pair("cpu", **SMALL)
+    _, flex = layer_pair("flex", "cpu", **SMALL)
     x = torch.randn(1, 100, 32)
     ctx = build_context(torch.zeros(1, 100, dtype=torch.long), block_mask=True)
     match = REFUSED[fullgraph] or "needs T to be a multiple of 128, got T=100"
@@ -178,15 +148,18 @@ def _with_impl(layer: MultiLatentAttention, impl: str) -> MultiLatentAttention:
 
 def test_auto_attention_is_the_default_and_runs_sdpa_on_a_cpu() -> None:
     """attn_impl='auto' (MLAConfig's default) on a CPU is sdpa, bit for bit, with gradients (flex has no CPU
-    backward); it asks for no block mask there, and would on a GPU."""
+    backward); it asks for no block mask there, nor on a GPU where varlen can run its head dims (it would for
+    head dims varlen refuses)."""
     from megacpp_lab.model.config import hybrid_preset
     from megacpp_lab.model.hybrid import HybridLM
 
     assert MLAConfig.build(**SMALL).attn_impl == "auto"
-    sdpa, _ = _pair("cpu", **SMALL)
+    sdpa, _ = layer_pair("flex", "cpu", **SMALL)
     auto = _with_impl(sdpa, "auto")
-    assert not auto.attends_through_flex(torch.device("cpu")) and auto.attends_through_flex(torch.device("cuda"))
+    assert not auto.attends_through_flex(torch.device("cpu")) and not auto.attends_through_flex(torch.device("cuda"))
     assert not sdpa.attends_through_flex(torch.device("cuda"))
+    wide_v = MultiLatentAttention(MLAConfig.build(**{**SMALL, "d_v": 32}))  # d_v > d_nope + d_rope: varlen refuses
+    assert wide_v.attends_through_flex(torch.device("cuda")) and not wide_v.attends_through_flex(torch.device("cpu"))
     doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 3 + [1] * 4 + [2] * 9])
     x = torch.randn(2, 16, 32, requires_grad=True)
     for ctx in (build_context(doc_ids), None):
@@ -199,7 +172,7 @@ def test_auto_attention_is_the_default_and_runs_sdpa_on_a_cpu() -> None:
 
 
 def test_context_and_block_mask_mismatches_fail_closed() -> None:
-    sdpa, flex = _pair("cpu", **SMALL)
+    sdpa, flex = layer_pair("flex", "cpu", **SMALL)
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
         with pytest.raises(ValueError, match="ctx is for \\[B,T\\] = \\(2, 32\\), the input is \\(2, 16\\)"):
@@ -219,37 +192,6 @@ def test_context_and_block_mask_mismatches_fail_closed() -> None:
 # ----------------------------------------------------------------------------- CUDA, real-shaped layer
 
 
-def _check_against_sdpa(layer_fn, sdpa: MultiLatentAttention, B: int, T: int, grad: bool, seed: int,
-                        dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
-    """layer_fn(x, ctx=) against eager SDPA on the same context (flex reads its block mask, sdpa its doc_ids):
-    outputs, and with grad the input and weight grads."""
-    torch.manual_seed(seed)
-    x = torch.randn(B, T, REAL["d_model"], device="cuda", dtype=dtype)
-    ctx = build_context(_packed_doc_ids(B, T, "cuda", seed), block_mask=True)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
-    if not grad:
-        with torch.no_grad():
-            y, ref = layer_fn(x, ctx=ctx), sdpa(x, ctx=ctx)
-        torch.cuda.synchronize()  # an illegal memory access surfaces here, not as a silent result
-        assert torch.isfinite(y).all()
-        assert _rel(y, ref) < tol and (y.float() - ref.float()).abs().max() < 10 * tol * ref.float().abs().max()
-        return
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    y, ref = layer_fn(xs[0], ctx=ctx), sdpa(xs[1], ctx=ctx)
-    dy = torch.randn_like(ref)
-    y.backward(dy)
-    ref.backward(dy)
-    torch.cuda.synchronize()
-    assert _rel(y, ref) < tol
-    assert _rel(xs[0].grad, xs[1].grad) < tol
-    flex_params = dict(layer_fn.named_parameters()) if isinstance(layer_fn, torch.nn.Module) else {}
-    for name, p in sdpa.named_parameters():
-        q = flex_params[name] if name in flex_params else flex_params.get(f"_orig_mod.{name}")
-        assert q is not None and _rel(q.grad, p.grad) < tol, name
-    for p in [*sdpa.parameters(), *flex_params.values()]:
-        p.grad = None
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("T", [256, 1024, 2048])
@@ -260,9 +202,9 @@ def test_cuda_compiled_flex_equals_eager_sdpa(B: int, T: int, grad: bool) -> Non
     if torch.cuda.get_device_capability() == (9, 0):
         assert flex_kernel_options(torch.device("cuda"), torch.bfloat16, REAL["d_nope"] + REAL["d_rope"], REAL["d_v"])
     torch._dynamo.reset()
-    sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
+    sdpa, flex = layer_pair("flex", "cuda", torch.bfloat16, **REAL)
     compiled = torch.compile(flex, fullgraph=True, dynamic=False)
-    _check_against_sdpa(compiled, sdpa, B, T, grad, seed=B * 10_000 + T)
+    check_against_sdpa(compiled, sdpa, B, T, grad, seed=B * 10_000 + T)
 
 
 @pytest.mark.cuda
@@ -270,24 +212,24 @@ def test_cuda_compiled_flex_equals_eager_sdpa(B: int, T: int, grad: bool) -> Non
 def test_cuda_compiled_flex_one_module_across_shapes_and_document_counts(grad: bool) -> None:
     """One compiled layer fed shapes no test names, as a user's loop would (dynamo may go dynamic)."""
     torch._dynamo.reset()
-    sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
+    sdpa, flex = layer_pair("flex", "cuda", torch.bfloat16, **REAL)
     compiled = torch.compile(flex, fullgraph=True)
     for i, (B, T) in enumerate([(3, 640), (1, 4096), (4, 256), (2, 1152), (8, 512), (5, 384), (2, 128), (6, 2816)]):
-        _check_against_sdpa(compiled, sdpa, B, T, grad, seed=100 + i)
+        check_against_sdpa(compiled, sdpa, B, T, grad, seed=100 + i)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_cuda_eager_flex_fp32_equals_eager_sdpa(grad: bool) -> None:
-    sdpa, flex = _pair("cuda", torch.float32, **REAL)
-    _check_against_sdpa(flex, sdpa, 2, 512, grad, seed=7, dtype=torch.float32)
+    sdpa, flex = layer_pair("flex", "cuda", torch.float32, **REAL)
+    check_against_sdpa(flex, sdpa, 2, 512, grad, seed=7, dtype=torch.float32)
 
 
 @pytest.mark.cuda
 def test_cuda_compiled_flex_fp32_is_refused() -> None:
     """At this layer's head dim (192) inductor's fp32 flex kernel needs 273 KiB of shared memory (H100: 227 KiB)."""
     torch._dynamo.reset()
-    _, flex = _pair("cuda", torch.float32, **REAL)
+    _, flex = layer_pair("flex", "cuda", torch.float32, **REAL)
     x = torch.randn(1, 256, REAL["d_model"], device="cuda")
     ctx = build_context(torch.zeros(1, 256, dtype=torch.long, device="cuda"), block_mask=True)
     for fullgraph in (True, False):
@@ -300,37 +242,39 @@ def test_cuda_compiled_flex_fp32_is_refused() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_cuda_eager_flex_bf16_equals_eager_sdpa(grad: bool) -> None:
-    sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
-    _check_against_sdpa(flex, sdpa, 2, 512, grad, seed=11)
+    sdpa, flex = layer_pair("flex", "cuda", torch.bfloat16, **REAL)
+    check_against_sdpa(flex, sdpa, 2, 512, grad, seed=11)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_cuda_auto_attention_runs_flex_over_documents_and_sdpa_elsewhere(grad: bool) -> None:
-    """attn_impl='auto' on a GPU: compiled bf16 over a batch's documents it is flex (the same numbers as the flex
-    layer, bit for bit); eager, or with no context, it is sdpa; compiled fp32 or off the block grid (unproven for
-    flex, which refuses both) it is sdpa."""
+def test_cuda_auto_attention_runs_flex_over_documents_and_sdpa_elsewhere(grad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """attn_impl='auto' on a GPU where varlen cannot run (its refusal forced here; tests/test_mla_varlen.py checks
+    auto's varlen choice): compiled bf16 over a batch's documents it is flex (the same numbers as the flex layer, bit
+    for bit); eager, or with no context, it is sdpa; compiled fp32 or off the block grid (unproven for flex, which
+    refuses both) it is sdpa."""
+    monkeypatch.setattr(mla, "varlen_refusal", lambda *a, **k: "refused by the test")
     torch._dynamo.reset()
-    sdpa, flex = _pair("cuda", torch.bfloat16, **REAL)
+    sdpa, flex = layer_pair("flex", "cuda", torch.bfloat16, **REAL)
     auto = _with_impl(flex, "auto")
     T = 1024
     x = torch.randn(2, T, REAL["d_model"], device="cuda", dtype=torch.bfloat16, requires_grad=grad)
-    ctx = build_context(_packed_doc_ids(2, T, "cuda", 1), block_mask=True)
+    ctx = build_context(packed_doc_ids(2, T, "cuda", 1), block_mask=True)
     with torch.set_grad_enabled(grad):
         y_auto = torch.compile(auto, fullgraph=True)(x, ctx=ctx)
         y_flex = torch.compile(flex, fullgraph=True)(x, ctx=ctx)
         torch.testing.assert_close(y_auto, y_flex, atol=0, rtol=0)
         torch.testing.assert_close(auto(x), sdpa(x), atol=0, rtol=0)  # one causal document a row: sdpa
         torch.testing.assert_close(auto(x, ctx=ctx), sdpa(x, ctx=ctx), atol=0, rtol=0)  # eager: sdpa
-    _check_against_sdpa(torch.compile(auto, fullgraph=True), sdpa, 2, T, grad, seed=2)
+    check_against_sdpa(torch.compile(auto, fullgraph=True), sdpa, 2, T, grad, seed=2)
     sdpa32, auto32 = sdpa.float(), auto.float()
     x32 = torch.randn(1, 256, REAL["d_model"], device="cuda")
-    ctx32 = build_context(_packed_doc_ids(1, 256, "cuda", 3), block_mask=True)
+    ctx32 = build_context(packed_doc_ids(1, 256, "cuda", 3), block_mask=True)
     with torch.set_grad_enabled(grad):
         torch.testing.assert_close(torch.compile(auto32, fullgraph=True)(x32, ctx=ctx32), sdpa32(x32, ctx=ctx32),
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
     sdpa, auto = sdpa.bfloat16(), auto.bfloat16()  # off the block grid (T=200): sdpa, where flex itself refuses
-    ctx_off = build_context(_packed_doc_ids(1, 200, "cuda", 4), block_mask=True)
+    ctx_off = build_context(packed_doc_ids(1, 200, "cuda", 4), block_mask=True)
     x_off = torch.randn(1, 200, REAL["d_model"], device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(auto, fullgraph=True)(x_off, ctx=ctx_off), sdpa(x_off, ctx=ctx_off),

@@ -18,7 +18,7 @@ for the Q side.
 
 Packed rows: `forward(x, ctx=)` takes the batch's `PackedContext` (megacpp_lab.varlen), validated once when
 it was built, as given: RoPE runs the kernels' packed thd path on its cu_seqlens (no value check, no host
-sync), attention its doc_ids (sdpa) or its block mask (flex). Bare doc_ids reach the layer through
+sync), attention its doc_ids (sdpa), its block mask (flex) or its cu_seqlens (varlen). Bare doc_ids reach the layer through
 testing.with_doc_ids, which builds (and checks) a context per call.
 
 Decode keeps only the normed latent c_kv and one rotated rope row per token (`MLAKVCache`). The
@@ -29,6 +29,7 @@ W_uv into the output, so attention runs in kv_lora_rank dims: a decode-only choi
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass, field
 from collections.abc import Sequence
@@ -70,6 +71,7 @@ __all__ = [
     "FLEX_PROVEN",
     "ROPE_IMPLS",
     "FlexNotProvenError",
+    "VarlenRefusedError",
     "MLAConfig",
     "MLAKVCache",
     "MultiLatentAttention",
@@ -77,10 +79,13 @@ __all__ = [
     "flex_kernel_options",
     "flex_refusal",
     "reads_block_mask",
+    "varlen_attention",
+    "varlen_attention_reference",
+    "varlen_refusal",
 ]
 
 ROPE_IMPLS = ("auto", "triton", "reference")
-ATTN_IMPLS = ("auto", "sdpa", "flex")
+ATTN_IMPLS = ("auto", "sdpa", "flex", "varlen")
 
 
 _fail = functools.partial(config_error, "MLAConfig")
@@ -92,13 +97,14 @@ class MLAConfig:
 
     attn_impl: "sdpa" (scaled_dot_product_attention with a dense [B,1,T,T] same-document causal mask: the
     reference, and the CPU's path), "flex" (flex_attention over the batch's block mask, which skips the blocks no
-    document reaches: 8 documents in a row of 4096 leave about 1/8 of the row's causal triangle), or "auto" (the
-    default): compiled flex on a GPU wherever FLEX_PROVEN lists the (device, dtype, compiled, gradients) configuration,
-    T is a multiple of FLEX_BLOCK and the batch has documents (a compiled call without the context's block mask is
-    refused, as flex's is); sdpa in eager mode (flex's eager path is an unfused reference
-    implementation, slower than sdpa), on a CPU, in an unproven configuration (compiled fp32, or T off the block
-    grid, where a compiled flex kernel once returned wrong numbers), and with no context
-    (one causal document a row, where sdpa's causal kernel skips the upper triangle itself)."""
+    document reaches: 8 documents in a row of 4096 leave about 1/8 of the row's causal triangle), "varlen" (torch's
+    flash varlen attention over the context's cu_seqlens: varlen_attention; CUDA, fp16/bf16, torch >= 2.10,
+    varlen_refusal), or "auto" (the default): varlen wherever varlen_refusal lets it run (eager or compiled, with
+    or without a context); else compiled flex on a GPU wherever FLEX_PROVEN lists the (device, dtype, compiled,
+    gradients) configuration, T is a multiple of FLEX_BLOCK and the batch has documents (a compiled call without
+    the context's block mask is refused, as flex's is); else sdpa (eager, where flex's path is an unfused
+    reference implementation, on a CPU, in an unproven configuration, and with no context). A DSA layer refuses
+    "varlen": its attention is the indexer's selection."""
 
     d_model: int
     n_heads: int
@@ -332,14 +338,88 @@ def flex_refusal(device: torch.device, dtype: torch.dtype, *, compiled: bool, gr
 
 
 @torch.compiler.disable(
-    reason="MultiLatentAttention refuses this compiled attn_impl='flex' call: it needs a context with a block mask built "
-    "outside the compiled region (build_context(block_mask=True)), T a multiple of 128, and a (device, dtype, gradients) configuration "
-    "in FLEX_PROVEN; compiled without fullgraph, or run eagerly, it raises the exact reason"
+    reason="MultiLatentAttention refuses this compiled attention call (attn_impl 'flex': a context with a block mask "
+    "built outside the compiled region, T a multiple of 128, a configuration in FLEX_PROVEN; 'varlen': see "
+    "varlen_refusal); compiled without fullgraph, or run eagerly, it raises the exact reason"
 )
-def _refuse_compiled(reason: str) -> NoReturn:
+def _refuse_compiled(error: Exception) -> NoReturn:
     # Outside the graph on purpose: a raise traced inside it, without fullgraph, only breaks the graph, and
     # the layer then re-runs eagerly, where is_compiling() is False and nothing refuses.
-    raise FlexNotProvenError(reason)
+    raise error
+
+
+# torch's flash varlen attention (torch.nn.attention.varlen, torch >= 2.10): one launch over the batch's documents
+# laid end to end ([B*T, heads, D] and cu_seqlens), each query attending its own document's keys only; flash
+# attention needs one head dim for q, k and v, so v is zero-padded to the q/k head dim and the output cut back.
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # torch < 2.10
+    _varlen_attn = None
+# Its causal switch, read once from the signature: torch 2.10 takes is_causal=True, later versions window_size=(-1, 0).
+VARLEN_CAUSAL: dict[str, Any] = (
+    {}
+    if _varlen_attn is None
+    else {"window_size": (-1, 0)}
+    if "window_size" in inspect.signature(_varlen_attn).parameters
+    else {"is_causal": True}
+)
+VARLEN_MAX_HEAD_DIM = 256  # flash attention's largest head dim
+
+
+class VarlenRefusedError(NotImplementedError):
+    """attn_impl='varlen' cannot run this call (see varlen_refusal)."""
+
+
+def varlen_refusal(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> str | None:
+    """Why torch's flash varlen attention cannot run a call on `device` in `dtype` with these head dims, or None."""
+    if _varlen_attn is None:
+        return f"attn_impl='varlen' needs torch >= 2.10 (torch.nn.attention.varlen); this is torch {torch.__version__}"
+    if device.type != "cuda":
+        return f"attn_impl='varlen' runs flash attention, CUDA only; got a {device.type} tensor: use 'sdpa'"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"attn_impl='varlen' needs float16 or bfloat16 (flash attention), got {str(dtype).removeprefix('torch.')}"
+    if d_qk > VARLEN_MAX_HEAD_DIM or d_qk % 8:
+        return f"attn_impl='varlen' needs a q/k head dim (d_nope + d_rope) <= {VARLEN_MAX_HEAD_DIM} and a multiple of 8, got {d_qk}"
+    if d_v > d_qk:
+        return f"attn_impl='varlen' pads v to the q/k head dim, so d_v must be <= d_nope + d_rope, got d_v={d_v} > {d_qk}"
+    return None
+
+
+def varlen_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
+                               cu_seq_k: torch.Tensor, max_q: int, max_k: int, *, scale: float | None = None,
+                               **causal: Any) -> torch.Tensor:  # fmt: skip
+    """varlen_attn's contract in plain torch (the tests' stand-in for the kernel on a CPU): [N, heads, D] q/k/v of
+    documents laid end to end at cu_seq_q (= cu_seq_k), causal attention inside each document. `causal` is the
+    keyword VARLEN_CAUSAL names (is_causal=True or window_size=(-1, 0)); any other mask is refused. max_q and
+    max_k bound the documents' lengths, as the kernel's grid does."""
+    if not (causal.get("is_causal") is True or tuple(causal.get("window_size", ())) == (-1, 0)) or len(causal) != 1:
+        raise ValueError(f"varlen_attention_reference: causal attention only (is_causal=True or window_size=(-1, 0)), got {causal}")
+    if not torch.equal(cu_seq_q, cu_seq_k):
+        raise ValueError("varlen_attention_reference: self-attention only (cu_seq_q == cu_seq_k)")
+    bounds = cu_seq_q.tolist()
+    lengths = [e - s for s, e in zip(bounds, bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != query.shape[0] or min(lengths) <= 0 or max(lengths) > min(max_q, max_k):
+        raise ValueError(f"varlen_attention_reference: cu_seqlens {bounds} must run 0..{query.shape[0]} in documents "
+                         f"of 1..{min(max_q, max_k)} tokens")  # fmt: skip
+    outs = []
+    for s, e in zip(bounds, bounds[1:]):
+        q, k, v = (t[s:e].transpose(0, 1) for t in (query, key, value))
+        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def varlen_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:  # fmt: skip
+    """q, key [B,T,H,d_qk], value [B,T,H,d_v] of packed rows, cu_seqlens [S+1] int32 over the flattened B*T tokens
+    -> [B,T,H,d_v]: causal attention inside each document, in one flash varlen launch. Its longest-document bound
+    is T (a static bound, so a compiled region does not recompile per batch; the kernel's extra query tiles of
+    shorter documents exit at once)."""
+    B, T, H, d_qk = q.shape
+    d_v = value.shape[-1]
+    v = F.pad(value, (0, d_qk - d_v)) if d_v < d_qk else value
+    flat = [t.reshape(B * T, H, d_qk) for t in (q, key, v)]
+    out = _varlen_attn(*flat, cu_seqlens, cu_seqlens, T, T, scale=scale, **VARLEN_CAUSAL)
+    return out[..., :d_v].reshape(B, T, H, d_v)
 
 
 class MultiLatentAttention(nn.Module):
@@ -354,6 +434,9 @@ class MultiLatentAttention(nn.Module):
         H = c.n_heads
         # DSA (nn/dsa.py): the lightning indexer that picks each query's keys; None: dense attention
         self.indexer = DSAIndexer(dsa, c.q_lora_rank) if dsa is not None else None
+        if dsa is not None and c.attn_impl == "varlen":
+            raise _fail("attn_impl", "not 'varlen' in a DSA layer (its attention is the indexer's selection: "
+                        "DSAConfig.attn_impl)", c.attn_impl)  # fmt: skip
         if dsa is not None and dsa.attn_impl != "reference":
             for name in ("d_nope", "d_rope"):  # sparse_kl's two tl.dot pieces
                 n = getattr(c, name)
@@ -438,27 +521,50 @@ class MultiLatentAttention(nn.Module):
 
     def attends_through_flex(self, device: torch.device) -> bool:
         """Whether this layer's attention can run flex_attention on `device`: attn_impl 'flex', or 'auto' on a GPU
-        (compiled), or a DSA layer's flex path (what regional compile and HybridLM.needs_block_mask ask)."""
-        auto = self.config.attn_impl == "auto" and device.type == "cuda"
-        return self.config.attn_impl == "flex" or auto or (self.indexer is not None and self.indexer.config.attn_impl != "reference")
+        where varlen cannot run these head dims (compiled), or a DSA layer's flex path (what regional compile and
+        HybridLM.needs_block_mask ask)."""
+        c = self.config
+        varlen = varlen_refusal(device, torch.bfloat16, c.d_nope + c.d_rope, c.d_v) is None
+        auto = c.attn_impl == "auto" and device.type == "cuda" and not varlen
+        return c.attn_impl == "flex" or auto or (self.indexer is not None and self.indexer.config.attn_impl != "reference")
+
+    def _auto_impl(self, device: torch.device, dtype: torch.dtype, *, compiling: bool, grad: bool, seq_len: int,
+                   ctx: PackedContext | None) -> str:  # fmt: skip
+        """What attn_impl='auto' runs (MLAConfig.attn_impl): varlen wherever it can, else compiled flex over the
+        documents where a test proved it, else sdpa."""
+        c = self.config
+        if varlen_refusal(device, dtype, c.d_nope + c.d_rope, c.d_v) is None:
+            return "varlen"
+        proven = (device.type, dtype, compiling, grad) in FLEX_PROVEN and seq_len % FLEX_BLOCK == 0
+        return "flex" if device.type == "cuda" and compiling and ctx is not None and proven else "sdpa"
 
     def _attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: PackedContext | None) -> torch.Tensor:
+        """q, key [B,T,H,d_nope+d_rope], value [B,T,H,d_v] -> [B,T,H,d_v], by MLAConfig.attn_impl."""
         c = self.config
-        q, key, value = (t.transpose(1, 2) for t in (q, key, value))
         scale = 1.0 / math.sqrt(c.d_nope + c.d_rope)
         compiling = torch.compiler.is_compiling()
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, key, value))
+        B, T = q.shape[:2]
         impl = c.attn_impl
-        if impl == "auto":  # compiled flex over the documents where a test proved it, else sdpa (MLAConfig.attn_impl)
-            proven = (q.device.type, q.dtype, compiling, grad) in FLEX_PROVEN and q.shape[2] % FLEX_BLOCK == 0
-            impl = "flex" if q.is_cuda and compiling and ctx is not None and proven else "sdpa"
+        if impl == "auto":
+            impl = self._auto_impl(q.device, q.dtype, compiling=compiling, grad=grad, seq_len=T, ctx=ctx)
+        if impl == "varlen":
+            reason = varlen_refusal(q.device, q.dtype, q.shape[-1], value.shape[-1])
+            if reason is not None:
+                if compiling:
+                    _refuse_compiled(VarlenRefusedError(reason))
+                raise VarlenRefusedError(reason)
+            # without a context, one causal document a row: its cu_seqlens are the rows' bounds
+            cu = ctx.cu_seqlens if ctx is not None else torch.arange(0, B * T + 1, T, dtype=torch.int32, device=q.device)
+            return varlen_attention(q, key, value, cu, scale)
+        q, key, value = (t.transpose(1, 2) for t in (q, key, value))
         if impl == "flex":
             block_mask = ctx.block_mask if ctx is not None else None
             reason = flex_refusal(q.device, q.dtype, compiled=compiling, grad=grad, seq_len=q.shape[2],
                                   has_block_mask=block_mask is not None)  # fmt: skip
             if reason is not None:
                 if compiling:
-                    _refuse_compiled(reason)
+                    _refuse_compiled(FlexNotProvenError(reason))
                 raise FlexNotProvenError(reason)
             if block_mask is None:  # eager only (flex_refusal): built here from the context's doc_ids
                 block_mask = doc_causal_block_mask(ctx.doc_ids if ctx is not None else None, batch=q.shape[0],
@@ -529,7 +635,7 @@ class MultiLatentAttention(nn.Module):
             reason = "a DSA layer's flex path (DSAConfig.attn_impl): " + reason.replace(
                 "attn_impl='sdpa'", "DSAConfig.attn_impl='reference'")
             if compiling:
-                _refuse_compiled(reason)
+                _refuse_compiled(FlexNotProvenError(reason))
             raise FlexNotProvenError(reason)
         if block_mask is None:  # eager only (flex_refusal): built here
             block_mask = doc_causal_block_mask(ctx.doc_ids if ctx is not None else None, batch=B, seq_len=T,
