@@ -38,7 +38,10 @@ PARTS = ("dsa", "mtp")
 PARTS_ENV = "MEGACPP_BENCH_ATTENTION_PARTS"
 
 DENSE_SDPA = "dense MLA layer, attn_impl='sdpa' (the reference: a [B,1,T,T] document mask), compiled"
-DENSE_FLEX = "dense MLA layer, attn_impl='flex' (the documents' block mask; 'auto' compiled on a GPU), compiled"
+DENSE_FLEX = "dense MLA layer, attn_impl='flex' (the documents' block mask), compiled"
+DENSE_VARLEN = "dense MLA layer, attn_impl='varlen' (torch's flash varlen kernel over cu_seqlens; 'auto' on a GPU), compiled"
+# the dense layer's contenders by attn_impl
+DENSE_IMPLS = {DENSE_SDPA: "sdpa", DENSE_FLEX: "flex", DENSE_VARLEN: "varlen"}
 DSA_SPARSE = "DSA layer, sparse phase (each query's top_k keys), compiled"
 DSA_WARMUP = "DSA layer, warm-up phase (every allowed key, KL on all of them), compiled"
 
@@ -87,20 +90,21 @@ def _mla_config(device: str, T: int) -> tuple[MLAConfig, DSAConfig]:
 
 
 def _names(device: str, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The contenders a device runs: a CPU smoke run has no dense flex row (flex has no CPU backward)."""
-    return names if device == "cuda" else tuple(n for n in names if n != DENSE_FLEX)
+    """The contenders a device runs: a CPU smoke run has no dense flex row (flex has no CPU backward) and no varlen
+    row (flash attention: CUDA only)."""
+    return names if device == "cuda" else tuple(n for n in names if n not in (DENSE_FLEX, DENSE_VARLEN))
 
 
 def _contenders(s: DSAShape, device: str, dtype: torch.dtype, names: tuple[str, ...]) -> dict[str, MultiLatentAttention]:
-    """The same MLA weights as a dense layer (sdpa, flex) and as a DSA layer (its indexer seeded alike)."""
+    """The same MLA weights as a dense layer (sdpa, flex, varlen) and as a DSA layer (its indexer seeded alike)."""
     mla, dsa = _mla_config(device, s.T)
     torch.manual_seed(0)
     dsa_layer = MultiLatentAttention(mla, dsa=DSAConfig.build(dsa, top_k=s.top_k)).to(device, dtype).train()
     dense_state = {k: v for k, v in dsa_layer.state_dict().items() if not k.startswith("indexer.")}
     layers = {}
     for name in names:
-        if name in (DENSE_SDPA, DENSE_FLEX):
-            cfg = MLAConfig.build(mla, attn_impl="sdpa" if name == DENSE_SDPA else "flex")
+        if name in DENSE_IMPLS:
+            cfg = MLAConfig.build(mla, attn_impl=DENSE_IMPLS[name])
             layer = MultiLatentAttention(cfg).to(device, dtype).train()
             layer.load_state_dict(dense_state)
         else:
@@ -199,14 +203,16 @@ def _part_rows(s: DSAShape, device: str, dtype: torch.dtype, steps: int) -> list
 
 
 def bench_dsa_layer(s: DSAShape, *, device: str, dtype: torch.dtype, steps: int) -> dict[str, Any]:
-    """A DSA layer (sparse and warm-up phases) against the dense MLA layer of the same weights (sdpa, MLAConfig's
-    default, and flex over the documents' blocks) at shape s, compiled; and the DSA layer's parts alone."""
-    rows = _rows(s, device, dtype, _names(device, (DENSE_SDPA, DENSE_FLEX, DSA_SPARSE, DSA_WARMUP)), steps)
+    """A DSA layer (sparse and warm-up phases) against the dense MLA layer of the same weights (sdpa, the reference;
+    flex over the documents' blocks; varlen over their cu_seqlens, 'auto' on a GPU) at shape s, compiled; and the
+    DSA layer's parts alone."""
+    rows = _rows(s, device, dtype, _names(device, (*DENSE_IMPLS, DSA_SPARSE, DSA_WARMUP)), steps)
     parts = _part_rows(s, device, dtype, steps)
     ms = {r["contender"]: r["ms"] for r in rows}
     summary = {
         "dsa_over_dense_sdpa": ms[DSA_SPARSE] / ms[DENSE_SDPA],
         "dsa_over_dense_flex": ms[DSA_SPARSE] / ms[DENSE_FLEX] if DENSE_FLEX in ms else None,
+        "varlen_over_dense_flex": ms[DENSE_VARLEN] / ms[DENSE_FLEX] if DENSE_VARLEN in ms else None,
         "warmup_over_dense_sdpa": ms[DSA_WARMUP] / ms[DENSE_SDPA],
         "indexer_ms": {r["contender"]: r["ms"] for r in parts},
         "indexer_share_of_dsa": sum(r["ms"] for r in parts) / ms[DSA_SPARSE],
@@ -223,11 +229,13 @@ def bench_dsa_layer(s: DSAShape, *, device: str, dtype: torch.dtype, steps: int)
                "(the gradients of x and every parameter), each step timed alone (CUDA events) after warm-up; ms is the "
                "median, ms_min/ms_max/ms_p10/ms_p90 the spread. The dense layers share the DSA layer's MLA weights. "
                "The sdpa layer attends with a [B,1,T,T] document mask (every pair computed); the flex layer skips the "
-               "blocks outside the documents. The DSA layer (nn/dsa.py, attn_impl flex): the indexer's [B,T,T] scores "
+               "blocks outside the documents; the varlen layer (attn_impl 'auto' on a GPU) runs torch's flash varlen "
+               "kernel over the documents' cu_seqlens, v zero-padded to the q/k head dim (varlen_over_dense_flex: its "
+               "time over flex's). The DSA layer (nn/dsa.py, attn_impl flex): the indexer's [B,T,T] scores "
                "(Triton), the top-k selection (Triton radix select), flex over the documents' blocks masked by the "
                "selection, and the indexer's KL (Triton, forward and backward). Its parts' rows time each alone, "
-               "eagerly, at the same shape. The bar compares with the sdpa layer, the dense layer as MLAConfig builds "
-               "it; dsa_over_dense_flex is the comparison with the faster dense layer."),
+               "eagerly, at the same shape. The bar compares with the sdpa layer, the reference dense layer; "
+               "dsa_over_dense_flex is the comparison with the flex layer."),
     )  # fmt: skip
 
 
@@ -235,12 +243,13 @@ def bench_dsa_sweep(shapes: tuple[DSAShape, ...], *, device: str, dtype: torch.d
     """bench_dsa_layer's dense and sparse contenders at other lengths, document counts and batch sizes."""
     results, by_shape = [], {}
     for s in shapes:
-        rows = _rows(s, device, dtype, _names(device, (DENSE_SDPA, DENSE_FLEX, DSA_SPARSE)), steps)
+        rows = _rows(s, device, dtype, _names(device, (*DENSE_IMPLS, DSA_SPARSE)), steps)
         results += rows
         ms = {r["contender"]: r["ms"] for r in rows}
         by_shape[f"B={s.B} T={s.T} docs={s.docs} top_k={s.top_k}"] = {
             "dsa_over_dense_sdpa": ms[DSA_SPARSE] / ms[DENSE_SDPA],
-            "dsa_over_dense_flex": ms[DSA_SPARSE] / ms[DENSE_FLEX] if DENSE_FLEX in ms else None}
+            "dsa_over_dense_flex": ms[DSA_SPARSE] / ms[DENSE_FLEX] if DENSE_FLEX in ms else None,
+            "varlen_over_dense_flex": ms[DENSE_VARLEN] / ms[DENSE_FLEX] if DENSE_VARLEN in ms else None}
     return make_receipt(
         "dsa_sweep", "attention", shape={"shapes": [asdict(s) for s in shapes]}, dtype=dtype, results=results,
         device=device, summary={"by_shape": by_shape},
