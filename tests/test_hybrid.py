@@ -324,8 +324,8 @@ def test_small_model_on_gpu_keeps_documents_apart_with_triton_scans(compiled, fe
         assert stats.graphs == len(structures) and stats.graph_breaks == 0, (stats, structures)
     assert (config.mamba3.kernel, config.m2rnn.kernel, config.d_model, config.n_layers) == ("triton", "triton", 384, 12)
     assert config.m_block == "mamba3"
-    # attn_impl 'auto': the A blocks attend through torch's flash varlen kernel over cu_seqlens here, no block mask
-    assert not HybridLM(config).blocks[0].mixer.attends_through_flex(torch.device("cuda"))
+    # attn_impl 'auto': the A blocks attend through flex over the documents' block mask here
+    assert HybridLM(config).blocks[0].mixer.attends_through_flex(torch.device("cuda"))
     assert config.mhc == features and bool(config.cblock_layers) == features
     assert report.passed, str(report)
     assert report.n_docs_perturbed >= 4 and report.dependence.weakest > 10 * report.tol

@@ -148,18 +148,15 @@ def _with_impl(layer: MultiLatentAttention, impl: str) -> MultiLatentAttention:
 
 def test_auto_attention_is_the_default_and_runs_sdpa_on_a_cpu() -> None:
     """attn_impl='auto' (MLAConfig's default) on a CPU is sdpa, bit for bit, with gradients (flex has no CPU
-    backward); it asks for no block mask there, nor on a GPU where varlen can run its head dims (it would for
-    head dims varlen refuses)."""
+    backward); it asks for no block mask there, and would on a GPU."""
     from megacpp_lab.model.config import hybrid_preset
     from megacpp_lab.model.hybrid import HybridLM
 
     assert MLAConfig.build(**SMALL).attn_impl == "auto"
     sdpa, _ = layer_pair("flex", "cpu", **SMALL)
     auto = _with_impl(sdpa, "auto")
-    assert not auto.attends_through_flex(torch.device("cpu")) and not auto.attends_through_flex(torch.device("cuda"))
+    assert not auto.attends_through_flex(torch.device("cpu")) and auto.attends_through_flex(torch.device("cuda"))
     assert not sdpa.attends_through_flex(torch.device("cuda"))
-    wide_v = MultiLatentAttention(MLAConfig.build(**{**SMALL, "d_v": 32}))  # d_v > d_nope + d_rope: varlen refuses
-    assert wide_v.attends_through_flex(torch.device("cuda")) and not wide_v.attends_through_flex(torch.device("cpu"))
     doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 3 + [1] * 4 + [2] * 9])
     x = torch.randn(2, 16, 32, requires_grad=True)
     for ctx in (build_context(doc_ids), None):
@@ -248,12 +245,10 @@ def test_cuda_eager_flex_bf16_equals_eager_sdpa(grad: bool) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_cuda_auto_attention_runs_flex_over_documents_and_sdpa_elsewhere(grad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """attn_impl='auto' on a GPU where varlen cannot run (its refusal forced here; tests/test_mla_varlen.py checks
-    auto's varlen choice): compiled bf16 over a batch's documents it is flex (the same numbers as the flex layer, bit
-    for bit); eager, or with no context, it is sdpa; compiled fp32 or off the block grid (unproven for flex, which
-    refuses both) it is sdpa."""
-    monkeypatch.setattr(mla, "varlen_refusal", lambda *a, **k: "refused by the test")
+def test_cuda_auto_attention_runs_flex_over_documents_and_sdpa_elsewhere(grad: bool) -> None:
+    """attn_impl='auto' on a GPU: compiled bf16 over a batch's documents it is flex (the same numbers as the flex
+    layer, bit for bit); eager, or with no context, it is sdpa; compiled fp32 or off the block grid (unproven for
+    flex, which refuses both) it is sdpa. Never varlen (MLAConfig.attn_impl says why)."""
     torch._dynamo.reset()
     sdpa, flex = layer_pair("flex", "cuda", torch.bfloat16, **REAL)
     auto = _with_impl(flex, "auto")

@@ -148,10 +148,10 @@ def test_saved_graphs_apply_to_inductor_alone_and_fail_closed_naming_the_field()
 
 
 @pytest.mark.cuda
-def test_on_a_gpu_a_flex_attention_block_compiles_with_torch_compile_and_the_rest_through_saved_graphs(own_caches):
-    """attn_impl 'flex' attends through flex in a compiled block on a GPU, and a saved graph holding flex fails to load
+def test_on_a_gpu_an_auto_attention_block_compiles_with_torch_compile_and_the_rest_through_saved_graphs(own_caches):
+    """attn_impl 'auto' attends through flex in a compiled block on a GPU, and a saved graph holding flex fails to load
     (parallelize._attends_through_flex): that block compiles with torch.compile, the others through saved graphs."""
-    config = model_config("tiny", "cuda", **TRITON, n_layers=2, mla=dict(attn_impl="flex"))
+    config = model_config("tiny", "cuda", **TRITON, n_layers=2)
     model = build_model(config, "cuda", parallel=ParallelConfig(compile=True, compile_workers=0))
     assert model.needs_block_mask
     assert not isinstance(model.blocks[0].forward, SavedForward) and isinstance(model.blocks[1].forward, SavedForward)
@@ -161,10 +161,10 @@ def test_on_a_gpu_a_flex_attention_block_compiles_with_torch_compile_and_the_res
 
 
 @pytest.mark.cuda
-def test_on_a_gpu_an_auto_attention_block_runs_varlen_through_a_saved_graph(own_caches):
-    """attn_impl 'auto' on a GPU runs torch's flash varlen attention (a custom op, no block mask): every block,
+def test_on_a_gpu_a_varlen_attention_block_runs_through_a_saved_graph(own_caches):
+    """attn_impl 'varlen' on a GPU runs torch's flash varlen attention (a custom op, no block mask): every block,
     the attention block too, goes through saved graphs, and a step over packed documents runs."""
-    config = model_config("tiny", "cuda", **TRITON, n_layers=2)
+    config = model_config("tiny", "cuda", **TRITON, n_layers=2, mla=dict(attn_impl="varlen"))
     model = build_model(config, "cuda", parallel=ParallelConfig(compile=True, compile_workers=0))
     assert not model.needs_block_mask
     assert all(isinstance(b.forward, SavedForward) for b in model.blocks)

@@ -359,9 +359,9 @@ model: 2 batches, compiled in bf16 without inductor): about 20 s.""",
 The seeds' attention side (nn/dsa.py, model/hybrid.py's MTPModule), two parts, three receipts.
 DSA layer: the stack preset's MLA layer (d=1024, 8 heads) at B=1, T=16384, 8 documents per row of random lengths,
 top-k 2048, bf16, train mode, each contender torch.compile(fullgraph): the dense MLA layer with attn_impl sdpa (a
-[B,1,T,T] document mask, the reference), with attn_impl flex (the documents' block mask) and with attn_impl varlen
-(torch's flash varlen kernel over the documents' cu_seqlens: MLAConfig's default 'auto' runs it on a GPU), and the
-DSA layer of the same weights in its sparse and its warm-up phase; forward and forward+backward, each step timed alone, with
+[B,1,T,T] document mask, the reference), with attn_impl flex (the documents' block mask: MLAConfig's default
+'auto' runs it compiled on a GPU) and with attn_impl varlen (torch's flash varlen kernel over the documents'
+cu_seqlens), and the DSA layer of the same weights in its sparse and its warm-up phase; forward and forward+backward, each step timed alone, with
 the spread; then the DSA layer's parts alone: the indexer's scores forward+backward, the top-k selection, the KL
 forward+backward. The bar: the DSA layer's forward+backward at most 0.5x the dense sdpa layer's, its indexer's
 time reported.

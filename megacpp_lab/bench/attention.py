@@ -38,8 +38,8 @@ PARTS = ("dsa", "mtp")
 PARTS_ENV = "MEGACPP_BENCH_ATTENTION_PARTS"
 
 DENSE_SDPA = "dense MLA layer, attn_impl='sdpa' (the reference: a [B,1,T,T] document mask), compiled"
-DENSE_FLEX = "dense MLA layer, attn_impl='flex' (the documents' block mask), compiled"
-DENSE_VARLEN = "dense MLA layer, attn_impl='varlen' (torch's flash varlen kernel over cu_seqlens; 'auto' on a GPU), compiled"
+DENSE_FLEX = "dense MLA layer, attn_impl='flex' (the documents' block mask; 'auto' compiled on a GPU), compiled"
+DENSE_VARLEN = "dense MLA layer, attn_impl='varlen' (torch's flash varlen kernel over cu_seqlens), compiled"
 # the dense layer's contenders by attn_impl
 DENSE_IMPLS = {DENSE_SDPA: "sdpa", DENSE_FLEX: "flex", DENSE_VARLEN: "varlen"}
 DSA_SPARSE = "DSA layer, sparse phase (each query's top_k keys), compiled"
@@ -204,7 +204,7 @@ def _part_rows(s: DSAShape, device: str, dtype: torch.dtype, steps: int) -> list
 
 def bench_dsa_layer(s: DSAShape, *, device: str, dtype: torch.dtype, steps: int) -> dict[str, Any]:
     """A DSA layer (sparse and warm-up phases) against the dense MLA layer of the same weights (sdpa, the reference;
-    flex over the documents' blocks; varlen over their cu_seqlens, 'auto' on a GPU) at shape s, compiled; and the
+    flex over the documents' blocks, 'auto' on a GPU; varlen over their cu_seqlens) at shape s, compiled; and the
     DSA layer's parts alone."""
     rows = _rows(s, device, dtype, _names(device, (*DENSE_IMPLS, DSA_SPARSE, DSA_WARMUP)), steps)
     parts = _part_rows(s, device, dtype, steps)
@@ -229,7 +229,7 @@ def bench_dsa_layer(s: DSAShape, *, device: str, dtype: torch.dtype, steps: int)
                "(the gradients of x and every parameter), each step timed alone (CUDA events) after warm-up; ms is the "
                "median, ms_min/ms_max/ms_p10/ms_p90 the spread. The dense layers share the DSA layer's MLA weights. "
                "The sdpa layer attends with a [B,1,T,T] document mask (every pair computed); the flex layer skips the "
-               "blocks outside the documents; the varlen layer (attn_impl 'auto' on a GPU) runs torch's flash varlen "
+               "blocks outside the documents (attn_impl 'auto' compiled on a GPU); the varlen layer runs torch's flash varlen "
                "kernel over the documents' cu_seqlens, v zero-padded to the q/k head dim (varlen_over_dense_flex: its "
                "time over flex's). The DSA layer (nn/dsa.py, attn_impl flex): the indexer's [B,T,T] scores "
                "(Triton), the top-k selection (Triton radix select), flex over the documents' blocks masked by the "

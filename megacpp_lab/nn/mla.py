@@ -99,12 +99,17 @@ class MLAConfig:
     reference, and the CPU's path), "flex" (flex_attention over the batch's block mask, which skips the blocks no
     document reaches: 8 documents in a row of 4096 leave about 1/8 of the row's causal triangle), "varlen" (torch's
     flash varlen attention over the context's cu_seqlens: varlen_attention; CUDA, fp16/bf16, torch >= 2.10,
-    varlen_refusal), or "auto" (the default): varlen wherever varlen_refusal lets it run (eager or compiled, with
-    or without a context); else compiled flex on a GPU wherever FLEX_PROVEN lists the (device, dtype, compiled,
-    gradients) configuration, T is a multiple of FLEX_BLOCK and the batch has documents (a compiled call without
-    the context's block mask is refused, as flex's is); else sdpa (eager, where flex's path is an unfused
-    reference implementation, on a CPU, in an unproven configuration, and with no context). A DSA layer refuses
-    "varlen": its attention is the indexer's selection."""
+    varlen_refusal; a DSA layer refuses it, its attention being the indexer's selection), or "auto" (the default):
+    compiled flex on a GPU wherever FLEX_PROVEN lists the (device, dtype, compiled, gradients) configuration, T is a
+    multiple of FLEX_BLOCK and the batch has documents (a compiled call without the context's block mask is
+    refused, as flex's is); sdpa in eager mode (flex's eager path is an unfused reference implementation, slower
+    than sdpa), on a CPU, in an unproven configuration (compiled fp32, or T off the block grid, where a compiled
+    flex kernel once returned wrong numbers), and with no context (one causal document a row, where sdpa's causal
+    kernel skips the upper triangle itself). "auto" never takes varlen: at the base model's head dims (q/k 192, v
+    128 padded to 192) it was measured slower than compiled flex with FLEX_KERNEL_OPTIONS (scripts/flex_probe.py on
+    an H100 at 73a2aa1, forward+backward: 1.27 against 0.91 ms at B=4 T=4096, 8 heads, 8 documents a row; 1.34
+    against 0.87 at B=2 T=8192, 16 documents; 1.22 and 1.21 with the longest document as the length bound in place
+    of T, which a compiled region cannot pass without recompiling per batch)."""
 
     d_model: int
     n_heads: int
@@ -521,20 +526,14 @@ class MultiLatentAttention(nn.Module):
 
     def attends_through_flex(self, device: torch.device) -> bool:
         """Whether this layer's attention can run flex_attention on `device`: attn_impl 'flex', or 'auto' on a GPU
-        where varlen cannot run these head dims (compiled), or a DSA layer's flex path (what regional compile and
-        HybridLM.needs_block_mask ask)."""
-        c = self.config
-        varlen = varlen_refusal(device, torch.bfloat16, c.d_nope + c.d_rope, c.d_v) is None
-        auto = c.attn_impl == "auto" and device.type == "cuda" and not varlen
-        return c.attn_impl == "flex" or auto or (self.indexer is not None and self.indexer.config.attn_impl != "reference")
+        (compiled), or a DSA layer's flex path (what regional compile and HybridLM.needs_block_mask ask)."""
+        auto = self.config.attn_impl == "auto" and device.type == "cuda"
+        return self.config.attn_impl == "flex" or auto or (self.indexer is not None and self.indexer.config.attn_impl != "reference")
 
     def _auto_impl(self, device: torch.device, dtype: torch.dtype, *, compiling: bool, grad: bool, seq_len: int,
                    ctx: PackedContext | None) -> str:  # fmt: skip
-        """What attn_impl='auto' runs (MLAConfig.attn_impl): varlen wherever it can, else compiled flex over the
-        documents where a test proved it, else sdpa."""
-        c = self.config
-        if varlen_refusal(device, dtype, c.d_nope + c.d_rope, c.d_v) is None:
-            return "varlen"
+        """What attn_impl='auto' runs (MLAConfig.attn_impl): compiled flex over the documents where a test proved
+        it, else sdpa. Never varlen: measured slower than flex at the base model's head dims (MLAConfig)."""
         proven = (device.type, dtype, compiling, grad) in FLEX_PROVEN and seq_len % FLEX_BLOCK == 0
         return "flex" if device.type == "cuda" and compiling and ctx is not None and proven else "sdpa"
 
