@@ -42,12 +42,17 @@ def reference_kernel(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 # ----------------------------------------------------------------------------- CPU
 
 
-def test_the_causal_keyword_matches_this_torchs_signature() -> None:
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    assert VARLEN_CAUSAL == ({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
-    assert set(VARLEN_CAUSAL) <= set(params)
+def test_the_causal_keyword_is_one_this_torchs_varlen_attn_takes() -> None:
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    params = inspect.signature(varlen.varlen_attn).parameters
+    ((name, value),) = VARLEN_CAUSAL.items()
+    assert name in params and "scale" in params
+    assert (name, value) in (("window_size", (-1, 0)), ("is_causal", True))
+    # the reference reads the same keyword as causal attention
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    q, k, v = (torch.randn(4, 1, 8) for _ in range(3))
+    out = varlen_attention_reference(q, k, v, cu, cu, 4, 4, **VARLEN_CAUSAL)
+    torch.testing.assert_close(out[0], v[0])  # the first query sees its own key only
 
 
 def test_the_reference_is_causal_attention_inside_each_document() -> None:
@@ -124,12 +129,20 @@ def test_auto_never_takes_varlen(reference_kernel: list[dict]) -> None:
     ctx = build_context(packed_doc_ids(2, 16, "cpu", seed=3))
     torch.testing.assert_close(auto(x, ctx=ctx), sdpa(x, ctx=ctx), atol=0, rtol=0)
     assert not reference_kernel
+    cuda, long_ctx = torch.device("cuda"), build_context(torch.zeros(1, 256, dtype=torch.long))
+    for compiling, want in ((True, "flex"), (False, "sdpa")):
+        for dtype in (torch.bfloat16, torch.float16):
+            got = auto.auto_impl(cuda, dtype, compiling=compiling, grad=True, seq_len=256, ctx=long_ctx)
+            assert got == (want if dtype == torch.bfloat16 else "sdpa"), (compiling, dtype, got)
 
 
 def test_refusals_name_what_is_missing() -> None:
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert varlen_refusal(cuda, torch.bfloat16, 192, 128) is None
-    assert varlen_refusal(cuda, torch.float16, 64, 64) is None
+    cuda, cpu, h100 = torch.device("cuda"), torch.device("cpu"), (9, 0)
+    assert varlen_refusal(cuda, torch.bfloat16, 192, 128, h100) is None
+    assert varlen_refusal(cuda, torch.bfloat16, 32, 16, h100) is None
+    assert "not proven on CUDA capability (9, 0) in float16 at head dims 192/128" in varlen_refusal(cuda, torch.float16, 192, 128, h100)
+    assert "not proven on CUDA capability (8, 0) in bfloat16" in varlen_refusal(cuda, torch.bfloat16, 192, 128, (8, 0))
+    assert "not proven" in varlen_refusal(cuda, torch.bfloat16, 64, 64, h100)
     assert "CUDA only" in varlen_refusal(cpu, torch.bfloat16, 192, 128)
     assert "float16 or bfloat16" in varlen_refusal(cuda, torch.float32, 192, 128)
     assert "<= 256" in varlen_refusal(cuda, torch.bfloat16, 320, 128)
@@ -151,13 +164,6 @@ def test_varlen_on_a_cpu_is_refused_eager_and_compiled(fullgraph: bool) -> None:
     with pytest.raises((VarlenRefusedError, RuntimeError), match="CUDA only|refuses this compiled attention call"):
         torch.compile(varlen, fullgraph=fullgraph)(x)
 
-
-def test_auto_on_a_cpu_is_sdpa() -> None:
-    sdpa, auto = layer_pair("varlen", "cpu", **SMALL)
-    auto.config = MLAConfig.build(**SMALL, attn_impl="auto")
-    x = torch.randn(2, 16, 32)
-    ctx = build_context(packed_doc_ids(2, 16, "cpu", seed=4))
-    torch.testing.assert_close(auto(x, ctx=ctx), sdpa(x, ctx=ctx), atol=0, rtol=0)
 
 
 # ----------------------------------------------------------------------------- CUDA, the kernel itself

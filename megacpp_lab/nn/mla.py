@@ -71,6 +71,7 @@ __all__ = [
     "FLEX_PROVEN",
     "ROPE_IMPLS",
     "FlexNotProvenError",
+    "VARLEN_PROVEN",
     "VarlenRefusedError",
     "MLAConfig",
     "MLAKVCache",
@@ -368,17 +369,29 @@ VARLEN_CAUSAL: dict[str, Any] = (
     if "window_size" in inspect.signature(_varlen_attn).parameters
     else {"is_causal": True}
 )
+VARLEN_TAKES_SCALE = _varlen_attn is not None and "scale" in inspect.signature(_varlen_attn).parameters
 VARLEN_MAX_HEAD_DIM = 256  # flash attention's largest head dim
+# Where the varlen path has been checked against sdpa on a GPU, as (CUDA capability, dtype, q/k head dim, v head dim):
+# an H100 in bf16 at the base model's 192/128 (tests/test_mla_varlen.py: eager and compiled, with gradients, the
+# leak harness) and the tiny preset's 32/16 (tests/test_saved_graphs.py: a model step against eager). Anything else
+# is refused until a test proves it.
+VARLEN_PROVEN: frozenset[tuple[tuple[int, int], torch.dtype, int, int]] = frozenset(
+    {((9, 0), torch.bfloat16, 192, 128), ((9, 0), torch.bfloat16, 32, 16)}
+)
 
 
 class VarlenRefusedError(NotImplementedError):
     """attn_impl='varlen' cannot run this call (see varlen_refusal)."""
 
 
-def varlen_refusal(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> str | None:
-    """Why torch's flash varlen attention cannot run a call on `device` in `dtype` with these head dims, or None."""
+def varlen_refusal(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
+                   capability: tuple[int, int] | None = None) -> str | None:  # fmt: skip
+    """Why torch's flash varlen attention cannot run a call on `device` in `dtype` with these head dims, or None:
+    it must be in VARLEN_PROVEN. capability: the device's CUDA capability (read from the device when None)."""
     if _varlen_attn is None:
         return f"attn_impl='varlen' needs torch >= 2.10 (torch.nn.attention.varlen); this is torch {torch.__version__}"
+    if not VARLEN_TAKES_SCALE:
+        return f"attn_impl='varlen' passes the layer's softmax scale, which this torch's varlen_attn ({torch.__version__}) does not take"
     if device.type != "cuda":
         return f"attn_impl='varlen' runs flash attention, CUDA only; got a {device.type} tensor: use 'sdpa'"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -387,6 +400,12 @@ def varlen_refusal(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int
         return f"attn_impl='varlen' needs a q/k head dim (d_nope + d_rope) <= {VARLEN_MAX_HEAD_DIM} and a multiple of 8, got {d_qk}"
     if d_v > d_qk:
         return f"attn_impl='varlen' pads v to the q/k head dim, so d_v must be <= d_nope + d_rope, got d_v={d_v} > {d_qk}"
+    if capability is None:
+        capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if (tuple(capability), dtype, d_qk, d_v) not in VARLEN_PROVEN:
+        return (f"attn_impl='varlen' is not proven on CUDA capability {tuple(capability)} in "
+                f"{str(dtype).removeprefix('torch.')} at head dims {d_qk}/{d_v}; use 'flex' or 'sdpa', or add the "
+                "configuration to megacpp_lab.nn.mla.VARLEN_PROVEN with a test against sdpa")  # fmt: skip
     return None
 
 
@@ -530,7 +549,7 @@ class MultiLatentAttention(nn.Module):
         auto = self.config.attn_impl == "auto" and device.type == "cuda"
         return self.config.attn_impl == "flex" or auto or (self.indexer is not None and self.indexer.config.attn_impl != "reference")
 
-    def _auto_impl(self, device: torch.device, dtype: torch.dtype, *, compiling: bool, grad: bool, seq_len: int,
+    def auto_impl(self, device: torch.device, dtype: torch.dtype, *, compiling: bool, grad: bool, seq_len: int,
                    ctx: PackedContext | None) -> str:  # fmt: skip
         """What attn_impl='auto' runs (MLAConfig.attn_impl): compiled flex over the documents where a test proved
         it, else sdpa. Never varlen: measured slower than flex at the base model's head dims (MLAConfig)."""
@@ -546,7 +565,7 @@ class MultiLatentAttention(nn.Module):
         B, T = q.shape[:2]
         impl = c.attn_impl
         if impl == "auto":
-            impl = self._auto_impl(q.device, q.dtype, compiling=compiling, grad=grad, seq_len=T, ctx=ctx)
+            impl = self.auto_impl(q.device, q.dtype, compiling=compiling, grad=grad, seq_len=T, ctx=ctx)
         if impl == "varlen":
             reason = varlen_refusal(q.device, q.dtype, q.shape[-1], value.shape[-1])
             if reason is not None:
@@ -583,8 +602,8 @@ class MultiLatentAttention(nn.Module):
         """x [B,T,d_model]; ctx, the batch's PackedContext (validated once when it was built, taken as given),
         or None for one document per row (RoPE rows 0..T-1, causal attention). With ctx, RoPE runs the
         kernels' packed thd path on its cu_seqlens (no value check, no host sync; the reference takes its
-        positions), attention reads its doc_ids (sdpa) or its block_mask (flex; build_context(block_mask=True),
-        outside any compiled region; an eager call without one has it built here)."""
+        positions), attention reads its doc_ids (sdpa), its block_mask (flex; build_context(block_mask=True),
+        outside any compiled region; an eager call without one has it built here) or its cu_seqlens (varlen)."""
         c = self.config
         B, T, _ = x.shape
         context_positions(ctx, tuple(x.shape))  # a context of another batch shape fails here, by name
