@@ -371,10 +371,11 @@ VARLEN_CAUSAL: dict[str, Any] = (
 )
 VARLEN_TAKES_SCALE = _varlen_attn is not None and "scale" in inspect.signature(_varlen_attn).parameters
 VARLEN_MAX_HEAD_DIM = 256  # flash attention's largest head dim
-# Where the varlen path has been checked against sdpa on a GPU, as (CUDA capability, dtype, q/k head dim, v head dim):
-# an H100 in bf16 at the base model's 192/128 (tests/test_mla_varlen.py: eager and compiled, with gradients, the
-# leak harness) and the tiny preset's 32/16 (tests/test_saved_graphs.py: a model step against eager). Anything else
-# is refused until a test proves it.
+# Where the varlen path has been checked on a GPU, as (CUDA capability, dtype, q/k head dim, v head dim): sm90 (an
+# H100 tested) in bf16 at the base model's 192/128 (tests/test_mla_varlen.py against sdpa: eager and compiled, with
+# gradients, the leak harness) and the tiny preset's 32/16 (tests/test_saved_graphs.py: a model step through saved
+# graphs ran on an H100 at df0ede7; the test's comparison with the eager step, added in 37c2589, has not run on a GPU
+# yet). Anything else is refused until a test proves it.
 VARLEN_PROVEN: frozenset[tuple[tuple[int, int], torch.dtype, int, int]] = frozenset(
     {((9, 0), torch.bfloat16, 192, 128), ((9, 0), torch.bfloat16, 32, 16)}
 )
