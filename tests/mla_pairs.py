@@ -41,6 +41,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
+def check_across_shapes(layer_fn, sdpa: MultiLatentAttention, shapes: list[tuple[int, int]], grad: bool,
+                        seed: int = 100) -> None:  # fmt: skip
+    """check_against_sdpa at each (B, T) of `shapes` in turn, one seed a shape: one module fed shapes no test
+    names, as a user's loop would."""
+    for i, (B, T) in enumerate(shapes):
+        check_against_sdpa(layer_fn, sdpa, B, T, grad, seed=seed + i)
+
+
 def check_against_sdpa(layer_fn, sdpa: MultiLatentAttention, B: int, T: int, grad: bool, seed: int,
                        dtype: torch.dtype = torch.bfloat16, packed: bool = True) -> None:  # fmt: skip
     """On CUDA, layer_fn(x, ctx=) against eager SDPA on the same context (flex reads its block mask, varlen its

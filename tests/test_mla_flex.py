@@ -18,7 +18,7 @@ from megacpp_lab.nn import mla
 from megacpp_lab.nn.mla import (FLEX_KERNEL_OPTIONS, FLEX_PROVEN, FlexNotProvenError, MLAConfig, MultiLatentAttention,
                                 flex_kernel_options, flex_refusal)  # fmt: skip
 from megacpp_lab.varlen import FLEX_BLOCK, build_context, doc_causal_block_mask
-from mla_pairs import REAL, SMALL, check_against_sdpa, layer_pair, packed_doc_ids, rel
+from mla_pairs import REAL, SMALL, check_across_shapes, check_against_sdpa, layer_pair, packed_doc_ids, rel
 
 
 # ----------------------------------------------------------------------------- CPU (fp32, no gradients)
@@ -211,8 +211,8 @@ def test_cuda_compiled_flex_one_module_across_shapes_and_document_counts(grad: b
     torch._dynamo.reset()
     sdpa, flex = layer_pair("flex", "cuda", torch.bfloat16, **REAL)
     compiled = torch.compile(flex, fullgraph=True)
-    for i, (B, T) in enumerate([(3, 640), (1, 4096), (4, 256), (2, 1152), (8, 512), (5, 384), (2, 128), (6, 2816)]):
-        check_against_sdpa(compiled, sdpa, B, T, grad, seed=100 + i)
+    check_across_shapes(compiled, sdpa, [(3, 640), (1, 4096), (4, 256), (2, 1152), (8, 512), (5, 384), (2, 128), (6, 2816)],
+                        grad)  # fmt: skip
 
 
 @pytest.mark.cuda

@@ -22,7 +22,7 @@ from megacpp_lab.nn.mla import (VARLEN_CAUSAL, MLAConfig, MultiLatentAttention, 
                                 varlen_attention_reference, varlen_refusal)  # fmt: skip
 from megacpp_lab.testing import check_leaks, with_doc_ids
 from megacpp_lab.varlen import build_context
-from mla_pairs import REAL, SMALL, check_against_sdpa, layer_pair, packed_doc_ids, rel
+from mla_pairs import REAL, SMALL, check_across_shapes, check_against_sdpa, layer_pair, packed_doc_ids, rel
 
 
 @pytest.fixture
@@ -190,8 +190,7 @@ def test_cuda_compiled_varlen_one_module_across_shapes_without_recompiling_per_l
     torch._dynamo.reset()
     sdpa, varlen = layer_pair("varlen", "cuda", torch.bfloat16, **REAL)
     compiled = torch.compile(varlen, fullgraph=True)
-    for i, (B, T) in enumerate([(3, 640), (1, 4096), (4, 256), (2, 1152), (8, 512), (2, 100)]):
-        check_against_sdpa(compiled, sdpa, B, T, grad, seed=100 + i)
+    check_across_shapes(compiled, sdpa, [(3, 640), (1, 4096), (4, 256), (2, 1152), (8, 512), (2, 100)], grad)
     before = counters["stats"]["unique_graphs"]
     for seed in range(5):
         check_against_sdpa(compiled, sdpa, 2, 1152, grad, seed=200 + seed)
