@@ -49,7 +49,8 @@ lab: $(STAMP)
 
 # The regression packs' sentinels first, on the console (exit 1 on a deviation, naming the pack); then two runs so
 # the log shows the unit-test and the notebook (nbval) counts apart, each with its 15 slowest tests or cells. The
-# notebooks start heaviest first (notebooks/conftest.py), so that the two workers end together.
+# unit tests' files and the notebooks start heaviest first (tests/conftest.py, notebooks/conftest.py), so that the two
+# workers end together.
 # One intra-op thread a worker: two workers of torch's default two threads put four spinning OpenMP threads on CI's
 # two cores. The unit tests at one commit on a 2-core machine: 16.6 min with one thread a worker, 23.8 min without (a
 # fresh clone; one run each, and such a machine's speed varies from run to run).
