@@ -50,14 +50,15 @@ lab: $(STAMP)
 # The regression packs' sentinels first, on the console (exit 1 on a deviation, naming the pack); then two runs so
 # the log shows the unit-test and the notebook (nbval) counts apart, each with its 15 slowest tests or cells. The
 # unit tests' files and the notebooks start heaviest first (tests/conftest.py, notebooks/conftest.py), so that the two
-# workers end together.
+# workers end together; --no-loadscope-reorder keeps that order (pytest-xdist >= 3.5 otherwise deals loadfile's files
+# by their count of tests, most first, and the conftests' order broke only ties).
 # One intra-op thread a worker: two workers of torch's default two threads put four spinning OpenMP threads on CI's
 # two cores. The unit tests at one commit on a 2-core machine: 16.6 min with one thread a worker, 23.8 min without (a
 # fresh clone; one run each, and such a machine's speed varies from run to run).
 test: $(STAMP)
 	$(BIN)/megacpp-lab tripwires
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax notebooks -n $(TEST_WORKERS) --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax notebooks -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 tour: $(STAMP)
 	$(BIN)/megacpp-lab tour --notebooks notebooks --out build

@@ -1,9 +1,11 @@
-"""nbval's run over the notebooks (`make test`: `pytest --nbval-lax notebooks -n 2 --dist loadfile`): the notebooks
-start heaviest first, so that the two workers end together instead of one running a long notebook alone at the end.
+"""nbval's run over the notebooks (`make test`: `pytest --nbval-lax notebooks -n 2 --dist loadfile
+--no-loadscope-reorder`): the notebooks start heaviest first, so that the two workers end together instead of one
+running a long notebook alone at the end.
 
-pytest-xdist's loadfile deals the first max(n/4, 2 x workers) files round-robin (here 4: the 1st and 3rd to one
-worker, the 2nd and 4th to the other), then one file at a time to whichever worker runs low. Each notebook's cells
-keep their order (a stable sort of whole notebooks); a notebook not named here runs after these, in path order.
+pytest-xdist's loadfile (with --no-loadscope-reorder: without it xdist deals the files by their count of cells, most
+first, and this order breaks only ties) deals each worker one file, and the next whenever at most two of its cells are
+pending. Each notebook's cells keep their order (a stable sort of whole notebooks); a notebook not named here runs
+after these, in path order.
 """
 
 from __future__ import annotations
