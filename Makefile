@@ -49,7 +49,7 @@ lab: $(STAMP)
 
 # The regression packs' sentinels first, on the console (exit 1 on a deviation, naming the pack); then two runs so
 # the log shows the unit-test and the notebook (nbval) counts apart, each with its 15 slowest tests or cells. The
-# unit tests' files and the notebooks start heaviest first (the root conftest.py), so that the two
+# unit tests' files and the notebooks start heaviest first (tests/conftest.py, notebooks/conftest.py), so that the two
 # workers end together; --no-loadscope-reorder keeps that order (pytest-xdist >= 3.5 otherwise deals loadfile's files
 # by their count of tests, most first, and the conftests' order broke only ties).
 # One intra-op thread a worker: two workers of torch's default two threads put four spinning OpenMP threads on CI's
