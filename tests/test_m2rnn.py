@@ -346,9 +346,11 @@ def _layer(**kw) -> M2RNN:
     return M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="triton", **kw)).to(DEVICE)
 
 
-def test_layer_passes_the_leak_harness_on_real_packed_rows(sample_leak_reports):
+@pytest.mark.parametrize("conv_impl", ["xla_safe", "triton"])
+def test_layer_passes_the_leak_harness_on_real_packed_rows(sample_leak_reports, conv_impl):
+    """With either conv form (the Triton one: kernels/doc_conv.py, under the interpreter on CPU)."""
     torch.manual_seed(0)
-    report, leaky = sample_leak_reports(_layer(), DEVICE)
+    report, leaky = sample_leak_reports(_layer(conv_impl=conv_impl), DEVICE)
     assert report.passed, str(report)
     assert not leaky.passed
 

@@ -27,7 +27,7 @@ from megacpp_lab.checks import check_ints, config_error
 from megacpp_lab.kernels.m2rnn import KERNELS, m2rnn_scan
 from megacpp_lab.varlen import PackedContext, context_positions
 from megacpp_lab.nn.config_builder import build_config
-from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
+from megacpp_lab.nn.primitives import CONV_IMPLS, DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
 
 __all__ = ["M2RNN", "M2RNNConfig", "M2RNNMegatronMixer", "M2RNNState", "softplus_decay_gate"]
 
@@ -44,6 +44,7 @@ class M2RNNConfig:
     k_head_dim: int = 64
     v_head_dim: int = 16
     conv_kernel: int = 4
+    conv_impl: str = "xla_safe"  # nn/primitives.CONV_IMPLS: the q/k/v conv's form ("auto": Triton on a GPU)
     gradient_clipping: float = 0.0
     residual: bool = True
     A_init_range: tuple[float, float] = (1.0, 16.0)
@@ -65,6 +66,8 @@ class M2RNNConfig:
                 raise _fail(name, "a power of two >= 16 (the Triton kernel's block shape)", value)
         if not 0 <= self.conv_kernel <= 16:
             raise _fail("conv_kernel", "0 (no conv) or a kernel size in 1..16", self.conv_kernel)
+        if self.conv_impl not in CONV_IMPLS:
+            raise _fail("conv_impl", f"one of {CONV_IMPLS}", self.conv_impl)
         if not isinstance(self.gradient_clipping, (int, float)) or isinstance(self.gradient_clipping, bool) or not (
             0 <= self.gradient_clipping < math.inf
         ):
@@ -116,7 +119,7 @@ class M2RNN(nn.Module):
         H, K, V = c.n_heads, c.k_head_dim, c.v_head_dim
         self.qkv_dim = H * (2 * K + V)
         self.input_proj = nn.Linear(c.d_model, self.qkv_dim + H + H * V, bias=False)
-        self.conv = DocCausalDepthwiseConv(self.qkv_dim, c.conv_kernel) if c.conv_kernel else None
+        self.conv = DocCausalDepthwiseConv(self.qkv_dim, c.conv_kernel, c.conv_impl) if c.conv_kernel else None
         self.A_log, self.dt_bias = init_decay_params(H, c)
         # spectral norm about 1: the state map starts near the edge of contraction, not chaotic
         self.W = nn.Parameter(torch.randn(H, V, V) * (0.5 / math.sqrt(V)))
@@ -131,20 +134,20 @@ class M2RNN(nn.Module):
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"M2RNN input must be [B,S,{c.d_model}], got {tuple(x.shape)}")
         context_positions(ctx, tuple(x.shape))  # a context of another batch shape fails here, by name
-        q, k, v, f, gate = self._inputs(x, lambda qkv: self.conv(qkv, ctx))
+        q, k, v, f, gate = self._inputs(x, lambda qkv: self.conv(qkv, ctx, silu=True))
         y = m2rnn_scan(q, k, v, f, self.W.to(q.dtype), ctx=ctx, chunk=c.chunk, grad_clip=c.gradient_clipping,
                        kernel=kernel or c.kernel)  # fmt: skip
         return self._output(y, v, gate)
 
     def _inputs(self, x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """input_proj -> conv (the forward's or the decode step's) + SiLU -> q, k [B,S,H,K] (scaled by
+        """input_proj -> conv + SiLU (the forward's, fused, or the decode step's) -> q, k [B,S,H,K] (scaled by
         1/sqrt(K)), v [B,S,H,V], f [B,S,H] fp32 (bf16 would round f near 1), the output gate."""
         c = self.config
         B, S, _ = x.shape
         H, K, V = c.n_heads, c.k_head_dim, c.v_head_dim
         qkv, decay, gate = self.input_proj(x).split([self.qkv_dim, H, H * V], dim=-1)
         if self.conv is not None:
-            qkv = F.silu(conv(qkv))
+            qkv = conv(qkv)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         q = q.reshape(B, S, H, K) / math.sqrt(K)
         k = k.reshape(B, S, H, K) / math.sqrt(K)
@@ -169,7 +172,8 @@ class M2RNN(nn.Module):
     def step(self, x: torch.Tensor, state: M2RNNState) -> torch.Tensor:
         """One token x [B,1,d_model] -> [B,1,d_model]; advances `state` in place. The forward's math at that
         token: z = tanh(h W + k (outer) v), h = f h + (1 - f) z, y = q h (no grad_clip: it acts on gradients)."""
-        q, k, v, f, gate = self._inputs(x, conv_stepper(self.conv, state))
+        step = conv_stepper(self.conv, state)
+        q, k, v, f, gate = self._inputs(x, lambda qkv: F.silu(step(qkv)))
         W = self.W.to(q.dtype).float()  # the forward hands the scan W in the activations' dtype
         qt, kt, vt, ft = q[:, 0].float(), k[:, 0].float(), v[:, 0].float(), f[:, 0, :, None, None]
         z = torch.tanh(state.h @ W + kt[..., :, None] * vt[..., None, :])

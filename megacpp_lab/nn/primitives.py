@@ -13,12 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp_lab.kernels.doc_conv import CONV_DTYPES, doc_conv
 from megacpp_lab.varlen import PackedContext, context_positions, doc_causal_shift, same_doc_as_lag
 
 __all__ = ["CONV_IMPLS", "DocCausalDepthwiseConv", "ParameterFreeRMSNorm", "SwiGLU", "attach_loss", "check_decay_init",
            "context_gate", "conv_stepper", "init_decay_params"]
 
-CONV_IMPLS = ("xla_safe", "maxtext_depthwise")
+# "auto": the Triton kernel where it can launch (CUDA) for the dtypes it takes, xla_safe elsewhere (a documented
+# choice per call, by device and dtype: the CPU and float64 have no Triton kernel)
+CONV_IMPLS = ("xla_safe", "maxtext_depthwise", "triton", "auto")
 
 
 class ParameterFreeRMSNorm(nn.Module):
@@ -61,6 +64,9 @@ class DocCausalDepthwiseConv(nn.Module):
     - xla_safe (the default): unfold by hand, each of the K taps a doc-masked shift of x, weighted sum: pointwise
       work that inductor fuses into one kernel, and one reduction for the weight's gradient. (No Tensor.unfold:
       Inductor's CPU backward for a masked unfold corrupted memory.)
+    - triton: kernels/doc_conv.py's op, one forward pass and one backward pass (the SiLU fused when forward is
+      asked for it), against xla_safe in tests/test_doc_conv.py; "auto" takes it on CUDA for fp32/bf16/fp16 inputs
+      and xla_safe elsewhere.
     - maxtext_depthwise: nn.Conv1d-style F.conv1d(groups=D) over the row; the first K-1
       tokens of each document, whose window would reach into the previous one, take the
       masked unfold result instead (torch.where, so nothing crosses, not even a NaN). ATen's depthwise kernels
@@ -100,10 +106,20 @@ class DocCausalDepthwiseConv(nn.Module):
         """The K taps of each window as K doc-masked shifts of x, weighted and summed (_tap_sum)."""
         return self._tap_sum(lambda lag: doc_causal_shift(x, positions, lag), x.dtype)
 
-    def forward(self, x: torch.Tensor, ctx: PackedContext | None = None) -> torch.Tensor:
-        """x [B,T,D]; ctx, the batch's PackedContext (None: one document per row)."""
+    def forward(self, x: torch.Tensor, ctx: PackedContext | None = None, *, silu: bool = False) -> torch.Tensor:
+        """x [B,T,D]; ctx, the batch's PackedContext (None: one document per row). silu: F.silu of the conv's
+        output (what the layers apply next; the Triton form fuses it)."""
         positions = context_positions(ctx, tuple(x.shape))
-        if self.impl == "xla_safe":
+        impl = self.impl
+        if impl == "auto":
+            impl = "triton" if x.device.type == "cuda" and x.dtype in CONV_DTYPES else "xla_safe"
+        if impl == "triton":
+            return doc_conv(x, self.weight, self.bias, positions, silu=silu)
+        y = self._conv_torch(x, positions, impl)
+        return F.silu(y) if silu else y
+
+    def _conv_torch(self, x: torch.Tensor, positions: torch.Tensor | None, impl: str) -> torch.Tensor:
+        if impl == "xla_safe":
             return self._unfold_sum(x, positions)
         K = self.kernel
         full = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), self.weight, self.bias, groups=x.shape[-1])

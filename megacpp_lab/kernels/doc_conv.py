@@ -1,0 +1,238 @@
+"""The doc-masked causal depthwise conv (nn/primitives.DocCausalDepthwiseConv), with its SiLU, in Triton.
+
+Per channel d and token t of a packed row, with K taps and each token's offset in its document pos_t:
+
+    pre_t = w[d, K-1] x_t + b[d] + sum_{l=1..K-1} [pos_t >= l] w[d, K-1-l] x_{t-l}      (fp32, in this order)
+    y_t   = pre_t rounded to x's dtype, then SiLU'd when `silu` (F.silu(conv(x)), as the layers apply it)
+
+A tap that would reach before the token's document start reads zero: the same mask as doc_causal_shift's, so no
+value (not even a NaN) crosses a document boundary, and a row start is always a document start (positions restart
+there; without positions, one document a row, pos_t = t mod T).
+
+Why a kernel: the R block's conv and its SiLU compiled by inductor (the xla_safe form: K doc-masked shifts) took
+about 1.1 ms of kernels per R layer in the compiled base step's trace on an H100 (profiles/nvidia-h100-80gb-hbm3/
+compile/, df0ede7: six kernels named for constant_pad_nd, ge, where, silu and their backward, forward, recompute,
+dx and the weight's reduction), where the tensors themselves ([4, 4096, 2304] in bf16, 75 MB) take tens of
+microseconds a pass to move. Here the forward is one pass (x read, y written), the backward one pass (the gradient
+and x read, the pre-activation recomputed, dx written, the weight's and bias's partial sums per block of tokens),
+then one small reduction over the blocks.
+
+The reference is the module's own xla_safe form (and its step loop, DocCausalDepthwiseConv.step):
+tests/test_doc_conv.py compares them, forward and every gradient, under the interpreter and on the GPU.
+Shapes: x [B,T,D] (fp32, bf16 or fp16), weight [D,1,K] (nn.Conv1d's depthwise layout), bias [D] or None,
+positions [B,T] integer or None.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from megacpp_lab.kernels import launchable
+
+__all__ = ["CONV_DTYPES", "doc_conv", "doc_conv_bwd", "doc_conv_fwd"]
+
+CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# tokens and channels a program covers; 4 warps
+BLOCK_T = 32
+BLOCK_D = 128
+WARPS = 4
+
+
+@triton.jit
+def _positions(pos_ptr, rows, rm, T, HAS_POS: tl.constexpr):
+    """Each row's offset in its document (0 past the end): the context's positions, or t mod T (a document a row)."""
+    if HAS_POS:
+        return tl.load(pos_ptr + rows, mask=rm, other=0)
+    return rows % T
+
+
+@triton.jit
+def _pre_activation(x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
+    """pre [BT, BD] fp32 at the token rows `rows` (zero where rows >= total), in the module's order (_tap_sum's): the
+    current tap, the bias, then each earlier tap masked to the token's document."""
+    rm = rows < total
+    pos = _positions(pos_ptr, rows, rm, T, HAS_POS)
+    at = rows[:, None] * D + cols[None, :]
+    w_now = tl.load(w_ptr + cols * K + (K - 1), mask=cm, other=0.0).to(tl.float32)
+    pre = tl.load(x_ptr + at, mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32) * w_now[None, :]
+    if HAS_BIAS:
+        pre += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+    for lag in tl.static_range(1, K):
+        ok = rm & (pos >= lag)
+        w_lag = tl.load(w_ptr + cols * K + (K - 1 - lag), mask=cm, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + at - lag * D, mask=ok[:, None] & cm[None, :], other=0.0)
+        pre += xv.to(tl.float32) * w_lag[None, :]
+    return pre
+
+
+@triton.jit
+def _pre_grad(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    """The gradient of pre [BT, BD] fp32 at `rows` (zero past the end): the output's gradient, through the SiLU of
+    the rounded pre-activation when SILU (recomputed here: nothing but x is saved)."""
+    rm = rows < total
+    g = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    if SILU:
+        pre = _pre_activation(x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K, HAS_BIAS, HAS_POS)
+        u = pre.to(x_ptr.dtype.element_ty).to(tl.float32)  # the conv's output as the SiLU read it
+        s = tl.sigmoid(u)
+        g = g * s * (1.0 + u * (1.0 - s))
+    return g
+
+
+@triton.jit
+def _doc_conv_fwd_kernel(x_ptr, pos_ptr, w_ptr, b_ptr, y_ptr, total, T, D, K: tl.constexpr, BT: tl.constexpr,
+                         BD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cm = cols < D
+    pre = _pre_activation(x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K, HAS_BIAS, HAS_POS)
+    y = pre.to(y_ptr.dtype.element_ty)
+    if SILU:  # F.silu on the rounded conv output, rounded once more
+        u = y.to(tl.float32)
+        y = (u * tl.sigmoid(u)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * D + cols[None, :], y, mask=(rows < total)[:, None] & cm[None, :])
+
+
+@triton.jit
+def _doc_conv_bwd_kernel(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, dx_ptr, dwb_ptr, total, T, D, K: tl.constexpr,
+                         BT: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr,
+                         SILU: tl.constexpr):  # fmt: skip
+    """dx_t = sum_l [pos_{t+l} >= l] w[K-1-l] dpre_{t+l} (a later token's tap reaches t only inside t's document:
+    pos_{t+l} >= l says t+l is in it, and never past a row's end, where the next row's positions restart); the
+    weight's and the bias's partial sums over this program's tokens into dwb [blocks, K+1, D] (rows 0..K-1: the tap
+    at lag l, w[:, K-1-l]; row K: the bias), summed over the blocks by the launcher."""
+    blk = tl.program_id(0)
+    rows = blk * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cm = cols < D
+    rm = rows < total
+    pos = _positions(pos_ptr, rows, rm, T, HAS_POS)
+    at = rows[:, None] * D + cols[None, :]
+    dpre = _pre_grad(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K, HAS_BIAS, HAS_POS, SILU)
+    part = dwb_ptr + blk * (K + 1) * D + cols
+    for lag in tl.static_range(K):
+        ok = rm & (pos >= lag)
+        xv = tl.load(x_ptr + at - lag * D, mask=ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        tl.store(part + lag * D, tl.sum(dpre * xv, axis=0), mask=cm)
+    tl.store(part + K * D, tl.sum(dpre, axis=0), mask=cm)
+    dx = dpre * tl.load(w_ptr + cols * K + (K - 1), mask=cm, other=0.0).to(tl.float32)[None, :]
+    for lag in tl.static_range(1, K):
+        later = rows + lag
+        lm = later < total
+        reach = lm & (_positions(pos_ptr, later, lm, T, HAS_POS) >= lag)
+        d_later = _pre_grad(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, later, total, cols, cm, T, D, K, HAS_BIAS, HAS_POS,
+                            SILU)  # fmt: skip
+        w_lag = tl.load(w_ptr + cols * K + (K - 1 - lag), mask=cm, other=0.0).to(tl.float32)
+        dx += tl.where(reach[:, None], d_later, 0.0) * w_lag[None, :]
+    tl.store(dx_ptr + at, dx.to(dx_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor | None) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"doc_conv x must be a tensor [B,T,D], got "
+                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")  # fmt: skip
+    if x.dtype not in CONV_DTYPES:
+        raise ValueError(f"doc_conv x must be float32, bfloat16 or float16 (float64 is the torch form's), got {x.dtype}")
+    B, T, D = x.shape
+    if B == 0 or T == 0 or D == 0:
+        raise ValueError(f"doc_conv x must hold tokens and channels, got [B,T,D] = {list(x.shape)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.shape[:2] != (D, 1) or weight.shape[2] < 1:
+        raise ValueError(f"doc_conv weight must be [D,1,K] = [{D},1,K] with K >= 1 (nn.Conv1d's depthwise layout), got "
+                         f"{list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")  # fmt: skip
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (D,)):
+        raise ValueError(f"doc_conv bias must be None or [D] = [{D}], got "
+                         f"{list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")  # fmt: skip
+    if positions is not None and (not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (B, T)
+                                  or positions.dtype.is_floating_point or positions.dtype == torch.bool):
+        raise ValueError(f"doc_conv positions must be None or an integer [B,T] = {[B, T]} tensor, got "
+                         f"{(positions.dtype, list(positions.shape)) if isinstance(positions, torch.Tensor) else type(positions).__name__}")  # fmt: skip
+    for name, t in (("weight", weight), ("bias", bias), ("positions", positions)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"doc_conv {name} is on {t.device}, x on {x.device}")
+    if not launchable(x.device):
+        raise RuntimeError(f"doc_conv needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); x is on {x.device}")
+    if B * T * D >= 2**31:  # the kernels index in int32
+        raise ValueError(f"doc_conv indexes in int32: x [B,T,D] = {list(x.shape)} holds {B * T * D} elements (limit "
+                         "2**31); split the batch")  # fmt: skip
+
+
+def _grid(total: int, D: int) -> tuple[int, int]:
+    return (triton.cdiv(total, BLOCK_T), triton.cdiv(D, BLOCK_D))
+
+
+@torch.library.custom_op("megacpp::doc_conv_fwd", mutates_args=())
+def doc_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045
+                 positions: Optional[torch.Tensor], silu: bool) -> torch.Tensor:  # noqa: UP045  # fmt: skip
+    """y [B,T,D] in x's dtype (module docstring). Inputs contiguous and checked by doc_conv."""
+    B, T, D = x.shape
+    y = torch.empty_like(x)
+    _doc_conv_fwd_kernel[_grid(B * T, D)](
+        x, positions if positions is not None else x, weight, bias if bias is not None else weight, y, B * T, T, D,
+        K=weight.shape[-1], BT=BLOCK_T, BD=BLOCK_D, HAS_BIAS=bias is not None, HAS_POS=positions is not None,
+        SILU=silu, num_warps=WARPS,
+    )  # fmt: skip
+    return y
+
+
+@doc_conv_fwd.register_fake
+def _(x, weight, bias, positions, silu):  # noqa: ANN001, ANN202
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("megacpp::doc_conv_bwd", mutates_args=())
+def doc_conv_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045
+                 positions: Optional[torch.Tensor], silu: bool  # noqa: UP045
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """dx [B,T,D] in x's dtype, d weight [D,1,K] in weight's dtype and d bias [D] (fp32 zeros without a bias)."""
+    B, T, D = x.shape
+    K = weight.shape[-1]
+    grid = _grid(B * T, D)
+    dx = torch.empty_like(x)
+    partial = torch.empty((grid[0], K + 1, D), device=x.device, dtype=torch.float32)
+    _doc_conv_bwd_kernel[grid](
+        grad, x, positions if positions is not None else x, weight, bias if bias is not None else weight, dx, partial,
+        B * T, T, D, K=K, BT=BLOCK_T, BD=BLOCK_D, HAS_BIAS=bias is not None, HAS_POS=positions is not None,
+        SILU=silu, num_warps=WARPS,
+    )  # fmt: skip
+    sums = partial.sum(0)  # [K+1, D]: the taps by lag, then the bias
+    dw = sums[:K].flip(0).t().contiguous().view(D, 1, K).to(weight.dtype)  # lag l is w[:, K-1-l]; the fake's strides
+    # a fresh tensor (an op's output may not be a view): zeros without a bias, whose gradient autograd drops
+    db = sums[K].to(bias.dtype, copy=True) if bias is not None else torch.zeros_like(sums[K])
+    return dx, dw, db
+
+
+@doc_conv_bwd.register_fake
+def _(grad, x, weight, bias, positions, silu):  # noqa: ANN001, ANN202
+    return (torch.empty_like(x), torch.empty_like(weight),
+            x.new_empty((x.shape[-1],), dtype=bias.dtype if bias is not None else torch.float32))  # fmt: skip
+
+
+def _setup(ctx, inputs, output):  # noqa: ANN001, ANN202
+    x, weight, bias, positions, silu = inputs
+    ctx.save_for_backward(x, weight, bias, positions)
+    ctx.silu = silu
+
+
+def _backward(ctx, grad):  # noqa: ANN001, ANN202
+    x, weight, bias, positions = ctx.saved_tensors
+    dx, dw, db = doc_conv_bwd(grad.contiguous(), x, weight, bias, positions, ctx.silu)
+    return dx, dw, db if bias is not None else None, None, None
+
+
+doc_conv_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def doc_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor | None, *,
+             silu: bool = False) -> torch.Tensor:  # fmt: skip
+    """The doc-masked causal depthwise conv of x [B,T,D] (weight [D,1,K], bias [D] or None; positions [B,T], each
+    token's offset in its document, or None for one document a row), SiLU'd when `silu`, through the Triton op: y in
+    x's dtype. Checked here (fail closed: a wrong shape, dtype or device names its field)."""
+    _check(x, weight, bias, positions)
+    return doc_conv_fwd(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
+                        None if positions is None else positions.contiguous(), bool(silu))  # fmt: skip
