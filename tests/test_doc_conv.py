@@ -13,6 +13,7 @@ from megacpp_lab.kernels import TRITON_INTERPRET
 from megacpp_lab.kernels.doc_conv import doc_conv
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv
+from megacpp_lab.nn.ssm import SSD, SSDConfig
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, positions_from_doc_ids
 
 ON_GPU = torch.cuda.is_available()
@@ -107,13 +108,22 @@ def test_nothing_crosses_a_document_start():
     assert torch.isnan(y[0, 5]).all() and torch.isfinite(y[0, 6:]).all() and torch.isfinite(y[0, :5]).all()
 
 
+LAYERS = {
+    "m2rnn": lambda **kw: M2RNN(M2RNNConfig.build(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16,
+                                                  kernel="reference", **kw)),
+    "ssd": lambda **kw: SSD(SSDConfig.build(d_model=32, n_heads=2, head_dim=16, state_dim=16, chunk=16,
+                                            kernel="chunked", **kw)),
+}  # fmt: skip
+
+
 @needs_kernels
-def test_m2rnn_layer_with_the_kernel_equals_the_torch_form():
-    """The R block with conv_impl='triton' against 'xla_safe': the same output and input gradient (fp32)."""
-    cfg = dict(d_model=32, n_heads=2, k_head_dim=16, v_head_dim=16, kernel="reference")
+@pytest.mark.parametrize("layer", LAYERS)
+def test_layer_with_the_kernel_equals_the_torch_form(layer):
+    """The R block's mixer and Mamba-2's SSD with conv_impl='triton' against 'xla_safe': the same output and input
+    gradient (fp32)."""
     torch.manual_seed(0)
-    ref = M2RNN(M2RNNConfig.build(**cfg)).to(DEVICE)
-    fast = M2RNN(M2RNNConfig.build(**cfg, conv_impl="triton")).to(DEVICE)
+    ref = LAYERS[layer]().to(DEVICE)
+    fast = LAYERS[layer](conv_impl="triton").to(DEVICE)
     fast.load_state_dict(ref.state_dict())
     ctx = build_context(_doc_ids(2, 12, [[5], [3, 4]], DEVICE))
     x = torch.randn(2, 12, 32, device=DEVICE)

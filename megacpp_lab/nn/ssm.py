@@ -25,7 +25,7 @@ from torch import nn
 from megacpp_lab.checks import check_ints, config_error, is_int
 from megacpp_lab.kernels.ssd import KERNELS, ssd_scan
 from megacpp_lab.nn.config_builder import build_config
-from megacpp_lab.nn.primitives import DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
+from megacpp_lab.nn.primitives import CONV_IMPLS, DocCausalDepthwiseConv, check_decay_init, conv_stepper, init_decay_params
 from megacpp_lab.varlen import PackedContext, context_positions
 
 __all__ = ["SSD", "SSDConfig", "SSDState", "StateSpaceFields"]
@@ -77,11 +77,14 @@ class SSDConfig(StateSpaceFields):
     """SSD layer settings; build it with SSDConfig.build. Frozen, checked on construction."""
 
     conv_kernel: int = 4
+    conv_impl: str = "xla_safe"  # nn/primitives.CONV_IMPLS: the x/B/C conv's form ("auto": Triton on a GPU)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not is_int(self.conv_kernel) or not 0 <= self.conv_kernel <= 16:
             raise _fail("conv_kernel", "0 (no conv) or a kernel size in 1..16", self.conv_kernel)
+        if self.conv_impl not in CONV_IMPLS:
+            raise _fail("conv_impl", f"one of {CONV_IMPLS}", self.conv_impl)
 
     @classmethod
     def build(cls, source: Any = None, **overrides: Any) -> SSDConfig:
@@ -113,7 +116,7 @@ class SSD(nn.Module):
         H, P, G, N = c.n_heads, c.head_dim, c.n_groups, c.state_dim
         self.xbc_dim = H * P + 2 * G * N
         self.in_proj = nn.Linear(c.d_model, H * P + self.xbc_dim + H, bias=False)
-        self.conv = DocCausalDepthwiseConv(self.xbc_dim, c.conv_kernel) if c.conv_kernel else None
+        self.conv = DocCausalDepthwiseConv(self.xbc_dim, c.conv_kernel, c.conv_impl) if c.conv_kernel else None
         self.A_log, self.dt_bias = init_decay_params(H, c)
         self.D = nn.Parameter(torch.ones(H))
         self.norm = nn.RMSNorm(H * P, eps=c.eps)
@@ -126,21 +129,21 @@ class SSD(nn.Module):
         if x.dim() != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"SSD input must be [B,T,{c.d_model}], got {tuple(x.shape)}")
         context_positions(ctx, tuple(x.shape))  # a context of another batch shape fails here, by name
-        z, xs, Bm, Cm, dt = self._inputs(x, lambda xbc: self.conv(xbc, ctx))
+        z, xs, Bm, Cm, dt = self._inputs(x, lambda xbc: self.conv(xbc, ctx, silu=True))
         A = -torch.exp(self.A_log.float())
         y = ssd_scan(xs, dt, A, Bm, Cm, ctx=ctx, chunk=c.chunk, kernel=kernel or c.kernel)
         return self._output(y, xs, z)
 
     def _inputs(self, x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """in_proj -> conv (the forward's or the decode step's) + SiLU -> z, xs [B,T,H,P], B, C [B,T,G,N],
+        """in_proj -> conv + SiLU (the forward's, fused, or the decode step's; SiLU alone without a conv) -> z, xs
+        [B,T,H,P], B, C [B,T,G,N],
         dt [B,T,H] fp32 (the decay exp(dt * A) is near 1: bf16 would round it)."""
         c = self.config
         B, T, _ = x.shape
         H, P, G, N = c.n_heads, c.head_dim, c.n_groups, c.state_dim
         z, xbc, dt = self.in_proj(x).split([H * P, self.xbc_dim, H], dim=-1)
-        if self.conv is not None:
-            xbc = conv(xbc)
-        xs, Bm, Cm = F.silu(xbc).split([H * P, G * N, G * N], dim=-1)
+        xbc = conv(xbc) if self.conv is not None else F.silu(xbc)
+        xs, Bm, Cm = xbc.split([H * P, G * N, G * N], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         return z, xs.reshape(B, T, H, P), Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N), dt
 
@@ -163,7 +166,8 @@ class SSD(nn.Module):
         """One token x [B,1,d_model] -> [B,1,d_model]; advances `state` in place. The forward's math at that
         token: h = exp(dt A) h + dt x (outer) B, y = h C."""
         H = self.config.n_heads
-        z, xs, Bm, Cm, dt = self._inputs(x, conv_stepper(self.conv, state))
+        conv_step = conv_stepper(self.conv, state)
+        z, xs, Bm, Cm, dt = self._inputs(x, lambda xbc: F.silu(conv_step(xbc)))
         # per head: head h reads group h // (H / G), as the scan does
         Bh, Ch = (m[:, 0].repeat_interleave(H // m.shape[2], dim=1).float() for m in (Bm, Cm))  # [B,H,N]
         dt, A = dt[:, 0], -torch.exp(self.A_log.float())
