@@ -586,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
         **common,
     )
     p.add_argument("subjects", nargs="*", metavar="SUBJECT",
-                   help="what to compile: mamba3, mamba3-mimo2, mamba3-mimo4, ssd (default: all)")  # fmt: skip
+                   help="what to compile: doc_conv, mamba3, mamba3-mimo2, mamba3-mimo4, ssd, m2rnn (default: all)")  # fmt: skip
     p.add_argument("--json", default=None,
                    help="also write the table, with the commit and versions, here as JSON (default: print only)")
     p.set_defaults(func=_cmd_resources)

@@ -66,7 +66,7 @@ def test_unknown_subjects_fail_naming_them():
 
 @pytest.fixture(scope="module")
 def mamba3_report():
-    return report(("mamba3", "ssd", "m2rnn"))
+    return report(("mamba3", "ssd", "m2rnn", "doc_conv"))
 
 
 def test_the_mamba3_scan_compiles_every_kernel_for_sm90(mamba3_report):
@@ -141,15 +141,24 @@ def test_m2rnn_compiles_its_three_kernels_planned_for_a_gh100(mamba3_report):
     assert names == ["_m2rnn_fwd_kernel", "_m2rnn_recompute_kernel", "_m2rnn_bwd_kernel"]
 
 
+def test_the_doc_conv_compiles_both_kernels_without_spills(mamba3_report):
+    """kernels/doc_conv.py compiled for sm_90 (which the interpreter is not: an int64 and an int32 branch of one
+    helper compiled only here), forward and backward, with no bytes spilled at their block sizes."""
+    rows = {r["kernel"]: r for r in mamba3_report["subjects"]["doc_conv"]}
+    assert sorted(rows) == ["_doc_conv_bwd_kernel", "_doc_conv_fwd_kernel"]
+    for name, row in rows.items():
+        assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, (name, row)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("subject", ["mamba3", "ssd"])
+@pytest.mark.parametrize("subject", ["mamba3", "ssd", "doc_conv"])
 def test_on_a_hopper_the_offline_report_equals_what_the_driver_loads(subject):
     """The offline compile against the truth: on an sm_90 GPU, the subject's launches run for real, and each kernel
     Triton loads reports, through the driver, the registers and the local memory a thread (Triton's n_spills: the
     local bytes / 4) that the offline compile read from ptxas for the same compilation. Compared as multisets of
     (kernel, registers, stack bytes), in this process's Triton."""
     from megacpp_lab.bench.resources import SUBJECTS
-    from megacpp_lab.kernels import mamba3 as m3_kernels, ssd as ssd_kernels
+    from megacpp_lab.kernels import doc_conv as conv_kernels, mamba3 as m3_kernels, ssd as ssd_kernels
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"needs an sm_90 GPU (H100, H200); this is sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
@@ -157,7 +166,7 @@ def test_on_a_hopper_the_offline_report_equals_what_the_driver_loads(subject):
     SUBJECTS[subject]("cuda")
     torch.cuda.synchronize()
     loaded = []
-    for module in (ssd_kernels, m3_kernels):
+    for module in (ssd_kernels, m3_kernels, conv_kernels):
         for name in dir(module):
             caches = getattr(getattr(module, name), "device_caches", None)
             for device_cache in (caches or {}).values():

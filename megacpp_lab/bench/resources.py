@@ -86,7 +86,21 @@ def _m2rnn_scan(device: str = "cpu") -> None:
     m2rnn_scan(q, k, v, f, W, kernel="triton").float().sum().backward()
 
 
+def _doc_conv(device: str = "cpu") -> None:
+    """The doc-masked causal conv with its SiLU, forward and backward, at the base model's R block width (2304
+    channels, K = 4) with positions, few tokens, bf16, on `device`."""
+    from megacpp_lab.kernels.doc_conv import doc_conv
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 256, 2304, generator=g).to(device, torch.bfloat16).requires_grad_()
+    w = torch.randn(2304, 1, 4, generator=g).to(device, torch.bfloat16).requires_grad_()
+    b = torch.randn(2304, generator=g).to(device, torch.bfloat16).requires_grad_()
+    positions = (torch.arange(256) % 100).view(1, 256).to(device)
+    doc_conv(x, w, b, positions, silu=True).float().sum().backward()
+
+
 SUBJECTS: dict[str, Callable[[str], None]] = {
+    "doc_conv": _doc_conv,
     "mamba3": _mamba3_scan(1),
     "mamba3-mimo2": _mamba3_scan(2),
     "mamba3-mimo4": _mamba3_scan(4),

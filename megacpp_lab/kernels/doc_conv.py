@@ -36,17 +36,20 @@ from megacpp_lab.kernels import launchable
 __all__ = ["CONV_DTYPES", "doc_conv", "doc_conv_bwd", "doc_conv_fwd"]
 
 CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# tokens and channels a program covers; 4 warps
-BLOCK_T = 32
-BLOCK_D = 128
+# tokens and channels a program covers, forward and backward, 4 warps. Compiled for sm_90 (kernels/resources.py) at
+# the R block's [4, 4096, 2304] in bf16: the forward at 32 x 128 takes 108 registers a thread, no spills; the
+# backward at 32 x 128 took 255 registers and spilled 136 bytes a thread, at 32 x 64 it takes 144 and spills none
+# (16 x 128: 138, none; 32 x 128 at 8 warps: 138, none). Not yet timed against one another on a GPU.
+BLOCK_T, BLOCK_D = 32, 128
+BWD_BLOCK_T, BWD_BLOCK_D = 32, 64
 WARPS = 4
 
 
 @triton.jit
 def _positions(pos_ptr, rows, rm, T, HAS_POS: tl.constexpr):
     """Each row's offset in its document (0 past the end): the context's positions, or t mod T (a document a row)."""
-    if HAS_POS:
-        return tl.load(pos_ptr + rows, mask=rm, other=0)
+    if HAS_POS:  # int32 either way (positions are below T): one type for both branches, as the compiler requires
+        return tl.load(pos_ptr + rows, mask=rm, other=0).to(tl.int32)
     return rows % T
 
 
@@ -162,8 +165,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos
                          "2**31); split the batch")  # fmt: skip
 
 
-def _grid(total: int, D: int) -> tuple[int, int]:
-    return (triton.cdiv(total, BLOCK_T), triton.cdiv(D, BLOCK_D))
+def _grid(total: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
+    return (triton.cdiv(total, block_t), triton.cdiv(D, block_d))
 
 
 @torch.library.custom_op("megacpp::doc_conv_fwd", mutates_args=())
@@ -172,7 +175,7 @@ def doc_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     """y [B,T,D] in x's dtype (module docstring). Inputs contiguous and checked by doc_conv."""
     B, T, D = x.shape
     y = torch.empty_like(x)
-    _doc_conv_fwd_kernel[_grid(B * T, D)](
+    _doc_conv_fwd_kernel[_grid(B * T, D, BLOCK_T, BLOCK_D)](
         x, positions if positions is not None else x, weight, bias if bias is not None else weight, y, B * T, T, D,
         K=weight.shape[-1], BT=BLOCK_T, BD=BLOCK_D, HAS_BIAS=bias is not None, HAS_POS=positions is not None,
         SILU=silu, num_warps=WARPS,
@@ -192,12 +195,12 @@ def doc_conv_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias
     """dx [B,T,D] in x's dtype, d weight [D,1,K] in weight's dtype and d bias [D] (fp32 zeros without a bias)."""
     B, T, D = x.shape
     K = weight.shape[-1]
-    grid = _grid(B * T, D)
+    grid = _grid(B * T, D, BWD_BLOCK_T, BWD_BLOCK_D)
     dx = torch.empty_like(x)
     partial = torch.empty((grid[0], K + 1, D), device=x.device, dtype=torch.float32)
     _doc_conv_bwd_kernel[grid](
         grad, x, positions if positions is not None else x, weight, bias if bias is not None else weight, dx, partial,
-        B * T, T, D, K=K, BT=BLOCK_T, BD=BLOCK_D, HAS_BIAS=bias is not None, HAS_POS=positions is not None,
+        B * T, T, D, K=K, BT=BWD_BLOCK_T, BD=BWD_BLOCK_D, HAS_BIAS=bias is not None, HAS_POS=positions is not None,
         SILU=silu, num_warps=WARPS,
     )  # fmt: skip
     sums = partial.sum(0)  # [K+1, D]: the taps by lag, then the bias
