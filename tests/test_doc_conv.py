@@ -71,7 +71,7 @@ def _compare(B, T, D, K, *, bias, silu, cuts, dtype, device, tol):  # noqa: ANN0
 
 
 @needs_kernels
-@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("K", [1, 2, 4, 7])
 @pytest.mark.parametrize("bias,silu", [(True, True), (False, False), (True, False)])
 def test_kernel_matches_torch_form_fp32(K, bias, silu):
     # D = 136: a second, partial block of channels; T = 40: a partial block of tokens; documents of 1 to 23 tokens,
