@@ -2,10 +2,8 @@
 --no-loadscope-reorder`): the notebooks start heaviest first, so that the two workers end together instead of one
 running a long notebook alone at the end.
 
-pytest-xdist's loadfile (with --no-loadscope-reorder: without it xdist deals the files by their count of cells, most
-first, and this order breaks only ties) deals each worker one file, and the next whenever at most two of its cells are
-pending. Each notebook's cells keep their order (a stable sort of whole notebooks); a notebook not named here runs
-after these, in path order.
+How loadfile deals them, and the stable sort of whole files: megacpp_lab/testing/ordering.py (tests/conftest.py
+orders the unit tests by the same helper). A notebook not named here runs after these, in path order.
 """
 
 from __future__ import annotations
@@ -32,13 +30,7 @@ HEAVIEST_FIRST = (
 )
 
 
-def _rank(item: pytest.Item) -> int:
-    stem = item.path.stem
-    return HEAVIEST_FIRST.index(stem) if stem in HEAVIEST_FIRST else len(HEAVIEST_FIRST)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # only the notebooks' cells move, among the places they hold (a run over tests/ as well keeps its tests in place)
-    slots = [i for i, item in enumerate(items) if item.path.suffix == ".ipynb"]
-    for slot, item in zip(slots, sorted((items[i] for i in slots), key=_rank)):
-        items[slot] = item
+    from megacpp_lab.testing.ordering import heaviest_first
+
+    heaviest_first(items, HEAVIEST_FIRST, ".ipynb")  # only the notebooks' cells move (a run over tests/ keeps its own)

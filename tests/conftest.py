@@ -23,16 +23,10 @@ HEAVIEST_FIRST = ("test_cli", "test_mamba3", "test_memory_estimate", "test_paral
                   "test_dsa_sparse", "test_profile", "test_recompiles")  # fmt: skip
 
 
-def _rank(item: pytest.Item) -> int:
-    stem = item.path.stem
-    return HEAVIEST_FIRST.index(stem) if stem in HEAVIEST_FIRST else len(HEAVIEST_FIRST)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # only the unit tests move, among the places they hold, each file's tests in their order (a stable sort)
-    slots = [i for i, item in enumerate(items) if item.path.suffix == ".py"]
-    for slot, item in zip(slots, sorted((items[i] for i in slots), key=_rank)):
-        items[slot] = item
+    from megacpp_lab.testing.ordering import heaviest_first  # here: after TRITON_INTERPRET is set above
+
+    heaviest_first(items, HEAVIEST_FIRST, ".py")  # only the unit tests move (a run with notebooks keeps theirs)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
