@@ -502,14 +502,17 @@ def test_a_nan_angle_makes_the_output_nan_from_its_token_to_its_documents_end(ke
     assert torch.equal(y[~reach], clean[~reach])
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["rates-per-head", "rates-shared"])
 @pytest.mark.parametrize("R, H, n_a, heads", [(1, 2, 4, 1), (2, 2, 4, 1), (1, 4, 3, 1), (2, 2, 4, 2), (1, 4, 3, 4)])
-def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, monkeypatch):
+def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, shared, monkeypatch):
     """The Triton op's angle gradients (the chunk pass's per-chunk sums of dth, each chunk's suffix sums plus its
     document's later chunks' sums, LOOKBACK chunks a load, then through pi tanh(rate) dt) against the chunked torch
     path's (doc_angle_sum's autograd): the angle rates' gradient and dt's, with a document of more than LOOKBACK + 1
     chunks (the carry takes two loads), one shorter than a chunk, and one ending mid-chunk; SISO and MIMO (a
     step's rank sub-tokens in one chunk, dt's part at its rank-0 sub-token); one head a program (the default) and
-    several (ANGLE_GRADS_HEADS), with n_a under its power of two (a program's padded lanes between heads)."""
+    several (ANGLE_GRADS_HEADS), with n_a under its power of two (a program's padded lanes between heads); the rates
+    per head, or one row a token expanded over the heads as the layer gives them (the op then keeps that one row,
+    _rates, and sums the heads' gradients itself)."""
     from megacpp_lab.kernels import mamba3 as m3
 
     monkeypatch.setattr(m3, "ANGLE_GRADS_HEADS", heads)
@@ -521,11 +524,16 @@ def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, 
     T = (m3.SCAN_LOOKBACK + 3) * chunk // R + 20  # the long document's chunks: more than LOOKBACK + 1
     make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
     a = {k: v.float().to(device).requires_grad_() for k, v in make(B=1, T=T, H=H, G=1, P=16, N=16, n_a=n_a).items()}
+    leaf = a["angles"]
+    if shared:  # one row a token, a stride-0 head dim (nn/mamba3.py's expand)
+        leaf = a["angles"][:, :, :1].detach().clone().requires_grad_()
+        a["angles"] = leaf.expand(-1, -1, H, -1)
+        assert m3._rates(a["angles"]).shape[2] == 1
     cu = torch.tensor([0, 3, T - 9, T], dtype=torch.int32, device=device)
     assert (T - 12) * R // chunk > m3.SCAN_LOOKBACK + 1
     dy = torch.randn(a["x"].shape[:2] + ((R,) if R > 1 else ()) + a["x"].shape[2:],
                      generator=torch.Generator().manual_seed(5)).to(device)  # fmt: skip
-    leaves = [a["angles"], a["dt"]]
+    leaves = [leaf, a["dt"]]
     got = torch.autograd.grad(mamba3_scan(**a, cu_seqlens=cu, chunk=chunk, kernel="triton"), leaves, dy)
     want = torch.autograd.grad(mamba3_scan(**a, cu_seqlens=cu, chunk=chunk, kernel="chunked"), leaves, dy)
     for name, g, w in zip(("angles", "dt"), got, want):

@@ -867,7 +867,8 @@ def _m3_bwd_sweeps_kernel(
 
 @triton.jit
 def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, ddt_ptr, H, D, n_a, CHUNK: tl.constexpr,
-                        RANK: tl.constexpr, HB: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr):  # fmt: skip
+                        RANK: tl.constexpr, HB: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr,
+                        SHARED_RATES: tl.constexpr):  # fmt: skip
     """The angles' backward from the chunk pass's angle gradients: program (slot, block of HB heads) takes its
     chunk's steps' dth [steps, HB, n_a] (dth_ptr [B*T, H, n_a]), their suffix sums within the chunk plus the sums of
     the document's later chunks (the chunk pass's per-chunk totals at dtt_ptr [slots, H, n_a], LOOKBACK a load): the
@@ -876,7 +877,8 @@ def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, d
     (ddt_ptr [B*T*RANK, H] fp32, the chunk pass's). In place of the angle sums' reverse scan over blocks of steps (two
     launches, its cuts found per block) and the increments' backward in a kernel of their own: a chunk never spans
     two documents, so one pass over the chunk pass's slots needs no cut. Lane j of a row is head j // BA's pair
-    j % BA (BA = n_a's power of two; the pairs past n_a masked)."""
+    j % BA (BA = n_a's power of two; the pairs past n_a masked). SHARED_RATES: the rates are one row a step for every
+    head (rate_ptr [B*T, 1, n_a]); their gradient is still stored per head, summed over the heads by the launcher."""
     slot = tl.program_id(0)
     hd0 = tl.program_id(1) * HB
     d, doc_start = slot_document(cu_ptr, slot, D, CHUNK)
@@ -899,7 +901,8 @@ def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, d
         at = (steps * (H * n_a))[:, None] + col[None, :]
         mm = m[:, None] & pa[None, :]
         d_inc = tl.cumsum(tl.load(dth_ptr + at, mask=mm, other=0.0), axis=0, reverse=True) + carry[None, :]
-        th = _tanh(tl.load(rate_ptr + at, mask=mm, other=0.0).to(tl.float32))
+        rate_at = (steps * n_a)[:, None] + (lane % BA)[None, :] if SHARED_RATES else at
+        th = _tanh(tl.load(rate_ptr + rate_at, mask=mm, other=0.0).to(tl.float32))
         heads = hd0 + tl.arange(0, HB)
         dt_at = ((steps * RANK) * H)[:, None] + heads[None, :]  # [STEPS, HB]
         dt = tl.load(dt_ptr + dt_at, mask=m[:, None], other=0.0)
@@ -1042,7 +1045,7 @@ def mamba3_scan_fwd(
     inputs x * mimo_x[r] (mimo_x [H,R,P] fp32; None for SISO) are formed as the kernels read x; dt (rank 0's, the
     others 0), weight and gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; the angle increments inc [B,T,H,n_a] fp32
     (pi tanh(rates) dt, formed by the caller without a gradient of their own) and the angle rates [B,T,H,n_a] as the
-    layer gives them (any float dtype): the op's backward differentiates the increments itself, to the rates and dt
+    layer gives them (any float dtype; [B,T,1,n_a] where the heads share them, _rates): the op's backward differentiates the increments itself, to the rates and dt
     (_angle_grads_kernel: in an elementwise kernel of inductor's it took 70 us of the scan's backward at bench
     ssd's main shape on an H100, and forming the increments inside the angle passes in place of reading them took
     those passes 0.13 ms longer there); the biases [H,R,N] fp32; cu_steps over the steps (doc_angle_sum's), cu_seqlens over the
@@ -1093,7 +1096,7 @@ def mamba3_scan_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt
-    (the angle increments' part included), dB, dC (B's dtype), d rates [B,T,H,n_a] in the rates' dtype (the angles'
+    (the angle increments' part included), dB, dC (B's dtype), d rates in the rates' shape and dtype (the angles'
     gradient, summed over the ranks in the chunk pass, then over each document's later steps and through the
     increments pi tanh(rates) dt by _angle_grads_kernel, in this op as the forward's sums are in its), d weight,
     d gamma, and the gradients of A,
@@ -1146,7 +1149,12 @@ def mamba3_scan_bwd(
             dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts,
         )  # fmt: skip
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
-    d_rates = torch.empty_like(rates)
+    if rates.shape[2] not in (1, H):
+        raise ValueError(f"mamba3_scan_bwd: rates must be [B,T,H,n_a] or [B,T,1,n_a] (one row for every head), got "
+                         f"{list(rates.shape)} with H={H}")  # fmt: skip
+    shared = rates.shape[2] == 1 and H > 1
+    # per head (the kernel's rows); shared rates: in fp32, summed over the heads below, then in the rates' dtype
+    d_rates = torch.empty((*rates.shape[:2], H, n_a), device=x.device, dtype=torch.float32 if shared else rates.dtype)
     if n_a:  # the angles' suffix sums and the increments' backward, dt's part added to ddt
         if ANGLE_GRADS_HEADS < 1 or ANGLE_GRADS_HEADS & (ANGLE_GRADS_HEADS - 1):
             raise ValueError(f"mamba3_scan_bwd: ANGLE_GRADS_HEADS={ANGLE_GRADS_HEADS} must be a power of two >= 1 (a "
@@ -1154,7 +1162,9 @@ def mamba3_scan_bwd(
         hb = math.gcd(H, ANGLE_GRADS_HEADS)
         _angle_grads_kernel[(n_slots, H // hb)](dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a,
                                                 CHUNK=chunk, RANK=R, HB=hb, BA=triton.next_power_of_2(n_a),
-                                                LOOKBACK=SCAN_LOOKBACK, num_warps=4)  # fmt: skip
+                                                LOOKBACK=SCAN_LOOKBACK, SHARED_RATES=shared, num_warps=4)  # fmt: skip
+    if shared:
+        d_rates = d_rates.sum(2, keepdim=True).to(rates.dtype)
     return dx, ddt, dB, dC, d_rates, dw, dgam, sums.sum(0)
 
 
@@ -1260,13 +1270,23 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gam
     cu_steps = cu_seqlens.to(torch.int32)
     y, *_ = mamba3_scan_fwd(
         x.contiguous(), sub(dt_sub), A.float().contiguous(), Bs, Cs,
-        _angle_increments(angles.detach(), dt.detach(), torch.float32).contiguous(), angles.contiguous(),
+        _angle_increments(angles.detach(), dt.detach(), torch.float32).contiguous(), _rates(angles),
         b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
         None if mimo_x is None else mimo_x.float().contiguous(), cu_steps,
         cu_steps if R == 1 else (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
         needs_grad and keeps_keys(x, Bs),
     )  # fmt: skip
     return y.view(B, T, R, H, P)
+
+
+def _rates(angles: torch.Tensor) -> torch.Tensor:
+    """The angle rates as the op saves them for its backward: [B,T,1,n_a] where every head reads the same row (the
+    layer's rates, one projection a token expanded over the heads: a stride-0 head dim), else [B,T,H,n_a]. The shared
+    form spares a copy of them per head (at the base model's M block, B=4 T=4096 H=32 and 32 pairs in fp32, 67 MB a
+    layer written in the forward, saved, and read again in the backward)."""
+    if angles.shape[2] > 1 and angles.stride(2) == 0:
+        return angles[:, :, :1].contiguous()
+    return angles.contiguous()
 
 
 def _angle_increments(angles: torch.Tensor, dt: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
