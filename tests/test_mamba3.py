@@ -541,6 +541,27 @@ def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, 
         assert rel < 1e-5, f"d{name}: relative error {rel:.2e}"
 
 
+@pytest.mark.parametrize("kernel", ["reference", "chunked", "triton"])
+def test_rates_shared_by_the_heads_equal_the_same_rates_per_head(kernel):
+    """angles [B,T,1,n_a] (the layer's: one row a token for every head) against the same values copied per head
+    [B,T,H,n_a]: the same y, and the shared rates' gradient the per-head gradients summed over the heads; SISO, on
+    packed rows."""
+    if kernel == "triton" and not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if kernel == "triton" and torch.cuda.is_available() else "cpu"
+    a = {k: v.float().to(device) for k, v in _inputs(B=2, T=40, H=4, G=2, P=16, N=16, n_a=3).items()}
+    shared = a["angles"][:, :, :1].clone().requires_grad_()
+    per_head = shared.detach().expand(-1, -1, 4, -1).clone().requires_grad_()
+    cu = torch.tensor([0, 9, 40, 51, 80], dtype=torch.int32, device=device)
+    dy = torch.randn(a["x"].shape, generator=torch.Generator().manual_seed(2)).to(device)
+    outs = []
+    for rates in (shared, per_head):
+        y = mamba3_scan(**{**a, "angles": rates}, cu_seqlens=cu, chunk=16, kernel=kernel)
+        outs.append((y, *torch.autograd.grad(y, [rates], dy)))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[0][1], outs[1][1].sum(2, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
 def test_the_angles_backward_refuses_heads_a_program_off_a_power_of_two(monkeypatch):
     """ANGLE_GRADS_HEADS sizes a program's lanes (its heads times n_a's power of two): 3 with H = 6 would give a lane
     count off a power of two, which fails to compile; the backward names the constant instead."""
@@ -625,7 +646,7 @@ def test_bf16_inputs_hold_every_gradient_within_the_keys_rounding_under_the_inte
     for name in GRADS:
         rel = ((grads[name].float() - want[name]).norm() / want[name].norm()).item()
         assert rel < 1e-2, f"d{name}: relative error {rel:.2e}"
-    d_angles = grads["angles"].float().view(T, 2, 8)
+    d_angles = grads["angles"].float().view(T, -1, 8)  # [T, 1, pairs]: the rates shared by the heads
     assert d_angles[cu[:-1].long()].abs().max() < 1e-4 * d_angles.abs().max()
 
 

@@ -74,8 +74,8 @@ GRADS = ("x", "Bm", "Cm", "trap", "angles", "b_bias", "c_bias", "D")  # the inpu
 def make_inputs(s: Mamba3Shape, dtype: torch.dtype, device: str, *, rank: int = 1, seed: int = 0
                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:  # fmt: skip
     """The scan's inputs as the layer gives them (leaves with requires_grad) and cu_seqlens: x, B, C in `dtype`
-    (B and C RMS-normed), dt = softplus(randn - 1), A = -exp(U(0, log 16)), trap and angles logits, the biases
-    and D in fp32. rank > 1: MIMO's B, C and biases per rank and mimo_x. Drawn on the CPU (same values on every
+    (B and C RMS-normed), dt = softplus(randn - 1), A = -exp(U(0, log 16)), trap and angles logits (angles [B,T,1,
+    pairs]: one row a token for every head), the biases and D in fp32. rank > 1: MIMO's B, C and biases per rank and mimo_x. Drawn on the CPU (same values on every
     device)."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
@@ -87,7 +87,7 @@ def make_inputs(s: Mamba3Shape, dtype: torch.dtype, device: str, *, rank: int = 
         Bm=F.rms_norm(rnd(s.B, s.T, *ranked, s.G, s.N), (s.N,)).to(dtype),
         Cm=F.rms_norm(rnd(s.B, s.T, *ranked, s.G, s.N), (s.N,)).to(dtype),
         trap=rnd(s.B, s.T, s.H),
-        angles=rnd(s.B, s.T, s.H, s.rope_pairs),
+        angles=rnd(s.B, s.T, 1, s.rope_pairs),  # one rate row a token, shared by the heads, as the layer gives it
         b_bias=1 + 0.1 * rnd(s.H, *ranked, s.N),
         c_bias=1 + 0.1 * rnd(s.H, *ranked, s.N),
         D=torch.ones(s.H) + 0.1 * rnd(s.H),
@@ -123,14 +123,15 @@ def _lab(chunk: int, ctx: PackedContext, *, backend: str | None) -> Callable[...
 
 def _peer_call(peer: Callable[..., Any], cu: torch.Tensor, chunk: int) -> Callable[..., torch.Tensor]:
     """The peer on the lab's inputs: the batch flattened to one row (its varlen mode needs batch 1), its
-    [B,H,T] layouts for A*dt, dt and the trapezoid; y back as [B,T,H,P]."""
+    [B,H,T] layouts for A*dt, dt and the trapezoid, the angles expanded over the heads (as its module expands them);
+    y back as [B,T,H,P]."""
 
     def scan(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D) -> torch.Tensor:  # noqa: ANN001
         B, T, H, P = x.shape
         flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
         heads_first = lambda t: flat(t).transpose(1, 2)  # noqa: E731  [1,H,B*T]
         y = peer(flat(Cm), flat(Bm), flat(x), heads_first(dt * A), heads_first(dt), heads_first(trap), c_bias, b_bias,
-                 flat(angles), D=D, chunk_size=chunk, cu_seqlens=cu)  # fmt: skip
+                 flat(angles.expand(B, T, H, angles.shape[-1])), D=D, chunk_size=chunk, cu_seqlens=cu)  # fmt: skip
         return y.view(B, T, H, P)
 
     return scan

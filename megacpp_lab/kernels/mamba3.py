@@ -46,7 +46,8 @@ gradient and dt's part (_angle_grads_kernel). The angle sums
 block's segmented sum plus the totals carried into it). The step loop is every path's oracle.
 
 Shapes follow kernels/ssd.py: x [B,T,H,P], dt [B,T,H], A [H], the trapezoid logits trap [B,T,H], the angle
-rates angles [B,T,H,N_a] with N_a <= N/2 (the pairs past N_a are not rotated), D [H]. SISO: B and C [B,T,G,N]
+rates angles [B,T,H,N_a], or [B,T,1,N_a] shared by the heads (the layer's: one projection a token), with N_a <= N/2
+(the pairs past N_a are not rotated), D [H]. SISO: B and C [B,T,G,N]
 (G groups of heads, H % G == 0), the biases [H,N], y [B,T,H,P]. MIMO: B and C [B,T,R,G,N], the biases [H,R,N],
 mimo_x [H,R,P], y [B,T,R,H,P] (one output per rank: the layer gates and combines them).
 """
@@ -188,7 +189,8 @@ def _validate(x, dt, A, Bm, Cm, trap, angles, b_bias, c_bias, D, mimo_x) -> tupl
     ranked = (R,) if mimo else ()
     for name, t, shape in (("dt", dt, (B, T, H)), ("A", A, (H,)), ("Bm", Bm, (B, T, *ranked, G, N)),
                            ("Cm", Cm, (B, T, *ranked, G, N)), ("trap", trap, (B, T, H)),
-                           ("angles", angles, (B, T, H, n_a)), ("b_bias", b_bias, (H, *ranked, N)),
+                           ("angles", angles, (B, T, H if angles.dim() != 4 or angles.shape[2] != 1 else 1, n_a)),
+                           ("b_bias", b_bias, (H, *ranked, N)),
                            ("c_bias", c_bias, (H, *ranked, N))):  # fmt: skip
         _check(name, t, shape)
     if not 0 <= 2 * n_a <= N:
@@ -1281,9 +1283,9 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gam
 
 def _rates(angles: torch.Tensor) -> torch.Tensor:
     """The angle rates as the op saves them for its backward: [B,T,1,n_a] where every head reads the same row (the
-    layer's rates, one projection a token expanded over the heads: a stride-0 head dim), else [B,T,H,n_a]. The shared
-    form spares a copy of them per head (at the base model's M block, B=4 T=4096 H=32 and 32 pairs in fp32, 67 MB a
-    layer written in the forward, saved, and read again in the backward)."""
+    layer's rates, one projection a token: given as [B,T,1,n_a], or expanded over the heads with a stride-0 head dim),
+    else [B,T,H,n_a]. The shared form spares a copy of them per head (at the base model's M block, B=4 T=4096 H=32 and
+    32 pairs in fp32, 67 MB a layer written in the forward, saved, and read again in the backward)."""
     if angles.shape[2] > 1 and angles.stride(2) == 0:
         return angles[:, :, :1].contiguous()
     return angles.contiguous()

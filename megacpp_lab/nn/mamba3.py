@@ -111,7 +111,7 @@ class Mamba3(nn.Module):
         Bm = F.rms_norm(Bm.reshape(B, T, *ranked, G, N), (N,), eps=c.eps)
         Cm = F.rms_norm(Cm.reshape(B, T, *ranked, G, N), (N,), eps=c.eps)
         dt = F.softplus(dt.float() + self.dt_bias.float())
-        angles = angles.float()[:, :, None, :].expand(B, T, H, c.rope_pairs)
+        angles = angles.float()[:, :, None, :]  # [B,T,1,rope_pairs]: one rate row a token, shared by the heads
         return z, xs.reshape(B, T, H, P), Bm, Cm, dt, trap.float(), angles
 
     def forward(self, x: torch.Tensor, *, ctx: PackedContext | None = None, kernel: str | None = None) -> torch.Tensor:
