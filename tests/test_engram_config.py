@@ -38,7 +38,7 @@ MODEL = dict(vocab_size=512, d_model=64, n_layers=6)
         ("dropout", 1.0, r"a float in \[0, 1\)"),
         ("conv_kernel", -1, r"0 \(no conv\) or a kernel size in 1\.\.16"),
         ("conv_kernel", 17, r"0 \(no conv\) or a kernel size in 1\.\.16"),
-        ("conv_impl", "cudnn", r"one of \('xla_safe', 'maxtext_depthwise'\)"),
+        ("conv_impl", "cudnn", r"one of \('xla_safe', 'maxtext_depthwise', 'triton', 'auto'\)"),
         ("eps", 0.0, r"a float in \(0, 1\)"),
         ("d_model", 0, "an int >= 1"),
     ],

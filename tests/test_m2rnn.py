@@ -409,6 +409,7 @@ def test_config_builder_reads_a_megatron_style_config():
         ("dt_init_floor", 0.01, r"in \(0, dt_min=0.001\]"),
         ("chunk", 0, "an int >= 1"),
         ("kernel", "cuda", "one of"),
+        ("conv_impl", "cudnn", r"one of \('xla_safe', 'maxtext_depthwise', 'triton', 'auto'\)"),
         ("n_heads", True, "an int"),
     ],
 )

@@ -20,7 +20,8 @@ def _layer(**kw) -> SSD:
 
 def test_config_fails_closed_naming_the_field() -> None:
     for bad, name in ((dict(n_groups=3), "n_groups"), (dict(head_dim=0), "head_dim"), (dict(kernel="fast"), "kernel"),
-                      (dict(conv_kernel=17), "conv_kernel"), (dict(A_init_range=(0.0, 1.0)), "A_init_range")):  # fmt: skip
+                      (dict(conv_kernel=17), "conv_kernel"), (dict(conv_impl="cudnn"), "conv_impl"),
+                      (dict(A_init_range=(0.0, 1.0)), "A_init_range")):  # fmt: skip
         with pytest.raises(ValueError, match=f"SSDConfig.{name}"):
             SSDConfig.build(**{**SMALL, **bad})
 
