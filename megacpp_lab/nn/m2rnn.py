@@ -44,7 +44,10 @@ class M2RNNConfig:
     k_head_dim: int = 64
     v_head_dim: int = 16
     conv_kernel: int = 4
-    conv_impl: str = "xla_safe"  # nn/primitives.CONV_IMPLS: the q/k/v conv's form ("auto": Triton on a GPU)
+    # nn/primitives.CONV_IMPLS: the q/k/v conv's form. "auto": kernels/doc_conv.py's Triton op on a GPU (xla_safe on
+    # a CPU and for float64), measured faster than xla_safe in the compiled R block (scripts/conv_probe.py's R block
+    # rows, kept beside the compile receipt: profiles/<device>/compile/conv_probe.json)
+    conv_impl: str = "auto"
     gradient_clipping: float = 0.0
     residual: bool = True
     A_init_range: tuple[float, float] = (1.0, 16.0)
