@@ -13,9 +13,10 @@ Why a kernel: the R block's conv and its SiLU compiled by inductor (the xla_safe
 about 1.1 ms of kernels per R layer in the compiled base step's trace on an H100 (profiles/nvidia-h100-80gb-hbm3/
 compile/, df0ede7: six kernels named for constant_pad_nd, ge, where, silu and their backward, forward, recompute,
 dx and the weight's reduction), where the tensors themselves ([4, 4096, 2304] in bf16, 75 MB) take tens of
-microseconds a pass to move. Here the forward is one pass (x read, y written), the backward one pass (the gradient
-and x read, the pre-activation recomputed, dx written, the weight's and bias's partial sums per block of tokens),
-then one small reduction over the blocks.
+microseconds a pass to move. Here the forward is one pass (x read, y written); the backward two: the gradient and x
+read, the pre-activation recomputed, its gradient written (in x's dtype, as eager's SiLU backward hands it on) with the
+weight's and bias's partial sums per block of tokens; then dx from that gradient at each token and its K-1
+successors; then one small reduction over the blocks.
 
 The reference is the module's own xla_safe form (and its step loop, DocCausalDepthwiseConv.step):
 tests/test_doc_conv.py compares them, forward and every gradient, under the interpreter and on the GPU.
@@ -36,10 +37,11 @@ from megacpp_lab.kernels import launchable
 __all__ = ["CONV_DTYPES", "doc_conv", "doc_conv_bwd", "doc_conv_fwd"]
 
 CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# tokens and channels a program covers, forward and backward, 4 warps. Compiled for sm_90 (kernels/resources.py) at
-# the R block's [4, 4096, 2304] in bf16: the forward at 32 x 128 takes 108 registers a thread, no spills; the
-# backward at 32 x 128 took 255 registers and spilled 136 bytes a thread, at 32 x 64 it takes 144 and spills none
-# (16 x 128: 138, none; 32 x 128 at 8 warps: 138, none). Not yet timed against one another on a GPU.
+# tokens and channels a program covers (4 warps): the forward's and the backward's dx pass at 32 x 128, the backward's
+# first pass (dpre, and the weight's partial sums) at 32 x 64. Compiled for sm_90 (kernels/resources.py) at the R
+# block's [4, 4096, 2304] in bf16: 108, 128 and 78 registers a thread, no spills (the first pass at 32 x 128: 182).
+# (A backward in one pass, recomputing dpre at each of the K later tokens it sums, took 0.495 ms there on an H100,
+# profiles/nvidia-h100-80gb-hbm3/compile/conv_probe.json: K + 1 times the reads of x and of the gradient.)
 BLOCK_T, BLOCK_D = 32, 128
 BWD_BLOCK_T, BWD_BLOCK_D = 32, 64
 WARPS = 4
@@ -103,13 +105,13 @@ def _doc_conv_fwd_kernel(x_ptr, pos_ptr, w_ptr, b_ptr, y_ptr, total, T, D, K: tl
 
 
 @triton.jit
-def _doc_conv_bwd_kernel(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, dx_ptr, dwb_ptr, total, T, D, K: tl.constexpr,
-                         BT: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr,
-                         SILU: tl.constexpr):  # fmt: skip
-    """dx_t = sum_l [pos_{t+l} >= l] w[K-1-l] dpre_{t+l} (a later token's tap reaches t only inside t's document:
-    pos_{t+l} >= l says t+l is in it, and never past a row's end, where the next row's positions restart); the
-    weight's and the bias's partial sums over this program's tokens into dwb [blocks, K+1, D] (rows 0..K-1: the tap
-    at lag l, w[:, K-1-l]; row K: the bias), summed over the blocks by the launcher."""
+def _doc_conv_grad_pre_kernel(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, dpre_ptr, dwb_ptr, total, T, D, K: tl.constexpr,
+                              BT: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr,
+                              SILU: tl.constexpr):  # fmt: skip
+    """The backward's first pass: the pre-activation's gradient dpre (through the SiLU, the pre-activation recomputed
+    from x; stored in dpre_ptr's dtype when SILU, else it is the output's gradient itself), and the weight's and the
+    bias's partial sums over this program's tokens into dwb [blocks, K+1, D] (rows 0..K-1: the tap at lag l,
+    w[:, K-1-l]; row K: the bias), from dpre in fp32, summed over the blocks by the launcher."""
     blk = tl.program_id(0)
     rows = blk * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -118,21 +120,36 @@ def _doc_conv_bwd_kernel(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, dx_ptr, dwb_ptr, t
     pos = _positions(pos_ptr, rows, rm, T, HAS_POS)
     at = rows[:, None] * D + cols[None, :]
     dpre = _pre_grad(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K, HAS_BIAS, HAS_POS, SILU)
+    if SILU:
+        tl.store(dpre_ptr + at, dpre.to(dpre_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
     part = dwb_ptr + blk * (K + 1) * D + cols
     for lag in tl.static_range(K):
         ok = rm & (pos >= lag)
         xv = tl.load(x_ptr + at - lag * D, mask=ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
         tl.store(part + lag * D, tl.sum(dpre * xv, axis=0), mask=cm)
     tl.store(part + K * D, tl.sum(dpre, axis=0), mask=cm)
-    dx = dpre * tl.load(w_ptr + cols * K + (K - 1), mask=cm, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _doc_conv_grad_x_kernel(dpre_ptr, pos_ptr, w_ptr, dx_ptr, total, T, D, K: tl.constexpr, BT: tl.constexpr,
+                            BD: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
+    """The backward's second pass: dx_t = sum_l [pos_{t+l} >= l] w[K-1-l] dpre_{t+l} (a later token's tap reaches t
+    only inside t's document: pos_{t+l} >= l says t+l is in it, and never past a row's end, where the next row's
+    positions restart), in fp32, stored in dx's dtype."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cm = cols < D
+    rm = rows < total
+    at = rows[:, None] * D + cols[None, :]
+    w_now = tl.load(w_ptr + cols * K + (K - 1), mask=cm, other=0.0).to(tl.float32)
+    dx = tl.load(dpre_ptr + at, mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32) * w_now[None, :]
     for lag in tl.static_range(1, K):
         later = rows + lag
         lm = later < total
         reach = lm & (_positions(pos_ptr, later, lm, T, HAS_POS) >= lag)
-        d_later = _pre_grad(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, later, total, cols, cm, T, D, K, HAS_BIAS, HAS_POS,
-                            SILU)  # fmt: skip
         w_lag = tl.load(w_ptr + cols * K + (K - 1 - lag), mask=cm, other=0.0).to(tl.float32)
-        dx += tl.where(reach[:, None], d_later, 0.0) * w_lag[None, :]
+        d_later = tl.load(dpre_ptr + at + lag * D, mask=reach[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        dx += d_later * w_lag[None, :]
     tl.store(dx_ptr + at, dx.to(dx_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
 
 
@@ -197,11 +214,18 @@ def doc_conv_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias
     K = weight.shape[-1]
     grid = _grid(B * T, D, BWD_BLOCK_T, BWD_BLOCK_D)
     dx = torch.empty_like(x)
+    # the pre-activation's gradient in x's dtype (what eager's SiLU backward hands the conv's); without the SiLU it
+    # is the output's gradient, read in place
+    dpre = torch.empty_like(x) if silu else grad
     partial = torch.empty((grid[0], K + 1, D), device=x.device, dtype=torch.float32)
-    _doc_conv_bwd_kernel[grid](
-        grad, x, positions if positions is not None else x, weight, bias if bias is not None else weight, dx, partial,
-        B * T, T, D, K=K, BT=BWD_BLOCK_T, BD=BWD_BLOCK_D, HAS_BIAS=bias is not None, HAS_POS=positions is not None,
-        SILU=silu, num_warps=WARPS,
+    has_bias, has_pos = bias is not None, positions is not None
+    pos = positions if has_pos else x  # placeholders the kernels never read
+    _doc_conv_grad_pre_kernel[grid](
+        grad, x, pos, weight, bias if has_bias else weight, dpre, partial, B * T, T, D, K=K, BT=BWD_BLOCK_T,
+        BD=BWD_BLOCK_D, HAS_BIAS=has_bias, HAS_POS=has_pos, SILU=silu, num_warps=WARPS,
+    )  # fmt: skip
+    _doc_conv_grad_x_kernel[_grid(B * T, D, BLOCK_T, BLOCK_D)](
+        dpre, pos, weight, dx, B * T, T, D, K=K, BT=BLOCK_T, BD=BLOCK_D, HAS_POS=has_pos, num_warps=WARPS,
     )  # fmt: skip
     sums = partial.sum(0)  # [K+1, D]: the taps by lag, then the bias
     dw = sums[:K].flip(0).t().contiguous().view(D, 1, K).to(weight.dtype)  # lag l is w[:, K-1-l]; the fake's strides
