@@ -27,6 +27,7 @@ from megacpp_lab.model.config import hybrid_preset
 from megacpp_lab.nn.m2rnn import M2RNN
 from megacpp_lab.nn.primitives import DocCausalDepthwiseConv
 from megacpp_lab.profiling import kernel_times_ms, time_spread_ms
+from megacpp_lab.receipts import stamp
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens
 
 
@@ -83,8 +84,8 @@ def main() -> None:
     rows = []
 
     def save() -> None:
-        Path(args.out, "conv_probe.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                                                 "torch": torch.__version__, "rows": rows}, indent=1))  # fmt: skip
+        # stamp(): the device, torch, triton, the date and the project's commit (or its package's tree hash)
+        Path(args.out, "conv_probe.json").write_text(json.dumps({**stamp("cuda"), "rows": rows}, indent=1))
 
     for B, T, docs in [(4, 4096, 8), (2, 8192, 16)]:
         pair = [_layer_row(impl, B, T, docs) for impl in IMPLS]

@@ -249,3 +249,15 @@ def test_an_e_block_saves_its_routing_so_a_recompute_that_rounds_otherwise_route
     assert calls["router"] == 2  # recomputed, and the recompute's logits were nudged: the saved top-k routed it
     for a, b in zip(got, want):  # within the ulp the recompute added to expert 3's logits, not a routing apart
         assert ((a - b).norm() / b.norm()).item() < 1e-5
+
+
+def test_a_save_list_recomputes_the_conv_kernel_and_keeps_the_scans():
+    """The lab's scans are always saved; its conv kernel (megacpp::doc_conv_fwd) is recomputed like the torch form it
+    stands in for, unless the list names it."""
+    import megacpp_lab.kernels.doc_conv  # noqa: F401  (registers the op)
+    import megacpp_lab.kernels.m2rnn  # noqa: F401
+    from megacpp_lab.model.checkpointing import saves_output
+
+    conv, scan = torch.ops.megacpp.doc_conv_fwd.default, torch.ops.megacpp.m2rnn_scan_fwd.default
+    assert saves_output(scan, ()) and not saves_output(conv, ("mm",))
+    assert saves_output(conv, ("doc_conv_fwd",)) and not saves_output(scan, (), scans=False)

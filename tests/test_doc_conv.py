@@ -87,6 +87,65 @@ def test_kernel_without_positions_is_one_document_a_row():
 
 
 @needs_kernels
+def test_bf16_holds_within_its_rounding_under_the_interpreter():
+    """bf16 x, weights and gradient (the stored dpre in bf16, as eager's SiLU backward hands it on) against the fp32
+    torch form on the same values."""
+    _compare(2, 40, 136, 4, bias=True, silu=True, cuts=[[1, 2, 25], [17]], dtype=torch.bfloat16, device=DEVICE,
+             tol=2e-2)  # fmt: skip
+
+
+@needs_kernels
+def test_a_slice_of_a_wider_row_is_read_in_place():
+    """x a slice of a wider projection's channels (the layers' conv inputs): the same y and gradients as from a
+    contiguous copy, and the op reads it without one (the forward's input is the slice itself)."""
+    from megacpp_lab.kernels import doc_conv as dc
+
+    torch.manual_seed(0)
+    wide = torch.randn(2, 24, 56, device=DEVICE)
+    x = wide[..., 8:48]
+    assert not x.is_contiguous() and dc._rows(x)[1] == 56
+    w, b = torch.randn(40, 1, 4, device=DEVICE), torch.randn(40, device=DEVICE)
+    pos = positions_from_doc_ids(_doc_ids(2, 24, [[5], [11, 12]], DEVICE))
+    dy = torch.randn(2, 24, 40, device=DEVICE)
+    dense = x.contiguous().requires_grad_()
+    y_dense = doc_conv(dense, w, b, pos, silu=True)
+    (g_dense,) = torch.autograd.grad(y_dense, [dense], dy)
+    sliced = wide.clone().requires_grad_()
+    y = doc_conv(sliced[..., 8:48], w, b, pos, silu=True)
+    (g,) = torch.autograd.grad(y, [sliced], dy)
+    torch.testing.assert_close(y, y_dense, rtol=0, atol=0)
+    torch.testing.assert_close(g[..., 8:48], g_dense, rtol=0, atol=0)
+    assert not g[..., :8].any() and not g[..., 48:].any()
+
+
+@needs_kernels
+def test_positions_that_do_not_restart_at_a_row_start_never_reach_another_row():
+    """Unchecked positions (continuing across a row start, or larger than the offset in the row): no tap reaches
+    before its row, as the torch form's padding within each row; the kernel equals that form."""
+    torch.manual_seed(0)
+    B, T, D = 2, 12, 16
+    ref, fast = _pair(D, 4, True, torch.float32, DEVICE)
+    x = torch.randn(B, T, D, device=DEVICE)
+    pos = (torch.arange(B * T, device=DEVICE) + 5).view(B, T)  # 5 at t = 0, and row 1 continuing row 0
+    torch.testing.assert_close(doc_conv(x, fast.weight, fast.bias, pos, silu=True),
+                               F.silu(ref._unfold_sum(x, pos)), rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
+@needs_kernels
+def test_a_nan_gradient_stays_in_its_document():
+    """The backward's dx: a NaN in one document's output gradient reaches no earlier document."""
+    B, T, D = 1, 16, 8
+    ids = _doc_ids(B, T, [[6]], DEVICE)
+    x = torch.randn(B, T, D, device=DEVICE, requires_grad=True)
+    y = doc_conv(x, torch.randn(D, 1, 4, device=DEVICE), torch.randn(D, device=DEVICE), positions_from_doc_ids(ids),
+                 silu=True)  # fmt: skip
+    dy = torch.randn_like(y)
+    dy[0, 6] = float("nan")  # the second document's first token
+    (dx,) = torch.autograd.grad(y, [x], dy)
+    assert torch.isfinite(dx[0, :6]).all() and torch.isnan(dx[0, 6]).all()
+
+
+@needs_kernels
 def test_positions_and_a_single_row_document_layout_agree():
     """positions given for one document a row give what no positions give, bit for bit."""
     torch.manual_seed(0)
@@ -181,8 +240,14 @@ def test_m2rnn_layer_with_the_kernel_compiles_fullgraph():
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
 
 
-def test_auto_takes_the_torch_form_off_the_gpu():
-    """'auto' on a CPU tensor is xla_safe, bit for bit (no kernel, interpreted or not)."""
+def test_auto_takes_the_torch_form_off_the_gpu(monkeypatch):
+    """'auto' on a CPU tensor is xla_safe, bit for bit, and never calls the kernel (interpreted or not)."""
+    import megacpp_lab.nn.primitives as primitives
+
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("'auto' called the Triton conv on a CPU tensor")
+
+    monkeypatch.setattr(primitives, "doc_conv", refuse)
     torch.manual_seed(0)
     auto = DocCausalDepthwiseConv(16, 4, "auto")
     ref = DocCausalDepthwiseConv(16, 4, "xla_safe")
@@ -236,6 +301,19 @@ def test_kernel_on_gpu_at_the_r_blocks_width(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for silu in (True, False):
         _compare(B, T, D, 4, bias=True, silu=silu, cuts=cuts, dtype=dtype, device="cuda", tol=tol)
+
+
+@pytest.mark.cuda
+def test_auto_takes_the_kernel_on_a_gpu_and_the_torch_form_for_float64(monkeypatch):
+    import megacpp_lab.nn.primitives as primitives
+
+    calls = []
+    real = primitives.doc_conv
+    monkeypatch.setattr(primitives, "doc_conv", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    conv = DocCausalDepthwiseConv(64, 4, "auto").cuda()
+    conv(torch.randn(2, 16, 64, device="cuda"), silu=True)
+    conv.double()(torch.randn(2, 16, 64, device="cuda", dtype=torch.float64), silu=True)
+    assert calls == [torch.float32]
 
 
 @pytest.mark.cuda

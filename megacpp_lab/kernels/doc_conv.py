@@ -10,9 +10,9 @@ value (not even a NaN) crosses a document boundary, and a row start is always a 
 there; without positions, one document a row, pos_t = t mod T).
 
 Why a kernel: the R block's conv and its SiLU compiled by inductor (the xla_safe form: K doc-masked shifts) took
-about 1.1 ms of kernels per R layer in the compiled base step's trace on an H100 (profiles/nvidia-h100-80gb-hbm3/
-compile/, df0ede7: six kernels named for constant_pad_nd, ge, where, silu and their backward, forward, recompute,
-dx and the weight's reduction), where the tensors themselves ([4, 4096, 2304] in bf16, 75 MB) take tens of
+about 1.1 ms of kernels per R layer in the compiled base step's trace on an H100 (bench compile at df0ede7, its
+trace committed in 432862a under profiles/nvidia-h100-80gb-hbm3/compile/: six kernels named for constant_pad_nd, ge,
+where, silu and their backward, forward, recompute, dx and the weight's reduction), where the tensors themselves ([4, 4096, 2304] in bf16, 75 MB) take tens of
 microseconds a pass to move. Here the forward is one pass (x read, y written); the backward two: the gradient and x
 read, the pre-activation recomputed, its gradient written (in x's dtype, as eager's SiLU backward hands it on) with the
 weight's and bias's partial sums per block of tokens; then dx from that gradient at each token and its K-1
@@ -39,7 +39,7 @@ __all__ = ["CONV_DTYPES", "doc_conv", "doc_conv_bwd", "doc_conv_fwd"]
 CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # tokens and channels a program covers (4 warps): the forward's and the backward's dx pass at 32 x 128, the backward's
 # first pass (dpre, and the weight's partial sums) at 32 x 64. Compiled for sm_90 (kernels/resources.py) at the R
-# block's [4, 4096, 2304] in bf16: 108, 128 and 78 registers a thread, no spills (the first pass at 32 x 128: 182).
+# block's [4, 4096, 2304] in bf16: 110, 128 and 84 registers a thread, no spills (the first pass at 32 x 128: 182).
 # (A backward in one pass, recomputing dpre at each of the K later tokens it sums, took 0.495 ms there on an H100,
 # profiles/nvidia-h100-80gb-hbm3/compile/conv_probe.json: K + 1 times the reads of x and of the gradient.)
 BLOCK_T, BLOCK_D = 32, 128
@@ -51,18 +51,20 @@ WARPS = 4
 def _positions(pos_ptr, rows, rm, T, HAS_POS: tl.constexpr):
     """Each row's offset in its document (0 past the end): the context's positions, or t mod T (a document a row)."""
     if HAS_POS:  # int32 either way (positions are below T): one type for both branches, as the compiler requires
-        return tl.load(pos_ptr + rows, mask=rm, other=0).to(tl.int32)
+        # at most the offset in the row: a tap never reaches before its row, whatever the positions say (the torch
+        # form pads each row, so it never does either; unchecked positions must not read another row, or memory)
+        return tl.minimum(tl.load(pos_ptr + rows, mask=rm, other=0).to(tl.int32), rows % T)
     return rows % T
 
 
 @triton.jit
-def _pre_activation(x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K: tl.constexpr,
+def _pre_activation(x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, XS, K: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
     """pre [BT, BD] fp32 at the token rows `rows` (zero where rows >= total), in the module's order (_tap_sum's): the
     current tap, the bias, then each earlier tap masked to the token's document."""
     rm = rows < total
     pos = _positions(pos_ptr, rows, rm, T, HAS_POS)
-    at = rows[:, None] * D + cols[None, :]
+    at = rows[:, None] * XS + cols[None, :]  # x's rows XS apart (a slice of a wider row: no copy)
     w_now = tl.load(w_ptr + cols * K + (K - 1), mask=cm, other=0.0).to(tl.float32)
     pre = tl.load(x_ptr + at, mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32) * w_now[None, :]
     if HAS_BIAS:
@@ -70,20 +72,20 @@ def _pre_activation(x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K
     for lag in tl.static_range(1, K):
         ok = rm & (pos >= lag)
         w_lag = tl.load(w_ptr + cols * K + (K - 1 - lag), mask=cm, other=0.0).to(tl.float32)
-        xv = tl.load(x_ptr + at - lag * D, mask=ok[:, None] & cm[None, :], other=0.0)
+        xv = tl.load(x_ptr + at - lag * XS, mask=ok[:, None] & cm[None, :], other=0.0)
         pre += xv.to(tl.float32) * w_lag[None, :]
     return pre
 
 
 @triton.jit
-def _pre_grad(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K: tl.constexpr,
+def _pre_grad(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, XS, K: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
     """The gradient of pre [BT, BD] fp32 at `rows` (zero past the end): the output's gradient, through the SiLU of
     the rounded pre-activation when SILU (recomputed here: nothing but x is saved)."""
     rm = rows < total
     g = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
     if SILU:
-        pre = _pre_activation(x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K, HAS_BIAS, HAS_POS)
+        pre = _pre_activation(x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, XS, K, HAS_BIAS, HAS_POS)
         u = pre.to(x_ptr.dtype.element_ty).to(tl.float32)  # the conv's output as the SiLU read it
         s = tl.sigmoid(u)
         g = g * s * (1.0 + u * (1.0 - s))
@@ -91,12 +93,12 @@ def _pre_grad(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, 
 
 
 @triton.jit
-def _doc_conv_fwd_kernel(x_ptr, pos_ptr, w_ptr, b_ptr, y_ptr, total, T, D, K: tl.constexpr, BT: tl.constexpr,
+def _doc_conv_fwd_kernel(x_ptr, pos_ptr, w_ptr, b_ptr, y_ptr, total, T, D, XS, K: tl.constexpr, BT: tl.constexpr,
                          BD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cm = cols < D
-    pre = _pre_activation(x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K, HAS_BIAS, HAS_POS)
+    pre = _pre_activation(x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, XS, K, HAS_BIAS, HAS_POS)
     y = pre.to(y_ptr.dtype.element_ty)
     if SILU:  # F.silu on the rounded conv output, rounded once more
         u = y.to(tl.float32)
@@ -105,7 +107,7 @@ def _doc_conv_fwd_kernel(x_ptr, pos_ptr, w_ptr, b_ptr, y_ptr, total, T, D, K: tl
 
 
 @triton.jit
-def _doc_conv_grad_pre_kernel(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, dpre_ptr, dwb_ptr, total, T, D, K: tl.constexpr,
+def _doc_conv_grad_pre_kernel(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, dpre_ptr, dwb_ptr, total, T, D, XS, K: tl.constexpr,
                               BT: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr,
                               SILU: tl.constexpr):  # fmt: skip
     """The backward's first pass: the pre-activation's gradient dpre (through the SiLU, the pre-activation recomputed
@@ -119,13 +121,14 @@ def _doc_conv_grad_pre_kernel(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, dpre_ptr, dwb
     rm = rows < total
     pos = _positions(pos_ptr, rows, rm, T, HAS_POS)
     at = rows[:, None] * D + cols[None, :]
-    dpre = _pre_grad(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, K, HAS_BIAS, HAS_POS, SILU)
+    dpre = _pre_grad(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, rows, total, cols, cm, T, D, XS, K, HAS_BIAS, HAS_POS, SILU)
     if SILU:
         tl.store(dpre_ptr + at, dpre.to(dpre_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
     part = dwb_ptr + blk * (K + 1) * D + cols
     for lag in tl.static_range(K):
         ok = rm & (pos >= lag)
-        xv = tl.load(x_ptr + at - lag * D, mask=ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + rows[:, None] * XS + cols[None, :] - lag * XS, mask=ok[:, None] & cm[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
         tl.store(part + lag * D, tl.sum(dpre * xv, axis=0), mask=cm)
     tl.store(part + K * D, tl.sum(dpre, axis=0), mask=cm)
 
@@ -182,6 +185,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos
                          "2**31); split the batch")  # fmt: skip
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x as the kernels read it and its row stride: as it is where its channels are unit-stride and its rows evenly
+    spaced across the batch (a slice of a wider projection's channels, as the layers' conv inputs are: read in
+    place, not copied), else a contiguous copy."""
+    B, T, D = x.shape
+    if x.stride(2) == 1 and x.stride(1) >= D and x.stride(0) == T * x.stride(1):
+        return x, x.stride(1)
+    return x.contiguous(), D
+
+
 def _grid(total: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
     return (triton.cdiv(total, block_t), triton.cdiv(D, block_d))
 
@@ -189,11 +202,13 @@ def _grid(total: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
 @torch.library.custom_op("megacpp::doc_conv_fwd", mutates_args=())
 def doc_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045
                  positions: Optional[torch.Tensor], silu: bool) -> torch.Tensor:  # noqa: UP045  # fmt: skip
-    """y [B,T,D] in x's dtype (module docstring). Inputs contiguous and checked by doc_conv."""
+    """y [B,T,D] in x's dtype, contiguous (module docstring). Checked by doc_conv; x read in place where its rows are
+    evenly spaced (_rows), the others contiguous."""
     B, T, D = x.shape
-    y = torch.empty_like(x)
+    x, row = _rows(x)
+    y = torch.empty((B, T, D), device=x.device, dtype=x.dtype)
     _doc_conv_fwd_kernel[_grid(B * T, D, BLOCK_T, BLOCK_D)](
-        x, positions if positions is not None else x, weight, bias if bias is not None else weight, y, B * T, T, D,
+        x, positions if positions is not None else x, weight, bias if bias is not None else weight, y, B * T, T, D, row,
         K=weight.shape[-1], BT=BLOCK_T, BD=BLOCK_D, HAS_BIAS=bias is not None, HAS_POS=positions is not None,
         SILU=silu, num_warps=WARPS,
     )  # fmt: skip
@@ -202,7 +217,7 @@ def doc_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 @doc_conv_fwd.register_fake
 def _(x, weight, bias, positions, silu):  # noqa: ANN001, ANN202
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("megacpp::doc_conv_bwd", mutates_args=())
@@ -213,15 +228,17 @@ def doc_conv_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias
     B, T, D = x.shape
     K = weight.shape[-1]
     grid = _grid(B * T, D, BWD_BLOCK_T, BWD_BLOCK_D)
-    dx = torch.empty_like(x)
-    # the pre-activation's gradient in x's dtype (what eager's SiLU backward hands the conv's); without the SiLU it
-    # is the output's gradient, read in place
-    dpre = torch.empty_like(x) if silu else grad
+    x, row = _rows(x)
+    dx = torch.empty((B, T, D), device=x.device, dtype=x.dtype)
+    # the pre-activation's gradient in x's dtype (what eager's SiLU backward hands the conv's, and what dx is formed
+    # from; the weight's and bias's sums take it in fp32, before that rounding); without the SiLU it is the output's
+    # gradient, read in place
+    dpre = torch.empty((B, T, D), device=x.device, dtype=x.dtype) if silu else grad
     partial = torch.empty((grid[0], K + 1, D), device=x.device, dtype=torch.float32)
     has_bias, has_pos = bias is not None, positions is not None
     pos = positions if has_pos else x  # placeholders the kernels never read
     _doc_conv_grad_pre_kernel[grid](
-        grad, x, pos, weight, bias if has_bias else weight, dpre, partial, B * T, T, D, K=K, BT=BWD_BLOCK_T,
+        grad, x, pos, weight, bias if has_bias else weight, dpre, partial, B * T, T, D, row, K=K, BT=BWD_BLOCK_T,
         BD=BWD_BLOCK_D, HAS_BIAS=has_bias, HAS_POS=has_pos, SILU=silu, num_warps=WARPS,
     )  # fmt: skip
     _doc_conv_grad_x_kernel[_grid(B * T, D, BLOCK_T, BLOCK_D)](
@@ -236,7 +253,7 @@ def doc_conv_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias
 
 @doc_conv_bwd.register_fake
 def _(grad, x, weight, bias, positions, silu):  # noqa: ANN001, ANN202
-    return (torch.empty_like(x), torch.empty_like(weight),
+    return (x.new_empty(x.shape), torch.empty_like(weight),
             x.new_empty((x.shape[-1],), dtype=bias.dtype if bias is not None else torch.float32))  # fmt: skip
 
 
@@ -261,5 +278,5 @@ def doc_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     token's offset in its document, or None for one document a row), SiLU'd when `silu`, through the Triton op: y in
     x's dtype. Checked here (fail closed: a wrong shape, dtype or device names its field)."""
     _check(x, weight, bias, positions)
-    return doc_conv_fwd(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
+    return doc_conv_fwd(x, weight.contiguous(), None if bias is None else bias.contiguous(),
                         None if positions is None else positions.contiguous(), bool(silu))  # fmt: skip

@@ -1114,6 +1114,9 @@ def mamba3_scan_bwd(
     if G < 1 or H % G or Bm.shape[2] != (H if rotated else G):
         raise ValueError(f"mamba3_scan_bwd: groups={G} must divide H={H}, and Bm's dim 2 ({Bm.shape[2]}) be "
                          f"{'H (rotated keys)' if rotated else 'groups'}")  # fmt: skip
+    if rates.shape[2] not in (1, H):
+        raise ValueError(f"mamba3_scan_bwd: rates must be [B,T,H,n_a] or [B,T,1,n_a] (one row for every head), got "
+                         f"{list(rates.shape)} with H={H}")  # fmt: skip
     k, q = (Bm, Cm) if rotated else _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
     dy = dy.contiguous()
     dstates = launch_ssd_bwd_states(dy, dt, A, q, cu_seqlens, states, chunk, x.dtype)
@@ -1151,9 +1154,6 @@ def mamba3_scan_bwd(
             dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts,
         )  # fmt: skip
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
-    if rates.shape[2] not in (1, H):
-        raise ValueError(f"mamba3_scan_bwd: rates must be [B,T,H,n_a] or [B,T,1,n_a] (one row for every head), got "
-                         f"{list(rates.shape)} with H={H}")  # fmt: skip
     shared = rates.shape[2] == 1 and H > 1
     # per head (the kernel's rows); shared rates: in fp32, summed over the heads below, then in the rates' dtype
     d_rates = torch.empty((*rates.shape[:2], H, n_a), device=x.device, dtype=torch.float32 if shared else rates.dtype)
@@ -1233,6 +1233,7 @@ def _keys(Bm: torch.Tensor, bias: torch.Tensor, theta: torch.Tensor, H: int) -> 
 def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk):  # noqa: ANN001, ANN202
     """The Triton op on x [B,T,H,P] (MIMO: with its rank scale mimo_x [H,R,P], applied in the kernels; SISO: None),
     the rank form of the keys (_ranked_keys's B, C [B,T,R,G,N] and biases [H,R,N]) and the angle rates [B,T,H,n_a]
+    (or [B,T,1,n_a], shared by the heads)
     (their increments formed here without a gradient, summed into the angles in the op, and differentiated by its
     backward): y [B,T,R,H,P] with D x (D None: no skip)."""
     B, T, H, P = x.shape

@@ -11,7 +11,8 @@ An entry (one per block kind A / M / R / E, and for the Engram and CBlock branch
     ("mm", ...)       selective, a save list: keep the outputs of the aten ops named (overload packets, e.g.
                       "mm", "addmm", "_scaled_dot_product_flash_attention") and recompute every other op (norms,
                       activations, gates, the conv). The outputs of the `megacpp::` scans are always saved: they
-                      are the expensive ones to recompute. A saved output that a later op changes in place is
+                      are the expensive ones to recompute (not the conv's Triton form, megacpp::doc_conv_fwd: a pass
+                      over its input, recomputed as the torch form it stands in for is). A saved output that a later op changes in place is
                       refused by torch ("Tensor cached during selective activation checkpoint has been mutated").
     0.3               a budget in [0, 1]: under regional compile, inductor's activation_memory_budget while this
                       block kind compiles (the min-cut partitioner recomputes until the saved bytes fit)
@@ -189,11 +190,17 @@ class CheckpointingPolicy:
 ROUTING_OPS = ("topk",)
 
 
+# the lab's ops that are no scan: as cheap to recompute as the torch forms they stand in for (a save list may still
+# name them)
+RECOMPUTED_LAB_OPS = ("doc_conv_fwd",)
+
+
 def saves_output(op: Any, save: frozenset[str] | tuple[str, ...], *, scans: bool = True) -> bool:
     """Whether a save list keeps this op's output: the `megacpp::` scans always (unless scans=False), else the
-    aten ops named."""
+    aten ops named (and the lab's RECOMPUTED_LAB_OPS, where named)."""
     packet = getattr(op, "_overloadpacket", op)
-    if scans and getattr(packet, "_qualified_op_name", str(packet)).split("::")[0] == "megacpp":  # never recompute a scan
+    namespace, _, name = getattr(packet, "_qualified_op_name", str(packet)).partition("::")
+    if scans and namespace == "megacpp" and name not in RECOMPUTED_LAB_OPS:  # never recompute a scan
         return True
     return getattr(packet, "__name__", str(packet)) in save
 

@@ -45,8 +45,9 @@ class M2RNNConfig:
     v_head_dim: int = 16
     conv_kernel: int = 4
     # nn/primitives.CONV_IMPLS: the q/k/v conv's form. "auto": kernels/doc_conv.py's Triton op on a GPU (xla_safe on
-    # a CPU and for float64), measured faster than xla_safe in the compiled R block (scripts/conv_probe.py's R block
-    # rows, kept beside the compile receipt: profiles/<device>/compile/conv_probe.json)
+    # a CPU and for float64). Its first form (a one-pass backward) measured faster than xla_safe in the compiled R
+    # block on an H100 (scripts/conv_probe.py's R block rows, profiles/nvidia-h100-80gb-hbm3/compile/conv_probe.json,
+    # at aba0e7f); the two-pass backward that replaced it is not yet timed on a GPU
     conv_impl: str = "auto"
     gradient_clipping: float = 0.0
     residual: bool = True

@@ -60,11 +60,11 @@ def context_gate(h_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
 class DocCausalDepthwiseConv(nn.Module):
     """Depthwise (groups=D) causal conv over time on [B,T,D], doc-masked.
 
-    Two implementations, the same numbers up to rounding (both sum in fp32 for 16-bit inputs):
+    Three implementations, the same numbers up to rounding (each sums in fp32 for 16-bit inputs):
     - xla_safe (the default): unfold by hand, each of the K taps a doc-masked shift of x, weighted sum: pointwise
       work that inductor fuses into one kernel, and one reduction for the weight's gradient. (No Tensor.unfold:
       Inductor's CPU backward for a masked unfold corrupted memory.)
-    - triton: kernels/doc_conv.py's op, one forward pass and one backward pass (the SiLU fused when forward is
+    - triton: kernels/doc_conv.py's op, one forward pass and two backward passes (the SiLU fused when forward is
       asked for it), against xla_safe in tests/test_doc_conv.py; "auto" takes it on CUDA for fp32/bf16/fp16 inputs
       and xla_safe elsewhere.
     - maxtext_depthwise: nn.Conv1d-style F.conv1d(groups=D) over the row; the first K-1
