@@ -74,9 +74,9 @@ GRADS = ("x", "Bm", "Cm", "trap", "angles", "b_bias", "c_bias", "D")  # the inpu
 def make_inputs(s: Mamba3Shape, dtype: torch.dtype, device: str, *, rank: int = 1, seed: int = 0
                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:  # fmt: skip
     """The scan's inputs as the layer gives them (leaves with requires_grad) and cu_seqlens: x, B, C in `dtype`
-    (B and C RMS-normed), dt = softplus(randn - 1), A = -exp(U(0, log 16)), trap and angles logits (angles [B,T,1,
-    pairs]: one row a token for every head), the biases and D in fp32. rank > 1: MIMO's B, C and biases per rank and mimo_x. Drawn on the CPU (same values on every
-    device)."""
+    (B and C RMS-normed), dt = softplus(randn - 1), A = -exp(U(0, log 16)), trap and angles logits (angles
+    [B,T,1,pairs]: one row a token for every head), the biases and D in fp32. rank > 1: MIMO's B, C and biases per
+    rank and mimo_x. Drawn on the CPU (same values on every device)."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     ranked = (rank,) if rank > 1 else ()

@@ -12,11 +12,12 @@ there; without positions, one document a row, pos_t = t mod T).
 Why a kernel: the R block's conv and its SiLU compiled by inductor (the xla_safe form: K doc-masked shifts) took
 about 1.1 ms of kernels per R layer in the compiled base step's trace on an H100 (bench compile at df0ede7, its
 trace committed in 432862a under profiles/nvidia-h100-80gb-hbm3/compile/: six kernels named for constant_pad_nd, ge,
-where, silu and their backward, forward, recompute, dx and the weight's reduction), where the tensors themselves ([4, 4096, 2304] in bf16, 75 MB) take tens of
-microseconds a pass to move. Here the forward is one pass (x read, y written); the backward two: the gradient and x
-read, the pre-activation recomputed, its gradient written (in x's dtype, as eager's SiLU backward hands it on) with the
-weight's and bias's partial sums per block of tokens; then dx from that gradient at each token and its K-1
-successors; then one small reduction over the blocks.
+where, silu and their backward, forward, recompute, dx and the weight's reduction), where the tensors themselves
+([4, 4096, 2304] in bf16, 75 MB) take tens of microseconds a pass to move. Here the forward is one pass (x read, y
+written); the backward two: the gradient and x read, the pre-activation recomputed, its gradient written (in x's
+dtype, as eager's SiLU backward hands it on; the weight's and bias's partial sums per block of tokens take it in fp32,
+before that rounding); then dx from that gradient at each token and its K-1 successors; then one small reduction over
+the blocks.
 
 The reference is the module's own xla_safe form (and its step loop, DocCausalDepthwiseConv.step):
 tests/test_doc_conv.py compares them, forward and every gradient, under the interpreter and on the GPU.

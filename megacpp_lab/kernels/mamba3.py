@@ -1047,7 +1047,8 @@ def mamba3_scan_fwd(
     inputs x * mimo_x[r] (mimo_x [H,R,P] fp32; None for SISO) are formed as the kernels read x; dt (rank 0's, the
     others 0), weight and gamma [B,T*R,H] fp32; B and C [B,T*R,G,N]; the angle increments inc [B,T,H,n_a] fp32
     (pi tanh(rates) dt, formed by the caller without a gradient of their own) and the angle rates [B,T,H,n_a] as the
-    layer gives them (any float dtype; [B,T,1,n_a] where the heads share them, _rates): the op's backward differentiates the increments itself, to the rates and dt
+    layer gives them (any float dtype; [B,T,1,n_a] where the heads share them, _rates): the op's backward
+    differentiates the increments itself, to the rates and dt
     (_angle_grads_kernel: in an elementwise kernel of inductor's it took 70 us of the scan's backward at bench
     ssd's main shape on an H100, and forming the increments inside the angle passes in place of reading them took
     those passes 0.13 ms longer there); the biases [H,R,N] fp32; cu_steps over the steps (doc_angle_sum's), cu_seqlens over the

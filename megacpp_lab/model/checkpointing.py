@@ -12,8 +12,8 @@ An entry (one per block kind A / M / R / E, and for the Engram and CBlock branch
                       "mm", "addmm", "_scaled_dot_product_flash_attention") and recompute every other op (norms,
                       activations, gates, the conv). The outputs of the `megacpp::` scans are always saved: they
                       are the expensive ones to recompute (not the conv's Triton form, megacpp::doc_conv_fwd: a pass
-                      over its input, recomputed as the torch form it stands in for is). A saved output that a later op changes in place is
-                      refused by torch ("Tensor cached during selective activation checkpoint has been mutated").
+                      over its input, recomputed as the torch form it stands in for is). A saved output that a later
+                      op changes in place is refused by torch ("Tensor cached during selective activation checkpoint has been mutated").
     0.3               a budget in [0, 1]: under regional compile, inductor's activation_memory_budget while this
                       block kind compiles (the min-cut partitioner recomputes until the saved bytes fit)
 
