@@ -502,8 +502,9 @@ def test_a_nan_angle_makes_the_output_nan_from_its_token_to_its_documents_end(ke
     assert torch.equal(y[~reach], clean[~reach])
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["rates-per-head", "rates-shared"])
-@pytest.mark.parametrize("R, H, n_a, heads", [(1, 2, 4, 1), (2, 2, 4, 1), (1, 4, 3, 1), (2, 2, 4, 2), (1, 4, 3, 4)])
+@pytest.mark.parametrize("R, H, n_a, heads, shared", [(1, 2, 4, 1, False), (2, 2, 4, 1, False), (1, 4, 3, 1, False),
+                                                      (2, 2, 4, 2, False), (1, 4, 3, 4, False), (1, 4, 3, 1, True),
+                                                      (2, 2, 4, 2, True)])  # fmt: skip
 def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, shared, monkeypatch):
     """The Triton op's angle gradients (the chunk pass's per-chunk sums of dth, each chunk's suffix sums plus its
     document's later chunks' sums, LOOKBACK chunks a load, then through pi tanh(rate) dt) against the chunked torch
