@@ -36,6 +36,7 @@ __all__ = [
     "doc_causal_shift",
     "doc_ids_from_cu_seqlens",
     "doc_starts",
+    "documents_longest_first",
     "packed_cu_seqlens",
     "positions_from_doc_ids",
     "same_doc_as_lag",
@@ -404,6 +405,7 @@ class PackedContext:
     cu_seqlens: torch.Tensor
     cu_seqlens_host: torch.Tensor
     seq_index: torch.Tensor
+    longest_first: torch.Tensor
     max_seqlen: int
     block_mask: BlockMask | None = None
 
@@ -427,11 +429,13 @@ class PackedContext:
         each read is a host sync, after which the CPU can no longer queue the next step ahead of the GPU."""
         device = torch.device(device)
         cu_seqlens = copy_to_device(self.cu_seqlens, device)
-        torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)  # a new tensor: marked as build_context marked the host one
+        longest_first = copy_to_device(self.longest_first, device)
+        for moved in (cu_seqlens, longest_first):  # new tensors: marked as build_context marked the ones it made
+            torch._dynamo.maybe_mark_dynamic(moved, 0)
         return PackedContext(
             doc_ids=copy_to_device(self.doc_ids, device), positions=copy_to_device(self.positions, device),
             starts=copy_to_device(self.starts, device), cu_seqlens=cu_seqlens, cu_seqlens_host=self.cu_seqlens_host,
-            seq_index=copy_to_device(self.seq_index, device), max_seqlen=self.max_seqlen,
+            seq_index=copy_to_device(self.seq_index, device), longest_first=longest_first, max_seqlen=self.max_seqlen,
             # rebuilt, not moved: BlockMask.to moves its block tensors but its mask_mod keeps reading the doc_ids it
             # captured where it was built (a host tensor, indexed from the device kernel)
             block_mask=None if self.block_mask is None else doc_causal_block_mask(copy_to_device(self.doc_ids, device)),
@@ -448,6 +452,15 @@ class PackedContext:
     def from_batch(cls, batch: Any, *, block_mask: bool = False) -> PackedContext:
         """From anything holding doc_ids, positions and cu_seqlens (a data.PackedBatch)."""
         return build_context(batch.doc_ids, batch.positions, batch.cu_seqlens, block_mask=block_mask)
+
+
+def documents_longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[S+1] int32 on cu_seqlens's device: the S documents' indices by length, longest first (equal lengths in
+    order), then S, an end mark no kernel reads. The mark gives the tensor cu_seqlens's length: a batch of one
+    document would otherwise make it a one-element tensor, which dynamo specialises (a recompile). From the values
+    on their device: no host sync."""
+    lengths = torch.cat([cu_seqlens.diff(), cu_seqlens.new_full((1,), -1)])  # the mark's -1 sorts after every length
+    return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
 
 
 def build_context(doc_ids: torch.Tensor, positions: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
@@ -468,10 +481,12 @@ def build_context(doc_ids: torch.Tensor, positions: torch.Tensor | None = None, 
     # contiguous: kernels index cu_seqlens by pointer arithmetic
     cu_seqlens = cu_seqlens_from_doc_ids(doc_ids) if cu_seqlens is None else cu_seqlens.contiguous()
     validate_packed_layout(doc_ids, positions, cu_seqlens)
-    # the document count changes every batch: one compiled graph for all of them, not one per count
-    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
     starts = doc_starts(doc_ids)
     host = cu_seqlens.cpu()
+    longest_first = documents_longest_first(cu_seqlens)
+    # the document count changes every batch: one compiled graph for all of them, not one per count
+    for per_document in (cu_seqlens, host, longest_first):
+        torch._dynamo.maybe_mark_dynamic(per_document, 0)
     return PackedContext(
         doc_ids=doc_ids.to(torch.int64),
         positions=positions.to(torch.int64),
@@ -479,6 +494,7 @@ def build_context(doc_ids: torch.Tensor, positions: torch.Tensor | None = None, 
         cu_seqlens=cu_seqlens,
         cu_seqlens_host=host,
         seq_index=sequence_index(starts),
+        longest_first=longest_first,
         max_seqlen=int((host[1:] - host[:-1]).max()),
         block_mask=doc_causal_block_mask(doc_ids) if block_mask else None,
     )

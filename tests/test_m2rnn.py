@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import megacpp_lab.kernels.m2rnn as m2k
+from megacpp_lab.kernels import OFFLINE_COMPILE
 from megacpp_lab.data import boundary_windows, load_sample
 from megacpp_lab.kernels.m2rnn import BWD_ORDERS, m2rnn_scan_reference, m2rnn_scan, resolve_kernel
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, M2RNNMegatronMixer
@@ -139,30 +140,51 @@ def test_launchers_compute_nothing_per_batch_beyond_the_scan():
     reset = torch.zeros(22, dtype=torch.int8, device=DEVICE)
     reset[ranges[:-1].long()] = 1  # each document's first token
     (y, ckpt), fwd = launcher_operators(
-        lambda: torch.ops.megacpp.m2rnn_scan_fwd(q, k, v, f, W, None, ranges, reset, 4, True, 0.0, 16),
+        lambda: torch.ops.megacpp.m2rnn_scan_fwd(q, k, v, f, W, None, ranges, None, None, reset, 4, True, 0.0, 16),
         "megacpp::m2rnn_scan_fwd")  # fmt: skip
     assert set(fwd) <= LAUNCHER_PLUMBING, fwd
     assert ckpt.shape[0] == 22 // 4 + 4  # the slot bound: total // chunk + documents
     _, bwd = launcher_operators(
-        lambda: torch.ops.megacpp.m2rnn_scan_bwd(torch.ones_like(y), q, k, v, f, W, None, ranges, reset, ckpt, 4, 0.0, 16),
+        lambda: torch.ops.megacpp.m2rnn_scan_bwd(torch.ones_like(y), q, k, v, f, W, None, ranges, None, None, reset, ckpt, 4,
+                                                 0.0, 16),
         "megacpp::m2rnn_scan_bwd")  # fmt: skip
     assert [name for name in bwd if name not in LAUNCHER_PLUMBING] == ["sum"], bwd
 
 
 def test_launch_plan_rules_and_bad_plans_fail_closed():
-    """plan_block_k splits K only while there are fewer (range, head) pairs than SMs; plan_z_scratch recomputes
-    z once the two scratch buffers outgrow half of L2; an explicit plan is checked, naming the field."""
-    cpu = torch.device("cpu")  # one SM and an unbounded L2 under the interpreter
-    assert m2k.plan_block_k(1, 64, cpu) == 64 and m2k.plan_z_scratch(10**6, 64, 16, 16, cpu)
-    assert m2k.plan_block_k(1, 64, cpu, block_k=16) == 16
+    """plan_block_k takes the state rows a program with the shortest modelled launch (the longest document's chain,
+    or the SMs' work); plan_z_scratch recomputes z once the two scratch buffers outgrow half of L2; an explicit plan
+    is checked, naming the field."""
+    cpu = torch.device("cpu")  # the interpreter runs one program at a time: a split only adds programs' steps
+    assert m2k.plan_block_k([40], 1, 64, 16, cpu) == 64 and m2k.plan_z_scratch(10**6, 64, 16, 16, cpu)
+    assert m2k.plan_block_k([40], 1, 64, 16, cpu, block_k=16) == 16
     assert m2k.plan_z_scratch(1, 64, 16, 16, cpu, "recompute") is False
-    # the backward's register cap: at most BWD_MAX_BLOCK state elements a program, whatever the pairs
-    assert m2k.plan_bwd_block_k(1, 64, 16, cpu) == 64 and m2k.plan_bwd_block_k(1, 64, 32, cpu) == 64
-    assert m2k.plan_bwd_block_k(1, 64, 64, cpu) == 64 and m2k.plan_bwd_block_k(1, 64, 128, cpu) == 32
-    assert m2k.plan_bwd_block_k(1, 64, 256, cpu) == 16
+    # the backward's register cap: at most BWD_MAX_BLOCK state elements a program, whatever the documents
+    assert m2k.plan_bwd_block_k([40], 1, 64, 16, cpu) == 64 and m2k.plan_bwd_block_k([40], 1, 64, 32, cpu) == 64
+    assert m2k.plan_bwd_block_k([40], 1, 64, 64, cpu) == 64 and m2k.plan_bwd_block_k([40], 1, 64, 128, cpu) == 32
+    assert m2k.plan_bwd_block_k([40], 1, 64, 256, cpu) == 16
     # an override is taken as given, even past the register cap (the plan gives 32 rows at V=128)
-    assert m2k.plan_bwd_block_k(1, 64, 128, cpu, block_k=64) == 64
-    assert m2k.plan_block_k(1, 64, cpu, max_rows=16) == 16 and m2k.plan_block_k(1, 32, cpu, max_rows=64) == 32
+    assert m2k.plan_bwd_block_k([40], 1, 64, 128, cpu, block_k=64) == 64
+    assert m2k.plan_block_k([40], 1, 64, 16, cpu, max_rows=16) == 16
+    assert m2k.plan_block_k([40], 1, 32, 16, cpu, max_rows=64) == 32
+    with pytest.raises(ValueError, match="stage must be one of"):
+        m2k.plan_block_k([40], 1, 64, 16, cpu, stage="sideways")
+    # the GPU's model (a GH100's 132 SMs, as kernels/resources.py compiles for): the base model's R block at B=4
+    # T=4096 with 8 even documents a row is the SMs' work, whole rows; with bench compile's seeded-random
+    # documents its longest (1821 tokens) is the launch, split to 16 rows; so is one document a row over few heads
+    even, uneven = [512] * 32, [1821, 1765, 993, 982, 924] + [int((16384 - 6485) / 27)] * 27
+    token = OFFLINE_COMPILE.set(True)
+    try:
+        for stage in m2k.PLAN_STAGES:
+            assert m2k.plan_block_k(even, 16, 64, 16, cpu, stage=stage) == 64
+            assert m2k.plan_block_k(uneven, 16, 64, 16, cpu, stage=stage) == 16
+            assert m2k.plan_block_k([4096] * 2, 8, 64, 16, cpu, stage=stage) == 16
+            # bench m2rnn's widest point (B=16 S=1024 H=32 V=64): the SMs' work at every block
+            assert m2k.plan_block_k([1024] * 16, 32, 64, 64, cpu, stage=stage) == 64
+            t_even = [m2k.plan_makespan_us(even, 16, 64, 16, bk, cpu, stage) for bk in (16, 32, 64)]
+            assert t_even == sorted(t_even, reverse=True)  # the modelled time falls with the block on even documents
+    finally:
+        OFFLINE_COMPILE.reset(token)
     # the parallel order's segments: one while its buffer fits PARALLEL_BUFFER_BYTES or segments cannot shrink it
     step = 8 * 64 * 16 * 2  # bytes a token at H=8, K=64, V=16, bf16 states
     assert m2k.plan_segments(2, 8192, 64, step) == (2048, 4)  # B=2 rows of 4096: 64 MiB of 128
@@ -173,13 +195,11 @@ def test_launch_plan_rules_and_bad_plans_fail_closed():
     assert m2k.plan_warps(2, 32, 64) == 2 and m2k.plan_warps(2, 64, 64) == 4 and m2k.plan_warps(4, 16, 16) == 4
     assert m2k.plan_warps(2, 128, 128) == m2k.MAX_WARPS
     if ON_GPU:
-        sms, l2 = m2k._limits(torch.device("cuda"))
-        assert m2k.plan_block_k(sms, 64, torch.device("cuda")) == 64  # a pair per SM: no split
-        assert m2k.plan_block_k(max(1, sms // 4 - 1), 64, torch.device("cuda")) == 16
+        _, l2 = m2k._limits(torch.device("cuda"))
         assert not m2k.plan_z_scratch(l2, 64, 16, 16, torch.device("cuda"))
     for bad in (8, 24, 128):
         with pytest.raises(ValueError, match=f"block_k must be a power of two >= 16 dividing K=64, got {bad}"):
-            m2k.plan_block_k(1, 64, cpu, block_k=bad)
+            m2k.plan_block_k([40], 1, 64, 16, cpu, block_k=bad)
     q, k, v, f, W, _ = (t.detach() for t in _inputs(1, 8, 1, 16, 16))
     with pytest.raises(ValueError, match="z_mode must be one of"):
         m2rnn_scan(q, k, v, f, W, kernel="triton", z_mode="sometimes")

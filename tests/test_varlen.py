@@ -17,6 +17,7 @@ from megacpp_lab.varlen import (
     doc_causal_shift,
     doc_ids_from_cu_seqlens,
     doc_starts,
+    documents_longest_first,
     packed_cu_seqlens,
     positions_from_doc_ids,
     same_doc_as_lag,
@@ -37,7 +38,12 @@ def test_context_holds_every_form_derived_once() -> None:
     assert ctx.cu_seqlens.dtype == torch.int32 and ctx.cu_seqlens_host.device.type == "cpu"
     assert ctx.seq_index.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 4, 4, 4, 4, 4, 5, 5]
     assert ctx.starts.reshape(-1).nonzero().reshape(-1).tolist() == ctx.cu_seqlens.tolist()[:-1]
+    # lengths 3 2 3 1 5 2: longest first, equal lengths in order, then the end mark (the document count)
+    assert ctx.longest_first.tolist() == [4, 0, 2, 1, 5, 3, 6] and ctx.longest_first.dtype == torch.int32
     assert ctx.block_mask is None
+    # one document: the order keeps cu_seqlens's length (a one-element tensor would be specialised by dynamo)
+    one = build_context(torch.zeros(1, 5, dtype=torch.int64))
+    assert one.longest_first.tolist() == [0, 1] and documents_longest_first(one.cu_seqlens).tolist() == [0, 1]
 
 
 def test_context_from_a_packed_batch_holds_the_batch_and_a_same_document_causal_flex_mask() -> None:

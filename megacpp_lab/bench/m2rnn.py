@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megacpp_lab.bench import bench_device, output_root, peer_checkout, require_triton_interpreter
-from megacpp_lab.kernels.m2rnn import m2rnn_scan, plan_backward
+from megacpp_lab.kernels.m2rnn import m2rnn_scan, plan_backward, plan_block_k
 from megacpp_lab.profiling import peak_extra_mib, profile_trace, time_ms, time_spread_ms
 from megacpp_lab.receipts import device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu_seqlens
@@ -292,9 +292,11 @@ def bench_m2rnn_peers(grid: tuple[GridPoint, ...] = PEER_GRID, *, dtype: torch.d
             operands = nullcontext()
             if name in lab_plans(s.K):  # the launch plan this row ran (the backward's: its z placement too)
                 block_k, z_mode, order, low_dots = lab_plans(s.K)[name]
-                bk, z_scratch = plan_backward(ctx.n_seqs * s.H, s.B * s.S, s.H, s.K, s.V, GRID_CHUNK, inputs[0].device,
-                                              block_k=block_k, z_mode=z_mode, bwd_order=order)  # fmt: skip
-                row["plan"] = {"block_k": bk, "bwd_order": order, "z_in_scratch": z_scratch,
+                lengths, dev = ctx.doc_lengths, inputs[0].device
+                bk, z_scratch = plan_backward(lengths, s.H, s.K, s.V, GRID_CHUNK, dev, block_k=block_k, z_mode=z_mode,
+                                              bwd_order=order)  # fmt: skip
+                row["plan"] = {"block_k": plan_block_k(lengths, s.H, s.K, s.V, dev, block_k=block_k),
+                               "bwd_block_k": bk, "bwd_order": order, "z_in_scratch": z_scratch,
                                "bwd_mma_operands": "input dtype" if low_dots else "fp32"}  # fmt: skip
                 operands = backward_operands(low_dots)
             with operands:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -38,7 +39,8 @@ import triton.language as tl
 
 from megacpp_lab.kernels import INTERPRETED, OFFLINE_COMPILE, launchable, warn_at_caller
 from megacpp_lab.kernels.ssd import FLOAT_DTYPES, slot_document
-from megacpp_lab.varlen import PackedContext, build_context, check_context, check_cu_seqlens
+from megacpp_lab.varlen import (PackedContext, build_context, check_context, check_cu_seqlens,
+                                documents_longest_first)
 
 __all__ = [
     "BWD_ORDERS",
@@ -180,18 +182,28 @@ def _next_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, last, hd, H, rk, rv, k0
 
 
 @triton.jit
+def _program(order_ptr, NKB: tl.constexpr, ORDERED: tl.constexpr):
+    """A scan program's (range p, head hd, row block kb) on the grid (H * NKB, ranges): axis 0, the fastest in the
+    order the GPU starts programs, runs a range's heads and row blocks, axis 1 its place in order_ptr (ORDERED: the
+    ranges longest first, PackedContext.longest_first; else the ranges in order). Every program of a range is a
+    serial chain of its steps, so the launch lasts at least the longest range's chain: started first, it runs
+    beside the rest instead of after them."""
+    j = tl.program_id(1)
+    p = tl.load(order_ptr + j) if ORDERED else j
+    return p, tl.program_id(0) // NKB, tl.program_id(0) % NKB
+
+
+@triton.jit
 def _m2rnn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr,
+    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, order_ptr, reset_ptr,
     y_ptr, ckpt_ptr,
     H, n_rows,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, SAVE: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_H0: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_H0: tl.constexpr, ORDERED: tl.constexpr,
 ):  # fmt: skip
     # rows of the state evolve independently (W acts on V), so a program may own BK of the K rows;
     # with BK < K its y is a partial sum over its rows, written as fp32 [K/BK, n_rows, V]
-    p = tl.program_id(0)
-    hd = tl.program_id(1)
-    kb = tl.program_id(2)
+    p, hd, kb = _program(order_ptr, K // BK, ORDERED)
     start = tl.load(ranges_ptr + p)
     end = tl.load(ranges_ptr + p + 1)
     rk = kb * BK + tl.arange(0, BK)
@@ -261,14 +273,13 @@ def _reverse_step(qt, kt, vt, ft, rt, dyt, hp, z, dh, dW, dh0, W, clip, row, kb,
 
 
 @triton.jit
-def _bwd_program(w_ptr, h0_ptr, ranges_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                 CHUNK: tl.constexpr, HAS_H0: tl.constexpr):  # fmt: skip
-    """A backward program's (range p, head hd, row block kb), its range [start, end), its rows rk and columns rv,
-    its state offsets (kv in the [K, V] state, local in a [BK, V] block), W and h0 (zeros without one: h0_ptr and
-    dh0_ptr are placeholders then, never read or written), its first checkpoint slot and its program index."""
-    p = tl.program_id(0)
-    hd = tl.program_id(1)
-    kb = tl.program_id(2)
+def _bwd_program(w_ptr, h0_ptr, ranges_ptr, order_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 CHUNK: tl.constexpr, HAS_H0: tl.constexpr, ORDERED: tl.constexpr):  # fmt: skip
+    """A backward program's (range p, head hd, row block kb) (_program), its range [start, end), its rows rk and
+    columns rv, its state offsets (kv in the [K, V] state, local in a [BK, V] block), W and h0 (zeros without one:
+    h0_ptr and dh0_ptr are placeholders then, never read or written), its first checkpoint slot and its program
+    index."""
+    p, hd, kb = _program(order_ptr, K // BK, ORDERED)
     start = tl.load(ranges_ptr + p)
     end = tl.load(ranges_ptr + p + 1)
     rk = kb * BK + tl.arange(0, BK)
@@ -369,12 +380,12 @@ def _m2rnn_recompute_kernel(
 
 @triton.jit(do_not_specialize=["seg", "SEG"])
 def _m2rnn_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, reset_ptr, ckpt_ptr, dy_ptr,
+    q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, ranges_ptr, order_ptr, reset_ptr, ckpt_ptr, dy_ptr,
     dq_ptr, dk_ptr, dv_ptr, df_ptr, dw_ptr, dh0_ptr, prev_ptr, z_ptr, seg_off_ptr, carry_ptr, seg, SEG,
     H, n_rows, clip,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, CLIP: tl.constexpr,
     PRECISION: tl.constexpr, HAS_H0: tl.constexpr, Z_SCRATCH: tl.constexpr, PARALLEL: tl.constexpr,
-    CARRY: tl.constexpr, DOT: tl.constexpr,
+    CARRY: tl.constexpr, DOT: tl.constexpr, ORDERED: tl.constexpr,
 ):  # fmt: skip
     # one program per (range, head, block of BK state rows): dq, dk, dh0 are row-local; dv, df and
     # dW sum over rows, so each block writes fp32 partials [K/BK, ...] that the launcher adds up.
@@ -388,7 +399,7 @@ def _m2rnn_bwd_kernel(
     # reversed: two chains.
     NKB: tl.constexpr = K // BK
     p, hd, kb, start, end, rk, rv, kv, local, W, h0, slot, prog = _bwd_program(
-        w_ptr, h0_ptr, ranges_ptr, H, K, V, BK, CHUNK, HAS_H0)
+        w_ptr, h0_ptr, ranges_ptr, order_ptr, H, K, V, BK, CHUNK, HAS_H0, ORDERED)
     dh = tl.zeros((BK, V), dtype=tl.float32)
     dW = tl.zeros((V, V), dtype=tl.float32)
     dh0 = tl.zeros((BK, V), dtype=tl.float32)
@@ -495,26 +506,78 @@ def _limits(device: torch.device) -> tuple[int, int]:
     return _gpu_limits(-1 if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device())
 
 
-def plan_block_k(pairs: int, K: int, device: torch.device, block_k: int = 0, max_rows: int = 0) -> int:
-    """State rows per program (block_k, when given, else the plan): one program runs one (range, head) pair's
-    BK rows, so a pair split K/BK ways fills an SM each when there are fewer pairs than SMs. With enough pairs
-    the split buys nothing and costs K/BK times the step's loads and an fp32 partial of y, dv and df each: the
-    largest BK that still gives every SM a program. max_rows (> 0) caps the plan's BK: the backward's register
-    budget (BWD_MAX_BLOCK // V rows)."""
-    if block_k:
-        if block_k < MIN_BLOCK_K or K % block_k or block_k & (block_k - 1):
-            raise ValueError(f"block_k must be a power of two >= {MIN_BLOCK_K} dividing K={K}, got {block_k}")
-        return block_k
+# The launch plan's cost model (plan_block_k). A program, one (range, head, block of BK state rows), is a serial chain
+# of its range's steps. Alone on an SM a step takes about a + b * BK * V microseconds (its latency); with several
+# programs taking turns on an SM, each step occupies the SM for about c + d * BK * V (its throughput cost). A launch
+# then lasts about max(the longest range * latency, every program's steps * throughput cost / SMs): the longest
+# document's chain, started first (_program), or the SMs' work. Fitted on an H100 to bf16 scans at H=16, K=64, V=16
+# (scripts/m2rnn_plan_probe.py: B=4 T=4096 with 8 uniform documents a row, and with bench compile's seeded-random
+# ones, the longest 1821 tokens, at BK = 16, 32, 64; and bench m2rnn's one-document rows); the backward's is its
+# reverse pass (the recompute pass runs every chunk at once and takes whole rows, _recompute_block_k).
+PLAN_COST_US = {  # stage: (a, b, c, d)
+    "fwd": (0.267, 2.1e-4, 0.044, 1.1e-4),
+    "bwd": (0.51, 3.4e-4, 0.079, 2.25e-4),
+}
+# the plan takes the largest block whose modelled time is within this factor of the fastest's: a split also writes
+# fp32 partials of y (dv and df) and reduces them, which the model does not count
+PLAN_SPLIT_MARGIN = 0.9
+PLAN_STAGES = tuple(PLAN_COST_US)
+
+
+def _check_block_k(block_k: int, K: int) -> int:
+    if block_k < MIN_BLOCK_K or K % block_k or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= {MIN_BLOCK_K} dividing K={K}, got {block_k}")
+    return block_k
+
+
+def plan_makespan_us(lengths: Sequence[int], H: int, K: int, V: int, bk: int, device: torch.device,
+                     stage: str = "fwd") -> float:  # fmt: skip
+    """The cost model's time for a launch over ranges of these lengths (host ints) at BK = bk (PLAN_COST_US). The
+    interpreter runs one program at a time: there every program's steps add up at their latency."""
+    a, b, c, d = PLAN_COST_US[stage]
+    latency, occupancy = a + b * bk * V, c + d * bk * V
+    steps = sum(lengths) * H * (K // bk)
+    if device.type == "cpu" and not OFFLINE_COMPILE.get():
+        return steps * latency
     sms, _ = _limits(device)
-    bk = K
-    while bk > MIN_BLOCK_K and (pairs * (K // bk) < sms or (max_rows and bk > max_rows)):
-        bk //= 2
-    return max(min(bk, K), min(MIN_BLOCK_K, K))
+    return max(max(lengths, default=0) * latency, steps * occupancy / sms)
 
 
-def plan_bwd_block_k(pairs: int, K: int, V: int, device: torch.device, block_k: int = 0) -> int:
-    """The backward's state rows per program: plan_block_k under the register cap of BWD_MAX_BLOCK elements."""
-    return plan_block_k(pairs, K, device, block_k, max_rows=max(MIN_BLOCK_K, BWD_MAX_BLOCK // V))
+def plan_block_k(lengths: Sequence[int], H: int, K: int, V: int, device: torch.device, *, stage: str = "fwd",
+                 block_k: int = 0, max_rows: int = 0) -> int:  # fmt: skip
+    """State rows per program (block_k, when given, else the plan) for ranges of these lengths (host ints: a
+    PackedContext's cu_seqlens_host, no device read) and H heads. Splitting a (range, head) pair's K rows over K/BK
+    programs shortens each step of its chain but multiplies the programs' steps: the plan takes the BK with the
+    shortest plan_makespan_us, or a larger one within PLAN_SPLIT_MARGIN of it. One long document among short
+    ones is split (its chain is the launch), many documents of even lengths are not (the SMs' work is). max_rows
+    (> 0) caps BK: the backward's register budget (BWD_MAX_BLOCK // V rows)."""
+    if block_k:
+        return _check_block_k(block_k, K)
+    if stage not in PLAN_STAGES:
+        raise ValueError(f"stage must be one of {PLAN_STAGES}, got {stage!r}")
+    sizes = [bk for bk in (K >> i for i in range(K.bit_length())) if bk >= MIN_BLOCK_K and not (max_rows and bk > max_rows)]
+    if not sizes:  # K below the smallest split (the launcher rejects it before any kernel)
+        return K
+    times = {bk: plan_makespan_us(lengths, H, K, V, bk, device, stage) for bk in sizes}
+    fastest = min(times.values())
+    # the largest block within the margin of the fastest (sizes run from the largest down)
+    return next(bk for bk in sizes if PLAN_SPLIT_MARGIN * times[bk] <= fastest)
+
+
+def _bwd_max_rows(V: int) -> int:
+    return max(MIN_BLOCK_K, BWD_MAX_BLOCK // V)
+
+
+def plan_bwd_block_k(lengths: Sequence[int], H: int, K: int, V: int, device: torch.device, block_k: int = 0) -> int:
+    """The backward's state rows per program: plan_block_k's backward model under the register cap of
+    BWD_MAX_BLOCK elements."""
+    return plan_block_k(lengths, H, K, V, device, stage="bwd", block_k=block_k, max_rows=_bwd_max_rows(V))
+
+
+def _recompute_block_k(K: int, V: int) -> int:
+    """The parallel order's recompute pass: one program per checkpoint slot runs a chunk, thousands of short chains
+    at once, so nothing is gained by splitting rows (whole rows, up to the backward's register cap)."""
+    return min(K, _bwd_max_rows(V)) if K >= MIN_BLOCK_K else K
 
 
 def plan_warps(base: int, bk: int, V: int) -> int:
@@ -553,15 +616,15 @@ def plan_segments(docs: int, tokens: int, chunk: int, bytes_per_step: int) -> tu
     return seg, -(-tokens // seg)
 
 
-def plan_backward(pairs: int, tokens: int, H: int, K: int, V: int, chunk: int, device: torch.device, *,
+def plan_backward(lengths: Sequence[int], H: int, K: int, V: int, chunk: int, device: torch.device, *,
                   block_k: int = 0, z_mode: str = "auto", bwd_order: str = "parallel") -> tuple[int, bool]:
-    """The backward's (state rows a program, z kept in scratch) for `pairs` (range, head) pairs over `tokens`
-    flattened tokens: plan_bwd_block_k, and plan_z_scratch over the order's buffers (the parallel order's holds
-    every step of every head, the serial order's a chunk a program)."""
-    bk = plan_bwd_block_k(pairs, K, V, device, block_k)
+    """The backward's (state rows a program, z kept in scratch) for ranges of these lengths (host ints) and H heads:
+    plan_bwd_block_k, and plan_z_scratch over the order's buffers (the parallel order's holds every step of every
+    head, the serial order's a chunk a program)."""
+    bk = plan_bwd_block_k(lengths, H, K, V, device, block_k)
     if bwd_order == "parallel":
-        return bk, plan_z_scratch(tokens * H * (K // bk), 1, bk, V, device, z_mode)
-    return bk, plan_z_scratch(pairs * (K // bk), chunk, bk, V, device, z_mode)
+        return bk, plan_z_scratch(sum(lengths) * H * (K // bk), 1, bk, V, device, z_mode)
+    return bk, plan_z_scratch(len(lengths) * H * (K // bk), chunk, bk, V, device, z_mode)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -569,35 +632,47 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _range_lengths(lengths: torch.Tensor | None, P: int, tokens: int) -> list[int]:
+    """The ranges' lengths for the launch plan, from their host copy (a PackedContext's cu_seqlens_host: no device
+    read); without one (rows: every range one row) the P ranges split the tokens evenly."""
+    if lengths is not None:
+        return lengths.diff().tolist()
+    return [tokens // P] * P if P else []
+
+
 @torch.library.custom_op("megacpp::m2rnn_scan_fwd", mutates_args=())
 def m2rnn_scan_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
-    ranges: torch.Tensor, reset: torch.Tensor, chunk: int, save: bool, clip: float, block_k: int = 0,
-    z_mode: str = "auto", bwd_order: str = "parallel",
+    ranges: torch.Tensor, order: torch.Tensor | None, lengths: torch.Tensor | None, reset: torch.Tensor, chunk: int,
+    save: bool, clip: float, block_k: int = 0, z_mode: str = "auto", bwd_order: str = "parallel",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,S,H,V] and the every-`chunk`-steps state checkpoints (empty unless save).
 
     h0 [P,H,K,V] fp32, or None: every range starts from zeros, made inside the kernel. (A zeros h0 made by
     the caller would be a [P,...] tensor in the compiled graph, P the number of documents: its contiguity
     check guards P != 1, and a batch of one document recompiled the graph.)
+    order [P+1] int32 on the device: the ranges longest first (PackedContext.longest_first), the programs' launch
+    order; None runs them in order (rows: one length). lengths: the host copy of ranges (cu_seqlens_host), for the
+    launch plan; None: the ranges split the B*S tokens evenly (rows).
     clip, z_mode and bwd_order are only carried to the backward (gradient clipping of the state; where z is
     kept; the order of its two passes).
-    block_k: state rows per program, 0 = plan_block_k's choice (P is concrete here, inside the op, also under
-    torch.compile: the plan follows the batch's documents without a recompile)."""
+    block_k: state rows per program, 0 = plan_block_k's choice (made here, inside the op, from the host lengths:
+    the plan follows the batch's documents without a recompile under torch.compile)."""
     B, S, H, K = q.shape
     V = v.shape[-1]
     P = ranges.numel() - 1
     precision = _precision(q.dtype)
-    bk = plan_block_k(P * H, K, q.device, block_k)
+    bk = plan_block_k(_range_lengths(lengths, P, B * S), H, K, V, q.device, block_k=block_k)
     warps = FWD_WARPS[precision]
     y = torch.empty_like(v) if bk == K else torch.empty((K // bk, B * S * H, V), device=q.device, dtype=torch.float32)
     # kernels/ssd.py's slot layout: document p's chunk c checkpointed in slot ranges[p] // chunk + p + c, of at most
     # B*S // chunk + P slots (nothing computed per batch on the device: no launches beyond the scan's)
     ckpt = torch.empty((B * S // chunk + P if save else 0, H, K, V), device=q.device, dtype=torch.float32)
     h0_arg = W if h0 is None else h0  # a placeholder pointer when HAS_H0 is off
-    _m2rnn_fwd_kernel[(P, H, K // bk)](
-        q, k, v, f, W, h0_arg, ranges, reset, y, ckpt if save else h0_arg, H, B * S * H,
-        K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, HAS_H0=h0 is not None, num_warps=warps,
+    _m2rnn_fwd_kernel[(H * (K // bk), P)](
+        q, k, v, f, W, h0_arg, ranges, ranges if order is None else order, reset, y, ckpt if save else h0_arg, H,
+        B * S * H, K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, HAS_H0=h0 is not None,
+        ORDERED=order is not None, num_warps=warps,
     )  # fmt: skip
     if bk != K:
         y = y.sum(0).view(v.shape).to(v.dtype)
@@ -605,7 +680,8 @@ def m2rnn_scan_fwd(
 
 
 @m2rnn_scan_fwd.register_fake
-def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k=0, z_mode="auto", bwd_order="parallel"):
+def _(q, k, v, f, W, h0, ranges, order, lengths, reset, chunk, save, clip, block_k=0, z_mode="auto",
+      bwd_order="parallel"):  # fmt: skip
     B, S, H, K = q.shape
     slots = B * S // chunk + ranges.shape[0] - 1
     return torch.empty_like(v), q.new_empty((slots if save else 0, H, K, v.shape[-1]), dtype=torch.float32)
@@ -614,17 +690,20 @@ def _(q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k=0, z_mode="au
 @torch.library.custom_op("megacpp::m2rnn_scan_bwd", mutates_args=())
 def m2rnn_scan_bwd(
     dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor,
-    h0: torch.Tensor | None, ranges: torch.Tensor, reset: torch.Tensor, ckpt: torch.Tensor, chunk: int, clip: float,
-    block_k: int = 0, z_mode: str = "auto", bwd_order: str = "parallel",
+    h0: torch.Tensor | None, ranges: torch.Tensor, order: torch.Tensor | None, lengths: torch.Tensor | None,
+    reset: torch.Tensor, ckpt: torch.Tensor, chunk: int, clip: float, block_k: int = 0, z_mode: str = "auto",
+    bwd_order: str = "parallel",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients for q, k, v, f, W and h0. With h0=None (zeros, the forward's) the last is an empty
-    [0,H,K,V] tensor: no [P,...] tensor enters the backward graph either."""
+    [0,H,K,V] tensor: no [P,...] tensor enters the backward graph either. order and lengths as the forward's: the
+    reverse pass's launch order and plan (plan_backward); the recompute pass takes whole rows."""
     B, S, H, K = q.shape
     V = v.shape[-1]
     P = ranges.numel() - 1
     precision = _precision(q.dtype)
-    bk, z_scratch = plan_backward(P * H, B * S, H, K, V, chunk, q.device, block_k=block_k, z_mode=z_mode,
-                                  bwd_order=bwd_order)  # fmt: skip
+    bk, z_scratch = plan_backward(_range_lengths(lengths, P, B * S), H, K, V, chunk, q.device, block_k=block_k,
+                                  z_mode=z_mode, bwd_order=bwd_order)  # fmt: skip
+    order_arg = ranges if order is None else order  # a placeholder pointer when ORDERED is off
     warps = plan_warps(BWD_WARPS[precision], bk, V)
     nkb, n_rows = K // bk, B * S * H
     parallel = bwd_order == "parallel"
@@ -651,27 +730,28 @@ def m2rnn_scan_bwd(
         prev = torch.empty((min(B * S, P * seg), H, K, V), device=q.device, dtype=q.dtype if low else torch.float32)
         zbuf = torch.empty(prev.shape, device=q.device, dtype=torch.float32) if z_scratch else prev  # else never read
         dh_carry = torch.zeros((P * H * nkb, bk, V), device=q.device, dtype=torch.float32) if carry else prev  # else unread
+        rbk = _recompute_block_k(K, V)
         for j in reversed(range(n_seg)):
             rows = seg_off[j] if carry else ranges
-            _m2rnn_recompute_kernel[(ckpt.shape[0], H, nkb)](
+            _m2rnn_recompute_kernel[(ckpt.shape[0], H, K // rbk)](
                 k, v, f, W, h0_arg, ranges, reset, ckpt, dy, prev, zbuf, dq, rows, j, seg, H, P,
-                K=K, V=V, BK=bk, CHUNK=chunk, PRECISION=precision, HAS_H0=h0 is not None,
+                K=K, V=V, BK=rbk, CHUNK=chunk, PRECISION=precision, HAS_H0=h0 is not None,
                 Z_SCRATCH=z_scratch, num_warps=FWD_WARPS[precision],
             )  # fmt: skip
-            _m2rnn_bwd_kernel[(P, H, nkb)](
-                q, k, v, f, W, h0_arg, ranges, reset, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, rows,
+            _m2rnn_bwd_kernel[(H * nkb, P)](
+                q, k, v, f, W, h0_arg, ranges, order_arg, reset, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, rows,
                 dh_carry, j, seg, H, n_rows, float(clip), K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0,
                 PRECISION=precision, HAS_H0=h0 is not None, Z_SCRATCH=z_scratch, PARALLEL=True, CARRY=carry, DOT=dot,
-                num_warps=warps,
+                ORDERED=order is not None, num_warps=warps,
             )  # fmt: skip
     else:
         prev = torch.empty((P * H * nkb * chunk, bk, V), device=q.device, dtype=torch.float32)
         zbuf = torch.empty_like(prev) if z_scratch else prev
-        _m2rnn_bwd_kernel[(P, H, nkb)](
-            q, k, v, f, W, h0_arg, ranges, reset, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, ranges, prev,
-            0, chunk, H, n_rows, float(clip), K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision,
+        _m2rnn_bwd_kernel[(H * nkb, P)](
+            q, k, v, f, W, h0_arg, ranges, order_arg, reset, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, ranges,
+            prev, 0, chunk, H, n_rows, float(clip), K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision,
             HAS_H0=h0 is not None, Z_SCRATCH=z_scratch, PARALLEL=False, CARRY=False, DOT=dot,
-            num_warps=warps,
+            ORDERED=order is not None, num_warps=warps,
         )  # fmt: skip
     if nkb > 1:
         dv = dv.sum(0).view(v.shape).to(v.dtype)
@@ -680,25 +760,26 @@ def m2rnn_scan_bwd(
 
 
 @m2rnn_scan_bwd.register_fake
-def _(dy, q, k, v, f, W, h0, ranges, reset, ckpt, chunk, clip, block_k=0, z_mode="auto", bwd_order="parallel"):
+def _(dy, q, k, v, f, W, h0, ranges, order, lengths, reset, ckpt, chunk, clip, block_k=0, z_mode="auto",
+      bwd_order="parallel"):  # fmt: skip
     dh0 = q.new_empty((0, *q.shape[2:], v.shape[-1]), dtype=torch.float32) if h0 is None else torch.empty_like(h0)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
             torch.empty_like(W), dh0)  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, f, W, h0, ranges, reset, chunk, save, clip, block_k, z_mode, bwd_order = inputs
-    ctx.save_for_backward(q, k, v, f, W, h0, ranges, reset, output[1])
+    q, k, v, f, W, h0, ranges, order, lengths, reset, chunk, save, clip, block_k, z_mode, bwd_order = inputs
+    ctx.save_for_backward(q, k, v, f, W, h0, ranges, order, lengths, reset, output[1])
     ctx.chunk, ctx.clip, ctx.block_k, ctx.z_mode, ctx.bwd_order = chunk, clip, block_k, z_mode, bwd_order
 
 
 def _backward(ctx, dy, _dckpt):
-    q, k, v, f, W, h0, ranges, reset, ckpt = ctx.saved_tensors
+    q, k, v, f, W, h0, ranges, order, lengths, reset, ckpt = ctx.saved_tensors
     if ckpt.numel() == 0:
         raise RuntimeError("m2rnn_scan_fwd ran with save=False; its output cannot be differentiated")
-    dq, dk, dv, df, dW, dh0 = m2rnn_scan_bwd(dy, q, k, v, f, W, h0, ranges, reset, ckpt, ctx.chunk, ctx.clip,
-                                             ctx.block_k, ctx.z_mode, ctx.bwd_order)  # fmt: skip
-    return dq, dk, dv, df, dW, None if h0 is None else dh0, None, None, None, None, None, None, None, None
+    dq, dk, dv, df, dW, dh0 = m2rnn_scan_bwd(dy, q, k, v, f, W, h0, ranges, order, lengths, reset, ckpt, ctx.chunk,
+                                             ctx.clip, ctx.block_k, ctx.z_mode, ctx.bwd_order)  # fmt: skip
+    return (dq, dk, dv, df, dW, None if h0 is None else dh0) + (None,) * 10
 
 
 m2rnn_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -807,7 +888,7 @@ def m2rnn_scan(
     if bwd_order not in BWD_ORDERS:
         raise ValueError(f"bwd_order must be one of {BWD_ORDERS}, got {bwd_order!r}")
     if block_k:
-        plan_block_k(1, K, q.device, block_k)  # checked here, before any kernel
+        _check_block_k(block_k, K)  # checked here, before any kernel
     if doc_ids is not None and resolve_kernel(kernel, q.device) != "reference":
         # one path for documents: the rows' documents become a context (built and checked here, a host sync), so
         # the kernel runs one program per document as with cu_seqlens, where one program per row walked every
@@ -830,7 +911,7 @@ def m2rnn_scan(
         N = B * S
         y = _scan(q.reshape(1, N, H, K), k.reshape(1, N, H, K), v.reshape(1, N, H, V), f.reshape(1, N, H), W, h0,
                   ctx.cu_seqlens, ctx.starts.reshape(1, N), ctx.seq_index.view(1, N), chunk, grad_clip,
-                  kernel, block_k, z_mode, bwd_order)  # fmt: skip
+                  kernel, block_k, z_mode, bwd_order, ctx.longest_first, ctx.cu_seqlens_host)  # fmt: skip
         return y.view(B, S, H, V)
     dev = q.device
     if cu_seqlens is not None:
@@ -838,12 +919,16 @@ def m2rnn_scan(
             raise ValueError(f"cu_seqlens needs packed input with B=1, got B={B}")
         check_cu_seqlens(cu_seqlens, S, device=dev)
         ranges = cu_seqlens.to(dev)
+        # the launch plan's host lengths (bare boundaries: this one read, after check_cu_seqlens's) and order
+        lengths = ranges.cpu()
+        order = documents_longest_first(ranges)
         reset = torch.zeros(S, dtype=torch.int8, device=dev)
         reset[ranges[:-1].long()] = 1
         reset2d = reset.view(1, S).bool()
         seq_of_token = torch.searchsorted(ranges, torch.arange(S, device=dev, dtype=torch.int32), right=True) - 1
         h0_index = seq_of_token.view(1, S).long()
     else:
+        lengths = order = None  # rows: one length, in order
         ranges = torch.arange(B + 1, device=dev, dtype=torch.int32) * S
         if doc_ids is not None:
             if doc_ids.shape != (B, S) or doc_ids.dtype not in (torch.int32, torch.int64):
@@ -854,13 +939,16 @@ def m2rnn_scan(
             reset2d = torch.zeros((B, S), dtype=torch.bool, device=dev)
             reset2d[:, 0] = True
         h0_index = torch.arange(B, device=dev).view(B, 1).expand(B, S)
-    return _scan(q, k, v, f, W, h0, ranges, reset2d, h0_index, chunk, grad_clip, kernel, block_k, z_mode, bwd_order)
+    return _scan(q, k, v, f, W, h0, ranges, reset2d, h0_index, chunk, grad_clip, kernel, block_k, z_mode, bwd_order,
+                 order, lengths)  # fmt: skip
 
 
 def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W: torch.Tensor, h0: torch.Tensor | None,
           ranges: torch.Tensor, reset2d: torch.Tensor, h0_index: torch.Tensor, chunk: int, grad_clip: float,
-          kernel: str, block_k: int = 0, z_mode: str = "auto", bwd_order: str = "parallel") -> torch.Tensor:  # fmt: skip
-    """The scan over sequences [ranges[i], ranges[i+1]) of the flattened tokens, resetting at reset2d."""
+          kernel: str, block_k: int = 0, z_mode: str = "auto", bwd_order: str = "parallel",
+          order: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The scan over sequences [ranges[i], ranges[i+1]) of the flattened tokens, resetting at reset2d; order and
+    lengths: the ranges longest first (on the device) and their host copy, for the launch (m2rnn_scan_fwd)."""
     B, S, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -890,7 +978,7 @@ def _scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, W:
     )
     y, _ = m2rnn_scan_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), f.contiguous(), W.contiguous(),
-        None if h0 is None else h0.float().contiguous(), ranges, reset, chunk, needs_grad, float(grad_clip),
-        block_k, z_mode, bwd_order,
+        None if h0 is None else h0.float().contiguous(), ranges, order, lengths, reset, chunk, needs_grad,
+        float(grad_clip), block_k, z_mode, bwd_order,
     )  # fmt: skip
     return y
