@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 __all__ = [
     "FLEX_BLOCK",
+    "PER_DOCUMENT_FIELDS",
     "PackedContext",
     "build_context",
     "check_context",
@@ -390,6 +391,10 @@ def copy_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device)
 
 
+# the context's tensors whose length is the document count plus one, marked dynamic by build_context
+PER_DOCUMENT_FIELDS = ("cu_seqlens", "cu_seqlens_host", "longest_first")
+
+
 @dataclass(frozen=True, eq=False)
 class PackedContext:
     """One packed batch in every form the mixers and kernels use, validated once (build_context).
@@ -431,7 +436,7 @@ class PackedContext:
         cu_seqlens = copy_to_device(self.cu_seqlens, device)
         longest_first = copy_to_device(self.longest_first, device)
         for moved in (cu_seqlens, longest_first):  # new tensors: marked as build_context marked the ones it made
-            torch._dynamo.maybe_mark_dynamic(moved, 0)
+            torch._dynamo.maybe_mark_dynamic(moved, 0)  # (cu_seqlens_host stays, with its mark)
         return PackedContext(
             doc_ids=copy_to_device(self.doc_ids, device), positions=copy_to_device(self.positions, device),
             starts=copy_to_device(self.starts, device), cu_seqlens=cu_seqlens, cu_seqlens_host=self.cu_seqlens_host,
@@ -485,7 +490,7 @@ def build_context(doc_ids: torch.Tensor, positions: torch.Tensor | None = None, 
     host = cu_seqlens.cpu()
     longest_first = documents_longest_first(cu_seqlens)
     # the document count changes every batch: one compiled graph for all of them, not one per count
-    for per_document in (cu_seqlens, host, longest_first):
+    for per_document in (cu_seqlens, host, longest_first):  # PER_DOCUMENT_FIELDS
         torch._dynamo.maybe_mark_dynamic(per_document, 0)
     return PackedContext(
         doc_ids=doc_ids.to(torch.int64),

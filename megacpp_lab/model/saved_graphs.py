@@ -19,11 +19,12 @@ like need no graph of their own.
   shapes and dtypes of the block's inputs; the guards, saved with the graph, decide the rest. A file whose guards
   fail is kept, and one more graph is compiled next to it, up to `ParallelConfig`'s graph count per key; past
   it the call is an error that names the block and the failing guard, never a silent eager run.
-- **Dynamic dimensions.** The context's cu_seqlens is marked dynamic (build_context) so that one graph serves
-  every document count. Torch saves the guards without the mark, and a loaded graph then refuses any tensor that
-  carries one (`_has_dynamo_dim_marking ... absent at compile time`), though its graph is dynamic in that
-  dimension. So graphs are called with a view of the context whose cu_seqlens is a fresh view of the same
-  memory, without marks (`unmarked`): the guards still check its dtype, device, stride and rank.
+- **Dynamic dimensions.** The context's per-document tensors (varlen.PER_DOCUMENT_FIELDS: cu_seqlens, its host
+  copy, longest_first) are marked dynamic (build_context) so that one graph serves every document count. Torch
+  saves the guards without the mark, and a loaded graph then refuses any tensor that carries one
+  (`_has_dynamo_dim_marking ... absent at compile time`), though its graph is dynamic in that dimension. So graphs
+  are called with a view of the context whose per-document tensors are fresh views of the same memory, without
+  marks (`unmarked`): the guards still check their dtype, device, stride and rank.
 - **One process's model only.** FSDP2 shards the blocks' parameters into DTensors, which these graphs are not
   traced for: parallelize keeps plain `torch.compile` under FSDP2.
 """
@@ -41,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from megacpp_lab.varlen import PER_DOCUMENT_FIELDS
+
 __all__ = ["SavedForward", "SavedGraphs", "saveable_guards", "saved_graphs_dir", "unmarked"]
 
 # graphs compiled for one key before a guard failure is an error: one per input signature the guards tell apart
@@ -57,9 +60,11 @@ def saved_graphs_dir() -> Path:
 
 
 def unmarked(ctx: Any) -> Any:
-    """The context with its cu_seqlens as a new view of the same memory, which carries none of dynamo's
-    dimension marks (see the module docstring). Other fields are the same objects."""
-    return dataclasses.replace(ctx, cu_seqlens=ctx.cu_seqlens.view(ctx.cu_seqlens.shape))
+    """The context with its per-document tensors (cu_seqlens, its host copy, longest_first) as new views of the
+    same memory, which carry none of dynamo's dimension marks (see the module docstring). Other fields are the
+    same objects."""
+    return dataclasses.replace(ctx, **{name: getattr(ctx, name).view(getattr(ctx, name).shape)
+                                       for name in PER_DOCUMENT_FIELDS})  # fmt: skip
 
 
 def saveable_guards(entries: Any) -> list[bool]:
