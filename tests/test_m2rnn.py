@@ -183,6 +183,9 @@ def test_launch_plan_rules_and_bad_plans_fail_closed():
             assert m2k.plan_block_k([1024] * 16, 32, 64, 64, cpu, stage=stage) == 64
             t_even = [m2k.plan_makespan_us(even, 16, 64, 16, bk, cpu, stage) for bk in (16, 32, 64)]
             assert t_even == sorted(t_even, reverse=True)  # the modelled time falls with the block on even documents
+        # V=64 on the seeded documents: the forward's chain at 32 rows, the backward's whole rows at 4 warps (the
+        # probe's fastest of each, profiles/nvidia-h100-80gb-hbm3/m2rnn/m2rnn_plan_probe.json)
+        assert m2k.plan_block_k(uneven, 16, 64, 64, cpu) == 32 and m2k.plan_bwd_block_k(uneven, 16, 64, 64, cpu) == 64
     finally:
         OFFLINE_COMPILE.reset(token)
     # the parallel order's segments: one while its buffer fits PARALLEL_BUFFER_BYTES or segments cannot shrink it

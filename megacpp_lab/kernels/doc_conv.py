@@ -46,6 +46,11 @@ CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_T, BLOCK_D = 32, 128
 BWD_BLOCK_T, BWD_BLOCK_D = 32, 64
 WARPS = 4
+# the backward's first pass at 2 warps: on an H100 at the R block's shape (scripts/conv_tiles_probe.py,
+# profiles/nvidia-h100-80gb-hbm3/compile/conv_tiles_probe.json) 0.151 ms against 0.319 at 4 warps, the fastest of
+# twelve tile and warp settings (64 x 64 at 4 warps 0.196, 128 x 32 at 4 warps 0.180); its weight sums reduce over
+# the tile's tokens, which 2 warps hold with fewer cross-warp steps
+BWD_PRE_WARPS = 2
 
 
 @triton.jit
@@ -240,7 +245,7 @@ def doc_conv_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias
     pos = positions if has_pos else x  # placeholders the kernels never read
     _doc_conv_grad_pre_kernel[grid](
         grad, x, pos, weight, bias if has_bias else weight, dpre, partial, B * T, T, D, row, K=K, BT=BWD_BLOCK_T,
-        BD=BWD_BLOCK_D, HAS_BIAS=has_bias, HAS_POS=has_pos, SILU=silu, num_warps=WARPS,
+        BD=BWD_BLOCK_D, HAS_BIAS=has_bias, HAS_POS=has_pos, SILU=silu, num_warps=BWD_PRE_WARPS,
     )  # fmt: skip
     _doc_conv_grad_x_kernel[_grid(B * T, D, BLOCK_T, BLOCK_D)](
         dpre, pos, weight, dx, B * T, T, D, K=K, BT=BLOCK_T, BD=BLOCK_D, HAS_POS=has_pos, num_warps=WARPS,

@@ -507,13 +507,14 @@ def _limits(device: torch.device) -> tuple[int, int]:
 
 
 # The launch plan's cost model (plan_block_k). A program, one (range, head, block of BK state rows), is a serial chain
-# of its range's steps. Alone on an SM a step takes about a + b * BK * V microseconds (its latency); with several
-# programs taking turns on an SM, each step occupies the SM for about c + d * BK * V (its throughput cost). A launch
-# then lasts about max(the longest range * latency, every program's steps * throughput cost / SMs): the longest
-# document's chain, started first (_program), or the SMs' work. Fitted on an H100 to bf16 scans at H=16, K=64, V=16
-# (scripts/m2rnn_plan_probe.py: B=4 T=4096 with 8 uniform documents a row, and with bench compile's seeded-random
-# ones, the longest 1821 tokens, at BK = 16, 32, 64; and bench m2rnn's one-document rows); the backward's is its
-# reverse pass (the recompute pass runs every chunk at once and takes whole rows, _recompute_block_k).
+# of its range's steps. Alone on an SM a step takes about a + b * BK * V * 2 / warps microseconds (its latency: the
+# state elements a warp holds); with several programs taking turns on an SM, each step occupies the SM for about
+# c + d * BK * V (its throughput cost). A launch then lasts about max(the longest range * latency, every program's
+# steps * throughput cost / SMs): the longest document's chain, started first (_program), or the SMs' work. Fitted on
+# an H100 to bf16 scans at H=16, K=64, V=16 (scripts/m2rnn_plan_probe.py: B=4 T=4096 with 8 even documents a row,
+# and with bench compile's seeded-random ones, the longest 1821 tokens, at BK = 16, 32, 64; and bench m2rnn's
+# one-document rows; profiles/nvidia-h100-80gb-hbm3/m2rnn/m2rnn_plan_probe.json); the backward's is its reverse pass
+# (the recompute pass runs every chunk at once and takes whole rows, _recompute_block_k).
 PLAN_COST_US = {  # stage: (a, b, c, d)
     "fwd": (0.267, 2.1e-4, 0.044, 1.1e-4),
     "bwd": (0.51, 3.4e-4, 0.079, 2.25e-4),
@@ -535,7 +536,10 @@ def plan_makespan_us(lengths: Sequence[int], H: int, K: int, V: int, bk: int, de
     """The cost model's time for a launch over ranges of these lengths (host ints) at BK = bk (PLAN_COST_US). The
     interpreter runs one program at a time: there every program's steps add up at their latency."""
     a, b, c, d = PLAN_COST_US[stage]
-    latency, occupancy = a + b * bk * V, c + d * bk * V
+    # a step's latency grows with the state elements each warp holds: the backward gives a large block more warps
+    # (plan_warps; 64 x 64 at 4 warps took its reverse pass faster than 32 x 64 at 2 on an H100, m2rnn_plan_probe)
+    warps = plan_warps(BWD_WARPS["tf32"], bk, V) if stage == "bwd" else FWD_WARPS["tf32"]
+    latency, occupancy = a + b * bk * V * FWD_WARPS["tf32"] / warps, c + d * bk * V
     steps = sum(lengths) * H * (K // bk)
     if device.type == "cpu" and not OFFLINE_COMPILE.get():
         return steps * latency
