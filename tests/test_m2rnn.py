@@ -13,7 +13,7 @@ from megacpp_lab.data import boundary_windows, load_sample
 from megacpp_lab.kernels.m2rnn import BWD_ORDERS, m2rnn_scan_reference, m2rnn_scan, resolve_kernel
 from megacpp_lab.nn.m2rnn import M2RNN, M2RNNConfig, M2RNNMegatronMixer
 from megacpp_lab.testing import LAUNCHER_PLUMBING, check_leaks, each_document_alone, launcher_operators, with_doc_ids
-from megacpp_lab.varlen import build_context
+from megacpp_lab.varlen import build_context, documents_longest_first
 
 ON_GPU = torch.cuda.is_available()
 # Triton runs on the GPU where there is one, else under TRITON_INTERPRET=1 (tests/conftest.py)
@@ -139,16 +139,41 @@ def test_launchers_compute_nothing_per_batch_beyond_the_scan():
     ranges = torch.tensor([0, 4, 11, 12, 22], dtype=torch.int32, device=DEVICE)
     reset = torch.zeros(22, dtype=torch.int8, device=DEVICE)
     reset[ranges[:-1].long()] = 1  # each document's first token
+    # the launch order and the plan's host lengths as a context gives them (longest_first, cu_seqlens_host)
+    order, lengths = documents_longest_first(ranges), ranges.cpu()
     (y, ckpt), fwd = launcher_operators(
-        lambda: torch.ops.megacpp.m2rnn_scan_fwd(q, k, v, f, W, None, ranges, None, None, reset, 4, True, 0.0, 16),
+        lambda: torch.ops.megacpp.m2rnn_scan_fwd(q, k, v, f, W, None, ranges, order, lengths, reset, 4, True, 0.0, 16),
         "megacpp::m2rnn_scan_fwd")  # fmt: skip
     assert set(fwd) <= LAUNCHER_PLUMBING, fwd
     assert ckpt.shape[0] == 22 // 4 + 4  # the slot bound: total // chunk + documents
     _, bwd = launcher_operators(
-        lambda: torch.ops.megacpp.m2rnn_scan_bwd(torch.ones_like(y), q, k, v, f, W, None, ranges, None, None, reset, ckpt, 4,
-                                                 0.0, 16),
+        lambda: torch.ops.megacpp.m2rnn_scan_bwd(torch.ones_like(y), q, k, v, f, W, None, ranges, order, lengths, reset,
+                                                 ckpt, 4, 0.0, 16),
         "megacpp::m2rnn_scan_bwd")  # fmt: skip
     assert [name for name in bwd if name not in LAUNCHER_PLUMBING] == ["sum"], bwd
+
+
+def test_the_context_hands_the_scan_its_launch_order_and_host_lengths(monkeypatch):
+    """Through ctx= the op gets the context's longest_first (the launch order) and cu_seqlens_host (the plan's
+    lengths, no device read); bare cu_seqlens= the order found on the device and no host lengths; rows neither.
+    (The kernels' results do not depend on the order, so the reference comparisons cannot see it dropped.)"""
+    seen = []
+    real = m2k.m2rnn_scan_fwd
+
+    def spy(*args):
+        seen.append(args[7:9])
+        return real(*args)
+
+    monkeypatch.setattr(m2k, "m2rnn_scan_fwd", spy)
+    q, k, v, f, W, _ = (t.detach() for t in _inputs(1, 12, 1, 16, 16))
+    ctx = build_context(torch.tensor([[0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 3, 3]], device=DEVICE))
+    m2rnn_scan(q, k, v, f, W, ctx=ctx, kernel="triton")
+    assert seen[-1][0] is ctx.longest_first and seen[-1][1] is ctx.cu_seqlens_host
+    assert ctx.longest_first.tolist() == [1, 2, 0, 3, 4]
+    m2rnn_scan(q, k, v, f, W, cu_seqlens=ctx.cu_seqlens, kernel="triton")
+    assert seen[-1][0].tolist() == [1, 2, 0, 3, 4] and seen[-1][1] is None
+    m2rnn_scan(q, k, v, f, W, kernel="triton")
+    assert seen[-1] == (None, None)
 
 
 def test_launch_plan_rules_and_bad_plans_fail_closed():
@@ -167,6 +192,7 @@ def test_launch_plan_rules_and_bad_plans_fail_closed():
     assert m2k.plan_bwd_block_k([40], 1, 64, 128, cpu, block_k=64) == 64
     assert m2k.plan_block_k([40], 1, 64, 16, cpu, max_rows=16) == 16
     assert m2k.plan_block_k([40], 1, 32, 16, cpu, max_rows=64) == 32
+    assert m2k.plan_block_k([40], 1, 64, 16, cpu, max_rows=8) == 16  # never below the smallest split
     with pytest.raises(ValueError, match="stage must be one of"):
         m2k.plan_block_k([40], 1, 64, 16, cpu, stage="sideways")
     # the GPU's model (a GH100's 132 SMs, as kernels/resources.py compiles for): the base model's R block at B=4

@@ -11,7 +11,9 @@ At every document start the previous state is replaced by the initial state h0.
 Layout (all contiguous): q, k [B,S,H,K]; v [B,S,H,V]; f [B,S,H]; W [H,V,V]; y [B,S,H,V].
 The kernels see the flattened time axis split into *ranges* (rows, or varlen sequences from
 cu_seqlens), each with its own h0 [P,H,K,V], and a per-token reset flag for document starts
-inside a range. One program runs one (range, head) from start to end.
+inside a range. One program runs one (range, head, block of state rows) from start to end; a range's programs
+start longest range first (PackedContext.longest_first) and the rows a program are planned from the ranges' host
+lengths (plan_block_k).
 
 Backward states: the forward stores the state every CHUNK steps (fp32). The backward (bwd_order="parallel", the
 default) first recomputes every chunk of every document at once from its checkpoint (_m2rnn_recompute_kernel: the
@@ -182,15 +184,17 @@ def _next_step(q_ptr, k_ptr, v_ptr, f_ptr, reset_ptr, t, last, hd, H, rk, rv, k0
 
 
 @triton.jit
-def _program(order_ptr, NKB: tl.constexpr, ORDERED: tl.constexpr):
-    """A scan program's (range p, head hd, row block kb) on the grid (H * NKB, ranges): axis 0, the fastest in the
-    order the GPU starts programs, runs a range's heads and row blocks, axis 1 its place in order_ptr (ORDERED: the
-    ranges longest first, PackedContext.longest_first; else the ranges in order). Every program of a range is a
-    serial chain of its steps, so the launch lasts at least the longest range's chain: started first, it runs
-    beside the rest instead of after them."""
-    j = tl.program_id(1)
+def _program(order_ptr, H, NKB: tl.constexpr, ORDERED: tl.constexpr):
+    """A scan program's (range p, head hd, row block kb) on the one-axis grid of ranges * H * NKB programs (axis 0:
+    2**31 - 1 programs, where axis 1 would cap the ranges at 65535), in the order the GPU starts them: the j-th
+    range's H * NKB programs, then the next's, the j-th range being order_ptr[j] (ORDERED: the ranges longest first,
+    PackedContext.longest_first; else the ranges in order). Every program of a range is a serial chain of its
+    steps, so the launch lasts at least the longest range's chain: started first, it runs beside the rest instead
+    of after them."""
+    pid = tl.program_id(0)
+    j = pid // (H * NKB)
     p = tl.load(order_ptr + j) if ORDERED else j
-    return p, tl.program_id(0) // NKB, tl.program_id(0) % NKB
+    return p, (pid // NKB) % H, pid % NKB
 
 
 @triton.jit
@@ -203,7 +207,7 @@ def _m2rnn_fwd_kernel(
 ):  # fmt: skip
     # rows of the state evolve independently (W acts on V), so a program may own BK of the K rows;
     # with BK < K its y is a partial sum over its rows, written as fp32 [K/BK, n_rows, V]
-    p, hd, kb = _program(order_ptr, K // BK, ORDERED)
+    p, hd, kb = _program(order_ptr, H, K // BK, ORDERED)
     start = tl.load(ranges_ptr + p)
     end = tl.load(ranges_ptr + p + 1)
     rk = kb * BK + tl.arange(0, BK)
@@ -279,7 +283,7 @@ def _bwd_program(w_ptr, h0_ptr, ranges_ptr, order_ptr, H, K: tl.constexpr, V: tl
     columns rv, its state offsets (kv in the [K, V] state, local in a [BK, V] block), W and h0 (zeros without one:
     h0_ptr and dh0_ptr are placeholders then, never read or written), its first checkpoint slot and its program
     index."""
-    p, hd, kb = _program(order_ptr, K // BK, ORDERED)
+    p, hd, kb = _program(order_ptr, H, K // BK, ORDERED)
     start = tl.load(ranges_ptr + p)
     end = tl.load(ranges_ptr + p + 1)
     rk = kb * BK + tl.arange(0, BK)
@@ -560,8 +564,8 @@ def plan_block_k(lengths: Sequence[int], H: int, K: int, V: int, device: torch.d
     if stage not in PLAN_STAGES:
         raise ValueError(f"stage must be one of {PLAN_STAGES}, got {stage!r}")
     sizes = [bk for bk in (K >> i for i in range(K.bit_length())) if bk >= MIN_BLOCK_K and not (max_rows and bk > max_rows)]
-    if not sizes:  # K below the smallest split (the launcher rejects it before any kernel)
-        return K
+    if not sizes:  # a cap below the smallest split (never the backward's, _bwd_max_rows), or K below it: the smallest
+        return min(MIN_BLOCK_K, K)
     times = {bk: plan_makespan_us(lengths, H, K, V, bk, device, stage) for bk in sizes}
     fastest = min(times.values())
     # the largest block within the margin of the fastest (sizes run from the largest down)
@@ -639,8 +643,9 @@ def _precision(dtype: torch.dtype) -> str:
 def _range_lengths(lengths: torch.Tensor | None, P: int, tokens: int) -> list[int]:
     """The ranges' lengths for the launch plan, from their host copy (a PackedContext's cu_seqlens_host: no device
     read); without one (rows: every range one row) the P ranges split the tokens evenly."""
-    if lengths is not None:
-        return lengths.diff().tolist()
+    if lengths is not None:  # in Python: no operator dispatched for it (the launchers' host time)
+        bounds = lengths.tolist()
+        return [end - start for start, end in zip(bounds, bounds[1:])]
     return [tokens // P] * P if P else []
 
 
@@ -673,7 +678,7 @@ def m2rnn_scan_fwd(
     # B*S // chunk + P slots (nothing computed per batch on the device: no launches beyond the scan's)
     ckpt = torch.empty((B * S // chunk + P if save else 0, H, K, V), device=q.device, dtype=torch.float32)
     h0_arg = W if h0 is None else h0  # a placeholder pointer when HAS_H0 is off
-    _m2rnn_fwd_kernel[(H * (K // bk), P)](
+    _m2rnn_fwd_kernel[(P * H * (K // bk),)](
         q, k, v, f, W, h0_arg, ranges, ranges if order is None else order, reset, y, ckpt if save else h0_arg, H,
         B * S * H, K=K, V=V, BK=bk, CHUNK=chunk, SAVE=save, PRECISION=precision, HAS_H0=h0 is not None,
         ORDERED=order is not None, num_warps=warps,
@@ -742,7 +747,7 @@ def m2rnn_scan_bwd(
                 K=K, V=V, BK=rbk, CHUNK=chunk, PRECISION=precision, HAS_H0=h0 is not None,
                 Z_SCRATCH=z_scratch, num_warps=FWD_WARPS[precision],
             )  # fmt: skip
-            _m2rnn_bwd_kernel[(H * nkb, P)](
+            _m2rnn_bwd_kernel[(P * H * nkb,)](
                 q, k, v, f, W, h0_arg, ranges, order_arg, reset, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, rows,
                 dh_carry, j, seg, H, n_rows, float(clip), K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0,
                 PRECISION=precision, HAS_H0=h0 is not None, Z_SCRATCH=z_scratch, PARALLEL=True, CARRY=carry, DOT=dot,
@@ -751,7 +756,7 @@ def m2rnn_scan_bwd(
     else:
         prev = torch.empty((P * H * nkb * chunk, bk, V), device=q.device, dtype=torch.float32)
         zbuf = torch.empty_like(prev) if z_scratch else prev
-        _m2rnn_bwd_kernel[(H * nkb, P)](
+        _m2rnn_bwd_kernel[(P * H * nkb,)](
             q, k, v, f, W, h0_arg, ranges, order_arg, reset, ckpt, dy, dq, dk, dv, df, dW, dh0, prev, zbuf, ranges,
             prev, 0, chunk, H, n_rows, float(clip), K=K, V=V, BK=bk, CHUNK=chunk, CLIP=clip > 0, PRECISION=precision,
             HAS_H0=h0 is not None, Z_SCRATCH=z_scratch, PARALLEL=False, CARRY=False, DOT=dot,
@@ -923,9 +928,10 @@ def m2rnn_scan(
             raise ValueError(f"cu_seqlens needs packed input with B=1, got B={B}")
         check_cu_seqlens(cu_seqlens, S, device=dev)
         ranges = cu_seqlens.to(dev)
-        # the launch plan's host lengths (bare boundaries: this one read, after check_cu_seqlens's) and order
-        lengths = ranges.cpu()
-        order = documents_longest_first(ranges)
+        # bare boundaries have no host copy (reading one would wait on the GPU): the plan takes the tokens split
+        # evenly (a PackedContext gives it the documents' lengths), the launch the longest first, found on the device
+        lengths = None
+        order = documents_longest_first(ranges) if resolve_kernel(kernel, dev) == "triton" else None
         reset = torch.zeros(S, dtype=torch.int8, device=dev)
         reset[ranges[:-1].long()] = 1
         reset2d = reset.view(1, S).bool()

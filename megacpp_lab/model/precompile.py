@@ -44,7 +44,7 @@ from torch import nn
 __all__ = ["Precompile", "heaviest_block", "manifest_path", "precompile", "precompile_plan", "worker_count"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # megacpp_lab/
-_CONTEXT_TENSORS = ("doc_ids", "positions", "starts", "cu_seqlens", "seq_index")
+_CONTEXT_TENSORS = ("doc_ids", "positions", "starts", "cu_seqlens", "cu_seqlens_host", "seq_index", "longest_first")
 # dynamo's marks on an input tensor (mark_dynamic, maybe_mark_dynamic, mark_unbacked): part of what it traces
 _MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices")
 
