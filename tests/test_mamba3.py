@@ -290,20 +290,26 @@ def test_kept_keys_spare_the_backward_its_key_pass_and_change_no_gradient(R, G, 
         assert not m3.keeps_keys(x, Bm)
 
 
-@pytest.mark.parametrize("R", [1, 2])
-def test_the_backward_launcher_sums_its_chunk_partials_in_one_reduction(R):
-    """mamba3_scan_bwd's partial sums per chunk (dA, dD, both biases' gradients) share one buffer, summed once, and
-    MIMO's angle gradients come out of the kernel summed over a step's ranks: with a group per head (no group sums),
-    SISO or MIMO, the operators the op calls directly are allocations, views, the interpreter's copies on a CPU, and
-    that one sum (each operator is host work in every M block's backward, in a step that is host-bound between
-    kernels)."""
+@pytest.mark.parametrize("R, shared", [(1, False), (2, False), (1, True)])
+def test_the_backward_launcher_leaves_its_reductions_to_the_autograd_formula(R, shared):
+    """mamba3_scan_bwd's partial sums per chunk (dA, dD, both biases' gradients) share one buffer, which the autograd
+    formula sums once outside the op (where inductor fuses the reduction into its consumers), as it sums the shared
+    rates' per-head gradients; MIMO's angle gradients come out of the kernel summed over a step's ranks. With a group
+    per head (no group sums), SISO or MIMO, with rates shared by the heads, the operators the op calls directly are
+    allocations, views and the interpreter's copies on a CPU: no reduction (each operator is host work in every M
+    block's backward, and an aten reduction inside the op is a kernel inductor cannot fuse)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
     a = {k: v.float().to(device).requires_grad_() for k, v in make(B=2, T=32, H=2, G=2, P=16, N=16).items()}
+    if shared:  # one row of rates a token, a stride-0 head dim (nn/mamba3.py's expand): the op's rows are per head
+        leaf = a["angles"][:, :, :1].detach().clone().requires_grad_()
+        a["angles"] = leaf.expand(-1, -1, 2, -1)
     cu = torch.tensor([0, 20, 32, 45, 64], dtype=torch.int32, device=device)
     y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
     _, called = launcher_operators(lambda: y.sum().backward(), "megacpp::mamba3_scan_bwd")
-    assert [name for name in called if name not in LAUNCHER_PLUMBING] == ["sum"], called
+    assert [name for name in called if name not in LAUNCHER_PLUMBING] == [], called
+    if shared:  # the formula's sum over the heads gave the leaf its own shape
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape
 
 
 @triton.jit
@@ -596,17 +602,20 @@ def test_mimos_rank_scale_gets_its_gradient_whichever_other_inputs_ask_for_one()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("R, H, G, n_a", [(1, 4, 2, 3), (2, 2, 2, 4), (1, 2, 1, 0)])
-def test_the_forwards_angle_and_key_pass_equals_the_angle_sums_then_the_key_pass(R, H, G, n_a):
+@pytest.mark.parametrize("R, H, G, n_a, heads", [(1, 4, 2, 3, 1), (2, 2, 2, 4, 1), (1, 2, 1, 0, 1), (1, 4, 2, 3, 2),
+                                                (1, 8, 1, 4, 4), (2, 4, 1, 3, 8)])
+def test_the_forwards_angle_and_key_pass_equals_the_angle_sums_then_the_key_pass(R, H, G, n_a, heads, monkeypatch):
     """The forward's _angles_and_keys (the angle sums' block totals, then their second pass and the rotation of the
     keys and queries in one kernel) against doc_angle_sum_triton's angles and the key pass on them (_rotated_keys,
     the backward's when it recomputes the keys): bit for bit, with documents over several blocks of SCAN_BLOCK_T
     steps and ending mid-block, a last block cut short, groups of two heads, n_a under its power of two (a padded
-    lane), MIMO's sub-tokens, and no rotated pairs (n_a = 0: the keys only biased)."""
+    lane), MIMO's sub-tokens, no rotated pairs (n_a = 0: the keys only biased), and a program taking one head or
+    several of a group (ANGLE_KEYS_HEADS; more than a group holds: the group's)."""
     from megacpp_lab.kernels import mamba3 as m3
 
     if not (TRITON_INTERPRET or torch.cuda.is_available()):
         pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    monkeypatch.setattr(m3, "ANGLE_KEYS_HEADS", heads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(21)
     B, T, N = 2, m3.SCAN_BLOCK_T + 37, 16

@@ -583,25 +583,26 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
 @triton.jit(do_not_specialize=["n_docs"])
 def _angle_keys_kernel(inc_ptr, cu_ptr, tot_ptr, th_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, k_ptr, q_ptr, n_docs, STEPS, H, G,
                        n_a, BS: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr, FIXED_POINT: tl.constexpr,
-                       RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
-    """The forward's angles and keys in one pass: program (block of BS steps, head hd) takes the angle sums' second
-    pass (_doc_scan_tile, after _doc_scan_totals_kernel's block totals) on the head's n_a columns, stores theta
-    [B*T, H, n_a] (the backward reads it), then rotates the block's keys and queries of that head BT sub-tokens at a
-    time (_rotate_keys, theta read back as stored; its group's B and C read by each of the group's heads, from L2
-    after the first). In place of doc_angle_sum's own second pass and the key pass: the increments read once, theta
-    written once and read back from cache, one launch fewer. A program a head, not a group: with one group of 32
-    heads (the base model's M blocks) a program a group left 256 programs for 132 SMs (docs/design.md has the
-    measurements)."""
+                       RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr, HB: tl.constexpr):  # fmt: skip
+    """The forward's angles and keys in one pass: program (block of BS steps, heads hd0 .. hd0 + HB - 1 of one group)
+    takes the angle sums' second pass (_doc_scan_tile, after _doc_scan_totals_kernel's block totals) on those heads'
+    HB * n_a columns (adjacent in theta's rows), stores theta [B*T, H, n_a] (the backward reads it), then rotates the
+    block's keys and queries of those heads BT sub-tokens at a time (_rotate_keys, theta read back as stored; the
+    group's B and C loaded once a tile for the program's heads, and by each of the group's programs from L2 after the
+    first). In place of doc_angle_sum's own second pass and the key pass: the increments read once, theta written once
+    and read back from cache, one launch fewer. A few heads a program, not a group: with one group of 32 heads (the
+    base model's M blocks) a program a group left 256 programs for 132 SMs (docs/design.md has the measurements);
+    more than one head shares the scan's serial loads (the document search, the carried totals) among them."""
     blk = tl.program_id(0)
-    hd = tl.program_id(1)
-    col0 = hd * n_a
-    theta, at, m = _doc_scan_tile(inc_ptr, cu_ptr, tot_ptr, n_docs, STEPS, H * n_a, blk, col0, col0 + n_a, BS, BA,
+    hd0 = tl.program_id(1) * HB
+    col0 = hd0 * n_a
+    theta, at, m = _doc_scan_tile(inc_ptr, cu_ptr, tot_ptr, n_docs, STEPS, H * n_a, blk, col0, col0 + HB * n_a, BS, BA,
                                   LOOKBACK, True, False, FIXED_POINT)  # fmt: skip
     tl.store(th_ptr + at, theta.to(th_ptr.dtype.element_ty), mask=m)
     tl.debug_barrier()  # the rotation reads angles other threads stored: every thread sees them
     for s0 in range(0, BS * RANK, BT):
         t = blk * (BS * RANK) + s0 + tl.arange(0, BT)
-        _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < STEPS * RANK, hd, 1, H, G, n_a, RANK,
+        _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < STEPS * RANK, hd0, HB, H, G, n_a, RANK,
                      BT, N)  # fmt: skip
 
 
@@ -967,6 +968,9 @@ KEYS_BLOCK_T = 16
 # (past the program's block a tile would read angles the next program has not stored; _angles_and_keys checks). On
 # the H100 at bench ssd's main shape (scripts/mamba3_probe.py, one call) 32 took the kernel 0.263 ms against 16's 0.288
 ANGLE_KEYS_BLOCK_T = 32
+# warps a program of _angle_keys_kernel, and its heads (at most; a power of two: gcd(H / G, this), the heads of one group)
+ANGLE_KEYS_WARPS = 4
+ANGLE_KEYS_HEADS = 1
 # the backward's chunk pass (_m3_bwd_chunk_kernel): state columns per sweep step and warps (on the H100 at the issue's
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
@@ -1022,11 +1026,14 @@ def _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, H, rank, dtype) -> t
     totals, (blocks, _), _ = _doc_block_totals(inc, cu_steps, angles=True, reverse=False)
     k = torch.empty((B, TR, H, N), device=Bm.device, dtype=dtype)
     q = torch.empty_like(k)
-    _angle_keys_kernel[(blocks, H)](
+    if ANGLE_KEYS_HEADS < 1 or ANGLE_KEYS_HEADS & (ANGLE_KEYS_HEADS - 1):
+        raise ValueError(f"mamba3: ANGLE_KEYS_HEADS={ANGLE_KEYS_HEADS} must be a power of two >= 1")
+    hb = math.gcd(H // G, ANGLE_KEYS_HEADS)  # a program's heads share one group's B and C
+    _angle_keys_kernel[(blocks, H // hb)](
         inc, cu_steps, totals, theta, Bm, Cm, b_bias, c_bias, k, q, cu_steps.numel() - 1, inc.shape[0] * inc.shape[1],
         H, G, n_a, BS=SCAN_BLOCK_T,
-        BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK, FIXED_POINT=ANGLE_FIXED_POINT, RANK=rank,
-        BT=ANGLE_KEYS_BLOCK_T, N=N, num_warps=4,
+        BA=triton.next_power_of_2(hb * n_a), LOOKBACK=SCAN_LOOKBACK, FIXED_POINT=ANGLE_FIXED_POINT, RANK=rank,
+        BT=ANGLE_KEYS_BLOCK_T, N=N, HB=hb, num_warps=ANGLE_KEYS_WARPS,
     )  # fmt: skip
     return theta, k, q
 
@@ -1099,12 +1106,13 @@ def mamba3_scan_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt
-    (the angle increments' part included), dB, dC (B's dtype), d rates in the rates' shape and dtype (the angles'
-    gradient, summed over the ranks in the chunk pass, then over each document's later steps and through the
-    increments pi tanh(rates) dt by _angle_grads_kernel, in this op as the forward's sums are in its), d weight,
-    d gamma, and the gradients of A,
-    D and the two biases in one fp32 vector [2H + 2HRN] (split_sums parts it: a custom op's outputs may not be views
-    of one another, and four reductions over the chunks would be four launches).
+    (the angle increments' part included), dB, dC (B's dtype), d rates per head (the angles' gradient, summed over
+    the ranks in the chunk pass, then over each document's later steps and through the increments pi tanh(rates) dt
+    by _angle_grads_kernel, in this op as the forward's sums are in its: the rates' shape and dtype, or, where the
+    heads share the rates, [B,T,H,n_a] fp32, which _mamba3_backward sums over the heads), d weight, d gamma, and the
+    per-chunk partial gradients of A, D and the two biases in one fp32 buffer [slots, 2H + 2HRN] (_mamba3_backward
+    sums the slots and split_sums parts the sum: a custom op's outputs may not be views of one another, and four
+    reductions over the chunks would be four launches).
     rotated: Bm and Cm are the forward's rotated keys and queries per head (keeps_keys), else B and C, and the keys
     are recomputed; groups: B's G either way (dB and dC are [B,T*R,G,N]). SSD's sequential state pass, then
     the chunk pass (_m3_bwd_chunk_kernel; with M3_BWD_SPLIT, _m3_bwd_own_kernel then _m3_bwd_sweeps_kernel), which
@@ -1166,9 +1174,7 @@ def mamba3_scan_bwd(
         _angle_grads_kernel[(n_slots, H // hb)](dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a,
                                                 CHUNK=chunk, RANK=R, HB=hb, BA=triton.next_power_of_2(n_a),
                                                 LOOKBACK=SCAN_LOOKBACK, SHARED_RATES=shared, num_warps=4)  # fmt: skip
-    if shared:
-        d_rates = d_rates.sum(2, keepdim=True).to(rates.dtype)
-    return dx, ddt, dB, dC, d_rates, dw, dgam, sums.sum(0)
+    return dx, ddt, dB, dC, d_rates, dw, dgam, sums
 
 
 @mamba3_scan_bwd.register_fake
@@ -1177,9 +1183,11 @@ def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     dB = Bm.new_empty((B, Bm.shape[1], groups, N))
-    return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB),
-            torch.empty_like(rates), torch.empty_like(weight), torch.empty_like(gamma),
-            x.new_empty((2 * H + 2 * H * rank * N,), dtype=torch.float32))  # fmt: skip
+    shared = rates.shape[2] == 1 and H > 1
+    d_rates = rates.new_empty((B, rates.shape[1], H, rates.shape[3]), dtype=torch.float32) if shared else torch.empty_like(rates)
+    return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB), d_rates,
+            torch.empty_like(weight), torch.empty_like(gamma),
+            x.new_empty((states.shape[0], 2 * H + 2 * H * rank * N), dtype=torch.float32))  # fmt: skip
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
@@ -1209,8 +1217,13 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
     dxr, ddt, dB, dC, d_rates, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias,
                                                                weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states,
                                                                ctx.chunk, ctx.rank, ctx.rotated, ctx.groups)  # fmt: skip
+    # the per-chunk partial sums and the shared rates' per-head gradients are summed here, outside the op, where
+    # inductor fuses each reduction into the kernel that consumes it (inside the op each was an aten reduction of its
+    # own: on the H100's compiled base step, 12 + 32 us an M block, c4f5642's trace)
+    if d_rates.shape[2] != rates.shape[2]:  # rates shared by the heads: the op's rows are per head, in fp32
+        d_rates = d_rates.sum(2, keepdim=True).to(rates.dtype)
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
-    dA, dD, dbb, dcb = split_sums(sums, x.shape[2], ctx.rank, Bm.shape[-1])
+    dA, dD, dbb, dcb = split_sums(sums.sum(0), x.shape[2], ctx.rank, Bm.shape[-1])
     dx, dmx = dxr, None
     if mimo_x is not None:  # through x_r = x * mimo_x[r] (rank_inputs' rounding): elementwise work inductor fuses
         B, T, H, P = x.shape
