@@ -224,6 +224,37 @@ def test_op_passes_opcheck(bias, positions, silu):
 
 
 @needs_kernels
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_backward_op_leaves_the_weight_sums_to_the_autograd_formula(bias):
+    """doc_conv_bwd hands back dx and the weight's and bias's fp32 partial sums per token block, and dispatches no
+    reduction or copy of its own: the autograd formula sums them, where inductor fuses the sum, the flip and the casts
+    (inside the op they were aten kernels inductor cannot fuse); its fake gives the partials' shape (opcheck), and the
+    gradients still equal the torch form's."""
+    from megacpp_lab.kernels.doc_conv import doc_conv_bwd
+    from megacpp_lab.testing.host_reads import LAUNCHER_PLUMBING, launcher_operators
+
+    B, T, D, K = 2, 40, 16, 4
+    x = torch.randn(B, T, D, device=DEVICE, requires_grad=True)
+    conv = DocCausalDepthwiseConv(D, K, impl="triton", bias=bias).to(DEVICE)
+    ctx = build_context(_doc_ids(B, T, [[7, 30], []], DEVICE))
+    y = conv(x, ctx, silu=True)
+    dy = torch.randn_like(y)
+    _, called = launcher_operators(lambda: y.backward(dy), "megacpp::doc_conv_bwd")
+    assert [name for name in called if name not in LAUNCHER_PLUMBING] == [], called
+    ref = DocCausalDepthwiseConv(D, K, impl="xla_safe", bias=bias).to(DEVICE)
+    ref.load_state_dict(conv.state_dict())
+    xr = x.detach().clone().requires_grad_()
+    ref(xr, ctx, silu=True).backward(dy)
+    pos = positions_from_doc_ids(ctx.doc_ids)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    for got, want in zip(conv.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+    grad, xd = dy.contiguous(), x.detach()
+    torch.library.opcheck(doc_conv_bwd, (grad, xd, conv.weight.detach(), None if conv.bias is None else conv.bias.detach(),
+                                         pos, True))
+
+
+@needs_kernels
 def test_m2rnn_layer_with_the_kernel_compiles_fullgraph():
     """No graph break around the op: the R block with the Triton conv (and the Triton scan) compiled fullgraph
     equals its eager run, output and input gradient (fp32, the interpreter on CPU)."""
