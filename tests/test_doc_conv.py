@@ -227,7 +227,7 @@ def test_op_passes_opcheck(bias, positions, silu):
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_backward_op_leaves_the_weight_sums_to_the_autograd_formula(bias):
     """doc_conv_bwd hands back dx and the weight's and bias's fp32 partial sums per token block, and dispatches no
-    reduction or copy of its own: the autograd formula sums them, where inductor fuses the sum, the flip and the casts
+    reduction of its own: the autograd formula sums them, where inductor fuses the sum, the flip and the casts
     (inside the op they were aten kernels inductor cannot fuse); its fake gives the partials' shape (opcheck), and the
     gradients still equal the torch form's."""
     from megacpp_lab.kernels.doc_conv import doc_conv_bwd

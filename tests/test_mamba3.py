@@ -308,8 +308,36 @@ def test_the_backward_launcher_leaves_its_reductions_to_the_autograd_formula(R, 
     y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
     _, called = launcher_operators(lambda: y.sum().backward(), "megacpp::mamba3_scan_bwd")
     assert [name for name in called if name not in LAUNCHER_PLUMBING] == [], called
-    if shared:  # the formula's sum over the heads gave the leaf its own shape
-        assert leaf.grad is not None and leaf.grad.shape == leaf.shape
+
+
+@pytest.mark.parametrize("R, H, shared", [(1, 2, False), (1, 2, True), (1, 1, True), (2, 2, True)])
+def test_the_backward_ops_fake_matches_its_real_outputs(R, H, shared, monkeypatch):
+    """mamba3_scan_bwd's fake (what a compiled backward is traced with) against the op itself, by
+    torch.library.opcheck on the arguments the autograd formula hands it: the per-chunk partial sums [slots, row]
+    and d rates per head (fp32 where the heads share the rates, else in the rates' shape and dtype), SISO and MIMO,
+    rates shared or per head, and one head (where shared rates are already per head)."""
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    from megacpp_lab.kernels import mamba3 as m3
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
+    a = {k: v.float().to(device).requires_grad_() for k, v in make(B=2, T=32, H=H, G=H, P=16, N=16).items()}
+    # the rates in bf16 (the layer's dtype): a fake in the rates' dtype where the op's are fp32 is told apart
+    rates = a["angles"].detach()[:, :, :1] if shared else a["angles"].detach()
+    a["angles"] = rates.to(torch.bfloat16).requires_grad_().expand(-1, -1, H, -1)
+    cu = torch.tensor([0, 20, 32, 45, 64], dtype=torch.int32, device=device)
+    calls = []
+    real = m3.mamba3_scan_bwd
+    monkeypatch.setattr(m3, "mamba3_scan_bwd", lambda *args: calls.append(args) or real(*args))
+    mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton").sum().backward()
+    (args,) = calls
+    outs = real(*args)
+    n_a, rates = args[6].shape[-1], args[7]
+    assert outs[4].shape == (2, 32, H, n_a)  # d rates per head
+    assert outs[4].dtype == (torch.float32 if rates.shape[2] == 1 and H > 1 else rates.dtype)
+    assert outs[7].shape == (args[16].shape[0], 2 * H + 2 * H * R * 16)  # a row of partial sums a chunk slot
+    torch.library.opcheck(real, args, test_utils=("test_schema", "test_faketensor"))
 
 
 @triton.jit

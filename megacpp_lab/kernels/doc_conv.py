@@ -17,7 +17,7 @@ where, silu and their backward, forward, recompute, dx and the weight's reductio
 written); the backward two: the gradient and x read, the pre-activation recomputed, its gradient written (in x's
 dtype, as eager's SiLU backward hands it on; the weight's and bias's partial sums per block of tokens take it in fp32,
 before that rounding); then dx from that gradient at each token and its K-1 successors; then one small reduction over
-the blocks.
+the blocks, in the autograd formula outside the op (_param_grads), where inductor fuses it with the flip and the casts.
 
 The reference is the module's own xla_safe form (and its step loop, DocCausalDepthwiseConv.step):
 tests/test_doc_conv.py compares them, forward and every gradient, under the interpreter and on the GPU.
@@ -119,7 +119,7 @@ def _doc_conv_grad_pre_kernel(g_ptr, x_ptr, pos_ptr, w_ptr, b_ptr, dpre_ptr, dwb
     """The backward's first pass: the pre-activation's gradient dpre (through the SiLU, the pre-activation recomputed
     from x; stored in dpre_ptr's dtype when SILU, else it is the output's gradient itself), and the weight's and the
     bias's partial sums over this program's tokens into dwb [blocks, K+1, D] (rows 0..K-1: the tap at lag l,
-    w[:, K-1-l]; row K: the bias), from dpre in fp32, summed over the blocks by the launcher."""
+    w[:, K-1-l]; row K: the bias), from dpre in fp32, summed over the blocks by the autograd formula (_param_grads)."""
     blk = tl.program_id(0)
     rows = blk * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)

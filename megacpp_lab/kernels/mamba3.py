@@ -766,8 +766,8 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
 @triton.jit
 def _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, OWN: tl.constexpr, SWEEPS: tl.constexpr,
                      N: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
-    """A gap slot's zeros in the partial sums its passes own (OWN: dD's; SWEEPS: dA's and the biases'): the
-    launcher sums every slot."""
+    """A gap slot's zeros in the partial sums its passes own (OWN: dD's; SWEEPS: dA's and the biases'):
+    _mamba3_backward sums every slot."""
     if OWN:
         tl.store(dskip_ptr + slot * sums_row + hd, 0.0)
     if SWEEPS:
@@ -881,7 +881,7 @@ def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, d
     launches, its cuts found per block) and the increments' backward in a kernel of their own: a chunk never spans
     two documents, so one pass over the chunk pass's slots needs no cut. Lane j of a row is head j // BA's pair
     j % BA (BA = n_a's power of two; the pairs past n_a masked). SHARED_RATES: the rates are one row a step for every
-    head (rate_ptr [B*T, 1, n_a]); their gradient is still stored per head, summed over the heads by the launcher."""
+    head (rate_ptr [B*T, 1, n_a]); their gradient is stored per head, summed over the heads by _mamba3_backward."""
     slot = tl.program_id(0)
     hd0 = tl.program_id(1) * HB
     d, doc_start = slot_document(cu_ptr, slot, D, CHUNK)
@@ -1134,8 +1134,8 @@ def mamba3_scan_bwd(
     n_slots = states.shape[0]
     dx = torch.empty((B, TR, H, P), device=x.device, dtype=x.dtype)
     ddt, dw, dgam = torch.empty_like(dt), torch.empty_like(weight), torch.empty_like(gamma)
-    # the per-chunk partial sums of dA, dD and the two biases' gradients in one [slots, row] buffer, summed over the
-    # slots at once below (one reduction, not four: each is a launch and host work in every M block's backward)
+    # the per-chunk partial sums of dA, dD and the two biases' gradients in one [slots, row] buffer, returned as it is:
+    # _mamba3_backward sums the slots at once (one reduction, not four), outside the op, where inductor fuses it
     sums = torch.empty((n_slots, 2 * H + 2 * H * R * N), device=x.device, dtype=torch.float32)
     dA, dD, dbb, dcb = sums.split([H, H, H * R * N, H * R * N], dim=1)  # strided views: the kernel's rows are sums'
     xs = mimo_x if R > 1 else dt  # SISO: a placeholder pointer the kernels never read
@@ -1164,7 +1164,7 @@ def mamba3_scan_bwd(
         )  # fmt: skip
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     shared = rates.shape[2] == 1 and H > 1
-    # per head (the kernel's rows); shared rates: in fp32, summed over the heads below, then in the rates' dtype
+    # per head (the kernel's rows); shared rates: in fp32, summed over the heads by _mamba3_backward, outside the op
     d_rates = torch.empty((*rates.shape[:2], H, n_a), device=x.device, dtype=torch.float32 if shared else rates.dtype)
     if n_a:  # the angles' suffix sums and the increments' backward, dt's part added to ddt
         if ANGLE_GRADS_HEADS < 1 or ANGLE_GRADS_HEADS & (ANGLE_GRADS_HEADS - 1):
@@ -1183,8 +1183,8 @@ def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     dB = Bm.new_empty((B, Bm.shape[1], groups, N))
-    shared = rates.shape[2] == 1 and H > 1
-    d_rates = rates.new_empty((B, rates.shape[1], H, rates.shape[3]), dtype=torch.float32) if shared else torch.empty_like(rates)
+    shared = rates.shape[2] == 1 and H > 1  # the real op's d_rates: per head, contiguous, fp32 where shared
+    d_rates = rates.new_empty((B, rates.shape[1], H, rates.shape[3]), dtype=torch.float32 if shared else rates.dtype)
     return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB), d_rates,
             torch.empty_like(weight), torch.empty_like(gamma),
             x.new_empty((states.shape[0], 2 * H + 2 * H * rank * N), dtype=torch.float32))  # fmt: skip
@@ -1205,7 +1205,8 @@ def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
 
 
 def split_sums(sums: torch.Tensor, H: int, R: int, N: int) -> tuple[torch.Tensor, ...]:
-    """mamba3_scan_bwd's summed vector [2H + 2HRN] -> dA [H], dD [H], the biases' gradients [H,R,N] each (views)."""
+    """mamba3_scan_bwd's partial sums summed over the slots, [2H + 2HRN] -> dA [H], dD [H], the biases' gradients
+    [H,R,N] each (views)."""
     dA, dD, dbb, dcb = sums.split([H, H, H * R * N, H * R * N])
     return dA, dD, dbb.view(H, R, N), dcb.view(H, R, N)
 
