@@ -630,20 +630,17 @@ def test_mimos_rank_scale_gets_its_gradient_whichever_other_inputs_ask_for_one()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("R, H, G, n_a, heads", [(1, 4, 2, 3, 1), (2, 2, 2, 4, 1), (1, 2, 1, 0, 1), (1, 4, 2, 3, 2),
-                                                (1, 8, 1, 4, 4), (2, 4, 1, 3, 8)])
-def test_the_forwards_angle_and_key_pass_equals_the_angle_sums_then_the_key_pass(R, H, G, n_a, heads, monkeypatch):
+@pytest.mark.parametrize("R, H, G, n_a", [(1, 4, 2, 3), (2, 2, 2, 4), (1, 2, 1, 0), (1, 8, 1, 4)])
+def test_the_forwards_angle_and_key_pass_equals_the_angle_sums_then_the_key_pass(R, H, G, n_a):
     """The forward's _angles_and_keys (the angle sums' block totals, then their second pass and the rotation of the
     keys and queries in one kernel) against doc_angle_sum_triton's angles and the key pass on them (_rotated_keys,
     the backward's when it recomputes the keys): bit for bit, with documents over several blocks of SCAN_BLOCK_T
     steps and ending mid-block, a last block cut short, groups of two heads, n_a under its power of two (a padded
-    lane), MIMO's sub-tokens, no rotated pairs (n_a = 0: the keys only biased), and a program taking one head or
-    several of a group (ANGLE_KEYS_HEADS; more than a group holds: the group's)."""
+    lane), MIMO's sub-tokens, no rotated pairs (n_a = 0: the keys only biased), and one group of eight heads."""
     from megacpp_lab.kernels import mamba3 as m3
 
     if not (TRITON_INTERPRET or torch.cuda.is_available()):
         pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
-    monkeypatch.setattr(m3, "ANGLE_KEYS_HEADS", heads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(21)
     B, T, N = 2, m3.SCAN_BLOCK_T + 37, 16

@@ -583,26 +583,25 @@ def _keys_kernel(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, TOTAL, H, G
 @triton.jit(do_not_specialize=["n_docs"])
 def _angle_keys_kernel(inc_ptr, cu_ptr, tot_ptr, th_ptr, b_ptr, c_ptr, bb_ptr, cb_ptr, k_ptr, q_ptr, n_docs, STEPS, H, G,
                        n_a, BS: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr, FIXED_POINT: tl.constexpr,
-                       RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr, HB: tl.constexpr):  # fmt: skip
-    """The forward's angles and keys in one pass: program (block of BS steps, heads hd0 .. hd0 + HB - 1 of one group)
-    takes the angle sums' second pass (_doc_scan_tile, after _doc_scan_totals_kernel's block totals) on those heads'
-    HB * n_a columns (adjacent in theta's rows), stores theta [B*T, H, n_a] (the backward reads it), then rotates the
-    block's keys and queries of those heads BT sub-tokens at a time (_rotate_keys, theta read back as stored; the
-    group's B and C loaded once a tile for the program's heads, and by each of the group's programs from L2 after the
-    first). In place of doc_angle_sum's own second pass and the key pass: the increments read once, theta written once
-    and read back from cache, one launch fewer. A few heads a program, not a group: with one group of 32 heads (the
-    base model's M blocks) a program a group left 256 programs for 132 SMs (docs/design.md has the measurements);
-    more than one head shares the scan's serial loads (the document search, the carried totals) among them."""
+                       RANK: tl.constexpr, BT: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """The forward's angles and keys in one pass: program (block of BS steps, head hd) takes the angle sums' second
+    pass (_doc_scan_tile, after _doc_scan_totals_kernel's block totals) on the head's n_a columns, stores theta
+    [B*T, H, n_a] (the backward reads it), then rotates the block's keys and queries of that head BT sub-tokens at a
+    time (_rotate_keys, theta read back as stored; its group's B and C read by each of the group's heads, from L2
+    after the first). In place of doc_angle_sum's own second pass and the key pass: the increments read once, theta
+    written once and read back from cache, one launch fewer. A program a head, not a group: with one group of 32
+    heads (the base model's M blocks) a program a group left 256 programs for 132 SMs (docs/design.md has the
+    measurements)."""
     blk = tl.program_id(0)
-    hd0 = tl.program_id(1) * HB
-    col0 = hd0 * n_a
-    theta, at, m = _doc_scan_tile(inc_ptr, cu_ptr, tot_ptr, n_docs, STEPS, H * n_a, blk, col0, col0 + HB * n_a, BS, BA,
+    hd = tl.program_id(1)
+    col0 = hd * n_a
+    theta, at, m = _doc_scan_tile(inc_ptr, cu_ptr, tot_ptr, n_docs, STEPS, H * n_a, blk, col0, col0 + n_a, BS, BA,
                                   LOOKBACK, True, False, FIXED_POINT)  # fmt: skip
     tl.store(th_ptr + at, theta.to(th_ptr.dtype.element_ty), mask=m)
     tl.debug_barrier()  # the rotation reads angles other threads stored: every thread sees them
     for s0 in range(0, BS * RANK, BT):
         t = blk * (BS * RANK) + s0 + tl.arange(0, BT)
-        _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < STEPS * RANK, hd0, HB, H, G, n_a, RANK,
+        _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, t < STEPS * RANK, hd, 1, H, G, n_a, RANK,
                      BT, N)  # fmt: skip
 
 
@@ -968,9 +967,6 @@ KEYS_BLOCK_T = 16
 # (past the program's block a tile would read angles the next program has not stored; _angles_and_keys checks). On
 # the H100 at bench ssd's main shape (scripts/mamba3_probe.py, one call) 32 took the kernel 0.263 ms against 16's 0.288
 ANGLE_KEYS_BLOCK_T = 32
-# warps a program of _angle_keys_kernel, and its heads (at most; a power of two: gcd(H / G, this), the heads of one group)
-ANGLE_KEYS_WARPS = 4
-ANGLE_KEYS_HEADS = 1
 # the backward's chunk pass (_m3_bwd_chunk_kernel): state columns per sweep step and warps (on the H100 at the issue's
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
@@ -1026,14 +1022,11 @@ def _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, H, rank, dtype) -> t
     totals, (blocks, _), _ = _doc_block_totals(inc, cu_steps, angles=True, reverse=False)
     k = torch.empty((B, TR, H, N), device=Bm.device, dtype=dtype)
     q = torch.empty_like(k)
-    if ANGLE_KEYS_HEADS < 1 or ANGLE_KEYS_HEADS & (ANGLE_KEYS_HEADS - 1):
-        raise ValueError(f"mamba3: ANGLE_KEYS_HEADS={ANGLE_KEYS_HEADS} must be a power of two >= 1")
-    hb = math.gcd(H // G, ANGLE_KEYS_HEADS)  # a program's heads share one group's B and C
-    _angle_keys_kernel[(blocks, H // hb)](
+    _angle_keys_kernel[(blocks, H)](
         inc, cu_steps, totals, theta, Bm, Cm, b_bias, c_bias, k, q, cu_steps.numel() - 1, inc.shape[0] * inc.shape[1],
         H, G, n_a, BS=SCAN_BLOCK_T,
-        BA=triton.next_power_of_2(hb * n_a), LOOKBACK=SCAN_LOOKBACK, FIXED_POINT=ANGLE_FIXED_POINT, RANK=rank,
-        BT=ANGLE_KEYS_BLOCK_T, N=N, HB=hb, num_warps=ANGLE_KEYS_WARPS,
+        BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK, FIXED_POINT=ANGLE_FIXED_POINT, RANK=rank,
+        BT=ANGLE_KEYS_BLOCK_T, N=N, num_warps=4,
     )  # fmt: skip
     return theta, k, q
 
