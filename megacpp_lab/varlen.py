@@ -38,6 +38,7 @@ __all__ = [
     "doc_ids_from_cu_seqlens",
     "doc_starts",
     "documents_longest_first",
+    "host_lengths",
     "packed_cu_seqlens",
     "positions_from_doc_ids",
     "same_doc_as_lag",
@@ -426,7 +427,7 @@ class PackedContext:
     def doc_lengths(self) -> list[int]:
         """Every document's length in tokens, in order, from the host copy of cu_seqlens (no device sync): what
         HybridLM.flops_per_token counts attention over."""
-        return self.cu_seqlens_host.diff().tolist()
+        return host_lengths(self.cu_seqlens_host)
 
     def to(self, device: torch.device | str) -> PackedContext:
         """The same context on `device` (cu_seqlens_host stays on the host), copied without a host sync
@@ -457,6 +458,13 @@ class PackedContext:
     def from_batch(cls, batch: Any, *, block_mask: bool = False) -> PackedContext:
         """From anything holding doc_ids, positions and cu_seqlens (a data.PackedBatch)."""
         return build_context(batch.doc_ids, batch.positions, batch.cu_seqlens, block_mask=block_mask)
+
+
+def host_lengths(cu_seqlens_host: torch.Tensor) -> list[int]:
+    """The documents' lengths from a host copy of cu_seqlens, differenced in Python: no operator dispatched (the
+    M2RNN launchers read them in every call)."""
+    bounds = cu_seqlens_host.tolist()
+    return [end - start for start, end in zip(bounds, bounds[1:])]
 
 
 def documents_longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -347,3 +347,21 @@ def test_build_context_names_positions_or_cu_seqlens_that_are_not_tensors(field:
     given = {"positions": [[0, 1, 0, 1]], "cu_seqlens": [0, 2, 4]}[field]
     with pytest.raises(ValueError, match=rf"build_context: {field} must be a torch.Tensor or None, got list"):
         build_context(torch.tensor([[0, 0, 1, 1]]), **{field: given})
+
+
+def test_host_lengths_are_the_documents_lengths_without_an_operator():
+    """host_lengths (PackedContext.doc_lengths, and the M2RNN launchers' plan) differences a host cu_seqlens in
+    Python: the documents' lengths, in order, as torch's diff gives them, with no aten operator dispatched beyond
+    tolist's own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megacpp_lab.varlen import host_lengths
+
+    cu = torch.tensor([0, 5, 5, 17, 64], dtype=torch.int32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        lengths = host_lengths(cu)
+    assert lengths == [5, 0, 12, 47] == cu.diff().tolist()
+    dispatched = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    assert dispatched <= {"aten::resolve_conj", "aten::resolve_neg", "aten::_local_scalar_dense"}, dispatched  # tolist's
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+    assert build_context(doc_ids).doc_lengths == [2, 3, 1, 1, 5]

@@ -42,7 +42,7 @@ import triton.language as tl
 from megacpp_lab.kernels import INTERPRETED, OFFLINE_COMPILE, launchable, warn_at_caller
 from megacpp_lab.kernels.ssd import FLOAT_DTYPES, slot_document
 from megacpp_lab.varlen import (PackedContext, build_context, check_context, check_cu_seqlens,
-                                documents_longest_first)
+                                documents_longest_first, host_lengths)
 
 __all__ = [
     "BWD_ORDERS",
@@ -643,9 +643,8 @@ def _precision(dtype: torch.dtype) -> str:
 def _range_lengths(lengths: torch.Tensor | None, P: int, tokens: int) -> list[int]:
     """The ranges' lengths for the launch plan, from their host copy (a PackedContext's cu_seqlens_host: no device
     read); without one (rows: every range one row) the P ranges split the tokens evenly."""
-    if lengths is not None:  # in Python: no operator dispatched for it (the launchers' host time)
-        bounds = lengths.tolist()
-        return [end - start for start, end in zip(bounds, bounds[1:])]
+    if lengths is not None:
+        return host_lengths(lengths)
     return [tokens // P] * P if P else []
 
 
