@@ -530,13 +530,13 @@ def _rotate(v, cos, sin, ROWS: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _step_angles(th_ptr, t, m, hd, H, n_a, col0, BN: tl.constexpr, RANK: tl.constexpr):
+def _step_angles(th_ptr, t, m, hd, H, n_a, col0, BN: tl.constexpr, RANK: tl.constexpr, EVICT: tl.constexpr):
     """cos and sin [len(t), BN // 2] of head hd's angles at the tokens t (mask m), for the pairs of the state columns
     col0 + arange(BN): Mamba-3's theta [B*T, H, n_a] fp32, one row a step (a rank sub-token t reads step t // RANK);
     the pairs past n_a are not rotated (angle 0)."""
     pr = col0 // 2 + tl.arange(0, BN // 2)
     th = tl.load(th_ptr + ((t // RANK) * H + hd)[:, None] * n_a + pr[None, :], mask=m[:, None] & (pr < n_a)[None, :],
-                 other=0.0)  # fmt: skip
+                 other=0.0, eviction_policy=EVICT)  # fmt: skip
     return _cos(th), _sin(th)
 
 
@@ -561,7 +561,7 @@ def _rotate_keys(b_ptr, c_ptr, bb_ptr, cb_ptr, th_ptr, k_ptr, q_ptr, t, m, hd0, 
     Cg = tl.load(c_ptr + at, mask=m[:, None], other=0.0).to(tl.float32)
     for j in range(0, n_heads):
         hd = hd0 + j
-        cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, 0, N, RANK)
+        cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, 0, N, RANK, "")
         bias_at = ((hd * RANK + t % RANK) * N)[:, None] + rn[None, :]
         out_at = (t[:, None] * H + hd) * N + rn[None, :]
         k = _rotate(Bg + tl.load(bb_ptr + bias_at), cos, sin, BT, N)
@@ -611,7 +611,7 @@ def _angle_keys_kernel(inc_ptr, cu_ptr, tot_ptr, th_ptr, b_ptr, c_ptr, bb_ptr, c
 @triton.jit
 def _key_grads_out(d, v, th_ptr, dth_ptr, dtt_ptr, out_ptr, bias_ptr, t, m, first, end, hd, H, n_a, slot, sums_row,
                    col0, rn, kq_at, FIRST: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
-                   N: tl.constexpr):  # fmt: skip
+                   N: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr):  # fmt: skip
     """One [CHUNK, BN] block of dk (or dq) at the keys v as stored, taken back through the rotation: the gradient
     of B + b_bias per head into out_ptr; the block's pairs' angle gradients into dth_ptr ([B*T, H, n_a], one row a
     step; FIRST: stored, else added to what the queries' sweep stored, and their sum over the chunk's steps stored
@@ -625,7 +625,8 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, dtt_ptr, out_ptr, bias_ptr, t, m, firs
     both measured with dx summed over the ranks in the kernel, since dropped)."""
     pr = col0 // 2 + tl.arange(0, BN // 2)  # the block's pairs (rn = col0 + arange(BN))
     pm = m[:, None] & (pr < n_a)[None, :]
-    cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, col0, BN, RANK)
+    # the queries' sweep (FIRST) reads the angles and stores their gradients for the keys' sweep to read again
+    cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, col0, BN, RANK, KEEP if FIRST else DROP)
     back, dth = _unrotate(d, v, cos, sin, CHUNK, BN)
     tl.store(out_ptr + kq_at + rn[None, :], back.to(out_ptr.dtype.element_ty), mask=m[:, None])
     if RANK == 1:
@@ -637,10 +638,10 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, dtt_ptr, out_ptr, bias_ptr, t, m, firs
         th_at = dth_ptr + (steps * H + hd)[:, None] * n_a + pr[None, :]
         dth = tl.sum(tl.reshape(dth, (STEPS, RANK, BN // 2)), axis=1)
     if not FIRST:  # the block's pairs' angle gradients are whole: also their sum over the chunk's steps, per pair
-        dth += tl.load(th_at, mask=pm, other=0.0)
+        dth += tl.load(th_at, mask=pm, other=0.0, eviction_policy=DROP)
         pa = pr < n_a
         tl.store(dtt_ptr + (slot * H + hd) * n_a + pr, tl.sum(tl.where(pa[None, :], dth, 0.0), axis=0), mask=pa)
-    tl.store(th_at, dth, mask=pm)
+    tl.store(th_at, dth, mask=pm, eviction_policy=KEEP if FIRST else "")
     # rows past the chunk's end are zero
     if RANK == 1:
         tl.store(bias_ptr + slot * sums_row + hd * N + rn, tl.sum(back, 0))
@@ -671,7 +672,7 @@ def _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK: tl.constexpr, 
 def _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr, dgam_ptr,
                       dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row, P: tl.constexpr, N: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-                      SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
+                      SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr):  # fmt: skip
     """The chunk pass's steps 1 and 2 (_m3_bwd_chunk_kernel): the reductions over N and the chunk's own terms.
     Stores dx (at the rank inputs, one row a sub-token), d weight, d gamma and dD's partial sum; returns
     L * (dy x^T) * W in the dots' dtype, the log-decay gradient's in-chunk part dcs (less R) and the sum of
@@ -685,14 +686,14 @@ def _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, d
     Q = tl.zeros((CHUNK, P), dtype=tl.float32)  # [j] = dS' k_j
     for nb in tl.static_range(N // BN):
         rn = nb * BN + tl.arange(0, BN)
-        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-        dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=KEEP)
+        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=KEEP)
+        dS = tl.load(dst_at + rp[:, None] * N + rn[None, :], eviction_policy=KEEP)
         CB += tl.dot(qc.to(DOT), tl.trans(kc.to(DOT)), input_precision=PRECISION)
         Q += tl.dot(kc.to(SDOT), tl.trans(dS.to(SDOT)), input_precision=PRECISION)
     # 2. the chunk's own terms, in an order that lets each tile go as soon as it can (Q first, then CB)
     x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK).to(DOT)
-    dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(DOT)
+    dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0, eviction_policy=KEEP).to(DOT)
     wxQ = w * tl.sum(x.to(tl.float32) * Q, axis=1)  # x_j . Q_j at the decay to the chunk's end
     dx = (xw * w)[:, None] * Q + tl.load(skip_ptr + hd) * dy.to(tl.float32)  # the skip D x
     tl.store(dskip_ptr + slot * sums_row + hd, tl.sum(tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=1), axis=0))
@@ -715,7 +716,8 @@ def _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, d
 def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                        dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w, slot,
                        hd, H, n_a, sums_row, P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-                       PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
+                       PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
+                       KEEP: tl.constexpr, DROP: tl.constexpr):  # fmt: skip
     """The chunk pass's steps 3 and 4 (_m3_bwd_chunk_kernel), from step 2's LdYU, dcs and sum(R): the sweeps over N for
     dq and dk (each taken back through the rotation, _key_grads_out), then the log-decay gradient: ddt and dA's
     partial sum. x and dy are read again here (a step-2 tile held across the sweeps costs registers)."""
@@ -727,18 +729,18 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
     # 3. dq = (L * dy x^T * W) k + exp(cs) dy S, with the log-decay gradient's state term q_i . (exp(cs_i) dy_i S).
     # (Reading each block as its pairs' real and imaginary columns apart, two [.., BN // 2] dots each, so that nothing
     # splits a tile to rotate it back, compiled worse for sm_90: spills 444/452 against 312/340, barriers 231 to 147.)
-    dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0, eviction_policy=DROP).to(tl.float32)
     dye = (dy * tl.exp(cs)[:, None]).to(SDOT)
     for nb in tl.static_range(N // BN):
         rn = nb * BN + tl.arange(0, BN)
-        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        S = tl.load(st_at + rp[:, None] * N + rn[None, :])
+        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=KEEP)
+        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=KEEP).to(tl.float32)
+        S = tl.load(st_at + rp[:, None] * N + rn[None, :], eviction_policy=KEEP)
         dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
         dcs += tl.sum(dyS * qc, axis=1)
         dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
         _key_grads_out(dq, qc, th_ptr, dth_ptr, dtt_ptr, dq_ptr, dqb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
-                       rn, kq_at, True, RANK, CHUNK, BN, N)  # fmt: skip
+                       rn, kq_at, True, RANK, CHUNK, BN, N, KEEP, DROP)  # fmt: skip
     tl.debug_barrier()  # the keys' sweep adds to the angle gradients the queries' stored: every thread sees them
     # ... and dk = (L * dy x^T * W)^T q + w x dS' (x at its input weight)
     x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK).to(tl.float32)
@@ -746,14 +748,14 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
     SdS = tl.zeros((P,), dtype=tl.float32)
     for nb in tl.static_range(N // BN):
         rn = nb * BN + tl.arange(0, BN)
-        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0)
-        S = tl.load(st_at + rp[:, None] * N + rn[None, :])
-        dS = tl.load(dst_at + rp[:, None] * N + rn[None, :])
+        qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=DROP)
+        S = tl.load(st_at + rp[:, None] * N + rn[None, :], eviction_policy=DROP)
+        dS = tl.load(dst_at + rp[:, None] * N + rn[None, :], eviction_policy=DROP)
         dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
               + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
-        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=DROP).to(tl.float32)
         _key_grads_out(dk, kc, th_ptr, dth_ptr, dtt_ptr, dk_ptr, dkb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
-                       rn, kq_at, False, RANK, CHUNK, BN, N)  # fmt: skip
+                       rn, kq_at, False, RANK, CHUNK, BN, N, KEEP, DROP)  # fmt: skip
         SdS += tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
     # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
     to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + sum_R
@@ -783,7 +785,7 @@ def _m3_bwd_chunk_kernel(
     dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dskip_ptr, dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr,
     H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
 ):  # fmt: skip
     """The backward's parallel pass (every chunk of every document at once, one program per chunk and head) for
     the forward output kernel's Mamba-3 mode: y = (q k^T * L * W) x + exp(cs) (q S^T) + D x, W[i, j] = w_j (the input
@@ -813,10 +815,11 @@ def _m3_bwd_chunk_kernel(
     else:
         LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr,
                                              dw_ptr, dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row,
-                                             P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+                                             P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP)  # fmt: skip
         _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                            dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last,
-                           xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+                           xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP,
+                           DROP)  # fmt: skip
 
 
 @triton.jit
@@ -824,7 +827,7 @@ def _m3_bwd_own_kernel(
     x_ptr, xs_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, cu_ptr, dst_ptr, dy_ptr,
     dx_ptr, dw_ptr, dgam_ptr, dskip_ptr, ldyu_ptr, dcs_ptr, H, D, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's first kernel: the chunk pass's steps 1-2 (_m3_bwd_own_terms), its results for the second
     kernel in memory: L * (dy x^T) * W [CHUNK, CHUNK] in the dots' dtype at ldyu_ptr, dcs [CHUNK] and sum(R) fp32 at
@@ -836,7 +839,7 @@ def _m3_bwd_own_kernel(
     else:
         LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr,
                                              dw_ptr, dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row,
-                                             P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+                                             P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP)  # fmt: skip
         rl = tl.arange(0, CHUNK)
         block = slot * H + hd
         tl.store(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :], LdYU)
@@ -849,7 +852,7 @@ def _m3_bwd_sweeps_kernel(
     x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr, ldyu_ptr, dcs_ptr,
     ddt_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's second kernel: the chunk pass's steps 3-4 (_m3_bwd_key_sweeps) from the first's results."""
     slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
@@ -864,7 +867,8 @@ def _m3_bwd_sweeps_kernel(
         sum_R = tl.load(dcs_ptr + block * (CHUNK + 1) + CHUNK)
         _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                            dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last,
-                           xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK)  # fmt: skip
+                           xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP,
+                           DROP)  # fmt: skip
 
 
 @triton.jit
@@ -971,6 +975,11 @@ ANGLE_KEYS_BLOCK_T = 32
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
 M3_BWD_BLOCK_N = 64
 M3_BWD_WARPS = 4
+# the chunk pass's L2 eviction hints: a tile it reads again later (k, q, S, dS', dy, the angles and their
+# gradients' first store) loaded "evict_last", its last read "evict_first". Its rereads of a program's own tiles miss
+# L2 (Nsight Compute at bench ssd's main shape on an H100: 56% L2 hits, 1.83 GB from DRAM where the kernel's tensors
+# hold about 1.1 GB; lead_ncu_host/), and the pass is latency-bound: a hit is the shorter wait
+M3_BWD_EVICT = True
 # heads a program of the angles' backward (_angle_grads_kernel), at most (a power of two): gcd(H, this). On the H100
 # at bench ssd's main shape (scripts/mamba3_probe.py, profiles/nvidia-h100-80gb-hbm3/ssd/lead_angle_grads/
 # mamba3_probe_heads_bc8cbac.json, one call) the kernel took 0.084 ms at one head a program (9216 programs of [64, 32]
@@ -1139,6 +1148,7 @@ def mamba3_scan_bwd(
     dBh = torch.empty((B, TR, H, N), device=x.device, dtype=Bm.dtype)
     dCh = torch.empty_like(dBh)
     consts = dict(P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
+                  KEEP="evict_last" if M3_BWD_EVICT else "", DROP="evict_first" if M3_BWD_EVICT else "",
                   num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
     n_docs = cu_seqlens.numel() - 1
     if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
