@@ -336,7 +336,7 @@ def test_the_backward_ops_fake_matches_its_real_outputs(R, H, shared, monkeypatc
     n_a, rates = args[6].shape[-1], args[7]
     assert outs[4].shape == (2, 32, H, n_a)  # d rates per head
     assert outs[4].dtype == (torch.float32 if rates.shape[2] == 1 and H > 1 else rates.dtype)
-    assert outs[7].shape == (args[16].shape[0], 2 * H + 2 * H * R * 16)  # a row of partial sums a chunk slot
+    assert outs[7].shape == (args[17].shape[0], 2 * H + 2 * H * R * 16)  # a row of partial sums a chunk slot
     torch.library.opcheck(real, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -1023,7 +1023,9 @@ def test_the_triton_op_refuses_shapes_past_int32_indexing():
     big = lambda *shape: torch.zeros(1, device=device).expand(*shape)  # noqa: E731
     with pytest.raises(ValueError, match=r"indexes in int32: x \(8, 16384\) x 4 ranks with H=32"):
         _mamba3_triton(big(B, T, H, P), big(H, R, P), big(B, T, H), big(H), big(B, T, R, G, N), big(B, T, R, G, N),
-                       big(B, T, H, 8), big(H, R, N), big(H, R, N), big(B, T, H), big(B, T, H), big(H), None, 64)  # fmt: skip
+                       big(B, T, H, 8), big(H, R, N), big(H, R, N), big(B, T, H), big(B, T, H), big(H),
+                       torch.arange(0, B * T + 1, T, device=device, dtype=torch.int32),
+                       torch.arange(B + 1, device=device, dtype=torch.int32), 64)  # fmt: skip
 
 
 def test_the_bench_times_every_row_in_a_second_round_in_reverse_and_keeps_the_lower_median():
@@ -1149,7 +1151,8 @@ def test_the_backward_op_refuses_groups_that_do_not_fit_b(groups, rotated, messa
     with pytest.raises(ValueError, match=message):
         mamba3_scan_bwd(z(B, T, H, P), z(B, T, H, P), z(B, T, H), z(H), Bm, Bm.clone(), z(B, T, H, 4), z(B, T, H, 4),
                         z(H, 1, N), z(H, 1, N), z(B, T, H), z(B, T, H), z(H), None, torch.tensor([0, T]),
-                        torch.tensor([0, T]), z(2, H, P, N), 8, 1, rotated, groups)  # fmt: skip
+                        torch.tensor([0, T]), torch.tensor([0, 1], dtype=torch.int32), z(2, H, P, N), 8, 1, rotated,
+                        groups)  # fmt: skip
 
 
 def test_the_bench_deadline_expects_a_later_shape_to_compile_and_the_peer_to_autotune_again():

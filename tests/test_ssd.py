@@ -6,6 +6,7 @@ from torch._dynamo.utils import counters
 
 import megacpp_lab.kernels.ssd as ssd_mod
 from megacpp_lab.kernels.ssd import ssd_chunked_torch, ssd_scan, ssd_scan_reference
+from megacpp_lab.varlen import documents_longest_first
 
 ON_GPU = torch.cuda.is_available()
 # Triton runs on the GPU where there is one, else under TRITON_INTERPRET=1 (tests/conftest.py)
@@ -93,6 +94,23 @@ def test_triton_matches_chunked_and_step_loop(layout, G, monkeypatch):
     got = _fwd_bwd(lambda *a: ssd_scan(*a, cu_seqlens=cu, chunk=16, kernel="triton"), inputs, dy)
     _assert_close(got, _fwd_bwd(lambda *a: ssd_chunked_torch(*a, cu, chunk=16), inputs, dy), fwd_tol=1e-5, grad_rtol=1e-5)
     _assert_close(got, _fwd_bwd(lambda *a: ssd_scan_reference(*a, cu), inputs, dy), fwd_tol=1e-5, grad_rtol=1e-5)
+
+
+def test_the_state_passes_take_any_document_order(monkeypatch):
+    """The sequential state passes start their documents in the order the op is given (the longest first, from the
+    context); the order only schedules: y and every gradient are the same under any permutation of it, here the
+    reverse of the longest-first order and the identity, at PACKED's out-of-order lengths (5, 1, 34, 13)."""
+    inputs = _inputs(1, 53, 4, 32, 32, 4)
+    cu = _cu(*PACKED["cu"])
+    dy = torch.randn(1, 53, 4, 32, device=DEVICE)
+    longest = documents_longest_first(cu)
+    assert longest.tolist() == [2, 3, 0, 1, 4]  # by length, then the end mark
+    results = []
+    for order in (longest, torch.cat([longest[:-1].flip(0), longest[-1:]]), torch.arange(5, dtype=torch.int32)):
+        monkeypatch.setattr(ssd_mod, "documents_longest_first", lambda _cu, order=order: order.to(DEVICE))
+        results.append(_fwd_bwd(lambda *a: ssd_scan(*a, cu_seqlens=cu, chunk=16, kernel="triton"), inputs, dy))
+    for other in results[1:]:
+        _assert_close(other, results[0], fwd_tol=0.0, grad_rtol=0.0)
 
 
 @pytest.mark.parametrize("G", [1, 4], ids=["G1", "G=H"])
@@ -233,7 +251,7 @@ def test_chunked_path_is_loop_free_across_chunks():
 def test_op_without_saved_states_refuses_backward():
     """save=False (a no-grad forward) keeps no states: differentiating that output fails loudly."""
     x, dt, A, Bm, Cm = _inputs(1, 16, 1, 16, 16, 1)
-    y, states = ssd_mod.ssd_scan_fwd(x, dt, A, Bm, Cm, _cu(0, 16), 16, False)
+    y, states = ssd_mod.ssd_scan_fwd(x, dt, A, Bm, Cm, _cu(0, 16), documents_longest_first(_cu(0, 16)), 16, False)
     assert states.numel() == 0
     with pytest.raises(RuntimeError, match="save=False"):
         y.sum().backward()
@@ -344,7 +362,7 @@ def test_bf16_states_agree_with_fp32_states_on_gpu_at_real_shape(monkeypatch):
 
     inputs, cu = _real_shape_inputs()
     x, dt, A, Bm, Cm = (t.detach() for t in inputs)
-    _, states = ssd_mod.ssd_scan_fwd(x, dt.float(), A.float(), Bm, Cm, cu, 64, True)
+    _, states = ssd_mod.ssd_scan_fwd(x, dt.float(), A.float(), Bm, Cm, cu, documents_longest_first(cu), 64, True)
     assert states.dtype == torch.bfloat16 == ssd_mod.states_dtype(torch.bfloat16)
     assert ssd_mod.states_dtype(torch.float16) == torch.float32 == ssd_mod.states_dtype(torch.float32)
     dy = torch.randn(inputs[0].shape, device="cuda", dtype=torch.bfloat16)

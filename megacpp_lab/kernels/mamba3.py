@@ -66,7 +66,7 @@ from megacpp_lab.kernels import INTERPRETED, launchable
 from megacpp_lab.kernels.ssd import (FLOAT_DTYPES, Mamba3Operands, chunk_log_decay, decay_mask, doc_start_mask,
                                      dot_types, launch_ssd_bwd_states, launch_ssd_fwd, rank_inputs, slot_chunk,
                                      slot_document, ssd_scan, states_dtype)
-from megacpp_lab.varlen import PackedContext, check_context, check_cu_seqlens
+from megacpp_lab.varlen import PackedContext, check_context, check_cu_seqlens, documents_longest_first
 
 __all__ = ["ANGLE_FIXED_POINT", "KERNELS", "doc_angle_sum", "doc_angle_sum_torch", "doc_angle_sum_triton",
            "doc_suffix_sum_torch", "doc_suffix_sum_triton", "mamba3_scan", "mamba3_scan_reference", "mamba3_step",
@@ -1044,8 +1044,8 @@ def _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, H, rank, dtype) -> t
 def mamba3_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, inc: torch.Tensor,
     rates: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
-    mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor, cu_seqlens: torch.Tensor, chunk: int, rank: int,  # noqa: UP045
-    save: bool, keep_keys: bool,
+    mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor, cu_seqlens: torch.Tensor, order: torch.Tensor,  # noqa: UP045
+    chunk: int, rank: int, save: bool, keep_keys: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), the saved chunk states, the keys
     and queries kept for the backward (keep_keys, as keeps_keys decides; else empty), and the angles theta
@@ -1061,12 +1061,13 @@ def mamba3_scan_fwd(
     (_angle_grads_kernel: in an elementwise kernel of inductor's it took 70 us of the scan's backward at bench
     ssd's main shape on an H100, and forming the increments inside the angle passes in place of reading them took
     those passes 0.13 ms longer there); the biases [H,R,N] fp32; cu_steps over the steps (doc_angle_sum's), cu_seqlens over the
-    sub-tokens (R times it; the same tensor for SISO). Contiguous, validated by mamba3_scan. One op for the
+    sub-tokens (R times it; the same tensor for SISO), order its documents longest first (the state passes' start
+    order: varlen.documents_longest_first, PackedContext.longest_first). Contiguous, validated by mamba3_scan. One op for the
     angles and the scan: the angle sums as ops of their own cost two dispatches and a launch a forward and backward,
     where an H100 box's host took 2.11 ms to issue the old ops' compiled forward and backward at bench ssd's main
     shape and an H200 runs their kernels in 2.04 (scripts/mamba3_probe.py)."""
     theta, k, q = _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, x.shape[2], rank, x.dtype)
-    y, states = launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, chunk, save, weight, x.dtype,
+    y, states = launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, order, chunk, save, weight, x.dtype,
                                Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
     if save and keep_keys:
         return y, states, k, q, theta
@@ -1088,8 +1089,8 @@ def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
 
 
 @mamba3_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, inc, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, chunk, rank, save,  # noqa: ANN001, ANN202
-      keep_keys):  # fmt: skip
+def _(x, dt, A, Bm, Cm, inc, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order, chunk, rank,  # noqa: ANN001, ANN202
+      save, keep_keys):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P = x.shape[2:]
     n_slots = B * TR // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
@@ -1104,7 +1105,8 @@ def mamba3_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     theta: torch.Tensor, rates: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor,
     gamma: torch.Tensor, D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor,  # noqa: UP045
-    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, rank: int, rotated: bool, groups: int,
+    cu_seqlens: torch.Tensor, order: torch.Tensor, states: torch.Tensor, chunk: int, rank: int, rotated: bool,
+    groups: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt
@@ -1130,7 +1132,7 @@ def mamba3_scan_bwd(
                          f"{list(rates.shape)} with H={H}")  # fmt: skip
     k, q = (Bm, Cm) if rotated else _rotated_keys(Bm, Cm, theta, b_bias, c_bias, H, R, x.dtype)
     dy = dy.contiguous()
-    dstates = launch_ssd_bwd_states(dy, dt, A, q, cu_seqlens, states, chunk, x.dtype)
+    dstates = launch_ssd_bwd_states(dy, dt, A, q, cu_seqlens, order, states, chunk, x.dtype)
     dots = dot_types(x.dtype)
     sdot = dots["DOT"] if STATE_DOTS_IN_INPUT_DTYPE else tl.float32
     n_slots = states.shape[0]
@@ -1181,8 +1183,8 @@ def mamba3_scan_bwd(
 
 
 @mamba3_scan_bwd.register_fake
-def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states,  # noqa: ANN001, ANN202
-      chunk, rank, rotated, groups):  # fmt: skip
+def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order,  # noqa: ANN001, ANN202
+      states, chunk, rank, rotated, groups):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     dB = Bm.new_empty((B, Bm.shape[1], groups, N))
@@ -1194,15 +1196,15 @@ def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo
 
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, _inc, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, chunk, rank, _save, _keep = (
-        inputs)
+    x, dt, A, Bm, Cm, _inc, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order, chunk, rank, \
+        _save, _keep = inputs
     _y, states, k, q, theta = output
     ctx.rotated = k.numel() > 0  # the rotated keys kept (keeps_keys): saved in place of B and C
     ctx.groups = Bm.shape[2]
     if ctx.rotated:
         Bm, Cm = k, q
     ctx.save_for_backward(x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps,
-                          cu_seqlens, states)  # fmt: skip
+                          cu_seqlens, order, states)  # fmt: skip
     ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
 
@@ -1215,12 +1217,14 @@ def split_sums(sums: torch.Tensor, H: int, R: int, N: int) -> tuple[torch.Tensor
 
 
 def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN202
-    x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states = ctx.saved_tensors
+    x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order, states = (
+        ctx.saved_tensors)
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
     dxr, ddt, dB, dC, d_rates, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias,
-                                                               weight, gamma, D, mimo_x, cu_steps, cu_seqlens, states,
-                                                               ctx.chunk, ctx.rank, ctx.rotated, ctx.groups)  # fmt: skip
+                                                               weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order,
+                                                               states, ctx.chunk, ctx.rank, ctx.rotated,
+                                                               ctx.groups)  # fmt: skip
     # the per-chunk partial sums and the shared rates' per-head gradients are summed here, outside the op, where
     # inductor fuses each reduction into the kernel that consumes it (inside the op each was an aten reduction of its
     # own: on the H100's compiled base step, 12 + 32 us an M block, c4f5642's trace)
@@ -1235,7 +1239,8 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
         scale = mimo_x.transpose(0, 1).to(x.dtype).float()  # as the kernels scaled x
         dx = (dxr * scale).sum(2).to(x.dtype) if ctx.needs_input_grad[0] else None
         dmx = (dxr * x.float()[:, :, None]).sum((0, 1)).transpose(0, 1) if ctx.needs_input_grad[12] else None
-    return dx, ddt, dA.to(A.dtype), dB, dC, None, d_rates, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None, None, None
+    return (dx, ddt, dA.to(A.dtype), dB, dC, None, d_rates, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None, None,
+            None, None)
 
 
 mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
@@ -1248,7 +1253,7 @@ def _keys(Bm: torch.Tensor, bias: torch.Tensor, theta: torch.Tensor, H: int) -> 
     return rotate_pairs(Bm.to(acc).repeat_interleave(H // Bm.shape[3], dim=3) + bias.transpose(0, 1).to(acc), theta)
 
 
-def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk):  # noqa: ANN001, ANN202
+def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gamma, D, cu_seqlens, order, chunk):  # noqa: ANN001, ANN202
     """The Triton op on x [B,T,H,P] (MIMO: with its rank scale mimo_x [H,R,P], applied in the kernels; SISO: None),
     the rank form of the keys (_ranked_keys's B, C [B,T,R,G,N] and biases [H,R,N]) and the angle rates [B,T,H,n_a]
     (or [B,T,1,n_a], shared by the heads)
@@ -1268,15 +1273,13 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gam
     if x.dtype == torch.float64:
         raise ValueError("the Triton Mamba-3 scan takes float32, bfloat16 or float16 x; float64 is for the torch paths")
     N = Bm.shape[-1]
-    n_docs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    n_docs = cu_seqlens.shape[0] - 1
     # the saved states, the keys per head and sub-token, and M3_BWD_SPLIT's [CHUNK, CHUNK] tile per chunk and head
     elements = max((B * T * R // chunk + n_docs) * H * max(P * N, chunk * chunk), B * T * R * H * max(P, N))
     if elements >= 2**31:  # the kernels index in int32
         raise ValueError(f"the Triton Mamba-3 scan indexes in int32: x {tuple(x.shape[:2])} x {R} ranks with H={H}, "
                          f"P={P}, N={N}, chunk={chunk} and {n_docs} documents needs {elements} elements in one buffer "
                          f"(limit 2**31); split the batch")  # fmt: skip
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, B * T + 1, T, device=x.device, dtype=torch.int32)
     sub = lambda t: t.reshape(B, T * R, *t.shape[3:]).contiguous()  # noqa: E731  [B,T,R,...] -> [B,T*R,...]
     fp32_sub = lambda t: sub(t[:, :, None].expand(B, T, R, H).float())  # noqa: E731
     dt_sub = torch.cat((dt[:, :, None].float(), dt.new_zeros((B, T, R - 1, H), dtype=torch.float32)), dim=2)
@@ -1294,7 +1297,7 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gam
         _angle_increments(angles.detach(), dt.detach(), torch.float32).contiguous(), _rates(angles),
         b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
         None if mimo_x is None else mimo_x.float().contiguous(), cu_steps,
-        cu_steps if R == 1 else (cu_seqlens * R).to(torch.int32), chunk, R, needs_grad,
+        cu_steps if R == 1 else (cu_seqlens * R).to(torch.int32), order, chunk, R, needs_grad,
         needs_grad and keeps_keys(x, Bs),
     )  # fmt: skip
     return y.view(B, T, R, H, P)
@@ -1360,7 +1363,9 @@ def mamba3_scan(
     if kernel == "auto":
         kernel = "triton" if x.device.type == "cuda" else "chunked"
     if kernel == "triton":  # one op: keys and queries biased and rotated in the kernels, the diagonal exact, D x added
-        y = _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gamma, D, cu_seqlens, chunk)
+        order = ctx.longest_first if ctx is not None else documents_longest_first(cu_seqlens)
+        y = _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gamma, D, cu_seqlens, order,
+                           chunk)  # fmt: skip
     else:
         xr = _rank_inputs(x, mimo_x)
         # the increments [B,T,H,N_a]; theta, their document sums, is shared by the ranks

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from megacpp_lab.kernels import TRITON_INTERPRET, launchable
-from megacpp_lab.varlen import PackedContext, check_context, check_cu_seqlens
+from megacpp_lab.varlen import PackedContext, check_context, check_cu_seqlens, documents_longest_first
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -291,14 +291,20 @@ def decay_mask(cs, step):
 
 
 @triton.jit
-def _state_program(cu_ptr, a_ptr, H, G, P: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+def _state_program(cu_ptr, order_ptr, a_ptr, H, G, P: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    CHUNK: tl.constexpr):  # fmt: skip
     """What a sequential-pass program (document, head, [BP, BN] state block) works on: its head and group,
-    the document's token range and first state slot, the head's decay rate, and the chunk/P/N index ranges."""
-    doc = tl.program_id(0)
-    hd = tl.program_id(1)
-    pb = tl.program_id(2) % (P // BP)
-    nb = tl.program_id(2) // (P // BP)
+    the document's token range and first state slot, the head's decay rate, and the chunk/P/N index ranges.
+    Program (i, block) takes head i % H of the document order[i // H] (varlen.documents_longest_first, as
+    PackedContext.longest_first holds it), so the GPU, which starts programs in their order, starts the longest chains
+    first: each program walks its document's chunks one after another, so a pass lasts at least its longest
+    document's chain, and started last (in document order) that chain adds to the time the others took. At bench
+    ssd's main shape (64 documents of 8 a row, the longest 35 chunks of 545; 264 programs at once on an H100) a list
+    schedule in document order ends at 62 chunk-times, longest first at 36 (the work spread evenly: 35)."""
+    doc = tl.load(order_ptr + tl.program_id(0) // H)
+    hd = tl.program_id(0) % H
+    pb = tl.program_id(1) % (P // BP)
+    nb = tl.program_id(1) // (P // BP)
     start = tl.load(cu_ptr + doc)
     A_h = tl.load(a_ptr + hd).to(tl.float32)
     rp = pb * BP + tl.arange(0, BP)
@@ -308,7 +314,7 @@ def _state_program(cu_ptr, a_ptr, H, G, P: tl.constexpr, BP: tl.constexpr, BN: t
 
 @triton.jit
 def _ssd_fwd_state_kernel(
-    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, cu_ptr, st_ptr,
+    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, b_ptr, cu_ptr, order_ptr, st_ptr,
     H, G,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     PRECISION: tl.constexpr, DOT: tl.constexpr, HAS_W: tl.constexpr, RANK: tl.constexpr,
@@ -317,7 +323,7 @@ def _ssd_fwd_state_kernel(
     store the state entering every chunk (fp32 running, stored in the states' dtype); S' = exp(cs_last) S +
     (u * w)^T B, u = dt x (or x times the input weight), w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset. RANK > 1: the
     tokens are Mamba-3's rank sub-tokens, x per step scaled by mimo_x at xs_ptr (rank_inputs)."""
-    hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
+    hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, order_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
     S = tl.zeros((BP, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(end - start, CHUNK)):
         tl.store(st_ptr + (((slot0 + k) * H + hd) * P + rp[:, None]) * N + rn[None, :], S)
@@ -376,14 +382,14 @@ def _ssd_fwd_output_kernel(
 
 @triton.jit
 def _ssd_bwd_state_kernel(
-    dy_ptr, dt_ptr, a_ptr, c_ptr, cu_ptr, dst_ptr,
+    dy_ptr, dt_ptr, a_ptr, c_ptr, cu_ptr, order_ptr, dst_ptr,
     H, G,
     P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """Backward pass 1 (sequential, chunks in reverse): store dS', the gradient of the state leaving every
     chunk; the gradient of the entering state is exp(cs_last) dS' + sum_i exp(cs_i) dy_i C_i^T."""
-    hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
+    hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, order_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
     dS = tl.zeros((BP, BN), dtype=tl.float32)  # nothing leaves the last chunk: the next document starts at zero
     n_chunks = tl.cdiv(end - start, CHUNK)
     for kk in range(0, n_chunks):
@@ -538,11 +544,12 @@ def _n_slots(total: int, chunk: int, n_docs: int) -> int:
     return total // chunk + n_docs
 
 
-def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int, int], int, int]:
+def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int], int, int]:
     bp, bn = min(STATE_BLOCK_P, P), min(STATE_BLOCK_N, N)
     if D * H * (P // bp) * (N // bn) >= 2048 and N >= 2 * bn:  # programs to spare: wider blocks, fewer re-reads of x
         bn *= 2
-    return (D, H, (P // bp) * (N // bn)), bp, bn
+    return (D * H, (P // bp) * (N // bn)), bp, bn
+
 
 
 class Mamba3Operands(NamedTuple):
@@ -570,11 +577,13 @@ def _m3_args(m3: Mamba3Operands | None, placeholder: torch.Tensor) -> tuple[dict
 
 def launch_ssd_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, cu_seqlens: torch.Tensor,
-    chunk: int, save: bool, x_weight: torch.Tensor | None, y_dtype: torch.dtype, m3: Mamba3Operands | None = None,
+    order: torch.Tensor, chunk: int, save: bool, x_weight: torch.Tensor | None, y_dtype: torch.dtype,
+    m3: Mamba3Operands | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The forward kernels (the SSD op's, and kernels/mamba3's in Mamba-3 mode): y [B, T', H, P] in y_dtype over the
     scan's tokens (T' = dt's: the steps, or Mamba-3's T*R rank sub-tokens, x then one row a step) and the state
-    entering every chunk (states_dtype) of every document, by slot (empty unless save). Inputs contiguous and validated."""
+    entering every chunk (states_dtype) of every document, by slot (empty unless save). Inputs contiguous and validated;
+    order: the documents longest first (varlen.documents_longest_first), the sequential state pass's start order."""
     B, T = dt.shape[:2]
     H, P = x.shape[2], x.shape[3]
     G, N = Bm.shape[2], Bm.shape[3]
@@ -587,7 +596,7 @@ def launch_ssd_fwd(
     w = x_weight if has_w else dt  # a placeholder pointer the kernels never read
     flags, gam, skip, x_scale = _m3_args(m3, dt)
     _ssd_fwd_state_kernel[grid](
-        x, x_scale, dt, w, A, Bm, cu_seqlens, states, H, G,
+        x, x_scale, dt, w, A, Bm, cu_seqlens, order, states, H, G,
         P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dots, HAS_W=has_w, RANK=flags["RANK"], num_warps=STATE_WARPS,
     )  # fmt: skip
     y = torch.empty((B, T, H, P), device=x.device, dtype=y_dtype)
@@ -600,16 +609,17 @@ def launch_ssd_fwd(
 
 
 def launch_ssd_bwd_states(dy: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Cm: torch.Tensor,
-                          cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+                          cu_seqlens: torch.Tensor, order: torch.Tensor, states: torch.Tensor, chunk: int,
+                          dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """Backward pass 1 (the SSD op's, and kernels/mamba3's): the gradient of the state leaving every chunk of
     every document, by slot, [n_slots, H, P, N] in the dtype of the forward's saved states. dy contiguous [B,T,H,P]; dtype:
-    x's, which sets the dots' (dot_types)."""
+    x's, which sets the dots' (dot_types); order: the documents longest first, as launch_ssd_fwd takes it."""
     H, P, N = states.shape[1:]
     G = Cm.shape[2]
     dstates = torch.empty_like(states)
     grid, bp, bn = _state_grid(cu_seqlens.numel() - 1, H, P, N)
     _ssd_bwd_state_kernel[grid](
-        dy, dt, A, Cm, cu_seqlens, dstates, H, G,
+        dy, dt, A, Cm, cu_seqlens, order, dstates, H, G,
         P=P, N=N, BP=bp, BN=bn, CHUNK=chunk, **dot_types(dtype), num_warps=STATE_WARPS,
     )  # fmt: skip
     return dstates
@@ -617,7 +627,7 @@ def launch_ssd_bwd_states(dy: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, C
 
 def launch_ssd_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, x_weight: torch.Tensor | None,
+    cu_seqlens: torch.Tensor, order: torch.Tensor, states: torch.Tensor, chunk: int, x_weight: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The SSD op's backward kernels: dx, ddt, dA, dB, dC (in Bm's dtype) and dw (empty without x_weight)."""
     B, T, H, P = x.shape
@@ -625,7 +635,7 @@ def launch_ssd_bwd(
     D = cu_seqlens.numel() - 1
     n_slots = states.shape[0]
     dy = dy.contiguous()
-    dstates = launch_ssd_bwd_states(dy, dt, A, Cm, cu_seqlens, states, chunk, x.dtype)
+    dstates = launch_ssd_bwd_states(dy, dt, A, Cm, cu_seqlens, order, states, chunk, x.dtype)
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
     dA = torch.empty((n_slots, H), device=x.device, dtype=torch.float32)
     has_w = x_weight is not None
@@ -649,20 +659,21 @@ def launch_ssd_bwd(
 @torch.library.custom_op("megacpp::ssd_scan_fwd", mutates_args=())
 def ssd_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor, chunk: int, save: bool, x_weight: Optional[torch.Tensor] = None,  # noqa: UP045
-    y_fp32: bool = False,
+    cu_seqlens: torch.Tensor, order: torch.Tensor, chunk: int, save: bool,
+    x_weight: Optional[torch.Tensor] = None, y_fp32: bool = False,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T,H,P] and the state entering every chunk of every document (states_dtype), by slot (empty unless save).
 
-    Inputs contiguous, validated by the caller; cu_seqlens [D+1] int32 covers the flattened B*T tokens.
+    Inputs contiguous, validated by the caller; cu_seqlens [D+1] int32 covers the flattened B*T tokens; order: its
+    documents longest first (varlen.documents_longest_first, [D+1] with its end mark; PackedContext.longest_first).
     x_weight (fp32, [B,T,H]): the input's weight per token, dt when None (the module docstring). y_fp32: y in
     fp32, not x's dtype (the kernels accumulate in fp32 and store in y's dtype)."""
-    return launch_ssd_fwd(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight,
+    return launch_ssd_fwd(x, dt, A, Bm, Cm, cu_seqlens, order, chunk, save, x_weight,
                           torch.float32 if y_fp32 else x.dtype)  # fmt: skip
 
 
 @ssd_scan_fwd.register_fake
-def _(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight=None, y_fp32=False):
+def _(x, dt, A, Bm, Cm, cu_seqlens, order, chunk, save, x_weight=None, y_fp32=False):
     B, T, H, P = x.shape
     n_slots = _n_slots(B * T, chunk, cu_seqlens.shape[0] - 1)
     return (torch.empty_like(x, dtype=torch.float32 if y_fp32 else x.dtype),
@@ -672,32 +683,33 @@ def _(x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight=None, y_fp32=False):
 @torch.library.custom_op("megacpp::ssd_scan_bwd", mutates_args=())
 def ssd_scan_bwd(
     dy: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    cu_seqlens: torch.Tensor, states: torch.Tensor, chunk: int, x_weight: Optional[torch.Tensor] = None,  # noqa: UP045
+    cu_seqlens: torch.Tensor, order: torch.Tensor, states: torch.Tensor, chunk: int,
+    x_weight: Optional[torch.Tensor] = None,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients for x, dt, A, Bm, Cm and x_weight (empty when it is None), from the forward's saved chunk
     states."""
-    return launch_ssd_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk, x_weight)
+    return launch_ssd_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, order, states, chunk, x_weight)
 
 
 @ssd_scan_bwd.register_fake
-def _(dy, x, dt, A, Bm, Cm, cu_seqlens, states, chunk, x_weight=None):
+def _(dy, x, dt, A, Bm, Cm, cu_seqlens, order, states, chunk, x_weight=None):
     dw = torch.empty_like(x_weight) if x_weight is not None else dt.new_empty((0,))
     return torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(Bm), torch.empty_like(Cm), dw
 
 
 def _setup_context(ctx, inputs, output):
-    x, dt, A, Bm, Cm, cu_seqlens, chunk, save, x_weight, _y_fp32 = inputs
-    ctx.save_for_backward(x, dt, A, Bm, Cm, cu_seqlens, output[1], x_weight)
+    x, dt, A, Bm, Cm, cu_seqlens, order, chunk, save, x_weight, _y_fp32 = inputs
+    ctx.save_for_backward(x, dt, A, Bm, Cm, cu_seqlens, order, output[1], x_weight)
     ctx.chunk = chunk
     ctx.set_materialize_grads(False)  # else autograd allocates zeros the size of the states for their unused grad
 
 
 def _backward(ctx, dy, _dstates):
-    x, dt, A, Bm, Cm, cu_seqlens, states, x_weight = ctx.saved_tensors
+    x, dt, A, Bm, Cm, cu_seqlens, order, states, x_weight = ctx.saved_tensors
     if states.numel() == 0:
         raise RuntimeError("ssd_scan_fwd ran with save=False; its output cannot be differentiated")
-    dx, ddt, dA, dB, dC, dw = ssd_scan_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, states, ctx.chunk, x_weight)
-    return dx, ddt, dA, dB, dC, None, None, None, (dw if x_weight is not None else None), None
+    dx, ddt, dA, dB, dC, dw = ssd_scan_bwd(dy, x, dt, A, Bm, Cm, cu_seqlens, order, states, ctx.chunk, x_weight)
+    return dx, ddt, dA, dB, dC, None, None, None, None, (dw if x_weight is not None else None), None
 
 
 ssd_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -762,6 +774,7 @@ def ssd_scan(
         raise ValueError("the Triton SSD takes float32, bfloat16 or float16 x; float64 is for the torch paths")
     if cu_seqlens is None:
         cu_seqlens = torch.arange(0, B * T + 1, T, device=x.device, dtype=torch.int32)
+    order = ctx.longest_first if ctx is not None else documents_longest_first(cu_seqlens)
     # no generator expression: dynamo cannot trace one under fullgraph
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or dt.requires_grad or A.requires_grad or Bm.requires_grad or Cm.requires_grad
@@ -770,7 +783,7 @@ def ssd_scan(
     if x_weight is not None:
         x_weight = x_weight.float().contiguous()
     y, _ = ssd_scan_fwd(
-        x.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(), Cm.contiguous(), cu_seqlens, chunk, needs_grad,
-        x_weight, y_fp32,
+        x.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(), Cm.contiguous(), cu_seqlens, order, chunk,
+        needs_grad, x_weight, y_fp32,
     )
     return y
