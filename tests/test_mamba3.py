@@ -219,12 +219,15 @@ def _triton_against_the_step_loop(a, cu, dy, *, tol):
         assert rel < tol / 2, f"d{name}: relative error {rel:.2e}"
 
 
+@pytest.mark.parametrize("form", ["split", "one_sweep", "split_one_sweep"])
 @pytest.mark.parametrize("R", [1, 4])
-def test_the_split_chunk_pass_equals_the_one_kernel_bit_for_bit(R, monkeypatch):
-    """M3_BWD_SPLIT's two kernels run the one kernel's arithmetic (the same helpers), step 2's tile, vector and sum
-    passing through memory in the dtype the one kernel holds them in: under the interpreter every gradient is the
-    same bits, SISO and MIMO, with gap slots (documents shorter than a chunk) and two blocks of state columns. On a
-    GPU, ptxas may fuse a multiply into an add differently in two kernels: there, within 1e-6."""
+def test_the_chunk_pass_forms_equal_the_one_kernel_bit_for_bit(R, form, monkeypatch):
+    """The chunk pass's forms run the one kernel's arithmetic (the same helpers): M3_BWD_SPLIT's two kernels, step 2's
+    tile, vector and sum passing through memory in the dtype the one kernel holds them in; M3_BWD_ONE_SWEEP's dq and
+    dk in one sweep, the queries' and keys' angle gradients added in registers (fp32 addition commutes: the same sum
+    the two sweeps form through memory), each alone and both. Under the interpreter every gradient is the same bits,
+    SISO and MIMO, with gap slots (documents shorter than a chunk) and two blocks of state columns. On a GPU, ptxas
+    may fuse a multiply into an add differently in another kernel: there, within 1e-6."""
     from megacpp_lab.kernels import mamba3 as m3
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,16 +243,17 @@ def test_the_split_chunk_pass_equals_the_one_kernel_bit_for_bit(R, monkeypatch):
         a["c_bias"] = (0.1 * torch.randn(2, R, 32, generator=g)).to(device).requires_grad_()
         a["mimo_x"] = (1 + 0.1 * torch.randn(2, R, 16, generator=g)).to(device).requires_grad_()
     grads = {}
-    for split in (False, True):
-        monkeypatch.setattr(m3, "M3_BWD_SPLIT", split)
+    for other in (False, True):
+        monkeypatch.setattr(m3, "M3_BWD_SPLIT", other and "split" in form)
+        monkeypatch.setattr(m3, "M3_BWD_ONE_SWEEP", other and "one_sweep" in form)
         y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(device)
-        grads[split] = torch.autograd.grad(y, list(a.values()), dy)
+        grads[other] = torch.autograd.grad(y, list(a.values()), dy)
     for name, one, two in zip(a, grads[False], grads[True]):
         if device == "cpu":
-            assert torch.equal(one, two), f"d{name} differs between one chunk kernel and two"
+            assert torch.equal(one, two), f"d{name} differs between the one kernel's two sweeps and {form}"
         else:  # by norm: ddt sums cancelling terms, where an element near zero moves by more than 1e-6 of itself
-            assert ((two - one).norm() / one.norm()).item() < 1e-6, f"d{name}: two chunk kernels against one"
+            assert ((two - one).norm() / one.norm()).item() < 1e-6, f"d{name}: {form} against the one kernel"
 
 
 @pytest.mark.parametrize("R,G", [(1, 2), (4, 2), (1, 1), (4, 1)])

@@ -609,46 +609,73 @@ def _angle_keys_kernel(inc_ptr, cu_ptr, tot_ptr, th_ptr, b_ptr, c_ptr, bb_ptr, c
 
 
 @triton.jit
-def _key_grads_out(d, v, th_ptr, dth_ptr, dtt_ptr, out_ptr, bias_ptr, t, m, first, end, hd, H, n_a, slot, sums_row,
-                   col0, rn, kq_at, FIRST: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
-                   N: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr):  # fmt: skip
-    """One [CHUNK, BN] block of dk (or dq) at the keys v as stored, taken back through the rotation: the gradient
-    of B + b_bias per head into out_ptr; the block's pairs' angle gradients into dth_ptr ([B*T, H, n_a], one row a
-    step; FIRST: stored, else added to what the queries' sweep stored, and their sum over the chunk's steps stored
-    at dtt_ptr [slots, H, n_a], what _angle_grads_kernel carries into the document's earlier chunks); the bias's
-    partial sums over the chunk's
-    sub-tokens, per rank. MIMO: a chunk holds whole steps ([first, end) sub-tokens), so the ranks' angle gradients
-    are summed here and each rank's bias sum is one reduction of the block seen as [steps, RANK, BN] (compiled for
-    sm_90, kernels/resources: at R = 4, with x read a step at a time, the chunk kernel's shuffles went from 848 to
-    528 and its spills from 336/392 to 308/328 bytes a thread, against stores per sub-token and a masked sum per
-    rank; taking cos and sin once a step and broadcasting them to the ranks spilled more: 708/808 against 524/604,
-    both measured with dx summed over the ranks in the kernel, since dropped)."""
-    pr = col0 // 2 + tl.arange(0, BN // 2)  # the block's pairs (rn = col0 + arange(BN))
-    pm = m[:, None] & (pr < n_a)[None, :]
-    # the queries' sweep (FIRST) reads the angles and stores their gradients for the keys' sweep to read again
-    cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, col0, BN, RANK, KEEP if FIRST else DROP)
+def _key_grad_back(d, v, cos, sin, out_ptr, bias_ptr, m, hd, slot, sums_row, rn, kq_at, RANK: tl.constexpr,
+                   CHUNK: tl.constexpr, BN: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """One [CHUNK, BN] block of dk (or dq) at the keys v as stored (fp32), taken back through the rotation by the
+    angles whose cos and sin are [CHUNK, BN // 2]: the gradient of B + b_bias per head into out_ptr and the bias's
+    partial sums over the chunk's sub-tokens, per rank; returns the block's pairs' angle gradients, summed over a
+    step's ranks ([CHUNK // RANK, BN // 2]). MIMO: a chunk holds whole steps, so each rank's bias sum is one
+    reduction of the block seen as [steps, RANK, BN] (compiled for sm_90, kernels/resources: at R = 4, with x read a
+    step at a time, the chunk kernel's shuffles went from 848 to 528 and its spills from 336/392 to 308/328 bytes a
+    thread, against stores per sub-token and a masked sum per rank; taking cos and sin once a step and broadcasting
+    them to the ranks spilled more: 708/808 against 524/604, both measured with dx summed over the ranks in the
+    kernel, since dropped)."""
     back, dth = _unrotate(d, v, cos, sin, CHUNK, BN)
     tl.store(out_ptr + kq_at + rn[None, :], back.to(out_ptr.dtype.element_ty), mask=m[:, None])
+    # rows past the chunk's end are zero
     if RANK == 1:
+        tl.store(bias_ptr + slot * sums_row + hd * N + rn, tl.sum(back, 0))
+    else:
+        STEPS: tl.constexpr = CHUNK // RANK
+        rr = tl.arange(0, RANK)
+        tl.store(bias_ptr + slot * sums_row + ((hd * RANK + rr) * N)[:, None] + rn[None, :],
+                 tl.sum(tl.reshape(back, (STEPS, RANK, BN)), axis=0))  # fmt: skip
+        dth = tl.sum(tl.reshape(dth, (STEPS, RANK, BN // 2)), axis=1)
+    return dth
+
+
+@triton.jit
+def _store_angle_grads(dth, dth_ptr, dtt_ptr, t, m, first, end, hd, H, n_a, slot, col0, WHOLE: tl.constexpr,
+                       ADD: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
+                       KEEP: tl.constexpr, DROP: tl.constexpr):  # fmt: skip
+    """A block's pairs' angle gradients [CHUNK // RANK, BN // 2] (its columns col0 + arange(BN)) into dth_ptr
+    ([B*T, H, n_a], one row a step). WHOLE: the keys' and the queries' parts are both in (ADD: the queries' part read
+    back from dth_ptr, where their sweep stored it), and their sum over the chunk's steps, per pair, goes to dtt_ptr
+    [slots, H, n_a] (what _angle_grads_kernel carries into the document's earlier chunks); else the queries' part
+    alone, stored for the keys' sweep to read."""
+    pr = col0 // 2 + tl.arange(0, BN // 2)
+    if RANK == 1:
+        pm = m[:, None] & (pr < n_a)[None, :]
         th_at = dth_ptr + (t * H + hd)[:, None] * n_a + pr[None, :]
     else:
         STEPS: tl.constexpr = CHUNK // RANK
         steps = first // RANK + tl.arange(0, STEPS)
         pm = (steps < end // RANK)[:, None] & (pr < n_a)[None, :]
         th_at = dth_ptr + (steps * H + hd)[:, None] * n_a + pr[None, :]
-        dth = tl.sum(tl.reshape(dth, (STEPS, RANK, BN // 2)), axis=1)
-    if not FIRST:  # the block's pairs' angle gradients are whole: also their sum over the chunk's steps, per pair
+    if ADD:
         dth += tl.load(th_at, mask=pm, other=0.0, eviction_policy=DROP)
+    if WHOLE:
         pa = pr < n_a
         tl.store(dtt_ptr + (slot * H + hd) * n_a + pr, tl.sum(tl.where(pa[None, :], dth, 0.0), axis=0), mask=pa)
-    tl.store(th_at, dth, mask=pm, eviction_policy=KEEP if FIRST else "")
-    # rows past the chunk's end are zero
-    if RANK == 1:
-        tl.store(bias_ptr + slot * sums_row + hd * N + rn, tl.sum(back, 0))
+    tl.store(th_at, dth, mask=pm, eviction_policy="" if WHOLE else KEEP)
+
+
+@triton.jit
+def _key_grads_out(d, v, th_ptr, dth_ptr, dtt_ptr, out_ptr, bias_ptr, t, m, first, end, hd, H, n_a, slot, sums_row,
+                   col0, rn, kq_at, FIRST: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
+                   N: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr):  # fmt: skip
+    """The two sweeps' block of dk (or dq, FIRST) back through the rotation (_key_grad_back) at the block's angles,
+    its angle gradients stored (FIRST, the queries': for the keys' sweep to add to; else whole, with their chunk
+    sum: _store_angle_grads)."""
+    # the queries' sweep (FIRST) reads the angles and stores their gradients for the keys' sweep to read again
+    cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, col0, BN, RANK, KEEP if FIRST else DROP)
+    dth = _key_grad_back(d, v, cos, sin, out_ptr, bias_ptr, m, hd, slot, sums_row, rn, kq_at, RANK, CHUNK, BN, N)
+    if FIRST:
+        _store_angle_grads(dth, dth_ptr, dtt_ptr, t, m, first, end, hd, H, n_a, slot, col0, False, False, RANK, CHUNK,
+                           BN, KEEP, DROP)  # fmt: skip
     else:
-        rr = tl.arange(0, RANK)
-        tl.store(bias_ptr + slot * sums_row + ((hd * RANK + rr) * N)[:, None] + rn[None, :],
-                 tl.sum(tl.reshape(back, (STEPS, RANK, BN)), axis=0))  # fmt: skip
+        _store_angle_grads(dth, dth_ptr, dtt_ptr, t, m, first, end, hd, H, n_a, slot, col0, True, True, RANK, CHUNK,
+                           BN, KEEP, DROP)  # fmt: skip
 
 
 @triton.jit
@@ -713,14 +740,45 @@ def _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, d
 
 
 @triton.jit
+def _m3_dqdk_block(nb, dcs, SdS, dye, uw, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dtt_ptr, dq_ptr, dk_ptr, dqb_ptr, dkb_ptr,
+                   st_at, dst_at, kq_at, rp, t, m, first, end, hd, H, n_a, slot, sums_row, P: tl.constexpr,
+                   N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+                   SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr):  # fmt: skip
+    """The one sweep's block nb of BN state columns (M3_BWD_ONE_SWEEP): dq and dk on one read of the block's keys,
+    queries, states and angles (their last reads), one cos and sin, the two angle gradients summed in registers and
+    stored once with their chunk sum; returns dcs and SdS with the block's shares."""
+    rn = nb * BN + tl.arange(0, BN)
+    kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=DROP)
+    qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=DROP)
+    S = tl.load(st_at + rp[:, None] * N + rn[None, :], eviction_policy=DROP)
+    dS = tl.load(dst_at + rp[:, None] * N + rn[None, :], eviction_policy=DROP)
+    dyS = tl.dot(dye, S.to(SDOT), input_precision=PRECISION)
+    dcs += tl.sum(dyS * qc.to(tl.float32), axis=1)
+    dq = tl.dot(LdYU, kc.to(DOT), input_precision=PRECISION) + dyS
+    dk = (tl.dot(tl.trans(LdYU), qc.to(DOT), input_precision=PRECISION)
+          + tl.dot(uw, dS.to(SDOT), input_precision=PRECISION))
+    SdS += tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
+    cos, sin = _step_angles(th_ptr, t, m, hd, H, n_a, nb * BN, BN, RANK, DROP)
+    dth = _key_grad_back(dq, qc.to(tl.float32), cos, sin, dq_ptr, dqb_ptr, m, hd, slot, sums_row, rn, kq_at, RANK,
+                         CHUNK, BN, N)  # fmt: skip
+    dth += _key_grad_back(dk, kc.to(tl.float32), cos, sin, dk_ptr, dkb_ptr, m, hd, slot, sums_row, rn, kq_at, RANK,
+                          CHUNK, BN, N)  # fmt: skip
+    _store_angle_grads(dth, dth_ptr, dtt_ptr, t, m, first, end, hd, H, n_a, slot, nb * BN, True, False, RANK, CHUNK, BN,
+                       KEEP, DROP)  # fmt: skip
+    return dcs, SdS
+
+
+@triton.jit
 def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                        dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last, xw, w, slot,
                        hd, H, n_a, sums_row, P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
                        PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
-                       KEEP: tl.constexpr, DROP: tl.constexpr):  # fmt: skip
+                       KEEP: tl.constexpr, DROP: tl.constexpr, ONE_SWEEP: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """The chunk pass's steps 3 and 4 (_m3_bwd_chunk_kernel), from step 2's LdYU, dcs and sum(R): the sweeps over N for
     dq and dk (each taken back through the rotation, _key_grads_out), then the log-decay gradient: ddt and dA's
-    partial sum. x and dy are read again here (a step-2 tile held across the sweeps costs registers)."""
+    partial sum. x and dy are read again here (a step-2 tile held across the sweeps costs registers). ONE_SWEEP: dq
+    and dk in one sweep (_m3_dqdk_block), a loop of num_stages=STAGES (Triton's pipeliner loads the next block during
+    this one), in place of the two unrolled sweeps."""
     rp = tl.arange(0, P)
     st_at = st_ptr + (slot * H + hd) * P * N
     dst_at = dst_ptr + (slot * H + hd) * P * N
@@ -731,6 +789,33 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
     # splits a tile to rotate it back, compiled worse for sm_90: spills 444/452 against 312/340, barriers 231 to 147.)
     dy = tl.load(dy_ptr + xp_at, mask=m[:, None], other=0.0, eviction_policy=DROP).to(tl.float32)
     dye = (dy * tl.exp(cs)[:, None]).to(SDOT)
+    if ONE_SWEEP:
+        x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK).to(tl.float32)
+        uw = (x * (xw * w)[:, None]).to(SDOT)
+        SdS = tl.zeros((P,), dtype=tl.float32)
+        for nb in tl.range(0, N // BN, num_stages=STAGES):
+            dcs, SdS = _m3_dqdk_block(nb, dcs, SdS, dye, uw, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dtt_ptr, dq_ptr, dk_ptr,
+                                      dqb_ptr, dkb_ptr, st_at, dst_at, kq_at, rp, t, m, first, end, hd, H, n_a, slot,
+                                      sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP, DROP)  # fmt: skip
+    else:
+        dcs, SdS = _m3_two_sweeps(dcs, dye, LdYU, x_ptr, xs_ptr, k_ptr, q_ptr, th_ptr, dth_ptr, dtt_ptr, dq_ptr, dk_ptr,
+                                  dqb_ptr, dkb_ptr, st_at, dst_at, kq_at, rp, t, m, first, end, hd, H, n_a, slot,
+                                  sums_row, xw, w, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP, DROP)  # fmt: skip
+    # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
+    to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + sum_R
+    dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
+    tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
+    tl.store(da_ptr + slot * sums_row + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
+
+
+@triton.jit
+def _m3_two_sweeps(dcs, dye, LdYU, x_ptr, xs_ptr, k_ptr, q_ptr, th_ptr, dth_ptr, dtt_ptr, dq_ptr, dk_ptr, dqb_ptr,
+                   dkb_ptr, st_at, dst_at, kq_at, rp, t, m, first, end, hd, H, n_a, slot, sums_row, xw, w,
+                   P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                   DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr,
+                   DROP: tl.constexpr):  # fmt: skip
+    """Step 3 as two unrolled sweeps over N, the queries' then the keys' (each block of keys, queries and states
+    read in both); returns dcs and SdS."""
     for nb in tl.static_range(N // BN):
         rn = nb * BN + tl.arange(0, BN)
         kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=KEEP)
@@ -757,11 +842,7 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
         _key_grads_out(dk, kc, th_ptr, dth_ptr, dtt_ptr, dk_ptr, dkb_ptr, t, m, first, end, hd, H, n_a, slot, sums_row, nb * BN,
                        rn, kq_at, False, RANK, CHUNK, BN, N, KEEP, DROP)  # fmt: skip
         SdS += tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
-    # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
-    to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + sum_R
-    dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
-    tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
-    tl.store(da_ptr + slot * sums_row + hd, tl.sum(tl.where(m, dloga * dt, 0.0), axis=0))
+    return dcs, SdS
 
 
 @triton.jit
@@ -786,6 +867,7 @@ def _m3_bwd_chunk_kernel(
     H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
+    ONE_SWEEP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """The backward's parallel pass (every chunk of every document at once, one program per chunk and head) for
     the forward output kernel's Mamba-3 mode: y = (q k^T * L * W) x + exp(cs) (q S^T) + D x, W[i, j] = w_j (the input
@@ -819,7 +901,7 @@ def _m3_bwd_chunk_kernel(
         _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                            dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last,
                            xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP,
-                           DROP)  # fmt: skip
+                           DROP, ONE_SWEEP, STAGES)  # fmt: skip
 
 
 @triton.jit
@@ -853,6 +935,7 @@ def _m3_bwd_sweeps_kernel(
     ddt_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, H, D, n_a, sums_row,
     P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
+    ONE_SWEEP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's second kernel: the chunk pass's steps 3-4 (_m3_bwd_key_sweeps) from the first's results."""
     slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
@@ -868,7 +951,7 @@ def _m3_bwd_sweeps_kernel(
         _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                            dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last,
                            xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP,
-                           DROP)  # fmt: skip
+                           DROP, ONE_SWEEP, STAGES)  # fmt: skip
 
 
 @triton.jit
@@ -980,6 +1063,12 @@ M3_BWD_WARPS = 4
 # L2 (Nsight Compute at bench ssd's main shape on an H100: 56% L2 hits, 1.83 GB from DRAM where the kernel's tensors
 # hold about 1.1 GB; lead_ncu_host/), and the pass is latency-bound: a hit is the shorter wait
 M3_BWD_EVICT = True
+# the chunk pass's step 3: dq and dk in one sweep over N (M3_BWD_ONE_SWEEP: each block's keys, queries, states and
+# angles read once, one cos and sin, the angle gradients stored once), a loop of num_stages=M3_BWD_STAGES, in place
+# of two unrolled sweeps. Before this commit (d034b2b on branch lead/m3-bwd-sweep-forms, an H100 at bench ssd's main
+# shape) the one sweep at 32 columns pipelined (2 stages) took the kernel 1.014 ms against the two sweeps' 1.068
+M3_BWD_ONE_SWEEP = False
+M3_BWD_STAGES = 2
 # heads a program of the angles' backward (_angle_grads_kernel), at most (a power of two): gcd(H, this). On the H100
 # at bench ssd's main shape (scripts/mamba3_probe.py, profiles/nvidia-h100-80gb-hbm3/ssd/lead_angle_grads/
 # mamba3_probe_heads_bc8cbac.json, one call) the kernel took 0.084 ms at one head a program (9216 programs of [64, 32]
@@ -1152,6 +1241,7 @@ def mamba3_scan_bwd(
     consts = dict(P=P, N=N, BN=min(M3_BWD_BLOCK_N, N), CHUNK=chunk, **dots, SDOT=sdot, RANK=R,
                   KEEP="evict_last" if M3_BWD_EVICT else "", DROP="evict_first" if M3_BWD_EVICT else "",
                   num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
+    sweeps = dict(ONE_SWEEP=M3_BWD_ONE_SWEEP, STAGES=M3_BWD_STAGES)
     n_docs = cu_seqlens.numel() - 1
     if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
@@ -1161,11 +1251,11 @@ def mamba3_scan_bwd(
                                          dD, ldyu, dcs, H, n_docs, sums.shape[1], **consts)  # fmt: skip
         _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu,
                                             dcs, ddt, dA, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1],
-                                            **consts)  # fmt: skip
+                                            **consts, **sweeps)  # fmt: skip
     else:
         _m3_bwd_chunk_kernel[(n_slots, H)](
             x, xs, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
-            dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts,
+            dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts, **sweeps,
         )  # fmt: skip
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     shared = rates.shape[2] == 1 and H > 1
