@@ -1055,8 +1055,9 @@ KEYS_BLOCK_T = 16
 # the H100 at bench ssd's main shape (scripts/mamba3_probe.py, one call) 32 took the kernel 0.263 ms against 16's 0.288
 ANGLE_KEYS_BLOCK_T = 32
 # the backward's chunk pass (_m3_bwd_chunk_kernel): state columns per sweep step and warps (on the H100 at the issue's
-# shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06)
-M3_BWD_BLOCK_N = 64
+# shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06; with the two sweeps at
+# 8d139e5, 32 columns 1.322 against 64's 1.061: the one sweep below takes 32)
+M3_BWD_BLOCK_N = 32
 M3_BWD_WARPS = 4
 # the chunk pass's L2 eviction hints: a tile it reads again later (k, q, S, dS', dy, the angles and their
 # gradients' first store) loaded "evict_last", its last read "evict_first". Its rereads of a program's own tiles miss
@@ -1065,10 +1066,11 @@ M3_BWD_WARPS = 4
 M3_BWD_EVICT = True
 # the chunk pass's step 3: dq and dk in one sweep over N (M3_BWD_ONE_SWEEP: each block's keys, queries, states and
 # angles read once, one cos and sin, the angle gradients stored once), a loop of num_stages=M3_BWD_STAGES, in place
-# of two unrolled sweeps. Before this commit (d034b2b on branch lead/m3-bwd-sweep-forms, an H100 at bench ssd's main
-# shape) the one sweep at 32 columns pipelined (2 stages) took the kernel 1.014 ms against the two sweeps' 1.068
-M3_BWD_ONE_SWEEP = False
-M3_BWD_STAGES = 2
+# of two unrolled sweeps. On an H100 at bench ssd's main shape (scripts/mamba3_probe.py at 8d139e5, one call,
+# profiles/nvidia-h100-80gb-hbm3/ssd/lead_one_sweep/) the kernel took 1.006 ms at 32 columns and 3 stages against the
+# two sweeps' 1.061 (64 columns): 2 stages 1.078, 1 (a rolled loop) 1.172, 64 columns at 2 stages 1.045
+M3_BWD_ONE_SWEEP = True
+M3_BWD_STAGES = 3
 # heads a program of the angles' backward (_angle_grads_kernel), at most (a power of two): gcd(H, this). On the H100
 # at bench ssd's main shape (scripts/mamba3_probe.py, profiles/nvidia-h100-80gb-hbm3/ssd/lead_angle_grads/
 # mamba3_probe_heads_bc8cbac.json, one call) the kernel took 0.084 ms at one head a program (9216 programs of [64, 32]
