@@ -219,6 +219,29 @@ def _triton_against_the_step_loop(a, cu, dy, *, tol):
         assert rel < tol / 2, f"d{name}: relative error {rel:.2e}"
 
 
+def test_the_op_takes_the_state_passes_order_from_the_context_or_the_boundaries(monkeypatch):
+    """The Triton op's state passes start the longest documents first: the op is handed the context's
+    longest_first (found once a batch) where a context is given, else varlen.documents_longest_first of the bare
+    boundaries (once a scan call; tests/test_ssd.py holds that the kernels read it and that any order gives the same
+    bits)."""
+    from megacpp_lab.kernels import mamba3 as m3
+    from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, documents_longest_first
+
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = {k: v.float().to(device) for k, v in _inputs(B=2, T=32, H=2, G=2, P=16, N=16).items()}
+    cu = torch.tensor([0, 20, 32, 45, 64], dtype=torch.int32)
+    seen = []
+    real = m3.mamba3_scan_fwd
+    monkeypatch.setattr(m3, "mamba3_scan_fwd", lambda *args: seen.append(args[15]) or real(*args))
+    ctx = build_context(doc_ids_from_cu_seqlens(cu, 2, 32), cu_seqlens=cu).to(device)
+    mamba3_scan(**a, ctx=ctx, chunk=16, kernel="triton")
+    assert seen[-1] is ctx.longest_first
+    mamba3_scan(**a, cu_seqlens=cu.to(device), chunk=16, kernel="triton")
+    assert seen[-1].tolist() == documents_longest_first(cu).tolist() == [0, 3, 2, 1, 4]
+
+
 @pytest.mark.parametrize("form", ["split", "one_sweep", "split_one_sweep"])
 @pytest.mark.parametrize("R", [1, 4])
 def test_the_chunk_pass_forms_equal_the_one_kernel_bit_for_bit(R, form, monkeypatch):

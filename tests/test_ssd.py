@@ -113,6 +113,32 @@ def test_the_state_passes_take_any_document_order(monkeypatch):
         _assert_close(other, results[0], fwd_tol=0.0, grad_rtol=0.0)
 
 
+def test_the_state_passes_read_the_order_and_the_context_gives_it(monkeypatch):
+    """The control for the test above: the passes do take their documents from the order. With buffers born NaN, an
+    order that runs document 2 (34 tokens, three chunks) four times and the others never leaves the others' later
+    chunks reading states no pass wrote (document 3's second chunk), while the longest-first order writes every state
+    before it is read. And the order comes from the context (its longest_first, found once a batch) where one is
+    given, else from the bare boundaries."""
+    from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens
+
+    inputs = [t.detach() for t in _inputs(1, 53, 4, 32, 32, 4, grad=False)]
+    cu = _cu(*PACKED["cu"])
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype", torch.get_default_dtype()).is_floating_point else empty(*a, **k))  # fmt: skip
+    run = lambda: ssd_scan(*inputs, cu_seqlens=cu, chunk=16, kernel="triton")  # noqa: E731
+    assert not run().isnan().any()
+    monkeypatch.setattr(ssd_mod, "documents_longest_first", lambda _cu: _cu.new_tensor([2, 2, 2, 2, 4]))
+    assert run()[0, 48:].isnan().any()  # document 3 (tokens 40-52): its second chunk's entering state never written
+    monkeypatch.setattr(torch, "empty", empty)
+    seen = []
+    real = ssd_mod.ssd_scan_fwd
+    monkeypatch.setattr(ssd_mod, "ssd_scan_fwd", lambda *a: seen.append(a[6]) or real(*a))
+    ctx = build_context(doc_ids_from_cu_seqlens(cu.cpu(), 1, 53), cu_seqlens=cu.cpu()).to(DEVICE)
+    ssd_scan(*inputs, ctx=ctx, chunk=16, kernel="triton")
+    assert seen[-1] is ctx.longest_first
+
+
 @pytest.mark.parametrize("G", [1, 4], ids=["G1", "G=H"])
 def test_input_weight_apart_from_the_decay_on_every_path(G, monkeypatch):
     """x_weight replaces dt as the input's scale and dt keeps only the decay (Mamba-3's trapezoid weight, and its

@@ -775,7 +775,7 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
                        PRECISION: tl.constexpr, DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr,
                        KEEP: tl.constexpr, DROP: tl.constexpr, ONE_SWEEP: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """The chunk pass's steps 3 and 4 (_m3_bwd_chunk_kernel), from step 2's LdYU, dcs and sum(R): the sweeps over N for
-    dq and dk (each taken back through the rotation, _key_grads_out), then the log-decay gradient: ddt and dA's
+    dq and dk (each taken back through the rotation, _key_grad_back), then the log-decay gradient: ddt and dA's
     partial sum. x and dy are read again here (a step-2 tile held across the sweeps costs registers). ONE_SWEEP: dq
     and dk in one sweep (_m3_dqdk_block), a loop of num_stages=STAGES (Triton's pipeliner loads the next block during
     this one), in place of the two unrolled sweeps."""
@@ -877,12 +877,14 @@ def _m3_bwd_chunk_kernel(
       1. over N: CB = q k^T and Q = k dS'^T (the leaving state's gradient at each input);
       2. the chunk's own terms: dx (stored), d weight and d gamma (stored), the log-decay gradient's in-chunk
          part, and L * (dy x^T) * W kept in the dots' dtype;
-      3. over N twice: dq with the log-decay gradient's state term, then dk with sum(S * dS');
+      3. over N: dq with the log-decay gradient's state term and dk with sum(S * dS'), in one sweep
+         (M3_BWD_ONE_SWEEP, the default) or two (the queries', then the keys');
       4. the log-decay gradient: ddt and this chunk's dA.
     Steps 1-2 are _m3_bwd_own_terms, 3-4 _m3_bwd_key_sweeps; M3_BWD_SPLIT runs them as two kernels instead
     (_m3_bwd_own_kernel, _m3_bwd_sweeps_kernel), step 2's results passing through memory.
     SDOT: the operands' dtype of the four dots against the state S and its gradient dS' (fp32, or DOT).
-    dk and dq go back through the rotation here, unrounded (_key_grads_out): dB and dC per head in their pointers'
+    dk and dq go back through the rotation here, unrounded (_key_grad_back; _store_angle_grads stores the angle
+    gradients): dB and dC per head in their pointers'
     dtype, the angles' gradient per step [B*T, H, n_a] (summed over a step's ranks) and its sum over the chunk
     [slots, H, n_a], and the biases' partial sums per
     chunk (rows of the launcher's sums buffer, sums_row apart, beside dA's and dD's: [H, R, N] each). (This replaced a
@@ -1059,8 +1061,9 @@ ANGLE_KEYS_BLOCK_T = 32
 # 8d139e5, 32 columns 1.322 against 64's 1.061: the one sweep below takes 32)
 M3_BWD_BLOCK_N = 32
 M3_BWD_WARPS = 4
-# the chunk pass's L2 eviction hints: a tile it reads again later (k, q, S, dS', dy, the angles and their
-# gradients' first store) loaded "evict_last", its last read "evict_first". Its rereads of a program's own tiles miss
+# the chunk pass's L2 eviction hints: a tile it reads again later (k, q, dS' and dy in steps 1-2; with two sweeps
+# also S, the angles and the queries' angle gradients) loaded "evict_last", its last read "evict_first" (not in
+# M3_BWD_SPLIT's first kernel, whose tiles the second reads only after the whole grid). Its rereads of a program's own tiles miss
 # L2 (Nsight Compute at bench ssd's main shape on an H100: 56% L2 hits, 1.83 GB from DRAM where the kernel's tensors
 # hold about 1.1 GB; lead_ncu_host/), and the pass is latency-bound: a hit is the shorter wait
 M3_BWD_EVICT = True
@@ -1250,7 +1253,8 @@ def mamba3_scan_bwd(
         ldyu = torch.empty((n_slots, H, chunk, chunk), device=x.device, dtype=ldyu_dtype)
         dcs = torch.empty((n_slots, H, chunk + 1), device=x.device, dtype=torch.float32)
         _m3_bwd_own_kernel[(n_slots, H)](x, xs, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam,
-                                         dD, ldyu, dcs, H, n_docs, sums.shape[1], **consts)  # fmt: skip
+                                         dD, ldyu, dcs, H, n_docs, sums.shape[1],
+                                         **(consts | {"KEEP": "", "DROP": ""}))  # fmt: skip
         _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu,
                                             dcs, ddt, dA, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1],
                                             **consts, **sweeps)  # fmt: skip

@@ -291,20 +291,23 @@ def decay_mask(cs, step):
 
 
 @triton.jit
-def _state_program(cu_ptr, order_ptr, a_ptr, H, G, P: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                   CHUNK: tl.constexpr):  # fmt: skip
+def _state_program(cu_ptr, order_ptr, a_ptr, H, G, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
+                   BN: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """What a sequential-pass program (document, head, [BP, BN] state block) works on: its head and group,
     the document's token range and first state slot, the head's decay rate, and the chunk/P/N index ranges.
-    Program (i, block) takes head i % H of the document order[i // H] (varlen.documents_longest_first, as
-    PackedContext.longest_first holds it), so the GPU, which starts programs in their order, starts the longest chains
-    first: each program walks its document's chunks one after another, so a pass lasts at least its longest
-    document's chain, and started last (in document order) that chain adds to the time the others took. At bench
-    ssd's main shape (64 documents of 8 a row, the longest 35 chunks of 545; 264 programs at once on an H100) a list
-    schedule in document order ends at 62 chunk-times, longest first at 36 (the work spread evenly: 35)."""
-    doc = tl.load(order_ptr + tl.program_id(0) // H)
-    hd = tl.program_id(0) % H
-    pb = tl.program_id(1) % (P // BP)
-    nb = tl.program_id(1) // (P // BP)
+    Program i (a one-axis grid, _state_grid) takes state block i % NB (NB = P // BP * N // BN blocks) of head
+    i // NB % H of the document order[i // (NB * H)] (varlen.documents_longest_first, as PackedContext.longest_first
+    holds it), so the GPU, which starts programs in their order, starts every block of the longest chains first:
+    each program walks its document's chunks one after another, so a pass lasts at least its longest document's
+    chain, and started last (in document order) that chain adds to the time the others took. At bench ssd's main
+    shape (64 documents of 8 a row, the longest 35 chunks of 545; 264 programs at once on an H100) a list schedule in
+    document order ends at 62 chunk-times, longest first at 36 (the work spread evenly: 35)."""
+    NB: tl.constexpr = (P // BP) * (N // BN)
+    i = tl.program_id(0)
+    doc = tl.load(order_ptr + i // (NB * H))
+    hd = i // NB % H
+    pb = i % NB % (P // BP)
+    nb = i % NB // (P // BP)
     start = tl.load(cu_ptr + doc)
     A_h = tl.load(a_ptr + hd).to(tl.float32)
     rp = pb * BP + tl.arange(0, BP)
@@ -323,7 +326,7 @@ def _ssd_fwd_state_kernel(
     store the state entering every chunk (fp32 running, stored in the states' dtype); S' = exp(cs_last) S +
     (u * w)^T B, u = dt x (or x times the input weight), w_j = exp(cs_last - cs_j). The state starts at zero: the document-start reset. RANK > 1: the
     tokens are Mamba-3's rank sub-tokens, x per step scaled by mimo_x at xs_ptr (rank_inputs)."""
-    hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, order_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
+    hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, order_ptr, a_ptr, H, G, P, N, BP, BN, CHUNK)
     S = tl.zeros((BP, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(end - start, CHUNK)):
         tl.store(st_ptr + (((slot0 + k) * H + hd) * P + rp[:, None]) * N + rn[None, :], S)
@@ -389,7 +392,7 @@ def _ssd_bwd_state_kernel(
 ):  # fmt: skip
     """Backward pass 1 (sequential, chunks in reverse): store dS', the gradient of the state leaving every
     chunk; the gradient of the entering state is exp(cs_last) dS' + sum_i exp(cs_i) dy_i C_i^T."""
-    hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, order_ptr, a_ptr, H, G, P, BP, BN, CHUNK)
+    hd, g, start, end, slot0, A_h, rl, rp, rn = _state_program(cu_ptr, order_ptr, a_ptr, H, G, P, N, BP, BN, CHUNK)
     dS = tl.zeros((BP, BN), dtype=tl.float32)  # nothing leaves the last chunk: the next document starts at zero
     n_chunks = tl.cdiv(end - start, CHUNK)
     for kk in range(0, n_chunks):
@@ -544,12 +547,12 @@ def _n_slots(total: int, chunk: int, n_docs: int) -> int:
     return total // chunk + n_docs
 
 
-def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int, int], int, int]:
+def _state_grid(D: int, H: int, P: int, N: int) -> tuple[tuple[int], int, int]:
+    """The state passes' one-axis grid (_state_program: document, head, block, the block fastest) and their block."""
     bp, bn = min(STATE_BLOCK_P, P), min(STATE_BLOCK_N, N)
     if D * H * (P // bp) * (N // bn) >= 2048 and N >= 2 * bn:  # programs to spare: wider blocks, fewer re-reads of x
         bn *= 2
-    return (D * H, (P // bp) * (N // bn)), bp, bn
-
+    return (D * H * (P // bp) * (N // bn),), bp, bn
 
 
 class Mamba3Operands(NamedTuple):
