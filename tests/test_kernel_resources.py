@@ -102,12 +102,13 @@ def test_the_split_chunk_pass_spills_less_than_the_one_kernel(mamba3_report):
     """The reason M3_BWD_SPLIT exists (kernels/mamba3.py): each of its two kernels holds fewer tiles at once than
     the one kernel, so spills less a thread. Whether that pays for the second launch is bench ssd's to say. How much
     less depends on ptxas and the form: Triton 3.9's, with the chunk pass's one sweep (on since b796f85), 176 bytes
-    against 20 and 0 (with the two sweeps, 312 against 24 and 20); the GPU box's Triton 3.6 reported 20 for the one
-    kernel with the one sweep (scripts/mamba3_probe.py at b796f85), 244 against 72 with the two sweeps."""
+    against 20 and 0 (with the two sweeps, 312 against 24 and 20); the GPU box's Triton 3.6, at 07348d0 (the split's
+    first kernel without eviction hints), 76 against 52 and 0 (profiles/nvidia-h100-80gb-hbm3/tests/
+    pytest_gpu_07348d0_ssd_resources.log), 244 against 72 with the two sweeps."""
     rows = {r["kernel"]: r for r in mamba3_report["subjects"]["mamba3"]}
     one = rows["_m3_bwd_chunk_kernel"]["spill_store_bytes"]
     assert one > 0  # if this stops spilling (a new ptxas, a leaner kernel) the split has no reason left: re-measure
-    assert max(rows["_m3_bwd_own_kernel"]["spill_store_bytes"], rows["_m3_bwd_sweeps_kernel"]["spill_store_bytes"]) < one / 2
+    assert max(rows["_m3_bwd_own_kernel"]["spill_store_bytes"], rows["_m3_bwd_sweeps_kernel"]["spill_store_bytes"]) < one
 
 
 def test_mamba2s_ssd_compiles_its_four_kernels(mamba3_report):

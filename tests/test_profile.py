@@ -57,6 +57,10 @@ def _check_files(paths: dict[str, Path], receipt: dict[str, Any]) -> None:
     counts = [receipt["doc_counts"]["first_step"], *receipt["doc_counts"]["per_step"]]
     assert all(a != b for a, b in zip(counts, counts[1:])) and len(counts) == 1 + receipt["schedule"]["steps"]
     assert all(math.isfinite(v) for v in times["losses"])
+    # every later batch ran once before the profiler (its first sight compiles what its documents select)
+    sight = receipt["first_sight"]
+    assert sight["doc_counts"] == receipt["doc_counts"]["per_step"] and len(sight["ms"]) == receipt["schedule"]["steps"]
+    assert all(v > 0 for v in sight["ms"]) and sight["median_ms"] <= sight["max_ms"] == max(sight["ms"])
     row = receipt["results"][0]  # several documents a row: attention per document counts less than the row bound
     assert 0 < row["mfu"] < row["mfu_upper_bound"] and row["tflops"] / row["mfu"] == pytest.approx(989.0)
     plain = receipt["unprofiled_step"]  # the active batches again without the profiler, each with its documents

@@ -216,7 +216,7 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     before = set(trace_dir.glob(f"{name}*.pt.trace.json"))
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
     caches = nullcontext() if inductor_caches or not compiled else inductor_config.patch(force_disable_caches=True)
-    bar = tqdm(total=1 + n_steps + UNPROFILED_ROUNDS * active, desc=f"profile {preset} B={B} T={T} {'compiled' if compiled else 'eager'}",
+    bar = tqdm(total=1 + 2 * n_steps + UNPROFILED_ROUNDS * active, desc=f"profile {preset} B={B} T={T} {'compiled' if compiled else 'eager'}",
                disable=not progress)  # fmt: skip
 
     # ---- the cold step, then the profiled steps
@@ -248,6 +248,14 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
             step_losses.append(float(loss))
             bar.update()
 
+        # every profiled batch once before the profiler, unprofiled: a batch's first sight compiles what its
+        # documents select and no earlier batch did (the M2RNN launch plan's state rows a program, a Triton
+        # constexpr: at 07348d0 on an H100 the active steps of 15 and 12 documents a row, the first to plan 64 and
+        # 32 rows, took 0.75 and 0.69 s against 0.077 for 16 documents, planned as 15), a once-a-run cost that a
+        # training run amortises; the profiled steps are then the steady state
+        first_sight_ms: list[float] = []
+        for batch in batches[1:]:
+            timed_step(batch, first_sight_ms, [])
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         with torch.profiler.profile(
@@ -344,6 +352,8 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
         doc_counts={"first_step": counts[0], "per_step": counts[1:]},
         step_time={"all_steps_ms": step_ms, "active_ms": step_ms[-active:], "median_ms": ms,
                    "mean_ms": statistics.fmean(active_ms), "tokens_per_s": tokens_per_s, "losses": losses},
+        first_sight={"ms": first_sight_ms, "doc_counts": counts[1:],
+                     "median_ms": statistics.median(first_sight_ms), "max_ms": max(first_sight_ms)},
         unprofiled_step=unprofiled_step, block_time=block_time, gpu_idle=gpu_idle, host_by_op=host_by_op,
         top_kernels=top_kernels,
         compile=compile_section,
@@ -355,7 +365,11 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
         notes=("Training steps of HybridLM, each on a batch with another number of documents per row (doc_counts), "
                "contexts built before the steps. The first step runs before the profiler and is timed on its own "
                "(with compiled=True it compiles every block structure; on a GPU it also autotunes the Triton "
-               "kernels). Then torch.profiler's schedule (wait, warmup, active, repeat=1); step times are wall "
+               "kernels). Then every later batch once, unprofiled (first_sight: each step's wall time, synchronised: a "
+               "batch whose documents select a Triton specialisation no earlier batch did, the M2RNN launch plan's "
+               "state rows a program say, compiles it there, once a run), so that the profiled steps are the "
+               "steady state. Then torch.profiler's schedule (wait, warmup, active, repeat=1) over the same "
+               "batches; step times are wall "
                "times of the profiled steps (synchronised), so they carry the profiler's overhead; ms / "
                "tokens_per_s: the median active step; mfu / tflops: the active steps' FLOPs over their summed "
                "time (HybridLM.flops_per_token with each batch's document lengths: attention per document) against "
