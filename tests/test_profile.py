@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from megacpp_lab import receipts
-from megacpp_lab.bench.profile import SMALL, varied_doc_counts, profile_training
+from megacpp_lab.bench.profile import SMALL, STALL_FACTOR, profile_training, stalled_active_steps, varied_doc_counts
 from megacpp_lab.model.parallelize import compile_breakdown
 
 
@@ -184,3 +184,14 @@ def test_compile_breakdown_splits_a_region_by_phase_and_counts_cache_hits():
     assert rec["phases_s"] == phases and rec["cold_compile_s"] == pytest.approx(12.25)
     assert rec["caches"] == {"inductor_fx_local_cache_hit": 0, "inductor_fx_local_cache_miss": 2,
                              "aotautograd_local_cache_hit": 1, "aotautograd_local_cache_miss": 0}  # fmt: skip
+
+
+def test_stalled_active_steps_names_the_steps_past_the_factor():
+    """An active step over STALL_FACTOR x the unprofiled median is named with its documents and time; one at or
+    under it is not; a receipt without unprofiled steps has nothing to hold its steps against."""
+    receipt = {"step_time": {"active_ms": [75.0, 751.0, 2 * STALL_FACTOR * 35.0]},
+               "doc_counts": {"first_step": 8, "per_step": [7, 4, 15, 12, 16]},
+               "unprofiled_step": {"median_ms": 70.0}}
+    assert stalled_active_steps(receipt) == [{"active_step": 1, "docs_per_row": 12, "ms": 751.0}]
+    assert [s["active_step"] for s in stalled_active_steps(receipt, factor=1.0)] == [0, 1, 2]
+    assert stalled_active_steps({**receipt, "unprofiled_step": None}) == []

@@ -43,7 +43,7 @@ from megacpp_lab.profiling import (LABEL_SEP, gpu_idle_by_cause, host_time_by_op
 from megacpp_lab.receipts import device_name, device_slug, make_receipt, write_receipt
 from megacpp_lab.varlen import build_context
 
-__all__ = ["FULL", "SMALL", "profile_training", "varied_doc_counts"]
+__all__ = ["FULL", "SMALL", "STALL_FACTOR", "profile_training", "stalled_active_steps", "varied_doc_counts"]
 
 SUBSYSTEM = "profile"
 # (preset, batch, seq_len, docs, wait, warmup, active): a full run and a --small CPU smoke run. Small: three
@@ -388,6 +388,25 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     path = write_receipt(receipt, root)
     plot = _plot(receipt, path.with_suffix(".png"))
     return {"receipt": path, "trace": trace, "plot": plot}
+
+
+# an active step this many times the unprofiled median holds more than the profiler's overhead (on an H100 the
+# base step's clean profiled steps ran 1.03-1.10x the unprofiled median, profiles at bc8cbac and 07348d0): a compile
+# at the batch's first sight, say
+STALL_FACTOR = 2.0
+
+
+def stalled_active_steps(receipt: dict[str, Any], factor: float = STALL_FACTOR) -> list[dict[str, Any]]:
+    """The profiled active steps of a profile receipt that took over `factor` times the unprofiled median of the same
+    batches: each one's position among the active steps, its documents a row and its ms. Receipts written before
+    the first-sight pass (no `first_sight`) can hold such steps; a newer one should hold none."""
+    times = receipt["step_time"]["active_ms"]
+    counts = receipt["doc_counts"]["per_step"][-len(times):]
+    plain = receipt.get("unprofiled_step")
+    if plain is None:  # receipts before the unprofiled rounds: nothing to hold the steps against
+        return []
+    limit = factor * plain["median_ms"]
+    return [{"active_step": i, "docs_per_row": d, "ms": ms} for i, (d, ms) in enumerate(zip(counts, times)) if ms > limit]
 
 
 def active_flops(model: HybridLM, T: int, n_tokens: int, doc_lens: list[list[int]], ms: list[float]) -> dict[str, float]:
