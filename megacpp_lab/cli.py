@@ -541,7 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="profile the compiled training step region by region (trace, JSON summary, plot)",
         description=_paragraphs(
             "Profile HybridLM's training step under torch.profiler: one cold (compiling) step timed on its own, "
-            "then wait, warmup and active steps on the profiler's schedule, each on a batch with another number "
+            "every later batch once unprofiled (its first sight compiles what its documents select), then wait, "
+            "warmup and active steps on the profiler's schedule over those batches, each with another number "
             "of documents per row, with a record_function range per block. Writes under "
             "<out>/<device-slug>/profile/ a TensorBoard trace (*.pt.trace.json: open it with `tensorboard "
             "--logdir <that folder>` and the torch-tb-profiler plugin, or drop it on ui.perfetto.dev), a JSON "

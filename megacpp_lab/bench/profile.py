@@ -1,8 +1,9 @@
 """Profile HybridLM's training step, compiled regionally or eager: the logic of `megacpp-lab profile`.
 
 One run: a fresh dynamo, the model built by parallelize (bf16 on a GPU, regional compile when compiled), one cold
-(compiling) step timed on its own, then wait + warmup + active steps under torch.profiler's schedule, every
-step on a batch with another number of documents per row (so a recompile would show). Writes, under
+(compiling) step timed on its own, every later batch once unprofiled (its first sight: what its documents select
+compiles there), then wait + warmup + active steps on those batches under torch.profiler's schedule, every step
+on a batch with another number of documents per row (so a recompile would show). Writes, under
 <out>/<device-slug>/profile/: the TensorBoard `*.pt.trace.json` (torch-tb-profiler and Perfetto open it), a
 receipt `<name>.json` (top kernels, each block kind's share of the step, step times, tokens/s and MFU, the
 compiled regions: graphs, graph breaks, recompiles, cold compile per region from dynamo's own records) and
@@ -46,8 +47,9 @@ from megacpp_lab.varlen import build_context
 __all__ = ["FULL", "SMALL", "STALL_FACTOR", "profile_training", "stalled_active_steps", "varied_doc_counts"]
 
 SUBSYSTEM = "profile"
-# (preset, batch, seq_len, docs, wait, warmup, active): a full run and a --small CPU smoke run. Small: three
-# steps (the cold one, two profiled) of three different document counts out of 1..4; few, because on a CPU the
+# (preset, batch, seq_len, docs, wait, warmup, active): a full run and a --small CPU smoke run. Small: the cold
+# step and two batches, each once unprofiled (first sight) and once under the profiler, three different document
+# counts out of 1..4; few, because on a CPU the
 # compiled scans run their Triton kernels under the interpreter, about 13 s per step at B=2, T=64.
 FULL = dict(preset="base", batch=4, seq_len=4096, docs=8, wait=1, warmup=2, active=3)
 SMALL = dict(preset="tiny", batch=2, seq_len=64, docs=2, wait=0, warmup=1, active=1)
@@ -161,6 +163,8 @@ def profile_training(*, preset: str | None = None, batch: int | None = None, seq
     Arguments left None take FULL's values (base, B=4, T=4096, 8 documents per row, schedule wait 1, warmup 2,
     active 3), or with small=True SMALL's (tiny, B=2, T=64, 2 documents per row, schedule 0 / 1 / 1). A step is
     zero_grad, forward to the fused LM-head loss, backward and (optimizer=True) an AdamW step, fused on a GPU.
+    Before the profiler, every later batch runs once unprofiled (the receipt's first_sight), so that the profiled
+    steps are the steady state, not the compiles a batch's first sight triggers.
     compiled: apply_compile (every block on its own, fullgraph); on a CPU the scans then run their Triton
     kernels under the interpreter (the reference loops are compiler-disabled), eager CPU runs take
     model_config's chunked SSD and M2RNN reference loop. device: default 'cuda' when there is one, else 'cpu'
