@@ -365,6 +365,12 @@ def test_the_backward_ops_fake_matches_its_real_outputs(R, H, shared, monkeypatc
     assert outs[4].dtype == (torch.float32 if rates.shape[2] == 1 and H > 1 else rates.dtype)
     assert outs[7].shape == (args[17].shape[0], 2 * H + 2 * H * R * 16)  # a row of partial sums a chunk slot
     torch.library.opcheck(real, args, test_utils=("test_schema", "test_faketensor"))
+    # ANGLE_GRADS_HEAD_MAJOR's layout: the shared rates' rows head-major, the same values; per-head rates unchanged
+    assert args[-1] is False
+    major = real(*args[:-1], True)
+    per_head = major[4].permute(1, 2, 0, 3) if rates.shape[2] == 1 and H > 1 else major[4]
+    assert torch.equal(per_head, outs[4])
+    torch.library.opcheck(real, (*args[:-1], True), test_utils=("test_schema", "test_faketensor"))
 
 
 @triton.jit
@@ -563,10 +569,12 @@ def test_a_nan_angle_makes_the_output_nan_from_its_token_to_its_documents_end(ke
     assert torch.equal(y[~reach], clean[~reach])
 
 
-@pytest.mark.parametrize("R, H, n_a, heads, shared", [(1, 2, 4, 1, False), (2, 2, 4, 1, False), (1, 4, 3, 1, False),
-                                                      (2, 2, 4, 2, False), (1, 4, 3, 4, False), (1, 4, 3, 1, True),
-                                                      (2, 2, 4, 2, True)])  # fmt: skip
-def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, shared, monkeypatch):
+@pytest.mark.parametrize("R, H, n_a, heads, shared, head_major",
+                         [(1, 2, 4, 1, False, False), (2, 2, 4, 1, False, False), (1, 4, 3, 1, False, False),
+                          (2, 2, 4, 2, False, False), (1, 4, 3, 4, False, False), (1, 4, 3, 1, True, False),
+                          (2, 2, 4, 2, True, False), (1, 4, 3, 1, True, True), (2, 4, 4, 2, True, True)])  # fmt: skip
+def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, shared, head_major,
+                                                                          monkeypatch):  # fmt: skip
     """The Triton op's angle gradients (the chunk pass's per-chunk sums of dth, each chunk's suffix sums plus its
     document's later chunks' sums, LOOKBACK chunks a load, then through pi tanh(rate) dt) against the chunked torch
     path's (doc_angle_sum's autograd): the angle rates' gradient and dt's, with a document of more than LOOKBACK + 1
@@ -574,10 +582,12 @@ def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, 
     step's rank sub-tokens in one chunk, dt's part at its rank-0 sub-token); one head a program (the default) and
     several (ANGLE_GRADS_HEADS), with n_a under its power of two (a program's padded lanes between heads); the rates
     per head, or one row a token expanded over the heads as the layer gives them (the op then keeps that one row,
-    _rates, and sums the heads' gradients itself)."""
+    _rates, and sums the heads' gradients itself), those per-head rows stored head-major or not
+    (ANGLE_GRADS_HEAD_MAJOR)."""
     from megacpp_lab.kernels import mamba3 as m3
 
     monkeypatch.setattr(m3, "ANGLE_GRADS_HEADS", heads)
+    monkeypatch.setattr(m3, "ANGLE_GRADS_HEAD_MAJOR", head_major)
 
     if not (TRITON_INTERPRET or torch.cuda.is_available()):
         pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
@@ -1179,7 +1189,7 @@ def test_the_backward_op_refuses_groups_that_do_not_fit_b(groups, rotated, messa
         mamba3_scan_bwd(z(B, T, H, P), z(B, T, H, P), z(B, T, H), z(H), Bm, Bm.clone(), z(B, T, H, 4), z(B, T, H, 4),
                         z(H, 1, N), z(H, 1, N), z(B, T, H), z(B, T, H), z(H), None, torch.tensor([0, T]),
                         torch.tensor([0, T]), torch.tensor([0, 1], dtype=torch.int32), z(2, H, P, N), 8, 1, rotated,
-                        groups)  # fmt: skip
+                        groups, False)  # fmt: skip
 
 
 def test_the_bench_deadline_expects_a_later_shape_to_compile_and_the_peer_to_autotune_again():

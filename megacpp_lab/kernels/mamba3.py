@@ -957,9 +957,9 @@ def _m3_bwd_sweeps_kernel(
 
 
 @triton.jit
-def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, ddt_ptr, H, D, n_a, CHUNK: tl.constexpr,
-                        RANK: tl.constexpr, HB: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr,
-                        SHARED_RATES: tl.constexpr):  # fmt: skip
+def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, ddt_ptr, H, D, n_a, n_steps,
+                        CHUNK: tl.constexpr, RANK: tl.constexpr, HB: tl.constexpr, BA: tl.constexpr,
+                        LOOKBACK: tl.constexpr, SHARED_RATES: tl.constexpr, HEAD_MAJOR: tl.constexpr):  # fmt: skip
     """The angles' backward from the chunk pass's angle gradients: program (slot, block of HB heads) takes its
     chunk's steps' dth [steps, HB, n_a] (dth_ptr [B*T, H, n_a]), their suffix sums within the chunk plus the sums of
     the document's later chunks (the chunk pass's per-chunk totals at dtt_ptr [slots, H, n_a], LOOKBACK a load): the
@@ -969,7 +969,8 @@ def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, d
     launches, its cuts found per block) and the increments' backward in a kernel of their own: a chunk never spans
     two documents, so one pass over the chunk pass's slots needs no cut. Lane j of a row is head j // BA's pair
     j % BA (BA = n_a's power of two; the pairs past n_a masked). SHARED_RATES: the rates are one row a step for every
-    head (rate_ptr [B*T, 1, n_a]); their gradient is stored per head, summed over the heads by _mamba3_backward."""
+    head (rate_ptr [B*T, 1, n_a]); their gradient is stored per head, summed over the heads by _mamba3_backward:
+    [B*T, H, n_a], or with HEAD_MAJOR [H, B*T, n_a] (n_steps = B*T)."""
     slot = tl.program_id(0)
     hd0 = tl.program_id(1) * HB
     d, doc_start = slot_document(cu_ptr, slot, D, CHUNK)
@@ -999,7 +1000,10 @@ def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, d
         dt = tl.load(dt_ptr + dt_at, mask=m[:, None], other=0.0)
         g = d_inc * 3.141592653589793
         dt_lanes = tl.reshape(tl.broadcast_to(dt[:, :, None], (STEPS, HB, BA)), (STEPS, HB * BA))
-        tl.store(drate_ptr + at, (g * dt_lanes * (1.0 - th * th)).to(drate_ptr.dtype.element_ty), mask=mm)
+        out_at = at
+        if SHARED_RATES and HEAD_MAJOR:
+            out_at = (((hd0 + lane // BA) * n_steps)[None, :] + steps[:, None]) * n_a + (lane % BA)[None, :]
+        tl.store(drate_ptr + out_at, (g * dt_lanes * (1.0 - th * th)).to(drate_ptr.dtype.element_ty), mask=mm)
         d_dt = tl.sum(tl.reshape(tl.where(mm, g * th, 0.0), (STEPS, HB, BA)), axis=2)
         tl.store(ddt_ptr + dt_at, tl.load(ddt_ptr + dt_at, mask=m[:, None], other=0.0) + d_dt, mask=m[:, None])
 
@@ -1079,6 +1083,12 @@ M3_BWD_STAGES = 3
 # mamba3_probe_heads_bc8cbac.json, one call) the kernel took 0.084 ms at one head a program (9216 programs of [64, 32]
 # lanes: 576 chunk slots by 16 heads), 0.095 at two, 0.123 at four
 ANGLE_GRADS_HEADS = 1
+# where the heads share the angle rates (the layer's one row a token), the angles' backward stores each head's rows
+# of their gradient for _mamba3_backward to sum over the heads: [B, T, H, n_a] (False), or head-major [H, B, T, n_a]
+# (True), whose sum over the heads reads H contiguous slabs. A lead, not yet measured on a GPU: at bench ssd's main
+# shape an inductor sum kernel of 34.5 us was in b796f85's probe (lead_one_sweep/), the likeliest this one (16.8 MB
+# of fp32 rows read over a strided head dim); scripts/mamba3_probe.py takes siso:ANGLE_GRADS_HEAD_MAJOR=True
+ANGLE_GRADS_HEAD_MAJOR = False
 # (M3_BWD_SPLIT's two kernels at 8 warps under a cap of 128 registers, 2 programs an SM of 16 warps for 232/252 bytes
 # of spills a thread, took 0.92 + 0.87 ms against the split's 0.50 + 0.68 and the one kernel's 1.11: a probe on the
 # H200 at bench ssd's main shape; the cap is not kept)
@@ -1200,7 +1210,7 @@ def mamba3_scan_bwd(
     theta: torch.Tensor, rates: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor,
     gamma: torch.Tensor, D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor,  # noqa: UP045
     cu_seqlens: torch.Tensor, order: torch.Tensor, states: torch.Tensor, chunk: int, rank: int, rotated: bool,
-    groups: int,
+    groups: int, head_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt
@@ -1212,7 +1222,8 @@ def mamba3_scan_bwd(
     sums the slots and split_sums parts the sum: a custom op's outputs may not be views of one another, and four
     reductions over the chunks would be four launches).
     rotated: Bm and Cm are the forward's rotated keys and queries per head (keeps_keys), else B and C, and the keys
-    are recomputed; groups: B's G either way (dB and dC are [B,T*R,G,N]). SSD's sequential state pass, then
+    are recomputed; groups: B's G either way (dB and dC are [B,T*R,G,N]); head_major: shared rates' per-head
+    gradient [H,B,T,n_a], not [B,T,H,n_a] (ANGLE_GRADS_HEAD_MAJOR). SSD's sequential state pass, then
     the chunk pass (_m3_bwd_chunk_kernel; with M3_BWD_SPLIT, _m3_bwd_own_kernel then _m3_bwd_sweeps_kernel), which
     also takes dk and dq back through the rotation, unrounded."""
     B, TR, _, N = Bm.shape
@@ -1266,26 +1277,29 @@ def mamba3_scan_bwd(
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     shared = rates.shape[2] == 1 and H > 1
     # per head (the kernel's rows); shared rates: in fp32, summed over the heads by _mamba3_backward, outside the op
-    d_rates = torch.empty((*rates.shape[:2], H, n_a), device=x.device, dtype=torch.float32 if shared else rates.dtype)
+    d_rates = torch.empty(_d_rates_shape(rates, H, shared and head_major), device=x.device,
+                          dtype=torch.float32 if shared else rates.dtype)  # fmt: skip
     if n_a:  # the angles' suffix sums and the increments' backward, dt's part added to ddt
         if ANGLE_GRADS_HEADS < 1 or ANGLE_GRADS_HEADS & (ANGLE_GRADS_HEADS - 1):
             raise ValueError(f"mamba3_scan_bwd: ANGLE_GRADS_HEADS={ANGLE_GRADS_HEADS} must be a power of two >= 1 (a "
                              "program's lanes are its heads times n_a's power of two)")  # fmt: skip
         hb = math.gcd(H, ANGLE_GRADS_HEADS)
         _angle_grads_kernel[(n_slots, H // hb)](dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a,
-                                                CHUNK=chunk, RANK=R, HB=hb, BA=triton.next_power_of_2(n_a),
-                                                LOOKBACK=SCAN_LOOKBACK, SHARED_RATES=shared, num_warps=4)  # fmt: skip
+                                                theta.shape[0] * theta.shape[1], CHUNK=chunk, RANK=R, HB=hb,
+                                                BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK,
+                                                SHARED_RATES=shared, HEAD_MAJOR=shared and head_major,
+                                                num_warps=4)  # fmt: skip
     return dx, ddt, dB, dC, d_rates, dw, dgam, sums
 
 
 @mamba3_scan_bwd.register_fake
 def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order,  # noqa: ANN001, ANN202
-      states, chunk, rank, rotated, groups):  # fmt: skip
+      states, chunk, rank, rotated, groups, head_major):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     dB = Bm.new_empty((B, Bm.shape[1], groups, N))
     shared = rates.shape[2] == 1 and H > 1  # the real op's d_rates: per head, contiguous, fp32 where shared
-    d_rates = rates.new_empty((B, rates.shape[1], H, rates.shape[3]), dtype=torch.float32 if shared else rates.dtype)
+    d_rates = rates.new_empty(_d_rates_shape(rates, H, shared and head_major), dtype=torch.float32 if shared else rates.dtype)
     return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB), d_rates,
             torch.empty_like(weight), torch.empty_like(gamma),
             x.new_empty((states.shape[0], 2 * H + 2 * H * rank * N), dtype=torch.float32))  # fmt: skip
@@ -1305,6 +1319,12 @@ def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
     ctx.set_materialize_grads(False)
 
 
+def _d_rates_shape(rates: torch.Tensor, H: int, head_major: bool) -> tuple[int, ...]:
+    """The shape of mamba3_scan_bwd's rates gradient, one row per head: [B,T,H,n_a], or head-major [H,B,T,n_a]."""
+    B, T, _, n_a = rates.shape
+    return (H, B, T, n_a) if head_major else (B, T, H, n_a)
+
+
 def split_sums(sums: torch.Tensor, H: int, R: int, N: int) -> tuple[torch.Tensor, ...]:
     """mamba3_scan_bwd's partial sums summed over the slots, [2H + 2HRN] -> dA [H], dD [H], the biases' gradients
     [H,R,N] each (views)."""
@@ -1317,15 +1337,16 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
         ctx.saved_tensors)
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
+    head_major = ANGLE_GRADS_HEAD_MAJOR
     dxr, ddt, dB, dC, d_rates, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias,
                                                                weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order,
                                                                states, ctx.chunk, ctx.rank, ctx.rotated,
-                                                               ctx.groups)  # fmt: skip
+                                                               ctx.groups, head_major)  # fmt: skip
     # the per-chunk partial sums and the shared rates' per-head gradients are summed here, outside the op, where
     # inductor fuses each reduction into the kernel that consumes it (inside the op each was an aten reduction of its
     # own: on the H100's compiled base step, 12 + 32 us an M block, c4f5642's trace)
-    if d_rates.shape[2] != rates.shape[2]:  # rates shared by the heads: the op's rows are per head, in fp32
-        d_rates = d_rates.sum(2, keepdim=True).to(rates.dtype)
+    if rates.shape[2] == 1 and x.shape[2] > 1:  # rates shared by the heads: the op's rows are per head, in fp32
+        d_rates = (d_rates.sum(0)[:, :, None] if head_major else d_rates.sum(2, keepdim=True)).to(rates.dtype)
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums.sum(0), x.shape[2], ctx.rank, Bm.shape[-1])
     dx, dmx = dxr, None
