@@ -1207,3 +1207,32 @@ def test_the_bench_deadline_expects_a_later_shape_to_compile_and_the_peer_to_aut
     assert next_shape_estimate_s(250.0, rows) == pytest.approx(want)
     assert next_shape_estimate_s(250.0, rows[:1]) == 250.0  # no peer: every second counts
     assert next_shape_estimate_s(10.0, rows) == 0.0  # never negative
+
+
+def test_the_head_major_constant_is_part_of_the_compiled_graph(monkeypatch):
+    """ANGLE_GRADS_HEAD_MAJOR is read where dynamo traces the scan and handed to the forward op: flipping it between
+    two calls of one compiled function recompiles (the backward traced with each layout, as a probe of both in one
+    process needs), and the gradients agree; SISO on packed rows, the rates shared by the heads."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = {k: v.float().to(device) for k, v in _inputs(B=2, T=40, H=4, G=2, P=16, N=16, n_a=3).items()}
+    shared = a["angles"][:, :, :1].clone()
+    cu = torch.tensor([0, 9, 40, 51, 80], dtype=torch.int32, device=device)
+    dy = torch.randn(a["x"].shape, generator=torch.Generator().manual_seed(2)).to(device)
+    traced = []
+    real = m3.mamba3_scan_bwd
+    monkeypatch.setattr(m3, "mamba3_scan_bwd", lambda *args: traced.append(args[-1]) or real(*args))
+    torch._dynamo.reset()
+    scan = torch.compile(lambda x, r: mamba3_scan(**{**a, "x": x, "angles": r.expand(-1, -1, 4, -1)}, cu_seqlens=cu,
+                                                  chunk=16, kernel="triton"), backend="aot_eager", fullgraph=True)  # fmt: skip
+    grads = []
+    for head_major in (False, True):
+        monkeypatch.setattr(m3, "ANGLE_GRADS_HEAD_MAJOR", head_major)
+        x, r = a["x"].clone().requires_grad_(), shared.clone().requires_grad_()
+        grads.append(torch.autograd.grad(scan(x, r), [x, r], dy))
+    assert traced == [False, True]
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

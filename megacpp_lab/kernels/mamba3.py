@@ -1087,7 +1087,9 @@ ANGLE_GRADS_HEADS = 1
 # of their gradient for _mamba3_backward to sum over the heads: [B, T, H, n_a] (False), or head-major [H, B, T, n_a]
 # (True), whose sum over the heads reads H contiguous slabs. A lead, not yet measured on a GPU: at bench ssd's main
 # shape an inductor sum kernel of 34.5 us was in b796f85's probe (lead_one_sweep/), the likeliest this one (16.8 MB
-# of fp32 rows read over a strided head dim); scripts/mamba3_probe.py takes siso:ANGLE_GRADS_HEAD_MAJOR=True
+# of fp32 rows read over a strided head dim); scripts/mamba3_probe.py takes siso:ANGLE_GRADS_HEAD_MAJOR=True. Read
+# where dynamo traces the scan and handed to the forward op, so a change recompiles (dynamo guards the global) and
+# the graph caches key on it
 ANGLE_GRADS_HEAD_MAJOR = False
 # (M3_BWD_SPLIT's two kernels at 8 warps under a cap of 128 registers, 2 programs an SM of 16 warps for 232/252 bytes
 # of spills a thread, took 0.92 + 0.87 ms against the split's 0.50 + 0.68 and the one kernel's 1.11: a probe on the
@@ -1149,7 +1151,7 @@ def mamba3_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, inc: torch.Tensor,
     rates: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
     mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor, cu_seqlens: torch.Tensor, order: torch.Tensor,  # noqa: UP045
-    chunk: int, rank: int, save: bool, keep_keys: bool,
+    chunk: int, rank: int, save: bool, keep_keys: bool, head_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), the saved chunk states, the keys
     and queries kept for the backward (keep_keys, as keeps_keys decides; else empty), and the angles theta
@@ -1169,7 +1171,9 @@ def mamba3_scan_fwd(
     order: varlen.documents_longest_first, PackedContext.longest_first). Contiguous, validated by mamba3_scan. One op for the
     angles and the scan: the angle sums as ops of their own cost two dispatches and a launch a forward and backward,
     where an H100 box's host took 2.11 ms to issue the old ops' compiled forward and backward at bench ssd's main
-    shape and an H200 runs their kernels in 2.04 (scripts/mamba3_probe.py)."""
+    shape and an H200 runs their kernels in 2.04 (scripts/mamba3_probe.py). head_major: the backward's layout of the
+    shared rates' per-head gradient (ANGLE_GRADS_HEAD_MAJOR, read where the scan is traced: an argument of this op,
+    so a compiled graph and its caches tell the two layouts apart); the forward does not read it."""
     theta, k, q = _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, x.shape[2], rank, x.dtype)
     y, states = launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, order, chunk, save, weight, x.dtype,
                                Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
@@ -1194,7 +1198,7 @@ def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
 
 @mamba3_scan_fwd.register_fake
 def _(x, dt, A, Bm, Cm, inc, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order, chunk, rank,  # noqa: ANN001, ANN202
-      save, keep_keys):  # fmt: skip
+      save, keep_keys, head_major):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P = x.shape[2:]
     n_slots = B * TR // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
@@ -1307,7 +1311,7 @@ def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
     x, dt, A, Bm, Cm, _inc, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order, chunk, rank, \
-        _save, _keep = inputs
+        _save, _keep, head_major = inputs
     _y, states, k, q, theta = output
     ctx.rotated = k.numel() > 0  # the rotated keys kept (keeps_keys): saved in place of B and C
     ctx.groups = Bm.shape[2]
@@ -1315,7 +1319,7 @@ def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
         Bm, Cm = k, q
     ctx.save_for_backward(x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps,
                           cu_seqlens, order, states)  # fmt: skip
-    ctx.chunk, ctx.rank = chunk, rank
+    ctx.chunk, ctx.rank, ctx.head_major = chunk, rank, head_major
     ctx.set_materialize_grads(False)
 
 
@@ -1337,7 +1341,7 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
         ctx.saved_tensors)
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
-    head_major = ANGLE_GRADS_HEAD_MAJOR
+    head_major = ctx.head_major
     dxr, ddt, dB, dC, d_rates, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias,
                                                                weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order,
                                                                states, ctx.chunk, ctx.rank, ctx.rotated,
@@ -1357,7 +1361,7 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
         dx = (dxr * scale).sum(2).to(x.dtype) if ctx.needs_input_grad[0] else None
         dmx = (dxr * x.float()[:, :, None]).sum((0, 1)).transpose(0, 1) if ctx.needs_input_grad[12] else None
     return (dx, ddt, dA.to(A.dtype), dB, dC, None, d_rates, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None, None,
-            None, None)
+            None, None, None)
 
 
 mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
@@ -1415,7 +1419,7 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gam
         b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
         None if mimo_x is None else mimo_x.float().contiguous(), cu_steps,
         cu_steps if R == 1 else (cu_seqlens * R).to(torch.int32), order, chunk, R, needs_grad,
-        needs_grad and keeps_keys(x, Bs),
+        needs_grad and keeps_keys(x, Bs), ANGLE_GRADS_HEAD_MAJOR,
     )  # fmt: skip
     return y.view(B, T, R, H, P)
 
