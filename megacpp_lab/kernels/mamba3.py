@@ -1279,7 +1279,7 @@ def mamba3_scan_bwd(
             dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts, **sweeps,
         )  # fmt: skip
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
-    shared = rates.shape[2] == 1 and H > 1
+    shared = _shares_rates(rates, H)
     # per head (the kernel's rows); shared rates: in fp32, summed over the heads by _mamba3_backward, outside the op
     d_rates = torch.empty(_d_rates_shape(rates, H, shared and head_major), device=x.device,
                           dtype=torch.float32 if shared else rates.dtype)  # fmt: skip
@@ -1302,7 +1302,7 @@ def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     dB = Bm.new_empty((B, Bm.shape[1], groups, N))
-    shared = rates.shape[2] == 1 and H > 1  # the real op's d_rates: per head, contiguous, fp32 where shared
+    shared = _shares_rates(rates, H)  # the real op's d_rates: per head, contiguous, fp32 where shared
     d_rates = rates.new_empty(_d_rates_shape(rates, H, shared and head_major), dtype=torch.float32 if shared else rates.dtype)
     return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB), d_rates,
             torch.empty_like(weight), torch.empty_like(gamma),
@@ -1321,6 +1321,12 @@ def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
                           cu_seqlens, order, states)  # fmt: skip
     ctx.chunk, ctx.rank, ctx.head_major = chunk, rank, head_major
     ctx.set_materialize_grads(False)
+
+
+def _shares_rates(rates: torch.Tensor, H: int) -> bool:
+    """Whether the heads share the rates' one row a step ([B,T,1,n_a] with H > 1): mamba3_scan_bwd then returns their
+    gradient per head in fp32, for _mamba3_backward to sum over the heads."""
+    return rates.shape[2] == 1 and H > 1
 
 
 def _d_rates_shape(rates: torch.Tensor, H: int, head_major: bool) -> tuple[int, ...]:
@@ -1349,7 +1355,7 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
     # the per-chunk partial sums and the shared rates' per-head gradients are summed here, outside the op, where
     # inductor fuses each reduction into the kernel that consumes it (inside the op each was an aten reduction of its
     # own: on the H100's compiled base step, 12 + 32 us an M block, c4f5642's trace)
-    if rates.shape[2] == 1 and x.shape[2] > 1:  # rates shared by the heads: the op's rows are per head, in fp32
+    if _shares_rates(rates, x.shape[2]):  # rates shared by the heads: the op's rows are per head, in fp32
         d_rates = (d_rates.sum(0)[:, :, None] if head_major else d_rates.sum(2, keepdim=True)).to(rates.dtype)
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums.sum(0), x.shape[2], ctx.rank, Bm.shape[-1])
