@@ -242,13 +242,14 @@ def test_the_op_takes_the_state_passes_order_from_the_context_or_the_boundaries(
     assert seen[-1].tolist() == documents_longest_first(cu).tolist() == [0, 3, 2, 1, 4]
 
 
-@pytest.mark.parametrize("form", ["split", "one_sweep", "split_one_sweep"])
+@pytest.mark.parametrize("form", ["split", "one_sweep", "split_one_sweep", "sweep_per_block"])
 @pytest.mark.parametrize("R", [1, 4])
 def test_the_chunk_pass_forms_equal_the_one_kernel_bit_for_bit(R, form, monkeypatch):
     """The chunk pass's forms run the one kernel's arithmetic (the same helpers): M3_BWD_SPLIT's two kernels, step 2's
     tile, vector and sum passing through memory in the dtype the one kernel holds them in; M3_BWD_ONE_SWEEP's dq and
     dk in one sweep, the queries' and keys' angle gradients added in registers (fp32 addition commutes: the same sum
-    the two sweeps form through memory), each alone and both. Under the interpreter every gradient is the same bits,
+    the two sweeps form through memory), each alone and both; M3_BWD_SWEEP_PER_BLOCK's program per block of state
+    columns, whose shares of the log-decay gradient step 4 adds in the blocks' order (the sweep's sums). Under the interpreter every gradient is the same bits,
     SISO and MIMO, with gap slots (documents shorter than a chunk) and two blocks of state columns. On a GPU, ptxas
     may fuse a multiply into an add differently in another kernel: there, within 1e-6."""
     from megacpp_lab.kernels import mamba3 as m3
@@ -269,6 +270,7 @@ def test_the_chunk_pass_forms_equal_the_one_kernel_bit_for_bit(R, form, monkeypa
     for other in (False, True):
         monkeypatch.setattr(m3, "M3_BWD_SPLIT", other and "split" in form)
         monkeypatch.setattr(m3, "M3_BWD_ONE_SWEEP", other and "one_sweep" in form)
+        monkeypatch.setattr(m3, "M3_BWD_SWEEP_PER_BLOCK", other and form == "sweep_per_block")
         y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(device)
         grads[other] = torch.autograd.grad(y, list(a.values()), dy)

@@ -679,12 +679,10 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, dtt_ptr, out_ptr, bias_ptr, t, m, firs
 
 
 @triton.jit
-def _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK: tl.constexpr, RANK: tl.constexpr):
-    """A chunk-pass program's slot and head (its program ids) and its chunk: the sub-tokens t [CHUNK] and their mask
-    (first >= end: a gap slot), each one's step, the head's rate A, dt, the cumulative log-decay cs and its last
-    value, the input weight xw and w = exp(cs_last - cs) (the decay from each token to the chunk's end)."""
-    slot = tl.program_id(0)
-    hd = tl.program_id(1)
+def _m3_bwd_chunk_rows(slot, hd, dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK: tl.constexpr, RANK: tl.constexpr):
+    """A chunk-pass program's slot and head and its chunk: the sub-tokens t [CHUNK] and their mask (first >= end: a
+    gap slot), each one's step, the head's rate A, dt, the cumulative log-decay cs and its last value, the input
+    weight xw and w = exp(cs_last - cs) (the decay from each token to the chunk's end)."""
     first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
     A_h = tl.load(a_ptr + hd).to(tl.float32)
     rl = tl.arange(0, CHUNK)
@@ -801,7 +799,14 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
         dcs, SdS = _m3_two_sweeps(dcs, dye, LdYU, x_ptr, xs_ptr, k_ptr, q_ptr, th_ptr, dth_ptr, dtt_ptr, dq_ptr, dk_ptr,
                                   dqb_ptr, dkb_ptr, st_at, dst_at, kq_at, rp, t, m, first, end, hd, H, n_a, slot,
                                   sums_row, xw, w, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP, DROP)  # fmt: skip
-    # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
+    _m3_bwd_decay_grads(dcs, SdS, sum_R, ddt_ptr, da_ptr, t, m, A_h, dt, cs_last, slot, hd, H, sums_row)
+
+
+@triton.jit
+def _m3_bwd_decay_grads(dcs, SdS, sum_R, ddt_ptr, da_ptr, t, m, A_h, dt, cs_last, slot, hd, H, sums_row):
+    """The chunk pass's step 4, the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i, and cs_last
+    reaches every token (through the leaving state: sum(S * dS') over the state, SdS its sum over N per channel);
+    stores ddt and this chunk's dA."""
     to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + sum_R
     dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
     tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
@@ -892,8 +897,8 @@ def _m3_bwd_chunk_kernel(
     MIMO (RANK > 1): x [B*T, H, P] is read a step at a time and scaled by mimo_x [H, R, P] at xs_ptr (rank_inputs);
     dx is the rank inputs' gradient, one row a sub-token: the autograd backward combines the ranks (summing them here
     took the MIMO kernel's spills from 360/400 to 524/604 bytes a thread, compiled for sm_90 by kernels/resources)."""
-    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
-                                                                                       H, D, CHUNK, RANK)  # fmt: skip
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(
+        tl.program_id(0), tl.program_id(1), dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
         _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, True, True, N, RANK)
     else:
@@ -916,8 +921,8 @@ def _m3_bwd_own_kernel(
     """M3_BWD_SPLIT's first kernel: the chunk pass's steps 1-2 (_m3_bwd_own_terms), its results for the second
     kernel in memory: L * (dy x^T) * W [CHUNK, CHUNK] in the dots' dtype at ldyu_ptr, dcs [CHUNK] and sum(R) fp32 at
     dcs_ptr (CHUNK + 1 apart), one block per program (slot, head)."""
-    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
-                                                                                       H, D, CHUNK, RANK)  # fmt: skip
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(
+        tl.program_id(0), tl.program_id(1), dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
         _m3_bwd_gap_slot(dw_ptr, dskip_ptr, dw_ptr, dw_ptr, slot, hd, sums_row, True, False, N, RANK)
     else:
@@ -940,8 +945,8 @@ def _m3_bwd_sweeps_kernel(
     ONE_SWEEP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's second kernel: the chunk pass's steps 3-4 (_m3_bwd_key_sweeps) from the first's results."""
-    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
-                                                                                       H, D, CHUNK, RANK)  # fmt: skip
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(
+        tl.program_id(0), tl.program_id(1), dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
         _m3_bwd_gap_slot(da_ptr, da_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, False, True, N, RANK)
     else:
@@ -954,6 +959,71 @@ def _m3_bwd_sweeps_kernel(
                            dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last,
                            xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP,
                            DROP, ONE_SWEEP, STAGES)  # fmt: skip
+
+
+@triton.jit
+def _m3_bwd_block_sweep_kernel(
+    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr, ldyu_ptr, parts_ptr,
+    dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, H, D, n_a, sums_row,
+    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
+):  # fmt: skip
+    """M3_BWD_SWEEP_PER_BLOCK's second kernel: step 3 of the chunk pass for one block of BN state columns, a program
+    per (block, slot, head) (the blocks fastest, so a chunk's programs run together and share its tiles in L2), from
+    M3_BWD_SPLIT's first kernel's L * (dy x^T) * W: the block's dq and dk back through the rotation (dC and dB per
+    head), its pairs' angle gradients and their chunk sums, its columns' bias sums (_m3_dqdk_block, the one sweep's
+    arithmetic on one block). Each program holds one block's tiles where the one kernel's program sweeps N in a loop
+    (fewer registers a program, more programs an SM: the one kernel runs at 255 registers, 2 programs an SM); the
+    block's shares of the log-decay gradient, dcs [CHUNK] and sum(S * dS') over its columns [P], go to parts_ptr
+    [slots, H, N // BN, CHUNK + P] for step 4 (_m3_bwd_decay_kernel)."""
+    nb = tl.program_id(0)
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(
+        tl.program_id(1), tl.program_id(2), dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK, RANK)
+    if first >= end:  # a gap slot: zeros in the block's columns of the biases' partial sums
+        rows = (hd * RANK + tl.arange(0, RANK))[:, None]
+        rn = nb * BN + tl.arange(0, BN)[None, :]
+        tl.store(dkb_ptr + slot * sums_row + rows * N + rn, tl.zeros((RANK, BN), tl.float32))
+        tl.store(dqb_ptr + slot * sums_row + rows * N + rn, tl.zeros((RANK, BN), tl.float32))
+    else:
+        rp = tl.arange(0, P)
+        rl = tl.arange(0, CHUNK)
+        block = slot * H + hd
+        LdYU = tl.load(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :]).to(DOT)
+        dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        dye = (dy * tl.exp(cs)[:, None]).to(SDOT)
+        x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK).to(tl.float32)
+        uw = (x * (xw * w)[:, None]).to(SDOT)
+        dcs, SdS = _m3_dqdk_block(nb, tl.zeros((CHUNK,), dtype=tl.float32), tl.zeros((P,), dtype=tl.float32), dye,
+                                  uw, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dtt_ptr, dq_ptr, dk_ptr, dqb_ptr, dkb_ptr,
+                                  st_ptr + block * P * N, dst_ptr + block * P * N, (t[:, None] * H + hd) * N, rp, t, m,
+                                  first, end, hd, H, n_a, slot, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK,
+                                  KEEP, DROP)  # fmt: skip
+        at = parts_ptr + (block * (N // BN) + nb) * (CHUNK + P)
+        tl.store(at + rl, dcs)
+        tl.store(at + CHUNK + rp, SdS)
+
+
+@triton.jit
+def _m3_bwd_decay_kernel(dt_ptr, w_ptr, a_ptr, cu_ptr, dcs_ptr, parts_ptr, ddt_ptr, da_ptr, H, D, sums_row,
+                         P: tl.constexpr, CHUNK: tl.constexpr, RANK: tl.constexpr, NB: tl.constexpr):  # fmt: skip
+    """M3_BWD_SWEEP_PER_BLOCK's third kernel: step 4 of the chunk pass (_m3_bwd_decay_grads) for a program's slot and
+    head, from the first kernel's dcs and sum(R) (dcs_ptr) and the block programs' shares (parts_ptr), added in the
+    blocks' order, as the one kernel's sweep adds them (the same sums)."""
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(
+        tl.program_id(0), tl.program_id(1), dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK, RANK)
+    if first >= end:
+        tl.store(da_ptr + slot * sums_row + hd, 0.0)
+    else:
+        rl = tl.arange(0, CHUNK)
+        block = slot * H + hd
+        dcs = tl.load(dcs_ptr + block * (CHUNK + 1) + rl)
+        sum_R = tl.load(dcs_ptr + block * (CHUNK + 1) + CHUNK)
+        SdS = tl.zeros((P,), dtype=tl.float32)
+        for nb in tl.static_range(NB):
+            at = parts_ptr + (block * NB + nb) * (CHUNK + P)
+            dcs += tl.load(at + rl)
+            SdS += tl.load(at + CHUNK + tl.arange(0, P))
+        _m3_bwd_decay_grads(dcs, SdS, sum_R, ddt_ptr, da_ptr, t, m, A_h, dt, cs_last, slot, hd, H, sums_row)
 
 
 @triton.jit
@@ -1100,6 +1170,11 @@ ANGLE_GRADS_HEAD_MAJOR = False
 # took 2.16 ms forward and backward against the one's 2.09 (profiles/nvidia-h200/ssd/mamba3_fwd_bwd.json, its
 # M3_BWD_SPLIT row): off
 M3_BWD_SPLIT = False
+# the chunk pass as three kernels: M3_BWD_SPLIT's first (steps 1-2), then step 3 a program per block of
+# M3_BWD_BLOCK_N state columns (_m3_bwd_block_sweep_kernel: a block's tiles a program, where the one kernel's program
+# sweeps N at 255 registers, 2 programs an SM, latency-bound: Nsight Compute at bench ssd's main shape on an H100,
+# lead_ncu_host/), then step 4 from the blocks' shares (_m3_bwd_decay_kernel). A lead, not yet measured on a GPU
+M3_BWD_SWEEP_PER_BLOCK = False
 # the chunk pass's dots against the stored state and its gradient (kernels/ssd.states_dtype: bf16 for bf16 inputs): in
 # the inputs' own dtype (True, mamba_ssm's choice: half the registers and twice the MMA rate), or fp32 operands (False:
 # TF32 for 16-bit inputs, on the stored values). fp32 inputs take fp32 either way, as does the interpreter. `bench ssd`
@@ -1263,16 +1338,26 @@ def mamba3_scan_bwd(
                   num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
     sweeps = dict(ONE_SWEEP=M3_BWD_ONE_SWEEP, STAGES=M3_BWD_STAGES)
     n_docs = cu_seqlens.numel() - 1
-    if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
+    if M3_BWD_SPLIT or M3_BWD_SWEEP_PER_BLOCK:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W,
+        # and dcs and R)
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
         ldyu = torch.empty((n_slots, H, chunk, chunk), device=x.device, dtype=ldyu_dtype)
         dcs = torch.empty((n_slots, H, chunk + 1), device=x.device, dtype=torch.float32)
         _m3_bwd_own_kernel[(n_slots, H)](x, xs, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam,
                                          dD, ldyu, dcs, H, n_docs, sums.shape[1],
                                          **(consts | {"KEEP": "", "DROP": ""}))  # fmt: skip
-        _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu,
-                                            dcs, ddt, dA, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1],
-                                            **consts, **sweeps)  # fmt: skip
+        if M3_BWD_SWEEP_PER_BLOCK:  # step 3 a program per block of state columns, then step 4 from their shares
+            n_blocks = N // consts["BN"]
+            parts = torch.empty((n_slots, H, n_blocks, chunk + P), device=x.device, dtype=torch.float32)
+            _m3_bwd_block_sweep_kernel[(n_blocks, n_slots, H)](
+                x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu, parts, dBh, dCh, dth, dtt,
+                dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts)  # fmt: skip
+            _m3_bwd_decay_kernel[(n_slots, H)](dt, weight, A, cu_seqlens, dcs, parts, ddt, dA, H, n_docs, sums.shape[1],
+                                               P=P, CHUNK=chunk, RANK=R, NB=n_blocks, num_warps=4)  # fmt: skip
+        else:
+            _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy,
+                                                ldyu, dcs, ddt, dA, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a,
+                                                sums.shape[1], **consts, **sweeps)  # fmt: skip
     else:
         _m3_bwd_chunk_kernel[(n_slots, H)](
             x, xs, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
