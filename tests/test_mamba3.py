@@ -242,14 +242,13 @@ def test_the_op_takes_the_state_passes_order_from_the_context_or_the_boundaries(
     assert seen[-1].tolist() == documents_longest_first(cu).tolist() == [0, 3, 2, 1, 4]
 
 
-@pytest.mark.parametrize("form", ["split", "one_sweep", "split_one_sweep", "sweep_per_block"])
+@pytest.mark.parametrize("form", ["split", "one_sweep", "split_one_sweep"])
 @pytest.mark.parametrize("R", [1, 4])
 def test_the_chunk_pass_forms_equal_the_one_kernel_bit_for_bit(R, form, monkeypatch):
     """The chunk pass's forms run the one kernel's arithmetic (the same helpers): M3_BWD_SPLIT's two kernels, step 2's
     tile, vector and sum passing through memory in the dtype the one kernel holds them in; M3_BWD_ONE_SWEEP's dq and
     dk in one sweep, the queries' and keys' angle gradients added in registers (fp32 addition commutes: the same sum
-    the two sweeps form through memory), each alone and both; M3_BWD_SWEEP_PER_BLOCK's program per block of state
-    columns, whose shares of the log-decay gradient step 4 adds in the blocks' order (the sweep's sums). Under the interpreter every gradient is the same bits,
+    the two sweeps form through memory), each alone and both. Under the interpreter every gradient is the same bits,
     SISO and MIMO, with gap slots (documents shorter than a chunk) and two blocks of state columns. On a GPU, ptxas
     may fuse a multiply into an add differently in another kernel: there, within 1e-6."""
     from megacpp_lab.kernels import mamba3 as m3
@@ -270,7 +269,6 @@ def test_the_chunk_pass_forms_equal_the_one_kernel_bit_for_bit(R, form, monkeypa
     for other in (False, True):
         monkeypatch.setattr(m3, "M3_BWD_SPLIT", other and "split" in form)
         monkeypatch.setattr(m3, "M3_BWD_ONE_SWEEP", other and "one_sweep" in form)
-        monkeypatch.setattr(m3, "M3_BWD_SWEEP_PER_BLOCK", other and form == "sweep_per_block")
         y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(device)
         grads[other] = torch.autograd.grad(y, list(a.values()), dy)
@@ -367,12 +365,6 @@ def test_the_backward_ops_fake_matches_its_real_outputs(R, H, shared, monkeypatc
     assert outs[4].dtype == (torch.float32 if rates.shape[2] == 1 and H > 1 else rates.dtype)
     assert outs[7].shape == (args[17].shape[0], 2 * H + 2 * H * R * 16)  # a row of partial sums a chunk slot
     torch.library.opcheck(real, args, test_utils=("test_schema", "test_faketensor"))
-    # ANGLE_GRADS_HEAD_MAJOR's layout: the shared rates' rows head-major, the same values; per-head rates unchanged
-    assert args[-1] is False
-    major = real(*args[:-1], True)
-    per_head = major[4].permute(1, 2, 0, 3) if rates.shape[2] == 1 and H > 1 else major[4]
-    assert torch.equal(per_head, outs[4])
-    torch.library.opcheck(real, (*args[:-1], True), test_utils=("test_schema", "test_faketensor"))
 
 
 @triton.jit
@@ -571,12 +563,10 @@ def test_a_nan_angle_makes_the_output_nan_from_its_token_to_its_documents_end(ke
     assert torch.equal(y[~reach], clean[~reach])
 
 
-@pytest.mark.parametrize("R, H, n_a, heads, shared, head_major",
-                         [(1, 2, 4, 1, False, False), (2, 2, 4, 1, False, False), (1, 4, 3, 1, False, False),
-                          (2, 2, 4, 2, False, False), (1, 4, 3, 4, False, False), (1, 4, 3, 1, True, False),
-                          (2, 2, 4, 2, True, False), (1, 4, 3, 1, True, True), (2, 4, 4, 2, True, True)])  # fmt: skip
-def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, shared, head_major,
-                                                                          monkeypatch):  # fmt: skip
+@pytest.mark.parametrize("R, H, n_a, heads, shared", [(1, 2, 4, 1, False), (2, 2, 4, 1, False), (1, 4, 3, 1, False),
+                                                      (2, 2, 4, 2, False), (1, 4, 3, 4, False), (1, 4, 3, 1, True),
+                                                      (2, 2, 4, 2, True)])  # fmt: skip
+def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, shared, monkeypatch):
     """The Triton op's angle gradients (the chunk pass's per-chunk sums of dth, each chunk's suffix sums plus its
     document's later chunks' sums, LOOKBACK chunks a load, then through pi tanh(rate) dt) against the chunked torch
     path's (doc_angle_sum's autograd): the angle rates' gradient and dt's, with a document of more than LOOKBACK + 1
@@ -584,12 +574,10 @@ def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, 
     step's rank sub-tokens in one chunk, dt's part at its rank-0 sub-token); one head a program (the default) and
     several (ANGLE_GRADS_HEADS), with n_a under its power of two (a program's padded lanes between heads); the rates
     per head, or one row a token expanded over the heads as the layer gives them (the op then keeps that one row,
-    _rates, and sums the heads' gradients itself), those per-head rows stored head-major or not
-    (ANGLE_GRADS_HEAD_MAJOR)."""
+    _rates, and sums the heads' gradients itself)."""
     from megacpp_lab.kernels import mamba3 as m3
 
     monkeypatch.setattr(m3, "ANGLE_GRADS_HEADS", heads)
-    monkeypatch.setattr(m3, "ANGLE_GRADS_HEAD_MAJOR", head_major)
 
     if not (TRITON_INTERPRET or torch.cuda.is_available()):
         pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
@@ -1191,7 +1179,7 @@ def test_the_backward_op_refuses_groups_that_do_not_fit_b(groups, rotated, messa
         mamba3_scan_bwd(z(B, T, H, P), z(B, T, H, P), z(B, T, H), z(H), Bm, Bm.clone(), z(B, T, H, 4), z(B, T, H, 4),
                         z(H, 1, N), z(H, 1, N), z(B, T, H), z(B, T, H), z(H), None, torch.tensor([0, T]),
                         torch.tensor([0, T]), torch.tensor([0, 1], dtype=torch.int32), z(2, H, P, N), 8, 1, rotated,
-                        groups, False)  # fmt: skip
+                        groups)  # fmt: skip
 
 
 def test_the_bench_deadline_expects_a_later_shape_to_compile_and_the_peer_to_autotune_again():
@@ -1209,32 +1197,3 @@ def test_the_bench_deadline_expects_a_later_shape_to_compile_and_the_peer_to_aut
     assert next_shape_estimate_s(250.0, rows) == pytest.approx(want)
     assert next_shape_estimate_s(250.0, rows[:1]) == 250.0  # no peer: every second counts
     assert next_shape_estimate_s(10.0, rows) == 0.0  # never negative
-
-
-def test_the_head_major_constant_is_part_of_the_compiled_graph(monkeypatch):
-    """ANGLE_GRADS_HEAD_MAJOR is read where dynamo traces the scan and handed to the forward op: flipping it between
-    two calls of one compiled function recompiles (the backward traced with each layout, as a probe of both in one
-    process needs), and the gradients agree; SISO on packed rows, the rates shared by the heads."""
-    from megacpp_lab.kernels import mamba3 as m3
-
-    if not (TRITON_INTERPRET or torch.cuda.is_available()):
-        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    a = {k: v.float().to(device) for k, v in _inputs(B=2, T=40, H=4, G=2, P=16, N=16, n_a=3).items()}
-    shared = a["angles"][:, :, :1].clone()
-    cu = torch.tensor([0, 9, 40, 51, 80], dtype=torch.int32, device=device)
-    dy = torch.randn(a["x"].shape, generator=torch.Generator().manual_seed(2)).to(device)
-    traced = []
-    real = m3.mamba3_scan_bwd
-    monkeypatch.setattr(m3, "mamba3_scan_bwd", lambda *args: traced.append(args[-1]) or real(*args))
-    torch._dynamo.reset()
-    scan = torch.compile(lambda x, r: mamba3_scan(**{**a, "x": x, "angles": r.expand(-1, -1, 4, -1)}, cu_seqlens=cu,
-                                                  chunk=16, kernel="triton"), backend="aot_eager", fullgraph=True)  # fmt: skip
-    grads = []
-    for head_major in (False, True):
-        monkeypatch.setattr(m3, "ANGLE_GRADS_HEAD_MAJOR", head_major)
-        x, r = a["x"].clone().requires_grad_(), shared.clone().requires_grad_()
-        grads.append(torch.autograd.grad(scan(x, r), [x, r], dy))
-    assert traced == [False, True]
-    for got, want in zip(grads[1], grads[0]):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

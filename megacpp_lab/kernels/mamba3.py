@@ -679,10 +679,12 @@ def _key_grads_out(d, v, th_ptr, dth_ptr, dtt_ptr, out_ptr, bias_ptr, t, m, firs
 
 
 @triton.jit
-def _m3_bwd_chunk_rows(slot, hd, dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK: tl.constexpr, RANK: tl.constexpr):
-    """A chunk-pass program's slot and head and its chunk: the sub-tokens t [CHUNK] and their mask (first >= end: a
-    gap slot), each one's step, the head's rate A, dt, the cumulative log-decay cs and its last value, the input
-    weight xw and w = exp(cs_last - cs) (the decay from each token to the chunk's end)."""
+def _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK: tl.constexpr, RANK: tl.constexpr):
+    """A chunk-pass program's slot and head (its program ids) and its chunk: the sub-tokens t [CHUNK] and their mask
+    (first >= end: a gap slot), each one's step, the head's rate A, dt, the cumulative log-decay cs and its last
+    value, the input weight xw and w = exp(cs_last - cs) (the decay from each token to the chunk's end)."""
+    slot = tl.program_id(0)
+    hd = tl.program_id(1)
     first, end = slot_chunk(cu_ptr, slot, D, CHUNK)
     A_h = tl.load(a_ptr + hd).to(tl.float32)
     rl = tl.arange(0, CHUNK)
@@ -799,14 +801,7 @@ def _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th
         dcs, SdS = _m3_two_sweeps(dcs, dye, LdYU, x_ptr, xs_ptr, k_ptr, q_ptr, th_ptr, dth_ptr, dtt_ptr, dq_ptr, dk_ptr,
                                   dqb_ptr, dkb_ptr, st_at, dst_at, kq_at, rp, t, m, first, end, hd, H, n_a, slot,
                                   sums_row, xw, w, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP, DROP)  # fmt: skip
-    _m3_bwd_decay_grads(dcs, SdS, sum_R, ddt_ptr, da_ptr, t, m, A_h, dt, cs_last, slot, hd, H, sums_row)
-
-
-@triton.jit
-def _m3_bwd_decay_grads(dcs, SdS, sum_R, ddt_ptr, da_ptr, t, m, A_h, dt, cs_last, slot, hd, H, sums_row):
-    """The chunk pass's step 4, the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i, and cs_last
-    reaches every token (through the leaving state: sum(S * dS') over the state, SdS its sum over N per channel);
-    stores ddt and this chunk's dA."""
+    # 4. the log-decay gradient: cs_i sums a_0..a_i, so da_k = sum_{i >= k} dcs_i; cs_last reaches every token
     to_last = tl.exp(cs_last) * tl.sum(SdS, axis=0) + sum_R
     dloga = tl.cumsum(dcs, axis=0, reverse=True) + to_last
     tl.store(ddt_ptr + t * H + hd, (dloga * A_h).to(ddt_ptr.dtype.element_ty), mask=m)
@@ -897,8 +892,8 @@ def _m3_bwd_chunk_kernel(
     MIMO (RANK > 1): x [B*T, H, P] is read a step at a time and scaled by mimo_x [H, R, P] at xs_ptr (rank_inputs);
     dx is the rank inputs' gradient, one row a sub-token: the autograd backward combines the ranks (summing them here
     took the MIMO kernel's spills from 360/400 to 524/604 bytes a thread, compiled for sm_90 by kernels/resources)."""
-    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(
-        tl.program_id(0), tl.program_id(1), dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK, RANK)  # fmt: skip
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
+                                                                                       H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
         _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, True, True, N, RANK)
     else:
@@ -921,8 +916,8 @@ def _m3_bwd_own_kernel(
     """M3_BWD_SPLIT's first kernel: the chunk pass's steps 1-2 (_m3_bwd_own_terms), its results for the second
     kernel in memory: L * (dy x^T) * W [CHUNK, CHUNK] in the dots' dtype at ldyu_ptr, dcs [CHUNK] and sum(R) fp32 at
     dcs_ptr (CHUNK + 1 apart), one block per program (slot, head)."""
-    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(
-        tl.program_id(0), tl.program_id(1), dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK, RANK)  # fmt: skip
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
+                                                                                       H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
         _m3_bwd_gap_slot(dw_ptr, dskip_ptr, dw_ptr, dw_ptr, slot, hd, sums_row, True, False, N, RANK)
     else:
@@ -945,8 +940,8 @@ def _m3_bwd_sweeps_kernel(
     ONE_SWEEP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's second kernel: the chunk pass's steps 3-4 (_m3_bwd_key_sweeps) from the first's results."""
-    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(
-        tl.program_id(0), tl.program_id(1), dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK, RANK)  # fmt: skip
+    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
+                                                                                       H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
         _m3_bwd_gap_slot(da_ptr, da_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, False, True, N, RANK)
     else:
@@ -962,74 +957,9 @@ def _m3_bwd_sweeps_kernel(
 
 
 @triton.jit
-def _m3_bwd_block_sweep_kernel(
-    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr, ldyu_ptr, parts_ptr,
-    dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, H, D, n_a, sums_row,
-    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
-):  # fmt: skip
-    """M3_BWD_SWEEP_PER_BLOCK's second kernel: step 3 of the chunk pass for one block of BN state columns, a program
-    per (block, slot, head) (the blocks fastest, so a chunk's programs run together and share its tiles in L2), from
-    M3_BWD_SPLIT's first kernel's L * (dy x^T) * W: the block's dq and dk back through the rotation (dC and dB per
-    head), its pairs' angle gradients and their chunk sums, its columns' bias sums (_m3_dqdk_block, the one sweep's
-    arithmetic on one block). Each program holds one block's tiles where the one kernel's program sweeps N in a loop
-    (fewer registers a program, more programs an SM: the one kernel runs at 255 registers, 2 programs an SM); the
-    block's shares of the log-decay gradient, dcs [CHUNK] and sum(S * dS') over its columns [P], go to parts_ptr
-    [slots, H, N // BN, CHUNK + P] for step 4 (_m3_bwd_decay_kernel)."""
-    nb = tl.program_id(0)
-    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(
-        tl.program_id(1), tl.program_id(2), dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK, RANK)
-    if first >= end:  # a gap slot: zeros in the block's columns of the biases' partial sums
-        rows = (hd * RANK + tl.arange(0, RANK))[:, None]
-        rn = nb * BN + tl.arange(0, BN)[None, :]
-        tl.store(dkb_ptr + slot * sums_row + rows * N + rn, tl.zeros((RANK, BN), tl.float32))
-        tl.store(dqb_ptr + slot * sums_row + rows * N + rn, tl.zeros((RANK, BN), tl.float32))
-    else:
-        rp = tl.arange(0, P)
-        rl = tl.arange(0, CHUNK)
-        block = slot * H + hd
-        LdYU = tl.load(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :]).to(DOT)
-        dy = tl.load(dy_ptr + (t[:, None] * H + hd) * P + rp[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        dye = (dy * tl.exp(cs)[:, None]).to(SDOT)
-        x = rank_inputs(x_ptr, xs_ptr, t, m, hd, H, rp, P, RANK).to(tl.float32)
-        uw = (x * (xw * w)[:, None]).to(SDOT)
-        dcs, SdS = _m3_dqdk_block(nb, tl.zeros((CHUNK,), dtype=tl.float32), tl.zeros((P,), dtype=tl.float32), dye,
-                                  uw, LdYU, k_ptr, q_ptr, th_ptr, dth_ptr, dtt_ptr, dq_ptr, dk_ptr, dqb_ptr, dkb_ptr,
-                                  st_ptr + block * P * N, dst_ptr + block * P * N, (t[:, None] * H + hd) * N, rp, t, m,
-                                  first, end, hd, H, n_a, slot, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK,
-                                  KEEP, DROP)  # fmt: skip
-        at = parts_ptr + (block * (N // BN) + nb) * (CHUNK + P)
-        tl.store(at + rl, dcs)
-        tl.store(at + CHUNK + rp, SdS)
-
-
-@triton.jit
-def _m3_bwd_decay_kernel(dt_ptr, w_ptr, a_ptr, cu_ptr, dcs_ptr, parts_ptr, ddt_ptr, da_ptr, H, D, sums_row,
-                         P: tl.constexpr, CHUNK: tl.constexpr, RANK: tl.constexpr, NB: tl.constexpr):  # fmt: skip
-    """M3_BWD_SWEEP_PER_BLOCK's third kernel: step 4 of the chunk pass (_m3_bwd_decay_grads) for a program's slot and
-    head, from the first kernel's dcs and sum(R) (dcs_ptr) and the block programs' shares (parts_ptr), added in the
-    blocks' order, as the one kernel's sweep adds them (the same sums)."""
-    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(
-        tl.program_id(0), tl.program_id(1), dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK, RANK)
-    if first >= end:
-        tl.store(da_ptr + slot * sums_row + hd, 0.0)
-    else:
-        rl = tl.arange(0, CHUNK)
-        block = slot * H + hd
-        dcs = tl.load(dcs_ptr + block * (CHUNK + 1) + rl)
-        sum_R = tl.load(dcs_ptr + block * (CHUNK + 1) + CHUNK)
-        SdS = tl.zeros((P,), dtype=tl.float32)
-        for nb in tl.static_range(NB):
-            at = parts_ptr + (block * NB + nb) * (CHUNK + P)
-            dcs += tl.load(at + rl)
-            SdS += tl.load(at + CHUNK + tl.arange(0, P))
-        _m3_bwd_decay_grads(dcs, SdS, sum_R, ddt_ptr, da_ptr, t, m, A_h, dt, cs_last, slot, hd, H, sums_row)
-
-
-@triton.jit
-def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, ddt_ptr, H, D, n_a, n_steps,
-                        CHUNK: tl.constexpr, RANK: tl.constexpr, HB: tl.constexpr, BA: tl.constexpr,
-                        LOOKBACK: tl.constexpr, SHARED_RATES: tl.constexpr, HEAD_MAJOR: tl.constexpr):  # fmt: skip
+def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, ddt_ptr, H, D, n_a, CHUNK: tl.constexpr,
+                        RANK: tl.constexpr, HB: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr,
+                        SHARED_RATES: tl.constexpr):  # fmt: skip
     """The angles' backward from the chunk pass's angle gradients: program (slot, block of HB heads) takes its
     chunk's steps' dth [steps, HB, n_a] (dth_ptr [B*T, H, n_a]), their suffix sums within the chunk plus the sums of
     the document's later chunks (the chunk pass's per-chunk totals at dtt_ptr [slots, H, n_a], LOOKBACK a load): the
@@ -1039,8 +969,7 @@ def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, d
     launches, its cuts found per block) and the increments' backward in a kernel of their own: a chunk never spans
     two documents, so one pass over the chunk pass's slots needs no cut. Lane j of a row is head j // BA's pair
     j % BA (BA = n_a's power of two; the pairs past n_a masked). SHARED_RATES: the rates are one row a step for every
-    head (rate_ptr [B*T, 1, n_a]); their gradient is stored per head, summed over the heads by _mamba3_backward:
-    [B*T, H, n_a], or with HEAD_MAJOR [H, B*T, n_a] (n_steps = B*T)."""
+    head (rate_ptr [B*T, 1, n_a]); their gradient is stored per head, summed over the heads by _mamba3_backward."""
     slot = tl.program_id(0)
     hd0 = tl.program_id(1) * HB
     d, doc_start = slot_document(cu_ptr, slot, D, CHUNK)
@@ -1070,10 +999,7 @@ def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, d
         dt = tl.load(dt_ptr + dt_at, mask=m[:, None], other=0.0)
         g = d_inc * 3.141592653589793
         dt_lanes = tl.reshape(tl.broadcast_to(dt[:, :, None], (STEPS, HB, BA)), (STEPS, HB * BA))
-        out_at = at
-        if SHARED_RATES and HEAD_MAJOR:
-            out_at = (((hd0 + lane // BA) * n_steps)[None, :] + steps[:, None]) * n_a + (lane % BA)[None, :]
-        tl.store(drate_ptr + out_at, (g * dt_lanes * (1.0 - th * th)).to(drate_ptr.dtype.element_ty), mask=mm)
+        tl.store(drate_ptr + at, (g * dt_lanes * (1.0 - th * th)).to(drate_ptr.dtype.element_ty), mask=mm)
         d_dt = tl.sum(tl.reshape(tl.where(mm, g * th, 0.0), (STEPS, HB, BA)), axis=2)
         tl.store(ddt_ptr + dt_at, tl.load(ddt_ptr + dt_at, mask=m[:, None], other=0.0) + d_dt, mask=m[:, None])
 
@@ -1153,14 +1079,6 @@ M3_BWD_STAGES = 3
 # mamba3_probe_heads_bc8cbac.json, one call) the kernel took 0.084 ms at one head a program (9216 programs of [64, 32]
 # lanes: 576 chunk slots by 16 heads), 0.095 at two, 0.123 at four
 ANGLE_GRADS_HEADS = 1
-# where the heads share the angle rates (the layer's one row a token), the angles' backward stores each head's rows
-# of their gradient for _mamba3_backward to sum over the heads: [B, T, H, n_a] (False), or head-major [H, B, T, n_a]
-# (True), whose sum over the heads reads H contiguous slabs. A lead, not yet measured on a GPU: at bench ssd's main
-# shape an inductor sum kernel of 34.5 us was in b796f85's probe (lead_one_sweep/), the likeliest this one (16.8 MB
-# of fp32 rows read over a strided head dim); scripts/mamba3_probe.py takes siso:ANGLE_GRADS_HEAD_MAJOR=True. Read
-# where dynamo traces the scan and handed to the forward op, so a change recompiles (dynamo guards the global) and
-# the graph caches key on it
-ANGLE_GRADS_HEAD_MAJOR = False
 # (M3_BWD_SPLIT's two kernels at 8 warps under a cap of 128 registers, 2 programs an SM of 16 warps for 232/252 bytes
 # of spills a thread, took 0.92 + 0.87 ms against the split's 0.50 + 0.68 and the one kernel's 1.11: a probe on the
 # H200 at bench ssd's main shape; the cap is not kept)
@@ -1168,13 +1086,10 @@ ANGLE_GRADS_HEAD_MAJOR = False
 # through memory) in place of one: compiled for sm_90 (kernels/resources.py, Triton 3.9) at the main shape, the one
 # kernel spills 284/308 bytes a thread (stores/loads), the two 24/24 and 0/0 (with bf16 stored states); yet the two
 # took 2.16 ms forward and backward against the one's 2.09 (profiles/nvidia-h200/ssd/mamba3_fwd_bwd.json, its
-# M3_BWD_SPLIT row): off
+# M3_BWD_SPLIT row): off. (A third form, step 3 a program per block of 32 state columns at 139 registers, 3 programs an
+# SM, took 0.82 ms beside the first kernel's 0.60, where the one kernel took 1.01: each block program repeats the
+# chunk's prologue; H100 probe of 63a6a0e, profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/, not kept)
 M3_BWD_SPLIT = False
-# the chunk pass as three kernels: M3_BWD_SPLIT's first (steps 1-2), then step 3 a program per block of
-# M3_BWD_BLOCK_N state columns (_m3_bwd_block_sweep_kernel: a block's tiles a program, where the one kernel's program
-# sweeps N at 255 registers, 2 programs an SM, latency-bound: Nsight Compute at bench ssd's main shape on an H100,
-# lead_ncu_host/), then step 4 from the blocks' shares (_m3_bwd_decay_kernel). A lead, not yet measured on a GPU
-M3_BWD_SWEEP_PER_BLOCK = False
 # the chunk pass's dots against the stored state and its gradient (kernels/ssd.states_dtype: bf16 for bf16 inputs): in
 # the inputs' own dtype (True, mamba_ssm's choice: half the registers and twice the MMA rate), or fp32 operands (False:
 # TF32 for 16-bit inputs, on the stored values). fp32 inputs take fp32 either way, as does the interpreter. `bench ssd`
@@ -1226,7 +1141,7 @@ def mamba3_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, inc: torch.Tensor,
     rates: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, D: torch.Tensor,
     mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor, cu_seqlens: torch.Tensor, order: torch.Tensor,  # noqa: UP045
-    chunk: int, rank: int, save: bool, keep_keys: bool, head_major: bool,
+    chunk: int, rank: int, save: bool, keep_keys: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """y [B,T*R,H,P] over rank sub-tokens, the skip D x included (D [H] fp32), the saved chunk states, the keys
     and queries kept for the backward (keep_keys, as keeps_keys decides; else empty), and the angles theta
@@ -1246,9 +1161,7 @@ def mamba3_scan_fwd(
     order: varlen.documents_longest_first, PackedContext.longest_first). Contiguous, validated by mamba3_scan. One op for the
     angles and the scan: the angle sums as ops of their own cost two dispatches and a launch a forward and backward,
     where an H100 box's host took 2.11 ms to issue the old ops' compiled forward and backward at bench ssd's main
-    shape and an H200 runs their kernels in 2.04 (scripts/mamba3_probe.py). head_major: the backward's layout of the
-    shared rates' per-head gradient (ANGLE_GRADS_HEAD_MAJOR, read where the scan is traced: an argument of this op,
-    so a compiled graph and its caches tell the two layouts apart); the forward does not read it."""
+    shape and an H200 runs their kernels in 2.04 (scripts/mamba3_probe.py)."""
     theta, k, q = _angles_and_keys(inc, cu_steps, Bm, Cm, b_bias, c_bias, x.shape[2], rank, x.dtype)
     y, states = launch_ssd_fwd(x, dt, A, k, q, cu_seqlens, order, chunk, save, weight, x.dtype,
                                Mamba3Operands(gamma, rank, D, mimo_x))  # fmt: skip
@@ -1273,7 +1186,7 @@ def keeps_keys(x: torch.Tensor, Bm: torch.Tensor) -> bool:
 
 @mamba3_scan_fwd.register_fake
 def _(x, dt, A, Bm, Cm, inc, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order, chunk, rank,  # noqa: ANN001, ANN202
-      save, keep_keys, head_major):  # fmt: skip
+      save, keep_keys):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P = x.shape[2:]
     n_slots = B * TR // chunk + cu_seqlens.shape[0] - 1  # kernels/ssd.py's slot bound
@@ -1289,7 +1202,7 @@ def mamba3_scan_bwd(
     theta: torch.Tensor, rates: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor,
     gamma: torch.Tensor, D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor,  # noqa: UP045
     cu_seqlens: torch.Tensor, order: torch.Tensor, states: torch.Tensor, chunk: int, rank: int, rotated: bool,
-    groups: int, head_major: bool,
+    groups: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt
@@ -1301,8 +1214,7 @@ def mamba3_scan_bwd(
     sums the slots and split_sums parts the sum: a custom op's outputs may not be views of one another, and four
     reductions over the chunks would be four launches).
     rotated: Bm and Cm are the forward's rotated keys and queries per head (keeps_keys), else B and C, and the keys
-    are recomputed; groups: B's G either way (dB and dC are [B,T*R,G,N]); head_major: shared rates' per-head
-    gradient [H,B,T,n_a], not [B,T,H,n_a] (ANGLE_GRADS_HEAD_MAJOR). SSD's sequential state pass, then
+    are recomputed; groups: B's G either way (dB and dC are [B,T*R,G,N]). SSD's sequential state pass, then
     the chunk pass (_m3_bwd_chunk_kernel; with M3_BWD_SPLIT, _m3_bwd_own_kernel then _m3_bwd_sweeps_kernel), which
     also takes dk and dq back through the rotation, unrounded."""
     B, TR, _, N = Bm.shape
@@ -1338,26 +1250,16 @@ def mamba3_scan_bwd(
                   num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
     sweeps = dict(ONE_SWEEP=M3_BWD_ONE_SWEEP, STAGES=M3_BWD_STAGES)
     n_docs = cu_seqlens.numel() - 1
-    if M3_BWD_SPLIT or M3_BWD_SWEEP_PER_BLOCK:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W,
-        # and dcs and R)
+    if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
         ldyu = torch.empty((n_slots, H, chunk, chunk), device=x.device, dtype=ldyu_dtype)
         dcs = torch.empty((n_slots, H, chunk + 1), device=x.device, dtype=torch.float32)
         _m3_bwd_own_kernel[(n_slots, H)](x, xs, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam,
                                          dD, ldyu, dcs, H, n_docs, sums.shape[1],
                                          **(consts | {"KEEP": "", "DROP": ""}))  # fmt: skip
-        if M3_BWD_SWEEP_PER_BLOCK:  # step 3 a program per block of state columns, then step 4 from their shares
-            n_blocks = N // consts["BN"]
-            parts = torch.empty((n_slots, H, n_blocks, chunk + P), device=x.device, dtype=torch.float32)
-            _m3_bwd_block_sweep_kernel[(n_blocks, n_slots, H)](
-                x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu, parts, dBh, dCh, dth, dtt,
-                dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts)  # fmt: skip
-            _m3_bwd_decay_kernel[(n_slots, H)](dt, weight, A, cu_seqlens, dcs, parts, ddt, dA, H, n_docs, sums.shape[1],
-                                               P=P, CHUNK=chunk, RANK=R, NB=n_blocks, num_warps=4)  # fmt: skip
-        else:
-            _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy,
-                                                ldyu, dcs, ddt, dA, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a,
-                                                sums.shape[1], **consts, **sweeps)  # fmt: skip
+        _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu,
+                                            dcs, ddt, dA, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1],
+                                            **consts, **sweeps)  # fmt: skip
     else:
         _m3_bwd_chunk_kernel[(n_slots, H)](
             x, xs, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
@@ -1366,29 +1268,26 @@ def mamba3_scan_bwd(
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     shared = _shares_rates(rates, H)
     # per head (the kernel's rows); shared rates: in fp32, summed over the heads by _mamba3_backward, outside the op
-    d_rates = torch.empty(_d_rates_shape(rates, H, shared and head_major), device=x.device,
-                          dtype=torch.float32 if shared else rates.dtype)  # fmt: skip
+    d_rates = torch.empty((*rates.shape[:2], H, n_a), device=x.device, dtype=torch.float32 if shared else rates.dtype)
     if n_a:  # the angles' suffix sums and the increments' backward, dt's part added to ddt
         if ANGLE_GRADS_HEADS < 1 or ANGLE_GRADS_HEADS & (ANGLE_GRADS_HEADS - 1):
             raise ValueError(f"mamba3_scan_bwd: ANGLE_GRADS_HEADS={ANGLE_GRADS_HEADS} must be a power of two >= 1 (a "
                              "program's lanes are its heads times n_a's power of two)")  # fmt: skip
         hb = math.gcd(H, ANGLE_GRADS_HEADS)
         _angle_grads_kernel[(n_slots, H // hb)](dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a,
-                                                theta.shape[0] * theta.shape[1], CHUNK=chunk, RANK=R, HB=hb,
-                                                BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK,
-                                                SHARED_RATES=shared, HEAD_MAJOR=shared and head_major,
-                                                num_warps=4)  # fmt: skip
+                                                CHUNK=chunk, RANK=R, HB=hb, BA=triton.next_power_of_2(n_a),
+                                                LOOKBACK=SCAN_LOOKBACK, SHARED_RATES=shared, num_warps=4)  # fmt: skip
     return dx, ddt, dB, dC, d_rates, dw, dgam, sums
 
 
 @mamba3_scan_bwd.register_fake
 def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order,  # noqa: ANN001, ANN202
-      states, chunk, rank, rotated, groups, head_major):  # fmt: skip
+      states, chunk, rank, rotated, groups):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     dB = Bm.new_empty((B, Bm.shape[1], groups, N))
     shared = _shares_rates(rates, H)  # the real op's d_rates: per head, contiguous, fp32 where shared
-    d_rates = rates.new_empty(_d_rates_shape(rates, H, shared and head_major), dtype=torch.float32 if shared else rates.dtype)
+    d_rates = rates.new_empty((B, rates.shape[1], H, rates.shape[3]), dtype=torch.float32 if shared else rates.dtype)
     return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB), d_rates,
             torch.empty_like(weight), torch.empty_like(gamma),
             x.new_empty((states.shape[0], 2 * H + 2 * H * rank * N), dtype=torch.float32))  # fmt: skip
@@ -1396,7 +1295,7 @@ def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo
 
 def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
     x, dt, A, Bm, Cm, _inc, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order, chunk, rank, \
-        _save, _keep, head_major = inputs
+        _save, _keep = inputs
     _y, states, k, q, theta = output
     ctx.rotated = k.numel() > 0  # the rotated keys kept (keeps_keys): saved in place of B and C
     ctx.groups = Bm.shape[2]
@@ -1404,20 +1303,14 @@ def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
         Bm, Cm = k, q
     ctx.save_for_backward(x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps,
                           cu_seqlens, order, states)  # fmt: skip
-    ctx.chunk, ctx.rank, ctx.head_major = chunk, rank, head_major
+    ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
 
 
 def _shares_rates(rates: torch.Tensor, H: int) -> bool:
     """Whether the heads share the rates' one row a step ([B,T,1,n_a] with H > 1): mamba3_scan_bwd then returns their
-    gradient per head in fp32, for _mamba3_backward to sum over the heads."""
+    gradient per head in fp32 [B,T,H,n_a], for _mamba3_backward to sum over the heads."""
     return rates.shape[2] == 1 and H > 1
-
-
-def _d_rates_shape(rates: torch.Tensor, H: int, head_major: bool) -> tuple[int, ...]:
-    """The shape of mamba3_scan_bwd's rates gradient, one row per head: [B,T,H,n_a], or head-major [H,B,T,n_a]."""
-    B, T, _, n_a = rates.shape
-    return (H, B, T, n_a) if head_major else (B, T, H, n_a)
 
 
 def split_sums(sums: torch.Tensor, H: int, R: int, N: int) -> tuple[torch.Tensor, ...]:
@@ -1432,16 +1325,17 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
         ctx.saved_tensors)
     if states.numel() == 0:
         raise RuntimeError("mamba3_scan_fwd ran with save=False; its output cannot be differentiated")
-    head_major = ctx.head_major
     dxr, ddt, dB, dC, d_rates, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias,
                                                                weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order,
                                                                states, ctx.chunk, ctx.rank, ctx.rotated,
-                                                               ctx.groups, head_major)  # fmt: skip
+                                                               ctx.groups)  # fmt: skip
     # the per-chunk partial sums and the shared rates' per-head gradients are summed here, outside the op, where
     # inductor fuses each reduction into the kernel that consumes it (inside the op each was an aten reduction of its
-    # own: on the H100's compiled base step, 12 + 32 us an M block, c4f5642's trace)
+    # own: on the H100's compiled base step, 12 + 32 us an M block, c4f5642's trace). (The rates' rows stored
+    # head-major, so that their sum reads contiguous slabs, left bench ssd's 34 us inductor sum as it was: H100 probe
+    # of 63a6a0e, profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/; not kept)
     if _shares_rates(rates, x.shape[2]):  # rates shared by the heads: the op's rows are per head, in fp32
-        d_rates = (d_rates.sum(0)[:, :, None] if head_major else d_rates.sum(2, keepdim=True)).to(rates.dtype)
+        d_rates = d_rates.sum(2, keepdim=True).to(rates.dtype)
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums.sum(0), x.shape[2], ctx.rank, Bm.shape[-1])
     dx, dmx = dxr, None
@@ -1452,7 +1346,7 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
         dx = (dxr * scale).sum(2).to(x.dtype) if ctx.needs_input_grad[0] else None
         dmx = (dxr * x.float()[:, :, None]).sum((0, 1)).transpose(0, 1) if ctx.needs_input_grad[12] else None
     return (dx, ddt, dA.to(A.dtype), dB, dC, None, d_rates, dbb, dcb, dw, dgam, dD, dmx, None, None, None, None, None,
-            None, None, None)
+            None, None)
 
 
 mamba3_scan_fwd.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
@@ -1510,7 +1404,7 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gam
         b_bias.float().contiguous(), c_bias.float().contiguous(), fp32_sub(weight), fp32_sub(gamma), skip,
         None if mimo_x is None else mimo_x.float().contiguous(), cu_steps,
         cu_steps if R == 1 else (cu_seqlens * R).to(torch.int32), order, chunk, R, needs_grad,
-        needs_grad and keeps_keys(x, Bs), ANGLE_GRADS_HEAD_MAJOR,
+        needs_grad and keeps_keys(x, Bs),
     )  # fmt: skip
     return y.view(B, T, R, H, P)
 
