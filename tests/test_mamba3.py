@@ -35,6 +35,7 @@ def chunk_pass(request, monkeypatch):
     monkeypatch.setattr(m3, "M3_BWD_SPLIT", request.param)
     if not torch.cuda.is_available():
         monkeypatch.setattr(m3, "M3_BWD_BLOCK_N", 16)
+        monkeypatch.setattr(m3, "M3_BWD_REDUCE_BLOCK_N", 16)  # step 1's reductions over N in two blocks too
 
 
 def _inputs(B=2, T=48, H=4, G=2, P=8, N=16, n_a=4, dtype=torch.float64, seed=0):
@@ -256,6 +257,7 @@ def test_the_chunk_pass_forms_equal_the_one_kernel_bit_for_bit(R, form, monkeypa
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         monkeypatch.setattr(m3, "M3_BWD_BLOCK_N", 16)  # N = 32: the sweeps cross a block's edge
+        monkeypatch.setattr(m3, "M3_BWD_REDUCE_BLOCK_N", 16)
     a = {k: v.float().to(device).requires_grad_() for k, v in _inputs(B=2, T=48, H=2, G=1, P=16, N=32, n_a=4).items()}
     cu = torch.tensor([0, 5, 30, 48, 61, 96], dtype=torch.int32, device=device)
     if R > 1:

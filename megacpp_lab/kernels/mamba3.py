@@ -698,7 +698,7 @@ def _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr, H, D, CHUNK: tl.constexpr, 
 @triton.jit
 def _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr, dw_ptr, dgam_ptr,
                       dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row, P: tl.constexpr, N: tl.constexpr,
-                      BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+                      BN1: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
                       SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr):  # fmt: skip
     """The chunk pass's steps 1 and 2 (_m3_bwd_chunk_kernel): the reductions over N and the chunk's own terms.
     Stores dx (at the rank inputs, one row a sub-token), d weight, d gamma and dD's partial sum; returns
@@ -708,11 +708,12 @@ def _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, d
     dst_at = dst_ptr + (slot * H + hd) * P * N
     kq_at = (t[:, None] * H + hd) * N
     xp_at = (t[:, None] * H + hd) * P + rp[None, :]
-    # 1. the reductions over N (SDOT: the state dots' operands, fp32 (tf32 for 16-bit inputs) or the inputs' dtype)
+    # 1. the reductions over N in blocks of BN1 columns (SDOT: the state dots' operands, fp32 (tf32 for 16-bit
+    # inputs) or the inputs' dtype)
     CB = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
     Q = tl.zeros((CHUNK, P), dtype=tl.float32)  # [j] = dS' k_j
-    for nb in tl.static_range(N // BN):
-        rn = nb * BN + tl.arange(0, BN)
+    for nb in tl.static_range(N // BN1):
+        rn = nb * BN1 + tl.arange(0, BN1)
         kc = tl.load(k_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=KEEP)
         qc = tl.load(q_ptr + kq_at + rn[None, :], mask=m[:, None], other=0.0, eviction_policy=KEEP)
         dS = tl.load(dst_at + rp[:, None] * N + rn[None, :], eviction_policy=KEEP)
@@ -865,7 +866,7 @@ def _m3_bwd_chunk_kernel(
     x_ptr, xs_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr,
     dx_ptr, ddt_ptr, dw_ptr, dgam_ptr, da_ptr, dskip_ptr, dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr,
     H, D, n_a, sums_row,
-    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, BN1: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
     ONE_SWEEP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -899,7 +900,7 @@ def _m3_bwd_chunk_kernel(
     else:
         LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr,
                                              dw_ptr, dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row,
-                                             P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP)  # fmt: skip
+                                             P, N, BN1, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP)  # fmt: skip
         _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                            dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last,
                            xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP,
@@ -910,7 +911,7 @@ def _m3_bwd_chunk_kernel(
 def _m3_bwd_own_kernel(
     x_ptr, xs_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, cu_ptr, dst_ptr, dy_ptr,
     dx_ptr, dw_ptr, dgam_ptr, dskip_ptr, ldyu_ptr, dcs_ptr, H, D, sums_row,
-    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, BN1: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's first kernel: the chunk pass's steps 1-2 (_m3_bwd_own_terms), its results for the second
@@ -923,7 +924,7 @@ def _m3_bwd_own_kernel(
     else:
         LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr,
                                              dw_ptr, dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row,
-                                             P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP)  # fmt: skip
+                                             P, N, BN1, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP)  # fmt: skip
         rl = tl.arange(0, CHUNK)
         block = slot * H + hd
         tl.store(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :], LdYU)
@@ -1060,6 +1061,10 @@ ANGLE_KEYS_BLOCK_T = 32
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06; with the two sweeps at
 # 8d139e5, 32 columns 1.322 against 64's 1.061: the one sweep below takes 32)
 M3_BWD_BLOCK_N = 32
+# the chunk pass's step 1 (the reductions over N, q k^T and k dS'^T) in blocks of its own width: a lead, not yet
+# measured in the one kernel (M3_BWD_SPLIT's first kernel, which runs step 1 and 2 alone, took 0.447 ms at 64 columns
+# against 0.596 at 32 on an H100 at bench ssd's main shape: lead_sweep_per_block/)
+M3_BWD_REDUCE_BLOCK_N = 32
 M3_BWD_WARPS = 4
 # the chunk pass's L2 eviction hints: a tile it reads again later (k, q, dS' and dy in steps 1-2; with two sweeps
 # also S, the angles and the queries' angle gradients) loaded "evict_last", its last read "evict_first" (not in
@@ -1249,13 +1254,14 @@ def mamba3_scan_bwd(
                   KEEP="evict_last" if M3_BWD_EVICT else "", DROP="evict_first" if M3_BWD_EVICT else "",
                   num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
     sweeps = dict(ONE_SWEEP=M3_BWD_ONE_SWEEP, STAGES=M3_BWD_STAGES)
+    reduce_block = min(M3_BWD_REDUCE_BLOCK_N, N)
     n_docs = cu_seqlens.numel() - 1
     if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
         ldyu = torch.empty((n_slots, H, chunk, chunk), device=x.device, dtype=ldyu_dtype)
         dcs = torch.empty((n_slots, H, chunk + 1), device=x.device, dtype=torch.float32)
         _m3_bwd_own_kernel[(n_slots, H)](x, xs, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam,
-                                         dD, ldyu, dcs, H, n_docs, sums.shape[1],
+                                         dD, ldyu, dcs, H, n_docs, sums.shape[1], BN1=reduce_block,
                                          **(consts | {"KEEP": "", "DROP": ""}))  # fmt: skip
         _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu,
                                             dcs, ddt, dA, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1],
@@ -1263,7 +1269,8 @@ def mamba3_scan_bwd(
     else:
         _m3_bwd_chunk_kernel[(n_slots, H)](
             x, xs, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
-            dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1], **consts, **sweeps,
+            dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1], BN1=reduce_block,
+            **consts, **sweeps,
         )  # fmt: skip
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     shared = _shares_rates(rates, H)
