@@ -642,6 +642,25 @@ def test_the_angles_backward_refuses_heads_a_program_off_a_power_of_two(monkeypa
         y.sum().backward()
 
 
+@pytest.mark.parametrize("name, width", [("M3_BWD_BLOCK_N", 24), ("M3_BWD_REDUCE_BLOCK_N", 8),
+                                         ("M3_BWD_REDUCE_BLOCK_N", 48)])
+def test_the_chunk_pass_refuses_a_block_of_state_columns_off_a_power_of_two(name, width, monkeypatch):
+    """The chunk pass's widths of a block of state columns (step 3's, and step 1's reductions over N) are a dot's
+    operand: a width under 16 or off a power of two fails in Triton's compiler, or leaves columns of N out; the
+    backward names the constant instead."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    if not (TRITON_INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(m3, name, width)
+    a = {k: v.float().to(device).requires_grad_() for k, v in _inputs(B=1, T=16, H=2, G=1, P=16, N=16, n_a=4).items()}
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
+    y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
+    with pytest.raises(ValueError, match=f"{name}={width} must be a power of two >= 16"):
+        y.sum().backward()
+
+
 def test_mimos_rank_scale_gets_its_gradient_whichever_other_inputs_ask_for_one():
     """The op's backward reads which inputs want a gradient by their position: mimo_x alone asking (no skip D, every
     other input fixed) still gets its gradient, equal to the chunked torch path's (the op's inputs once shifted by

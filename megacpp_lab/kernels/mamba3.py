@@ -911,7 +911,7 @@ def _m3_bwd_chunk_kernel(
 def _m3_bwd_own_kernel(
     x_ptr, xs_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, cu_ptr, dst_ptr, dy_ptr,
     dx_ptr, dw_ptr, dgam_ptr, dskip_ptr, ldyu_ptr, dcs_ptr, H, D, sums_row,
-    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, BN1: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BN1: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
 ):  # fmt: skip
     """M3_BWD_SPLIT's first kernel: the chunk pass's steps 1-2 (_m3_bwd_own_terms), its results for the second
@@ -1254,15 +1254,20 @@ def mamba3_scan_bwd(
                   KEEP="evict_last" if M3_BWD_EVICT else "", DROP="evict_first" if M3_BWD_EVICT else "",
                   num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
     sweeps = dict(ONE_SWEEP=M3_BWD_ONE_SWEEP, STAGES=M3_BWD_STAGES)
+    for name, width in (("M3_BWD_BLOCK_N", M3_BWD_BLOCK_N), ("M3_BWD_REDUCE_BLOCK_N", M3_BWD_REDUCE_BLOCK_N)):
+        if isinstance(width, bool) or not isinstance(width, int) or width < 16 or width & (width - 1):
+            raise ValueError(f"mamba3_scan_bwd: {name}={width!r} must be a power of two >= 16 (a block of state "
+                             "columns is a dot's operand; N, a power of two >= 16, then holds whole blocks)")  # fmt: skip
     reduce_block = min(M3_BWD_REDUCE_BLOCK_N, N)
     n_docs = cu_seqlens.numel() - 1
     if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
         ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
         ldyu = torch.empty((n_slots, H, chunk, chunk), device=x.device, dtype=ldyu_dtype)
         dcs = torch.empty((n_slots, H, chunk + 1), device=x.device, dtype=torch.float32)
+        own_consts = {k: v for k, v in consts.items() if k != "BN"} | {"KEEP": "", "DROP": ""}  # no step 3 here
         _m3_bwd_own_kernel[(n_slots, H)](x, xs, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam,
                                          dD, ldyu, dcs, H, n_docs, sums.shape[1], BN1=reduce_block,
-                                         **(consts | {"KEEP": "", "DROP": ""}))  # fmt: skip
+                                         **own_consts)  # fmt: skip
         _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu,
                                             dcs, ddt, dA, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1],
                                             **consts, **sweeps)  # fmt: skip
