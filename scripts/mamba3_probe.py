@@ -218,6 +218,7 @@ def main() -> None:
     p.add_argument("--launch-only", action="store_true", help="run each variant once, time nothing (an ncu target)")
     args = p.parse_args()
     LAUNCH_ONLY = args.launch_only
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # before the first variant's compile, not after it
     torch._dynamo.config.recompile_limit = 64
     rows = []
     for v in args.variants.split(","):
