@@ -1063,7 +1063,7 @@ ANGLE_KEYS_BLOCK_T = 32
 M3_BWD_BLOCK_N = 32
 # the chunk pass's step 1 (the reductions over N, q k^T and k dS'^T) in blocks of its own width: a lead, not yet
 # measured in the one kernel (M3_BWD_SPLIT's first kernel, which runs step 1 and 2 alone, took 0.447 ms at 64 columns
-# against 0.596 at 32 on an H100 at bench ssd's main shape: lead_sweep_per_block/)
+# against 0.596 at 32 on an H100 at bench ssd's main shape: profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/)
 M3_BWD_REDUCE_BLOCK_N = 32
 M3_BWD_WARPS = 4
 # the chunk pass's L2 eviction hints: a tile it reads again later (k, q, dS' and dy in steps 1-2; with two sweeps
@@ -1255,7 +1255,7 @@ def mamba3_scan_bwd(
                   num_warps=M3_BWD_WARPS, num_stages=1)  # fmt: skip
     sweeps = dict(ONE_SWEEP=M3_BWD_ONE_SWEEP, STAGES=M3_BWD_STAGES)
     for name, width in (("M3_BWD_BLOCK_N", M3_BWD_BLOCK_N), ("M3_BWD_REDUCE_BLOCK_N", M3_BWD_REDUCE_BLOCK_N)):
-        if isinstance(width, bool) or not isinstance(width, int) or width < 16 or width & (width - 1):
+        if width < 16 or width & (width - 1):  # as ANGLE_GRADS_HEADS's check below: cheap on every backward
             raise ValueError(f"mamba3_scan_bwd: {name}={width!r} must be a power of two >= 16 (a block of state "
                              "columns is a dot's operand; N, a power of two >= 16, then holds whole blocks)")  # fmt: skip
     reduce_block = min(M3_BWD_REDUCE_BLOCK_N, N)
