@@ -339,15 +339,19 @@ def test_the_backward_launcher_leaves_its_reductions_to_the_autograd_formula(R, 
     assert [name for name in called if name not in LAUNCHER_PLUMBING] == [], called
 
 
+@pytest.mark.parametrize("sum_heads", [True, False])
 @pytest.mark.parametrize("R, H, shared", [(1, 2, False), (1, 2, True), (1, 1, True), (2, 2, True)])
-def test_the_backward_ops_fake_matches_its_real_outputs(R, H, shared, monkeypatch):
+def test_the_backward_ops_fake_matches_its_real_outputs(R, H, shared, sum_heads, monkeypatch):
     """mamba3_scan_bwd's fake (what a compiled backward is traced with) against the op itself, by
     torch.library.opcheck on the arguments the autograd formula hands it: the per-chunk partial sums [slots, row]
-    and d rates per head (fp32 where the heads share the rates, else in the rates' shape and dtype), SISO and MIMO,
-    rates shared or per head, and one head (where shared rates are already per head)."""
+    and d rates (in the rates' shape and dtype; where the heads share the rates and ANGLE_GRADS_SUM_HEADS is off,
+    per head in fp32), SISO and MIMO, rates shared or per head, and one head (where shared rates are already per
+    head)."""
     if not (TRITON_INTERPRET or torch.cuda.is_available()):
         pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
     from megacpp_lab.kernels import mamba3 as m3
+
+    monkeypatch.setattr(m3, "ANGLE_GRADS_SUM_HEADS", sum_heads)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
@@ -363,8 +367,9 @@ def test_the_backward_ops_fake_matches_its_real_outputs(R, H, shared, monkeypatc
     (args,) = calls
     outs = real(*args)
     n_a, rates = args[6].shape[-1], args[7]
-    assert outs[4].shape == (2, 32, H, n_a)  # d rates per head
-    assert outs[4].dtype == (torch.float32 if rates.shape[2] == 1 and H > 1 else rates.dtype)
+    per_head = rates.shape[2] == 1 and H > 1 and not sum_heads  # shared rates' rows per head, summed outside
+    assert outs[4].shape == (2, 32, H if per_head or rates.shape[2] > 1 else 1, n_a)
+    assert outs[4].dtype == (torch.float32 if per_head else rates.dtype)
     assert outs[7].shape == (args[17].shape[0], 2 * H + 2 * H * R * 16)  # a row of partial sums a chunk slot
     torch.library.opcheck(real, args, test_utils=("test_schema", "test_faketensor"))
 
@@ -565,10 +570,12 @@ def test_a_nan_angle_makes_the_output_nan_from_its_token_to_its_documents_end(ke
     assert torch.equal(y[~reach], clean[~reach])
 
 
-@pytest.mark.parametrize("R, H, n_a, heads, shared", [(1, 2, 4, 1, False), (2, 2, 4, 1, False), (1, 4, 3, 1, False),
-                                                      (2, 2, 4, 2, False), (1, 4, 3, 4, False), (1, 4, 3, 1, True),
-                                                      (2, 2, 4, 2, True)])  # fmt: skip
-def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, shared, monkeypatch):
+@pytest.mark.parametrize("R, H, n_a, heads, shared, sum_heads", [
+    (1, 2, 4, 1, False, True), (2, 2, 4, 1, False, True), (1, 4, 3, 1, False, True), (2, 2, 4, 2, False, True),
+    (1, 4, 3, 4, False, True), (1, 4, 3, 1, True, True), (2, 2, 4, 1, True, True), (1, 4, 3, 1, True, False),
+    (2, 2, 4, 2, True, False)])  # fmt: skip
+def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, shared, sum_heads,
+                                                                          monkeypatch):  # fmt: skip
     """The Triton op's angle gradients (the chunk pass's per-chunk sums of dth, each chunk's suffix sums plus its
     document's later chunks' sums, LOOKBACK chunks a load, then through pi tanh(rate) dt) against the chunked torch
     path's (doc_angle_sum's autograd): the angle rates' gradient and dt's, with a document of more than LOOKBACK + 1
@@ -576,10 +583,11 @@ def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, 
     step's rank sub-tokens in one chunk, dt's part at its rank-0 sub-token); one head a program (the default) and
     several (ANGLE_GRADS_HEADS), with n_a under its power of two (a program's padded lanes between heads); the rates
     per head, or one row a token expanded over the heads as the layer gives them (the op then keeps that one row,
-    _rates, and sums the heads' gradients itself)."""
+    _rates, and the heads' gradients are summed in the angles' backward, ANGLE_GRADS_SUM_HEADS, or after it)."""
     from megacpp_lab.kernels import mamba3 as m3
 
     monkeypatch.setattr(m3, "ANGLE_GRADS_HEADS", heads)
+    monkeypatch.setattr(m3, "ANGLE_GRADS_SUM_HEADS", sum_heads)
 
     if not (TRITON_INTERPRET or torch.cuda.is_available()):
         pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")

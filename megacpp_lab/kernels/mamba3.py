@@ -958,9 +958,36 @@ def _m3_bwd_sweeps_kernel(
 
 
 @triton.jit
+def _angle_grads_block(dth_ptr, dtt_ptr, dt_ptr, ddt_ptr, th, slot, last, steps, m, hd0, H, n_a, STEPS: tl.constexpr,
+                       RANK: tl.constexpr, HB: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr):  # fmt: skip
+    """_angle_grads_kernel's work for the HB heads from hd0 of one chunk: each angle increment's gradient (the
+    chunk's suffix sums of dth plus the document's later chunks' totals), dt's part added to ddt, and the rates'
+    gradient before tanh's derivative, g dt [STEPS, HB*BA] fp32 (th: the rates' tanh on the same lanes)."""
+    lane = tl.arange(0, HB * BA)
+    col = (hd0 + lane // BA) * n_a + lane % BA  # the lane's column of a [H, n_a] row
+    pa = lane % BA < n_a
+    carry = tl.zeros((HB * BA,), dtype=tl.float32)
+    for j in range(slot + 1, last, LOOKBACK):
+        rj = j + tl.arange(0, LOOKBACK)
+        tot = tl.load(dtt_ptr + (rj * (H * n_a))[:, None] + col[None, :], mask=(rj < last)[:, None] & pa[None, :],
+                      other=0.0)  # fmt: skip
+        carry += tl.sum(tot, axis=0)
+    mm = m[:, None] & pa[None, :]
+    d_inc = tl.cumsum(tl.load(dth_ptr + (steps * (H * n_a))[:, None] + col[None, :], mask=mm, other=0.0), axis=0,
+                      reverse=True) + carry[None, :]  # fmt: skip
+    heads = hd0 + tl.arange(0, HB)
+    dt_at = ((steps * RANK) * H)[:, None] + heads[None, :]  # [STEPS, HB]
+    dt = tl.load(dt_ptr + dt_at, mask=m[:, None], other=0.0)
+    g = d_inc * 3.141592653589793
+    d_dt = tl.sum(tl.reshape(tl.where(mm, g * th, 0.0), (STEPS, HB, BA)), axis=2)
+    tl.store(ddt_ptr + dt_at, tl.load(ddt_ptr + dt_at, mask=m[:, None], other=0.0) + d_dt, mask=m[:, None])
+    return g * tl.reshape(tl.broadcast_to(dt[:, :, None], (STEPS, HB, BA)), (STEPS, HB * BA))
+
+
+@triton.jit
 def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, ddt_ptr, H, D, n_a, CHUNK: tl.constexpr,
                         RANK: tl.constexpr, HB: tl.constexpr, BA: tl.constexpr, LOOKBACK: tl.constexpr,
-                        SHARED_RATES: tl.constexpr):  # fmt: skip
+                        SHARED_RATES: tl.constexpr, SUM_HEADS: tl.constexpr):  # fmt: skip
     """The angles' backward from the chunk pass's angle gradients: program (slot, block of HB heads) takes its
     chunk's steps' dth [steps, HB, n_a] (dth_ptr [B*T, H, n_a]), their suffix sums within the chunk plus the sums of
     the document's later chunks (the chunk pass's per-chunk totals at dtt_ptr [slots, H, n_a], LOOKBACK a load): the
@@ -970,9 +997,10 @@ def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, d
     launches, its cuts found per block) and the increments' backward in a kernel of their own: a chunk never spans
     two documents, so one pass over the chunk pass's slots needs no cut. Lane j of a row is head j // BA's pair
     j % BA (BA = n_a's power of two; the pairs past n_a masked). SHARED_RATES: the rates are one row a step for every
-    head (rate_ptr [B*T, 1, n_a]); their gradient is stored per head, summed over the heads by _mamba3_backward."""
+    head (rate_ptr [B*T, 1, n_a]); their gradient is stored per head [B*T, H, n_a] fp32, for _mamba3_backward to sum
+    over the heads, or with SUM_HEADS (HB = 1, one program a slot) summed here over the heads, in order, in fp32,
+    and stored once [B*T, 1, n_a] (no per-head buffer written and read back)."""
     slot = tl.program_id(0)
-    hd0 = tl.program_id(1) * HB
     d, doc_start = slot_document(cu_ptr, slot, D, CHUNK)
     first = doc_start + (slot - doc_start // CHUNK - d) * CHUNK
     doc_end = tl.load(cu_ptr + d + 1)
@@ -980,29 +1008,25 @@ def _angle_grads_kernel(dth_ptr, dtt_ptr, rate_ptr, dt_ptr, cu_ptr, drate_ptr, d
         STEPS: tl.constexpr = CHUNK // RANK
         steps = first // RANK + tl.arange(0, STEPS)
         m = steps < tl.minimum(first + CHUNK, doc_end) // RANK
-        lane = tl.arange(0, HB * BA)
-        col = (hd0 + lane // BA) * n_a + lane % BA  # the lane's column of a [H, n_a] row
-        pa = lane % BA < n_a
         last = doc_start // CHUNK + d + tl.cdiv(doc_end - doc_start, CHUNK)  # past the document's last chunk's slot
-        carry = tl.zeros((HB * BA,), dtype=tl.float32)
-        for j in range(slot + 1, last, LOOKBACK):
-            rj = j + tl.arange(0, LOOKBACK)
-            tot = tl.load(dtt_ptr + (rj * (H * n_a))[:, None] + col[None, :], mask=(rj < last)[:, None] & pa[None, :],
-                          other=0.0)  # fmt: skip
-            carry += tl.sum(tot, axis=0)
-        at = (steps * (H * n_a))[:, None] + col[None, :]
-        mm = m[:, None] & pa[None, :]
-        d_inc = tl.cumsum(tl.load(dth_ptr + at, mask=mm, other=0.0), axis=0, reverse=True) + carry[None, :]
-        rate_at = (steps * n_a)[:, None] + (lane % BA)[None, :] if SHARED_RATES else at
-        th = _tanh(tl.load(rate_ptr + rate_at, mask=mm, other=0.0).to(tl.float32))
-        heads = hd0 + tl.arange(0, HB)
-        dt_at = ((steps * RANK) * H)[:, None] + heads[None, :]  # [STEPS, HB]
-        dt = tl.load(dt_ptr + dt_at, mask=m[:, None], other=0.0)
-        g = d_inc * 3.141592653589793
-        dt_lanes = tl.reshape(tl.broadcast_to(dt[:, :, None], (STEPS, HB, BA)), (STEPS, HB * BA))
-        tl.store(drate_ptr + at, (g * dt_lanes * (1.0 - th * th)).to(drate_ptr.dtype.element_ty), mask=mm)
-        d_dt = tl.sum(tl.reshape(tl.where(mm, g * th, 0.0), (STEPS, HB, BA)), axis=2)
-        tl.store(ddt_ptr + dt_at, tl.load(ddt_ptr + dt_at, mask=m[:, None], other=0.0) + d_dt, mask=m[:, None])
+        lane = tl.arange(0, HB * BA)
+        mm = m[:, None] & (lane % BA < n_a)[None, :]
+        if SUM_HEADS:
+            rate_at = (steps * n_a)[:, None] + lane[None, :]
+            th = _tanh(tl.load(rate_ptr + rate_at, mask=mm, other=0.0).to(tl.float32))
+            g_dt = tl.zeros((STEPS, HB * BA), dtype=tl.float32)
+            for hd in range(0, H):
+                g_dt += _angle_grads_block(dth_ptr, dtt_ptr, dt_ptr, ddt_ptr, th, slot, last, steps, m, hd, H, n_a,
+                                           STEPS, RANK, HB, BA, LOOKBACK)  # fmt: skip
+            tl.store(drate_ptr + rate_at, (g_dt * (1.0 - th * th)).to(drate_ptr.dtype.element_ty), mask=mm)
+        else:
+            hd0 = tl.program_id(1) * HB
+            at = (steps * (H * n_a))[:, None] + ((hd0 + lane // BA) * n_a + lane % BA)[None, :]
+            rate_at = (steps * n_a)[:, None] + (lane % BA)[None, :] if SHARED_RATES else at
+            th = _tanh(tl.load(rate_ptr + rate_at, mask=mm, other=0.0).to(tl.float32))
+            g_dt = _angle_grads_block(dth_ptr, dtt_ptr, dt_ptr, ddt_ptr, th, slot, last, steps, m, hd0, H, n_a, STEPS,
+                                      RANK, HB, BA, LOOKBACK)  # fmt: skip
+            tl.store(drate_ptr + at, (g_dt * (1.0 - th * th)).to(drate_ptr.dtype.element_ty), mask=mm)
 
 
 @triton.jit
@@ -1084,6 +1108,11 @@ M3_BWD_STAGES = 3
 # mamba3_probe_heads_bc8cbac.json, one call) the kernel took 0.084 ms at one head a program (9216 programs of [64, 32]
 # lanes: 576 chunk slots by 16 heads), 0.095 at two, 0.123 at four
 ANGLE_GRADS_HEADS = 1
+# rates shared by the heads (the layer's one row a token): the angles' backward sums their gradient over the heads
+# itself, a program a chunk looping over the heads, and stores it once in the rates' shape and dtype; off, it stores
+# [B, T, H, n_a] fp32 per head (at bench ssd's main shape 67 MB written, then read back by an inductor sum that took
+# 34 us on an H100: profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/). A lead until the probe measures it
+ANGLE_GRADS_SUM_HEADS = True
 # (M3_BWD_SPLIT's two kernels at 8 warps under a cap of 128 registers, 2 programs an SM of 16 warps for 232/252 bytes
 # of spills a thread, took 0.92 + 0.87 ms against the split's 0.50 + 0.68 and the one kernel's 1.11: a probe on the
 # H200 at bench ssd's main shape; the cap is not kept)
@@ -1213,8 +1242,9 @@ def mamba3_scan_bwd(
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt
     (the angle increments' part included), dB, dC (B's dtype), d rates per head (the angles' gradient, summed over
     the ranks in the chunk pass, then over each document's later steps and through the increments pi tanh(rates) dt
-    by _angle_grads_kernel, in this op as the forward's sums are in its: the rates' shape and dtype, or, where the
-    heads share the rates, [B,T,H,n_a] fp32, which _mamba3_backward sums over the heads), d weight, d gamma, and the
+    by _angle_grads_kernel, in this op as the forward's sums are in its: the rates' shape and dtype, summed over the
+    heads there where they share the rates; with ANGLE_GRADS_SUM_HEADS off, such rates' gradient is [B,T,H,n_a]
+    fp32, which _mamba3_backward sums over the heads), d weight, d gamma, and the
     per-chunk partial gradients of A, D and the two biases in one fp32 buffer [slots, 2H + 2HRN] (_mamba3_backward
     sums the slots and split_sums parts the sum: a custom op's outputs may not be views of one another, and four
     reductions over the chunks would be four launches).
@@ -1279,16 +1309,18 @@ def mamba3_scan_bwd(
         )  # fmt: skip
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     shared = _shares_rates(rates, H)
-    # per head (the kernel's rows); shared rates: in fp32, summed over the heads by _mamba3_backward, outside the op
-    d_rates = torch.empty((*rates.shape[:2], H, n_a), device=x.device, dtype=torch.float32 if shared else rates.dtype)
+    d_rates = torch.empty(_d_rates_shape(rates, H), device=x.device,
+                          dtype=torch.float32 if shared and not ANGLE_GRADS_SUM_HEADS else rates.dtype)  # fmt: skip
     if n_a:  # the angles' suffix sums and the increments' backward, dt's part added to ddt
         if ANGLE_GRADS_HEADS < 1 or ANGLE_GRADS_HEADS & (ANGLE_GRADS_HEADS - 1):
             raise ValueError(f"mamba3_scan_bwd: ANGLE_GRADS_HEADS={ANGLE_GRADS_HEADS} must be a power of two >= 1 (a "
                              "program's lanes are its heads times n_a's power of two)")  # fmt: skip
-        hb = math.gcd(H, ANGLE_GRADS_HEADS)
-        _angle_grads_kernel[(n_slots, H // hb)](dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a,
-                                                CHUNK=chunk, RANK=R, HB=hb, BA=triton.next_power_of_2(n_a),
-                                                LOOKBACK=SCAN_LOOKBACK, SHARED_RATES=shared, num_warps=4)  # fmt: skip
+        sum_heads = shared and ANGLE_GRADS_SUM_HEADS
+        hb = 1 if sum_heads else math.gcd(H, ANGLE_GRADS_HEADS)
+        _angle_grads_kernel[(n_slots, 1 if sum_heads else H // hb)](
+            dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a, CHUNK=chunk, RANK=R, HB=hb,
+            BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK, SHARED_RATES=shared, SUM_HEADS=sum_heads,
+            num_warps=4)  # fmt: skip
     return dx, ddt, dB, dC, d_rates, dw, dgam, sums
 
 
@@ -1298,8 +1330,9 @@ def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     dB = Bm.new_empty((B, Bm.shape[1], groups, N))
-    shared = _shares_rates(rates, H)  # the real op's d_rates: per head, contiguous, fp32 where shared
-    d_rates = rates.new_empty((B, rates.shape[1], H, rates.shape[3]), dtype=torch.float32 if shared else rates.dtype)
+    shared = _shares_rates(rates, H)  # the real op's d_rates: contiguous, fp32 where shared and per head
+    d_rates = rates.new_empty(_d_rates_shape(rates, H),
+                              dtype=torch.float32 if shared and not ANGLE_GRADS_SUM_HEADS else rates.dtype)  # fmt: skip
     return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB), d_rates,
             torch.empty_like(weight), torch.empty_like(gamma),
             x.new_empty((states.shape[0], 2 * H + 2 * H * rank * N), dtype=torch.float32))  # fmt: skip
@@ -1317,6 +1350,13 @@ def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
                           cu_seqlens, order, states)  # fmt: skip
     ctx.chunk, ctx.rank = chunk, rank
     ctx.set_materialize_grads(False)
+
+
+def _d_rates_shape(rates: torch.Tensor, H: int) -> tuple[int, int, int, int]:
+    """mamba3_scan_bwd's d rates: the rates' shape, one row a step where the heads share them and the angles'
+    backward sums over the heads (ANGLE_GRADS_SUM_HEADS), else per head."""
+    heads = 1 if _shares_rates(rates, H) and ANGLE_GRADS_SUM_HEADS else H
+    return (*rates.shape[:2], heads, rates.shape[3])
 
 
 def _shares_rates(rates: torch.Tensor, H: int) -> bool:
@@ -1346,8 +1386,8 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
     # own: on the H100's compiled base step, 12 + 32 us an M block, c4f5642's trace). (The rates' rows stored
     # head-major, so that their sum reads contiguous slabs, left bench ssd's 34 us inductor sum as it was: H100 probe
     # of 63a6a0e, profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/; not kept)
-    if _shares_rates(rates, x.shape[2]):  # rates shared by the heads: the op's rows are per head, in fp32
-        d_rates = d_rates.sum(2, keepdim=True).to(rates.dtype)
+    if d_rates.shape[2] != rates.shape[2]:  # rates shared by the heads, their rows per head in fp32 (not summed by
+        d_rates = d_rates.sum(2, keepdim=True).to(rates.dtype)  # the angles' backward: ANGLE_GRADS_SUM_HEADS off)
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums.sum(0), x.shape[2], ctx.rank, Bm.shape[-1])
     dx, dmx = dxr, None
