@@ -220,6 +220,10 @@ def main() -> None:
     LAUNCH_ONLY = args.launch_only
     Path(args.out).mkdir(parents=True, exist_ok=True)  # before the first variant's compile, not after it
     torch._dynamo.config.recompile_limit = 64
+    # every variant compiled afresh: a launch constant that changes an op's outputs (ANGLE_GRADS_SUM_HEADS: d rates'
+    # shape) is no part of inductor's and AOTAutograd's cache keys, and a variant must never run an earlier one's graph
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     rows = []
     for v in args.variants.split(","):
         print(f"probe: {v} (compiling)", file=sys.stderr, flush=True)

@@ -1085,10 +1085,10 @@ ANGLE_KEYS_BLOCK_T = 32
 # shape, 64 columns and 4 warps took 1.69 ms, 32 columns 1.65, 128 2.03, 8 warps 1.90-2.06; with the two sweeps at
 # 8d139e5, 32 columns 1.322 against 64's 1.061: the one sweep below takes 32)
 M3_BWD_BLOCK_N = 32
-# the chunk pass's step 1 (the reductions over N, q k^T and k dS'^T) in blocks of its own width: a lead, not yet
-# measured in the one kernel (M3_BWD_SPLIT's first kernel, which runs step 1 and 2 alone, took 0.447 ms at 64 columns
-# against 0.596 at 32 on an H100 at bench ssd's main shape: profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/)
-M3_BWD_REDUCE_BLOCK_N = 32
+# the chunk pass's step 1 (the reductions over N, q k^T and k dS'^T) in blocks of its own width: on an H100 at bench
+# ssd's main shape (scripts/mamba3_probe.py at a342a06, one call, profiles/nvidia-h100-80gb-hbm3/ssd/lead_reduce_block/)
+# the chunk kernel took 0.877 ms at 64 columns against 1.020 at 32 and 0.916 at 128; at H = 32, 0.893 against 1.041
+M3_BWD_REDUCE_BLOCK_N = 64
 M3_BWD_WARPS = 4
 # the chunk pass's L2 eviction hints: a tile it reads again later (k, q, dS' and dy in steps 1-2; with two sweeps
 # also S, the angles and the queries' angle gradients) loaded "evict_last", its last read "evict_first" (not in
