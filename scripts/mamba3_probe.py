@@ -83,6 +83,11 @@ def _with_constants(overrides: str):
 
 def run(variant: str, out: str) -> dict:
     base, _, overrides = variant.partition(":")
+    # nor of the fake tensors' dispatch cache, which would hand a variant the other setting's traced output shapes
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode.cache_clear()
+    torch._dynamo.reset()  # and dynamo's code cache: each variant's lambda is the same code object, its guards alike
     undo = _with_constants(overrides)
     try:
         return _run(base, out) | {"variant": variant}

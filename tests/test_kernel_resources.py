@@ -74,7 +74,7 @@ def test_the_mamba3_scan_compiles_every_kernel_for_sm90(mamba3_report):
     rows = mamba3_report["subjects"]["mamba3"]
     names = {r["kernel"] for r in rows}
     assert names == {"_angle_keys_kernel", "_keys_kernel", "_ssd_fwd_state_kernel", "_ssd_fwd_output_kernel", "_ssd_bwd_state_kernel",
-                     "_m3_bwd_chunk_kernel", "_m3_bwd_own_kernel", "_m3_bwd_sweeps_kernel", "_doc_scan_totals_kernel",
+                     "_m3_bwd_chunk_kernel", "_doc_scan_totals_kernel",
                      "_doc_scan_kernel", "_group_sum_kernel", "_angle_grads_kernel"}
     from megacpp_lab.kernels.mamba3 import SCAN_WARPS
 
@@ -98,19 +98,6 @@ def test_the_table_tells_two_compilations_of_one_kernel_apart(mamba3_report):
         assert len(lines) == 2 and "REVERSE=False" in lines[0] + lines[1] and "REVERSE=True" in lines[0] + lines[1], lines
 
 
-def test_the_split_chunk_pass_spills_less_than_the_one_kernel(mamba3_report):
-    """The reason M3_BWD_SPLIT exists (kernels/mamba3.py): each of its two kernels holds fewer tiles at once than
-    the one kernel, so spills less a thread. Whether that pays for the second launch is bench ssd's to say. How much
-    less depends on ptxas and the form: Triton 3.9's, with the chunk pass's one sweep (on since b796f85), 176 bytes
-    against 20 and 0 (with the two sweeps, 312 against 24 and 20); the GPU box's Triton 3.6, at 07348d0 (the split's
-    first kernel without eviction hints), 76 against 52 and 0 (profiles/nvidia-h100-80gb-hbm3/tests/
-    pytest_gpu_07348d0_ssd_resources.log), 244 against 72 with the two sweeps."""
-    rows = {r["kernel"]: r for r in mamba3_report["subjects"]["mamba3"]}
-    one = rows["_m3_bwd_chunk_kernel"]["spill_store_bytes"]
-    assert one > 0  # if this stops spilling (a new ptxas, a leaner kernel) the split has no reason left: re-measure
-    assert max(rows["_m3_bwd_own_kernel"]["spill_store_bytes"], rows["_m3_bwd_sweeps_kernel"]["spill_store_bytes"]) < one
-
-
 def test_mamba2s_ssd_compiles_its_four_kernels(mamba3_report):
     names = [r["kernel"] for r in mamba3_report["subjects"]["ssd"]]
     assert sorted(names) == ["_ssd_bwd_chunk_kernel", "_ssd_bwd_state_kernel", "_ssd_fwd_output_kernel",
@@ -126,7 +113,7 @@ def test_the_sass_mix_agrees_with_ptxas_and_finds_hoppers_mmas(mamba3_report):
             assert (r["sass"]["spill_store"] > 0) == (r["spill_store_bytes"] > 0), (subject, r["kernel"], r["sass"])
             assert (r["sass"]["spill_load"] > 0) == (r["spill_load_bytes"] > 0), (subject, r["kernel"], r["sass"])
     rows = {r["kernel"]: r for r in mamba3_report["subjects"]["mamba3"]}
-    for kernel in ("_ssd_fwd_output_kernel", "_m3_bwd_chunk_kernel", "_m3_bwd_own_kernel", "_m3_bwd_sweeps_kernel"):
+    for kernel in ("_ssd_fwd_output_kernel", "_m3_bwd_chunk_kernel"):
         assert rows[kernel]["sass"]["wgmma"] > 0 and rows[kernel]["sass"]["mma"] == 0, rows[kernel]["sass"]
     keys = rows["_angle_keys_kernel"]["sass"]  # the angle sums' second pass and the key pass: no dot in it
     assert keys["wgmma"] == keys["mma"] == 0

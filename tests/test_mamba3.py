@@ -25,14 +25,13 @@ from megacpp_lab.varlen import build_context, doc_ids_from_cu_seqlens, packed_cu
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "mamba3"
 
 
-@pytest.fixture(params=[False, True], ids=["one_chunk_kernel", "split_chunk_kernels"])
-def chunk_pass(request, monkeypatch):
-    """The backward's chunk pass, as one kernel and as two (M3_BWD_SPLIT); under the interpreter at 16 state columns
-    a sweep step, so N = 32 takes two blocks of rotated pairs (the angle and bias gradients cross a block's edge; on a
-    GPU the launcher's own block: kernels/ssd.py saw narrow blocks miscompile)."""
+@pytest.fixture
+def chunk_pass(monkeypatch):
+    """The backward's chunk pass under the interpreter at 16 state columns a sweep step, so N = 32 takes two blocks
+    of rotated pairs (the angle and bias gradients cross a block's edge; on a GPU the launcher's own block:
+    kernels/ssd.py saw narrow blocks miscompile)."""
     from megacpp_lab.kernels import mamba3 as m3
 
-    monkeypatch.setattr(m3, "M3_BWD_SPLIT", request.param)
     if not torch.cuda.is_available():
         monkeypatch.setattr(m3, "M3_BWD_BLOCK_N", 16)
         monkeypatch.setattr(m3, "M3_BWD_REDUCE_BLOCK_N", 16)  # step 1's reductions over N in two blocks too
@@ -243,13 +242,11 @@ def test_the_op_takes_the_state_passes_order_from_the_context_or_the_boundaries(
     assert seen[-1].tolist() == documents_longest_first(cu).tolist() == [0, 3, 2, 1, 4]
 
 
-@pytest.mark.parametrize("form", ["split", "one_sweep", "split_one_sweep"])
 @pytest.mark.parametrize("R", [1, 4])
-def test_the_chunk_pass_forms_equal_the_one_kernel_bit_for_bit(R, form, monkeypatch):
-    """The chunk pass's forms run the one kernel's arithmetic (the same helpers): M3_BWD_SPLIT's two kernels, step 2's
-    tile, vector and sum passing through memory in the dtype the one kernel holds them in; M3_BWD_ONE_SWEEP's dq and
-    dk in one sweep, the queries' and keys' angle gradients added in registers (fp32 addition commutes: the same sum
-    the two sweeps form through memory), each alone and both. Under the interpreter every gradient is the same bits,
+def test_the_chunk_pass_sweep_forms_equal_each_other_bit_for_bit(R, monkeypatch):
+    """The chunk pass's step 3 as M3_BWD_ONE_SWEEP's one sweep (dq and dk together, the queries' and keys' angle
+    gradients added in registers: fp32 addition commutes) and as two sweeps (the queries', then the keys', the angle
+    gradients summed through memory) run the same arithmetic. Under the interpreter every gradient is the same bits,
     SISO and MIMO, with gap slots (documents shorter than a chunk) and two blocks of state columns. On a GPU, ptxas
     may fuse a multiply into an add differently in another kernel: there, within 1e-6."""
     from megacpp_lab.kernels import mamba3 as m3
@@ -269,16 +266,15 @@ def test_the_chunk_pass_forms_equal_the_one_kernel_bit_for_bit(R, form, monkeypa
         a["mimo_x"] = (1 + 0.1 * torch.randn(2, R, 16, generator=g)).to(device).requires_grad_()
     grads = {}
     for other in (False, True):
-        monkeypatch.setattr(m3, "M3_BWD_SPLIT", other and "split" in form)
-        monkeypatch.setattr(m3, "M3_BWD_ONE_SWEEP", other and "one_sweep" in form)
+        monkeypatch.setattr(m3, "M3_BWD_ONE_SWEEP", other)
         y = mamba3_scan(**a, cu_seqlens=cu, chunk=16, kernel="triton")
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(device)
         grads[other] = torch.autograd.grad(y, list(a.values()), dy)
     for name, one, two in zip(a, grads[False], grads[True]):
         if device == "cpu":
-            assert torch.equal(one, two), f"d{name} differs between the one kernel's two sweeps and {form}"
+            assert torch.equal(one, two), f"d{name} differs between the two sweeps and the one sweep"
         else:  # by norm: ddt sums cancelling terms, where an element near zero moves by more than 1e-6 of itself
-            assert ((two - one).norm() / one.norm()).item() < 1e-6, f"d{name}: {form} against the one kernel"
+            assert ((two - one).norm() / one.norm()).item() < 1e-6, f"d{name}: the one sweep against the two"
 
 
 @pytest.mark.parametrize("R,G", [(1, 2), (4, 2), (1, 1), (4, 1)])

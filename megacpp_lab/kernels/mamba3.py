@@ -847,18 +847,14 @@ def _m3_two_sweeps(dcs, dye, LdYU, x_ptr, xs_ptr, k_ptr, q_ptr, th_ptr, dth_ptr,
 
 
 @triton.jit
-def _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, OWN: tl.constexpr, SWEEPS: tl.constexpr,
-                     N: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
-    """A gap slot's zeros in the partial sums its passes own (OWN: dD's; SWEEPS: dA's and the biases'):
-    _mamba3_backward sums every slot."""
-    if OWN:
-        tl.store(dskip_ptr + slot * sums_row + hd, 0.0)
-    if SWEEPS:
-        tl.store(da_ptr + slot * sums_row + hd, 0.0)
-        rows = (hd * RANK + tl.arange(0, RANK))[:, None]
-        rn = tl.arange(0, N)[None, :]
-        tl.store(dkb_ptr + slot * sums_row + rows * N + rn, tl.zeros((RANK, N), tl.float32))
-        tl.store(dqb_ptr + slot * sums_row + rows * N + rn, tl.zeros((RANK, N), tl.float32))
+def _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, N: tl.constexpr, RANK: tl.constexpr):
+    """A gap slot's zeros in its partial sums (dD's, dA's and the biases'): _mamba3_backward sums every slot."""
+    tl.store(dskip_ptr + slot * sums_row + hd, 0.0)
+    tl.store(da_ptr + slot * sums_row + hd, 0.0)
+    rows = (hd * RANK + tl.arange(0, RANK))[:, None]
+    rn = tl.arange(0, N)[None, :]
+    tl.store(dkb_ptr + slot * sums_row + rows * N + rn, tl.zeros((RANK, N), tl.float32))
+    tl.store(dqb_ptr + slot * sums_row + rows * N + rn, tl.zeros((RANK, N), tl.float32))
 
 
 @triton.jit
@@ -881,8 +877,8 @@ def _m3_bwd_chunk_kernel(
       3. over N: dq with the log-decay gradient's state term and dk with sum(S * dS'), in one sweep
          (M3_BWD_ONE_SWEEP, the default) or two (the queries', then the keys');
       4. the log-decay gradient: ddt and this chunk's dA.
-    Steps 1-2 are _m3_bwd_own_terms, 3-4 _m3_bwd_key_sweeps; M3_BWD_SPLIT runs them as two kernels instead
-    (_m3_bwd_own_kernel, _m3_bwd_sweeps_kernel), step 2's results passing through memory.
+    Steps 1-2 are _m3_bwd_own_terms, 3-4 _m3_bwd_key_sweeps (as two kernels, step 2's results through memory,
+    they took longer: M3_BWD_SPLIT, removed; see the launch constants).
     SDOT: the operands' dtype of the four dots against the state S and its gradient dS' (fp32, or DOT).
     dk and dq go back through the rotation here, unrounded (_key_grad_back; _store_angle_grads stores the angle
     gradients): dB and dC per head in their pointers'
@@ -896,61 +892,11 @@ def _m3_bwd_chunk_kernel(
     slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
                                                                                        H, D, CHUNK, RANK)  # fmt: skip
     if first >= end:
-        _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, True, True, N, RANK)
+        _m3_bwd_gap_slot(da_ptr, dskip_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, N, RANK)
     else:
         LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr,
                                              dw_ptr, dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row,
                                              P, N, BN1, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP)  # fmt: skip
-        _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
-                           dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last,
-                           xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP,
-                           DROP, ONE_SWEEP, STAGES)  # fmt: skip
-
-
-@triton.jit
-def _m3_bwd_own_kernel(
-    x_ptr, xs_ptr, dt_ptr, w_ptr, gam_ptr, a_ptr, skip_ptr, k_ptr, q_ptr, cu_ptr, dst_ptr, dy_ptr,
-    dx_ptr, dw_ptr, dgam_ptr, dskip_ptr, ldyu_ptr, dcs_ptr, H, D, sums_row,
-    P: tl.constexpr, N: tl.constexpr, BN1: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
-):  # fmt: skip
-    """M3_BWD_SPLIT's first kernel: the chunk pass's steps 1-2 (_m3_bwd_own_terms), its results for the second
-    kernel in memory: L * (dy x^T) * W [CHUNK, CHUNK] in the dots' dtype at ldyu_ptr, dcs [CHUNK] and sum(R) fp32 at
-    dcs_ptr (CHUNK + 1 apart), one block per program (slot, head)."""
-    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
-                                                                                       H, D, CHUNK, RANK)  # fmt: skip
-    if first >= end:
-        _m3_bwd_gap_slot(dw_ptr, dskip_ptr, dw_ptr, dw_ptr, slot, hd, sums_row, True, False, N, RANK)
-    else:
-        LdYU, dcs, sum_R = _m3_bwd_own_terms(x_ptr, xs_ptr, gam_ptr, skip_ptr, k_ptr, q_ptr, dst_ptr, dy_ptr, dx_ptr,
-                                             dw_ptr, dgam_ptr, dskip_ptr, t, m, step, cs, xw, w, slot, hd, H, sums_row,
-                                             P, N, BN1, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP)  # fmt: skip
-        rl = tl.arange(0, CHUNK)
-        block = slot * H + hd
-        tl.store(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :], LdYU)
-        tl.store(dcs_ptr + block * (CHUNK + 1) + rl, dcs)
-        tl.store(dcs_ptr + block * (CHUNK + 1) + CHUNK, sum_R)
-
-
-@triton.jit
-def _m3_bwd_sweeps_kernel(
-    x_ptr, xs_ptr, dt_ptr, w_ptr, a_ptr, k_ptr, q_ptr, th_ptr, cu_ptr, st_ptr, dst_ptr, dy_ptr, ldyu_ptr, dcs_ptr,
-    ddt_ptr, da_ptr, dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, H, D, n_a, sums_row,
-    P: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    DOT: tl.constexpr, SDOT: tl.constexpr, RANK: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr,
-    ONE_SWEEP: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
-    """M3_BWD_SPLIT's second kernel: the chunk pass's steps 3-4 (_m3_bwd_key_sweeps) from the first's results."""
-    slot, hd, first, end, t, m, step, A_h, dt, cs, cs_last, xw, w = _m3_bwd_chunk_rows(dt_ptr, w_ptr, a_ptr, cu_ptr,
-                                                                                       H, D, CHUNK, RANK)  # fmt: skip
-    if first >= end:
-        _m3_bwd_gap_slot(da_ptr, da_ptr, dkb_ptr, dqb_ptr, slot, hd, sums_row, False, True, N, RANK)
-    else:
-        rl = tl.arange(0, CHUNK)
-        block = slot * H + hd
-        LdYU = tl.load(ldyu_ptr + block * CHUNK * CHUNK + rl[:, None] * CHUNK + rl[None, :]).to(DOT)
-        dcs = tl.load(dcs_ptr + block * (CHUNK + 1) + rl)
-        sum_R = tl.load(dcs_ptr + block * (CHUNK + 1) + CHUNK)
         _m3_bwd_key_sweeps(LdYU, dcs, sum_R, x_ptr, xs_ptr, dy_ptr, k_ptr, q_ptr, th_ptr, st_ptr, dst_ptr, ddt_ptr, da_ptr,
                            dk_ptr, dq_ptr, dth_ptr, dtt_ptr, dkb_ptr, dqb_ptr, t, m, first, end, A_h, dt, cs, cs_last,
                            xw, w, slot, hd, H, n_a, sums_row, P, N, BN, CHUNK, PRECISION, DOT, SDOT, RANK, KEEP,
@@ -1091,8 +1037,8 @@ M3_BWD_BLOCK_N = 32
 M3_BWD_REDUCE_BLOCK_N = 64
 M3_BWD_WARPS = 4
 # the chunk pass's L2 eviction hints: a tile it reads again later (k, q, dS' and dy in steps 1-2; with two sweeps
-# also S, the angles and the queries' angle gradients) loaded "evict_last", its last read "evict_first" (not in
-# M3_BWD_SPLIT's first kernel, whose tiles the second reads only after the whole grid). Its rereads of a program's own tiles miss
+# also S, the angles and the queries' angle gradients) loaded "evict_last", its last read "evict_first". Its rereads
+# of a program's own tiles miss
 # L2 (Nsight Compute at bench ssd's main shape on an H100: 56% L2 hits, 1.83 GB from DRAM where the kernel's tensors
 # hold about 1.1 GB; lead_ncu_host/), and the pass is latency-bound: a hit is the shorter wait
 M3_BWD_EVICT = True
@@ -1110,20 +1056,18 @@ M3_BWD_STAGES = 3
 ANGLE_GRADS_HEADS = 1
 # rates shared by the heads (the layer's one row a token): the angles' backward sums their gradient over the heads
 # itself, a program a chunk looping over the heads, and stores it once in the rates' shape and dtype; off, it stores
-# [B, T, H, n_a] fp32 per head (at bench ssd's main shape 67 MB written, then read back by an inductor sum that took
-# 34 us on an H100: profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/). A lead until the probe measures it
+# [B, T, H, n_a] fp32 per head, 67 MB at bench ssd's main shape, read back by an inductor sum. On an H100 there
+# (scripts/mamba3_probe.py at 88667a0, one call, two rows each: profiles/nvidia-h100-80gb-hbm3/ssd/
+# lead_angle_grads_sum_heads/) forward and backward took 1.830 / 1.830 ms against 1.848 / 1.848 off (the sum 0.033 ms)
 ANGLE_GRADS_SUM_HEADS = True
-# (M3_BWD_SPLIT's two kernels at 8 warps under a cap of 128 registers, 2 programs an SM of 16 warps for 232/252 bytes
-# of spills a thread, took 0.92 + 0.87 ms against the split's 0.50 + 0.68 and the one kernel's 1.11: a probe on the
-# H200 at bench ssd's main shape; the cap is not kept)
-# the chunk pass as two kernels (steps 1-2, then 3-4; step 2's [CHUNK, CHUNK] tile, a vector and a sum per program
-# through memory) in place of one: compiled for sm_90 (kernels/resources.py, Triton 3.9) at the main shape, the one
-# kernel spills 284/308 bytes a thread (stores/loads), the two 24/24 and 0/0 (with bf16 stored states); yet the two
-# took 2.16 ms forward and backward against the one's 2.09 (profiles/nvidia-h200/ssd/mamba3_fwd_bwd.json, its
-# M3_BWD_SPLIT row): off. (A third form, step 3 a program per block of 32 state columns at 139 registers, 3 programs an
-# SM, took 0.82 ms beside the first kernel's 0.60, where the one kernel took 1.01: each block program repeats the
-# chunk's prologue; H100 probe of 63a6a0e, profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/, not kept)
-M3_BWD_SPLIT = False
+# (Forms of the chunk pass measured slower and removed: M3_BWD_SPLIT, steps 1-2 and 3-4 as two kernels, step 2's
+# [CHUNK, CHUNK] tile, a vector and a sum per program through memory, which spilled less at 32 columns and took 2.16 ms
+# forward and backward against the one kernel's 2.09 (profiles/nvidia-h200/ssd/mamba3_fwd_bwd.json at 418f173) and, at
+# 88667a0 on an H100 (M3_BWD_REDUCE_BLOCK_N = 64), 2.008 against 1.837 while its first kernel spilled 44 bytes a thread
+# to the one kernel's 24 (profiles/nvidia-h100-80gb-hbm3/ssd/mamba3_fwd_bwd.json's M3_BWD_SPLIT row and
+# tests/pytest_gpu_88667a0_mamba3_resources.log); the split under a cap of 128 registers at 8 warps (H200: 0.92 + 0.87
+# ms); step 3 a program per block of 32 state columns (0.82 ms beside the first kernel's 0.60 where the one kernel took
+# 1.01, each block program repeating the chunk's prologue: profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/).)
 # the chunk pass's dots against the stored state and its gradient (kernels/ssd.states_dtype: bf16 for bf16 inputs): in
 # the inputs' own dtype (True, mamba_ssm's choice: half the registers and twice the MMA rate), or fp32 operands (False:
 # TF32 for 16-bit inputs, on the stored values). fp32 inputs take fp32 either way, as does the interpreter. `bench ssd`
@@ -1250,7 +1194,7 @@ def mamba3_scan_bwd(
     reductions over the chunks would be four launches).
     rotated: Bm and Cm are the forward's rotated keys and queries per head (keeps_keys), else B and C, and the keys
     are recomputed; groups: B's G either way (dB and dC are [B,T*R,G,N]). SSD's sequential state pass, then
-    the chunk pass (_m3_bwd_chunk_kernel; with M3_BWD_SPLIT, _m3_bwd_own_kernel then _m3_bwd_sweeps_kernel), which
+    the chunk pass (_m3_bwd_chunk_kernel), which
     also takes dk and dq back through the rotation, unrounded."""
     B, TR, _, N = Bm.shape
     G = groups
@@ -1290,23 +1234,11 @@ def mamba3_scan_bwd(
                              "columns is a dot's operand; N, a power of two >= 16, then holds whole blocks)")  # fmt: skip
     reduce_block = min(M3_BWD_REDUCE_BLOCK_N, N)
     n_docs = cu_seqlens.numel() - 1
-    if M3_BWD_SPLIT:  # steps 1-2, then 3-4, step 2's results through memory (L dy x^T W, and dcs and R)
-        ldyu_dtype = torch.float32 if dots["DOT"] == tl.float32 else x.dtype  # the dots' dtype, as one kernel holds it
-        ldyu = torch.empty((n_slots, H, chunk, chunk), device=x.device, dtype=ldyu_dtype)
-        dcs = torch.empty((n_slots, H, chunk + 1), device=x.device, dtype=torch.float32)
-        own_consts = {k: v for k, v in consts.items() if k != "BN"} | {"KEEP": "", "DROP": ""}  # no step 3 here
-        _m3_bwd_own_kernel[(n_slots, H)](x, xs, dt, weight, gamma, A, D, k, q, cu_seqlens, dstates, dy, dx, dw, dgam,
-                                         dD, ldyu, dcs, H, n_docs, sums.shape[1], BN1=reduce_block,
-                                         **own_consts)  # fmt: skip
-        _m3_bwd_sweeps_kernel[(n_slots, H)](x, xs, dt, weight, A, k, q, theta, cu_seqlens, states, dstates, dy, ldyu,
-                                            dcs, ddt, dA, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1],
-                                            **consts, **sweeps)  # fmt: skip
-    else:
-        _m3_bwd_chunk_kernel[(n_slots, H)](
-            x, xs, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
-            dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1], BN1=reduce_block,
-            **consts, **sweeps,
-        )  # fmt: skip
+    _m3_bwd_chunk_kernel[(n_slots, H)](
+        x, xs, dt, weight, gamma, A, D, k, q, theta, cu_seqlens, states, dstates, dy,
+        dx, ddt, dw, dgam, dA, dD, dBh, dCh, dth, dtt, dbb, dcb, H, n_docs, n_a, sums.shape[1], BN1=reduce_block,
+        **consts, **sweeps,
+    )  # fmt: skip
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     shared = _shares_rates(rates, H)
     d_rates = torch.empty(_d_rates_shape(rates, H), device=x.device,
@@ -1432,8 +1364,8 @@ def _mamba3_triton(x, mimo_x, dt, A, Bm, Cm, angles, b_bias, c_bias, weight, gam
         raise ValueError("the Triton Mamba-3 scan takes float32, bfloat16 or float16 x; float64 is for the torch paths")
     N = Bm.shape[-1]
     n_docs = cu_seqlens.shape[0] - 1
-    # the saved states, the keys per head and sub-token, and M3_BWD_SPLIT's [CHUNK, CHUNK] tile per chunk and head
-    elements = max((B * T * R // chunk + n_docs) * H * max(P * N, chunk * chunk), B * T * R * H * max(P, N))
+    # the saved states, and the keys per head and sub-token
+    elements = max((B * T * R // chunk + n_docs) * H * P * N, B * T * R * H * max(P, N))
     if elements >= 2**31:  # the kernels index in int32
         raise ValueError(f"the Triton Mamba-3 scan indexes in int32: x {tuple(x.shape[:2])} x {R} ranks with H={H}, "
                          f"P={P}, N={N}, chunk={chunk} and {n_docs} documents needs {elements} elements in one buffer "
