@@ -83,11 +83,9 @@ def _with_constants(overrides: str):
 
 def run(variant: str, out: str) -> dict:
     base, _, overrides = variant.partition(":")
-    # nor of the fake tensors' dispatch cache, which would hand a variant the other setting's traced output shapes
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    FakeTensorMode.cache_clear()
-    torch._dynamo.reset()  # and dynamo's code cache: each variant's lambda is the same code object, its guards alike
+    # dynamo's code cache forgotten: each variant's lambda is the same code object, and a launch constant read inside
+    # an op is no part of its guards, so a later variant would run an earlier one's graph
+    torch._dynamo.reset()
     undo = _with_constants(overrides)
     try:
         return _run(base, out) | {"variant": variant}
@@ -225,8 +223,8 @@ def main() -> None:
     LAUNCH_ONLY = args.launch_only
     Path(args.out).mkdir(parents=True, exist_ok=True)  # before the first variant's compile, not after it
     torch._dynamo.config.recompile_limit = 64
-    # every variant compiled afresh: a launch constant that changes an op's outputs (ANGLE_GRADS_SUM_HEADS: d rates'
-    # shape) is no part of inductor's and AOTAutograd's cache keys, and a variant must never run an earlier one's graph
+    # every variant compiled afresh (with _run's dynamo reset): a launch constant read inside an op is no part of
+    # inductor's and AOTAutograd's cache keys, and a variant must never run an earlier one's graph
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     rows = []

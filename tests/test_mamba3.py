@@ -315,18 +315,23 @@ def test_kept_keys_spare_the_backward_its_key_pass_and_change_no_gradient(R, G, 
         assert not m3.keeps_keys(x, Bm)
 
 
-@pytest.mark.parametrize("R, shared", [(1, False), (2, False), (1, True)])
-def test_the_backward_launcher_leaves_its_reductions_to_the_autograd_formula(R, shared):
+@pytest.mark.parametrize("R, shared, sum_heads", [(1, False, True), (2, False, True), (1, True, True),
+                                                   (1, True, False)])  # fmt: skip
+def test_the_backward_launcher_leaves_its_reductions_to_the_autograd_formula(R, shared, sum_heads, monkeypatch):
     """mamba3_scan_bwd's partial sums per chunk (dA, dD, both biases' gradients) share one buffer, which the autograd
     formula sums once outside the op (where inductor fuses the reduction into its consumers), as it sums the shared
-    rates' per-head gradients; MIMO's angle gradients come out of the kernel summed over a step's ranks. With a group
-    per head (no group sums), SISO or MIMO, with rates shared by the heads, the operators the op calls directly are
-    allocations, views and the interpreter's copies on a CPU: no reduction (each operator is host work in every M
-    block's backward, and an aten reduction inside the op is a kernel inductor cannot fuse)."""
+    rates' per-head gradients where the angles' backward does not (ANGLE_GRADS_SUM_HEADS off); MIMO's angle
+    gradients come out of the kernel summed over a step's ranks. With a group per head (no group sums), SISO or
+    MIMO, with rates shared by the heads, the operators the op calls directly are allocations, views and the
+    interpreter's copies on a CPU: no reduction (each operator is host work in every M block's backward, and an aten
+    reduction inside the op is a kernel inductor cannot fuse)."""
+    from megacpp_lab.kernels import mamba3 as m3
+
+    monkeypatch.setattr(m3, "ANGLE_GRADS_SUM_HEADS", sum_heads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     make = _inputs if R == 1 else functools.partial(_mimo_inputs, R=R)
     a = {k: v.float().to(device).requires_grad_() for k, v in make(B=2, T=32, H=2, G=2, P=16, N=16).items()}
-    if shared:  # one row of rates a token, a stride-0 head dim (nn/mamba3.py's expand): the op's rows are per head
+    if shared:  # one row of rates a token, a stride-0 head dim (nn/mamba3.py's expand): the op keeps that one row
         leaf = a["angles"][:, :, :1].detach().clone().requires_grad_()
         a["angles"] = leaf.expand(-1, -1, 2, -1)
     cu = torch.tensor([0, 20, 32, 45, 64], dtype=torch.int32, device=device)
@@ -403,13 +408,7 @@ def test_the_kernels_rank_inputs_are_torchs_bit_for_bit(R, dtype):
     assert torch.equal(out.view(B, T, R, H, P), want)
 
 
-# the chunk pass's two forms are the Triton backward's alone: the torch paths run once (chunk_pass's params overridden)
-@pytest.mark.parametrize("kernel, chunk_pass", [
-    pytest.param("chunked", False, id="chunked"),
-    pytest.param("reference", False, id="reference"),
-    pytest.param("triton", False, id="triton-one_chunk_kernel"),
-    pytest.param("triton", True, id="triton-split_chunk_kernels"),
-], indirect=["chunk_pass"])  # fmt: skip
+@pytest.mark.parametrize("kernel", ["chunked", "reference", "triton"])
 def test_a_documents_first_angle_rate_has_no_gradient(kernel, chunk_pass):
     """Rotating a whole document changes nothing (q_t . k_s depends on theta_t - theta_s only), and a document's
     first increment rotates all of it: the angles' gradient at every document start is zero, up to rounding,
@@ -568,8 +567,8 @@ def test_a_nan_angle_makes_the_output_nan_from_its_token_to_its_documents_end(ke
 
 @pytest.mark.parametrize("R, H, n_a, heads, shared, sum_heads", [
     (1, 2, 4, 1, False, True), (2, 2, 4, 1, False, True), (1, 4, 3, 1, False, True), (2, 2, 4, 2, False, True),
-    (1, 4, 3, 4, False, True), (1, 4, 3, 1, True, True), (2, 2, 4, 1, True, True), (1, 4, 3, 1, True, False),
-    (2, 2, 4, 2, True, False)])  # fmt: skip
+    (1, 4, 3, 4, False, True), (1, 4, 3, 1, True, True), (2, 2, 4, 1, True, True), (2, 2, 4, 2, True, True),
+    (1, 4, 3, 1, True, False), (2, 2, 4, 2, True, False)])  # fmt: skip
 def test_the_angles_backward_carries_across_more_chunks_than_a_load_holds(R, H, n_a, heads, shared, sum_heads,
                                                                           monkeypatch):  # fmt: skip
     """The Triton op's angle gradients (the chunk pass's per-chunk sums of dth, each chunk's suffix sums plus its
@@ -1204,7 +1203,7 @@ def test_the_backward_op_refuses_groups_that_do_not_fit_b(groups, rotated, messa
         mamba3_scan_bwd(z(B, T, H, P), z(B, T, H, P), z(B, T, H), z(H), Bm, Bm.clone(), z(B, T, H, 4), z(B, T, H, 4),
                         z(H, 1, N), z(H, 1, N), z(B, T, H), z(B, T, H), z(H), None, torch.tensor([0, T]),
                         torch.tensor([0, T]), torch.tensor([0, 1], dtype=torch.int32), z(2, H, P, N), 8, 1, rotated,
-                        groups)  # fmt: skip
+                        groups, True)  # fmt: skip
 
 
 def test_the_bench_deadline_expects_a_later_shape_to_compile_and_the_peer_to_autotune_again():

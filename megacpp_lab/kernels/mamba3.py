@@ -1049,7 +1049,8 @@ M3_BWD_EVICT = True
 # two sweeps' 1.061 (64 columns): 2 stages 1.078, 1 (a rolled loop) 1.172, 64 columns at 2 stages 1.045
 M3_BWD_ONE_SWEEP = True
 M3_BWD_STAGES = 3
-# heads a program of the angles' backward (_angle_grads_kernel), at most (a power of two): gcd(H, this). On the H100
+# heads a program of the angles' backward (_angle_grads_kernel) where it does not sum over the heads (rates per head,
+# or ANGLE_GRADS_SUM_HEADS off), at most (a power of two): gcd(H, this). On the H100
 # at bench ssd's main shape (scripts/mamba3_probe.py, profiles/nvidia-h100-80gb-hbm3/ssd/lead_angle_grads/
 # mamba3_probe_heads_bc8cbac.json, one call) the kernel took 0.084 ms at one head a program (9216 programs of [64, 32]
 # lanes: 576 chunk slots by 16 heads), 0.095 at two, 0.123 at four
@@ -1058,11 +1059,13 @@ ANGLE_GRADS_HEADS = 1
 # itself, a program a chunk looping over the heads, and stores it once in the rates' shape and dtype; off, it stores
 # [B, T, H, n_a] fp32 per head, 67 MB at bench ssd's main shape, read back by an inductor sum. On an H100 there
 # (scripts/mamba3_probe.py at 88667a0, one call, two rows each: profiles/nvidia-h100-80gb-hbm3/ssd/
-# lead_angle_grads_sum_heads/) forward and backward took 1.830 / 1.830 ms against 1.848 / 1.848 off (the sum 0.033 ms)
+# lead_angle_grads_sum_heads/) forward and backward took 1.830 / 1.830 ms against 1.848 / 1.848 off (the sum 0.033 ms).
+# It changes the op's d rates (shape, dtype), so the autograd formula passes it to mamba3_scan_bwd as an argument:
+# a traced graph holds the value it was traced with, and its fake and its kernels agree whatever the constant is later
 ANGLE_GRADS_SUM_HEADS = True
 # (Forms of the chunk pass measured slower and removed: M3_BWD_SPLIT, steps 1-2 and 3-4 as two kernels, step 2's
-# [CHUNK, CHUNK] tile, a vector and a sum per program through memory, which spilled less at 32 columns and took 2.16 ms
-# forward and backward against the one kernel's 2.09 (profiles/nvidia-h200/ssd/mamba3_fwd_bwd.json at 418f173) and, at
+# [CHUNK, CHUNK] tile, a vector and a sum per program through memory, which spilled less at 32 columns and took 2.063 ms
+# forward and backward against the one kernel's 1.996 (profiles/nvidia-h200/ssd/mamba3_fwd_bwd.json at 418f173) and, at
 # 88667a0 on an H100 (M3_BWD_REDUCE_BLOCK_N = 64), 2.008 against 1.837 while its first kernel spilled 44 bytes a thread
 # to the one kernel's 24 (profiles/nvidia-h100-80gb-hbm3/ssd/mamba3_fwd_bwd.json's M3_BWD_SPLIT row and
 # tests/pytest_gpu_88667a0_mamba3_resources.log); the split under a cap of 128 registers at 8 warps (H200: 0.92 + 0.87
@@ -1180,15 +1183,15 @@ def mamba3_scan_bwd(
     theta: torch.Tensor, rates: torch.Tensor, b_bias: torch.Tensor, c_bias: torch.Tensor, weight: torch.Tensor,
     gamma: torch.Tensor, D: torch.Tensor, mimo_x: Optional[torch.Tensor], cu_steps: torch.Tensor,  # noqa: UP045
     cu_seqlens: torch.Tensor, order: torch.Tensor, states: torch.Tensor, chunk: int, rank: int, rotated: bool,
-    groups: int,
+    groups: int, sum_heads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
     """d x_r [B,T*R,H,P] (the rank inputs' gradient, one row a sub-token: _mamba3_backward combines the ranks), ddt
-    (the angle increments' part included), dB, dC (B's dtype), d rates per head (the angles' gradient, summed over
-    the ranks in the chunk pass, then over each document's later steps and through the increments pi tanh(rates) dt
-    by _angle_grads_kernel, in this op as the forward's sums are in its: the rates' shape and dtype, summed over the
-    heads there where they share the rates; with ANGLE_GRADS_SUM_HEADS off, such rates' gradient is [B,T,H,n_a]
-    fp32, which _mamba3_backward sums over the heads), d weight, d gamma, and the
+    (the angle increments' part included), dB, dC (B's dtype), d rates (the angles' gradient, summed over the
+    ranks in the chunk pass, then over each document's later steps and through the increments pi tanh(rates) dt by
+    _angle_grads_kernel, in this op as the forward's sums are in its: the rates' shape and dtype, summed over the
+    heads there where they share the rates; with sum_heads False, such rates' gradient is [B,T,H,n_a] fp32, which
+    _mamba3_backward sums over the heads: _d_rates_layout), d weight, d gamma, and the
     per-chunk partial gradients of A, D and the two biases in one fp32 buffer [slots, 2H + 2HRN] (_mamba3_backward
     sums the slots and split_sums parts the sum: a custom op's outputs may not be views of one another, and four
     reductions over the chunks would be four launches).
@@ -1241,13 +1244,13 @@ def mamba3_scan_bwd(
     )  # fmt: skip
     dB, dC = (dBh, dCh) if G == H else group_sums(dBh, dCh, G)
     shared = _shares_rates(rates, H)
-    d_rates = torch.empty(_d_rates_shape(rates, H), device=x.device,
-                          dtype=torch.float32 if shared and not ANGLE_GRADS_SUM_HEADS else rates.dtype)  # fmt: skip
+    shape, dtype = _d_rates_layout(rates, H, sum_heads)
+    d_rates = torch.empty(shape, device=x.device, dtype=dtype)
     if n_a:  # the angles' suffix sums and the increments' backward, dt's part added to ddt
         if ANGLE_GRADS_HEADS < 1 or ANGLE_GRADS_HEADS & (ANGLE_GRADS_HEADS - 1):
             raise ValueError(f"mamba3_scan_bwd: ANGLE_GRADS_HEADS={ANGLE_GRADS_HEADS} must be a power of two >= 1 (a "
                              "program's lanes are its heads times n_a's power of two)")  # fmt: skip
-        sum_heads = shared and ANGLE_GRADS_SUM_HEADS
+        sum_heads = shared and sum_heads
         hb = 1 if sum_heads else math.gcd(H, ANGLE_GRADS_HEADS)
         _angle_grads_kernel[(n_slots, 1 if sum_heads else H // hb)](
             dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a, CHUNK=chunk, RANK=R, HB=hb,
@@ -1258,13 +1261,12 @@ def mamba3_scan_bwd(
 
 @mamba3_scan_bwd.register_fake
 def _(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias, weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order,  # noqa: ANN001, ANN202
-      states, chunk, rank, rotated, groups):  # fmt: skip
+      states, chunk, rank, rotated, groups, sum_heads):  # fmt: skip
     B, TR = dt.shape[:2]
     H, P, N = x.shape[2], x.shape[3], Bm.shape[-1]
     dB = Bm.new_empty((B, Bm.shape[1], groups, N))
-    shared = _shares_rates(rates, H)  # the real op's d_rates: contiguous, fp32 where shared and per head
-    d_rates = rates.new_empty(_d_rates_shape(rates, H),
-                              dtype=torch.float32 if shared and not ANGLE_GRADS_SUM_HEADS else rates.dtype)  # fmt: skip
+    shape, dtype = _d_rates_layout(rates, H, sum_heads)
+    d_rates = rates.new_empty(shape, dtype=dtype)  # contiguous, as the real op's
     return (x.new_empty((B, TR, H, P)), torch.empty_like(dt), dB, torch.empty_like(dB), d_rates,
             torch.empty_like(weight), torch.empty_like(gamma),
             x.new_empty((states.shape[0], 2 * H + 2 * H * rank * N), dtype=torch.float32))  # fmt: skip
@@ -1284,16 +1286,18 @@ def _mamba3_setup(ctx, inputs, output):  # noqa: ANN001, ANN202
     ctx.set_materialize_grads(False)
 
 
-def _d_rates_shape(rates: torch.Tensor, H: int) -> tuple[int, int, int, int]:
-    """mamba3_scan_bwd's d rates: the rates' shape, one row a step where the heads share them and the angles'
-    backward sums over the heads (ANGLE_GRADS_SUM_HEADS), else per head."""
-    heads = 1 if _shares_rates(rates, H) and ANGLE_GRADS_SUM_HEADS else H
-    return (*rates.shape[:2], heads, rates.shape[3])
+def _d_rates_layout(rates: torch.Tensor, H: int, sum_heads: bool) -> tuple[tuple[int, ...], torch.dtype]:
+    """mamba3_scan_bwd's d rates, shape and dtype: the rates' own, except where the heads share the rates and the
+    angles' backward does not sum over the heads (sum_heads False): per head in fp32, [B,T,H,n_a]."""
+    if _shares_rates(rates, H) and not sum_heads:
+        return (*rates.shape[:2], H, rates.shape[3]), torch.float32
+    return tuple(rates.shape), rates.dtype
 
 
 def _shares_rates(rates: torch.Tensor, H: int) -> bool:
-    """Whether the heads share the rates' one row a step ([B,T,1,n_a] with H > 1): mamba3_scan_bwd then returns their
-    gradient per head in fp32 [B,T,H,n_a], for _mamba3_backward to sum over the heads."""
+    """Whether the heads share the rates' one row a step ([B,T,1,n_a] with H > 1): mamba3_scan_bwd then sums their
+    gradient over the heads in the angles' backward (sum_heads), or returns it per head in fp32 [B,T,H,n_a] for
+    _mamba3_backward to sum."""
     return rates.shape[2] == 1 and H > 1
 
 
@@ -1312,14 +1316,15 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
     dxr, ddt, dB, dC, d_rates, dw, dgam, sums = mamba3_scan_bwd(dy, x, dt, A, Bm, Cm, theta, rates, b_bias, c_bias,
                                                                weight, gamma, D, mimo_x, cu_steps, cu_seqlens, order,
                                                                states, ctx.chunk, ctx.rank, ctx.rotated,
-                                                               ctx.groups)  # fmt: skip
-    # the per-chunk partial sums and the shared rates' per-head gradients are summed here, outside the op, where
+                                                               ctx.groups, ANGLE_GRADS_SUM_HEADS)  # fmt: skip
+    # the per-chunk partial sums (and, with ANGLE_GRADS_SUM_HEADS off, the shared rates' per-head gradients) are
+    # summed here, outside the op, where
     # inductor fuses each reduction into the kernel that consumes it (inside the op each was an aten reduction of its
     # own: on the H100's compiled base step, 12 + 32 us an M block, c4f5642's trace). (The rates' rows stored
     # head-major, so that their sum reads contiguous slabs, left bench ssd's 34 us inductor sum as it was: H100 probe
     # of 63a6a0e, profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/; not kept)
-    if d_rates.shape[2] != rates.shape[2]:  # rates shared by the heads, their rows per head in fp32 (not summed by
-        d_rates = d_rates.sum(2, keepdim=True).to(rates.dtype)  # the angles' backward: ANGLE_GRADS_SUM_HEADS off)
+    if d_rates.shape[2] != rates.shape[2]:  # shared rates' rows per head in fp32 (ANGLE_GRADS_SUM_HEADS off)
+        d_rates = d_rates.sum(2, keepdim=True).to(rates.dtype)
     # views of one vector: these four gradients share a storage, each its own disjoint part of it
     dA, dD, dbb, dcb = split_sums(sums.sum(0), x.shape[2], ctx.rank, Bm.shape[-1])
     dx, dmx = dxr, None
