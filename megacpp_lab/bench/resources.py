@@ -33,9 +33,9 @@ __all__ = ["SUBJECTS", "report", "resources_table"]
 def _mamba3_scan(rank: int) -> Callable[[str], None]:
     """The Mamba-3 scan forward and backward through its public entry (kernel='triton'), bench ssd's main shape's
     heads (H, P, N, G, chunk, rope pairs) in bf16, few tokens (16 documents: the specialisation of the main shape's
-    64); the backward twice, the first under an activation-memory budget below 1, so that it recomputes the keys
-    (_keys_kernel), the second on the keys the forward kept (the forward's angles and keys are _angle_keys_kernel,
-    the backward's angle gradients _angle_grads_kernel); the angle sums' Triton scan on its own
+    64); the backward under an activation-memory budget below 1, so that it recomputes the keys (_keys_kernel; a
+    backward on the keys the forward kept compiles no other kernel: the forward's angles and keys are
+    _angle_keys_kernel, the backward's angle gradients _angle_grads_kernel); the angle sums' Triton scan on its own
     (doc_angle_sum's and its backward's, the chunked path's on a GPU); and the group sums of dB and dC the backward takes
     with fewer groups than heads (_group_sum_kernel, bf16 parts into one group). On `device`: the CPU for the offline compile,
     CUDA for the same launches run for real (tests/test_kernel_resources.py holds the two reports equal)."""
@@ -49,7 +49,6 @@ def _mamba3_scan(rank: int) -> Callable[[str], None]:
         a, cu = make_inputs(s, torch.bfloat16, device, rank=rank)
         with torch._functorch.config.patch(activation_memory_budget=0.5):  # below 1: keys recomputed
             mamba3_scan(**a, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
-        mamba3_scan(**a, cu_seqlens=cu, chunk=s.chunk, kernel="triton").float().sum().backward()
         inc = torch.rand(s.B, s.T, s.H, s.rope_pairs, device=device)
         doc_suffix_sum_triton(doc_angle_sum_triton(inc, cu), cu)
         parts = torch.randn(s.B, s.T * rank, s.H, s.N, device=device).to(torch.bfloat16)  # per head, as at G < H

@@ -1196,9 +1196,9 @@ def mamba3_scan_bwd(
     sums the slots and split_sums parts the sum: a custom op's outputs may not be views of one another, and four
     reductions over the chunks would be four launches).
     rotated: Bm and Cm are the forward's rotated keys and queries per head (keeps_keys), else B and C, and the keys
-    are recomputed; groups: B's G either way (dB and dC are [B,T*R,G,N]). SSD's sequential state pass, then
-    the chunk pass (_m3_bwd_chunk_kernel), which
-    also takes dk and dq back through the rotation, unrounded."""
+    are recomputed; groups: B's G either way (dB and dC are [B,T*R,G,N]); sum_heads: ANGLE_GRADS_SUM_HEADS as the
+    autograd formula read it. SSD's sequential state pass, then the chunk pass (_m3_bwd_chunk_kernel), which also
+    takes dk and dq back through the rotation, unrounded."""
     B, TR, _, N = Bm.shape
     G = groups
     H, P, R, n_a = x.shape[2], x.shape[3], rank, theta.shape[-1]
@@ -1250,11 +1250,11 @@ def mamba3_scan_bwd(
         if ANGLE_GRADS_HEADS < 1 or ANGLE_GRADS_HEADS & (ANGLE_GRADS_HEADS - 1):
             raise ValueError(f"mamba3_scan_bwd: ANGLE_GRADS_HEADS={ANGLE_GRADS_HEADS} must be a power of two >= 1 (a "
                              "program's lanes are its heads times n_a's power of two)")  # fmt: skip
-        sum_heads = shared and sum_heads
-        hb = 1 if sum_heads else math.gcd(H, ANGLE_GRADS_HEADS)
-        _angle_grads_kernel[(n_slots, 1 if sum_heads else H // hb)](
+        in_kernel_sum = shared and sum_heads  # (rates per head have nothing to sum)
+        hb = 1 if in_kernel_sum else math.gcd(H, ANGLE_GRADS_HEADS)
+        _angle_grads_kernel[(n_slots, 1 if in_kernel_sum else H // hb)](
             dth, dtt, rates, dt, cu_seqlens, d_rates, ddt, H, n_docs, n_a, CHUNK=chunk, RANK=R, HB=hb,
-            BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK, SHARED_RATES=shared, SUM_HEADS=sum_heads,
+            BA=triton.next_power_of_2(n_a), LOOKBACK=SCAN_LOOKBACK, SHARED_RATES=shared, SUM_HEADS=in_kernel_sum,
             num_warps=4)  # fmt: skip
     return dx, ddt, dB, dC, d_rates, dw, dgam, sums
 
@@ -1318,9 +1318,8 @@ def _mamba3_backward(ctx, dy, _dstates, _dk, _dq, _dtheta):  # noqa: ANN001, ANN
                                                                states, ctx.chunk, ctx.rank, ctx.rotated,
                                                                ctx.groups, ANGLE_GRADS_SUM_HEADS)  # fmt: skip
     # the per-chunk partial sums (and, with ANGLE_GRADS_SUM_HEADS off, the shared rates' per-head gradients) are
-    # summed here, outside the op, where
-    # inductor fuses each reduction into the kernel that consumes it (inside the op each was an aten reduction of its
-    # own: on the H100's compiled base step, 12 + 32 us an M block, c4f5642's trace). (The rates' rows stored
+    # summed here, outside the op, where inductor fuses each reduction into the kernel that consumes it (inside the op
+    # each was an aten reduction of its own: on the H100's compiled base step, 12 + 32 us an M block, c4f5642's trace). (The rates' rows stored
     # head-major, so that their sum reads contiguous slabs, left bench ssd's 34 us inductor sum as it was: H100 probe
     # of 63a6a0e, profiles/nvidia-h100-80gb-hbm3/ssd/lead_sweep_per_block/; not kept)
     if d_rates.shape[2] != rates.shape[2]:  # shared rates' rows per head in fp32 (ANGLE_GRADS_SUM_HEADS off)
