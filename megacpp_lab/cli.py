@@ -295,6 +295,13 @@ def _cmd_resources(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_receipts(args: argparse.Namespace) -> int:
+    from megacpp_lab.receipts import receipts_table
+
+    print(receipts_table(subsystem=args.subsystem, device=args.device))
+    return 0
+
+
 def _cmd_tripwires(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -591,6 +598,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None,
                    help="also write the table, with the commit and versions, here as JSON (default: print only)")
     p.set_defaults(func=_cmd_resources)
+
+    p = sub.add_parser(
+        "receipts",
+        help="each receipt under profiles/ against today's code: current, or which measured files changed since",
+        description=_paragraphs(
+            "For every receipt under profiles/: its commit and date, and whether the code it measures changed since. "
+            "The code it measures is the files its benchmark module reaches: that module, every module of the "
+            "package it imports at any depth (with their parent packages) and those it runs in a subprocess "
+            "(megacpp_lab/receipts.py, measured_files; the receipts' own bookkeeping, receipts.py and plots.py, does "
+            "not count). 'current': none of them differs from the receipt's commit, in HEAD or in the working tree. "
+            "'changed': some do, listed with the number of commits since that touch them; an upper bound, not a "
+            "verdict (a file a benchmark imports can change where the path it times did not), so read the listed "
+            "files' diffs before calling a receipt stale. 'unknown': a package tree no commit holds, a commit not "
+            "in this checkout's history, or no git.",
+        ),
+        **common,
+    )
+    p.add_argument("--subsystem", default=None, help="only this subsystem's receipts (default: all)")
+    p.add_argument("--device", default=None,
+                   help="only receipts under profiles/ whose device folder starts so, e.g. nvidia-h100 (default: all)")  # fmt: skip
+    p.set_defaults(func=_cmd_receipts)
 
     p = sub.add_parser(
         "memory",

@@ -21,6 +21,7 @@ import os
 import re
 import stat
 import subprocess
+from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -289,3 +290,130 @@ def load_receipts(
         receipt["_path"] = str(path.relative_to(base.parent) if base.parent in path.parents else path)
         out.append(receipt)
     return out
+
+
+# ----------------------------------------------------------------------------- a receipt against today's code
+
+# The module that writes each subsystem's receipts where bench.COMMANDS does not name it (CLI commands of their own)
+RECEIPT_WRITERS = {"profile": "megacpp_lab.bench.profile", "memory": "megacpp_lab.bench.memory"}
+# What stamps, validates and draws the receipts: no measured number passes through them, so a change to them
+# leaves every receipt measuring the same code (the measuring itself, profiling.py and bench/harness.py, counts)
+NOT_MEASURED = (f"{PACKAGE}/receipts.py", f"{PACKAGE}/plots.py")
+_MODULE_NAME = re.compile(rf"\b{PACKAGE}(?:\.[A-Za-z_]\w*)+\b|\b{PACKAGE}\b")
+
+
+def _module_file(module: str, root: Path) -> Path | None:
+    """The file of a package module ('megacpp_lab.kernels.ssd' -> megacpp_lab/kernels/ssd.py, a package's
+    __init__.py), None if there is none (a name inside a module, not a module)."""
+    base = root.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _referenced_modules(path: Path, module: str, *, strings: bool) -> set[str]:
+    """The package modules a file names: its imports at any depth (the benches import their kernels inside
+    functions), relative ones resolved, `from pkg import name` as pkg and pkg.name, and with `strings` any dotted
+    package name in a string (a subprocess's `-m megacpp_lab.cli`)."""
+    import ast
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module or ""
+            names.add(source)
+            names.update(f"{source}.{alias.name}" for alias in node.names)
+        elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.update(_MODULE_NAME.findall(node.value))
+    return {n for n in names if n == PACKAGE or n.startswith(PACKAGE + ".")}
+
+
+def measured_files(subsystem: str, root: str | Path | None = None) -> tuple[str, ...]:
+    """The package files a receipt of `subsystem` measures, as paths from the repository root, nearest the writer
+    first: the module that
+    writes it (bench.COMMANDS's, or RECEIPT_WRITERS's) and every package module it reaches by imports, with each
+    one's parent packages (importing a module runs them), and the modules the writer names in strings (what its
+    subprocesses run: _referenced_modules), less NOT_MEASURED. Strings elsewhere are not followed:
+    bench/__init__.py names every benchmark's module, and would make every receipt measure every file."""
+    from megacpp_lab.bench import COMMANDS
+
+    root = Path(root if root is not None else repo_root())
+    writer = COMMANDS[subsystem].module if subsystem in COMMANDS else RECEIPT_WRITERS.get(subsystem)
+    if writer is None:
+        known = sorted({*COMMANDS, *RECEIPT_WRITERS})
+        raise ValueError(f"subsystem {subsystem!r}: no module writes its receipts (known: {', '.join(known)})")
+    seen: dict[str, Path] = {}
+    todo = deque([writer])
+    while todo:  # breadth first: the files come nearest the writer first
+        parts = todo.popleft().split(".")
+        for i in range(len(parts), 0, -1):  # the module, then its parent packages
+            name = ".".join(parts[:i])
+            path = _module_file(name, root)
+            if name in seen or path is None:  # None: a name inside a module (`from pkg.mod import fn`: pkg.mod.fn)
+                continue
+            seen[name] = path
+            todo.extend(sorted(_referenced_modules(path, name, strings=name == writer)))
+    files = (p.relative_to(root).as_posix() for p in seen.values())
+    return tuple(f for f in files if f not in NOT_MEASURED)
+
+
+def receipt_age(receipt: dict[str, Any], root: str | Path | None = None) -> dict[str, Any]:
+    """Whether a receipt still measures today's code, by the files it reaches (measured_files): 'status' is
+    'current' (none changed since its commit, committed or not: it measures this code), 'changed' (with 'changed':
+    those files, and 'commits': how many commits since touch them) or 'unknown' (with 'why': a package tree no
+    commit holds, a commit this checkout does not have, no git). 'changed' is an upper bound, not a verdict: a file
+    it imports may have changed where its measured path did not (a comment, another kernel in an imported package);
+    the listed files are where to look."""
+    root = Path(root if root is not None else repo_root())
+    commit = str(receipt["commit"])
+    if commit.startswith("tree:"):
+        return {"status": "unknown", "why": f"stamped {commit[:17]}..., a package tree no commit of this checkout "
+                "holds (resolve_tree_stamp once the code that ran is committed)"}  # fmt: skip
+    # '-dirty': the package was HEAD's, other tracked files were not (git_commit): the code that ran is the commit's
+    commit = commit.removesuffix("-dirty")
+    files = measured_files(receipt["subsystem"], root)
+    try:
+        _git(root, "cat-file", "-e", f"{commit}^{{commit}}")
+    except (OSError, subprocess.CalledProcessError):
+        return {"status": "unknown", "why": f"commit {commit[:12]} is not in this checkout's history (or no git)"}
+    # against the working tree, so an uncommitted edit to a measured file counts too
+    differ = set(_git(root, "diff", "--name-only", commit, "--", *files).splitlines())
+    changed = [f for f in files if f in differ]  # nearest the writer first, as measured_files orders them
+    if not changed:
+        return {"status": "current"}
+    commits = _git(root, "rev-list", "--count", f"{commit}..HEAD", "--", *changed)
+    return {"status": "changed", "changed": changed, "commits": int(commits)}
+
+
+def receipts_table(*, subsystem: str | None = None, device: str | None = None, root: str | Path | None = None) -> str:
+    """Every receipt under profiles/ (optionally one subsystem's, or those whose device folder starts with
+    `device`), a line each: path, commit, date, receipt_age's status and what it found, then the tally."""
+    lines = []
+    for receipt in load_receipts(subsystem, root=Path(root) / RECEIPT_ROOT if root is not None else None):
+        path = receipt["_path"].removeprefix(RECEIPT_ROOT + "/")
+        if device and not path.startswith(device):
+            continue
+        age = receipt_age(receipt, root)
+        if age["status"] == "changed":
+            files = [f.removeprefix(PACKAGE + "/") for f in age["changed"]]
+            shown = ", ".join(files[:6]) + (f" and {len(files) - 6} more" if len(files) > 6 else "")
+            detail = f"{age['commits']} commits since touch {shown}" if age["commits"] else f"uncommitted edits to {shown}"
+        else:
+            detail = age.get("why", "none of the files it measures changed since")
+        lines.append((path, receipt["commit"][:7], receipt["date"][:10], age["status"], detail))
+    if not lines:
+        return "no receipts match"
+    width = max(len(line[0]) for line in lines)
+    tally = {s: sum(line[3] == s for line in lines) for s in ("current", "changed", "unknown")}
+    return "\n".join([*(f"{p:{width}s}  {c}  {d}  {s:8s} {why}" for p, c, d, s, why in lines),
+                      ", ".join(f"{n} {s}" for s, n in tally.items() if n)])  # fmt: skip

@@ -215,9 +215,9 @@ def walk(parser: argparse.ArgumentParser):
 
 def test_every_flag_has_help_that_states_its_default():
     parsers = list(walk(build_parser()))
-    # top, data/bench/info/tripwires/tour/train/sample/profile/memory/resources, data corpus, memory sweep, one per
-    # subsystem
-    assert len(parsers) == 1 + 10 + 2 + len(COMMANDS)
+    # top, data/bench/info/tripwires/tour/train/sample/profile/memory/resources/receipts, data corpus, memory sweep,
+    # one per subsystem
+    assert len(parsers) == 1 + 11 + 2 + len(COMMANDS)
     for parser in parsers:
         assert parser.formatter_class is _HelpFormatter
         formatter = parser._get_formatter()
