@@ -603,21 +603,25 @@ def build_parser() -> argparse.ArgumentParser:
         "receipts",
         help="each receipt under profiles/ against today's code: current, or which measured files changed since",
         description=_paragraphs(
-            "For every receipt under profiles/: its commit and date, and whether the code it measures changed since. "
-            "The code it measures is the files its benchmark module reaches: that module, every module of the "
-            "package it imports at any depth (with their parent packages) and those it runs in a subprocess "
-            "(megacpp_lab/receipts.py, measured_files; the receipts' own bookkeeping, receipts.py and plots.py, does "
-            "not count). 'current': none of them differs from the receipt's commit, in HEAD or in the working tree. "
-            "'changed': some do, listed with the number of commits since that touch them; an upper bound, not a "
-            "verdict (a file a benchmark imports can change where the path it times did not), so read the listed "
-            "files' diffs before calling a receipt stale. 'unknown': a package tree no commit holds, a commit not "
-            "in this checkout's history, or no git.",
+            "For every receipt at profiles/<device>/<subsystem>/<name>.json: its commit and date, and whether the "
+            "code it measures changed since. What it measures (megacpp_lab/receipts.py, measured_files): its "
+            "benchmark module, every package module that module imports at any depth (with their parent packages), "
+            "the package modules the benchmark module's own strings name (what its subprocesses run), the CLI "
+            "for the profile and memory commands (their flag defaults), and the committed data/ wherever the "
+            "package's data module is reached; the receipts' own bookkeeping (receipts.py, plots.py) does not count.",
+            "'current': none of those files differs from the receipt's commit, in HEAD or in the working tree (a "
+            "tree: stamp is judged as the commit holding that package). 'changed': some do, listed nearest the "
+            "benchmark first with the number of commits since that touch them; an upper bound, not a verdict (a "
+            "file a benchmark imports can change where the path it times did not), so read the listed files' diffs "
+            "before calling a receipt stale. 'unknown': a package tree no commit holds, a commit not in this "
+            "checkout's history, no git, or a file that does not parse.",
         ),
         **common,
     )
     p.add_argument("--subsystem", default=None, help="only this subsystem's receipts (default: all)")
     p.add_argument("--device", default=None,
-                   help="only receipts under profiles/ whose device folder starts so, e.g. nvidia-h100 (default: all)")  # fmt: skip
+                   help="only one device's receipts: its folder's start or the card's name, e.g. nvidia-h100 or "
+                        "'NVIDIA H200' (default: all)")  # fmt: skip
     p.set_defaults(func=_cmd_receipts)
 
     p = sub.add_parser(
