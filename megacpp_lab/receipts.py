@@ -13,6 +13,7 @@ changes to the package) 'tree:<sha>', the git tree hash of the package as it ran
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import hashlib
 import json
@@ -300,6 +301,7 @@ RECEIPT_WRITERS = {"profile": "megacpp_lab.bench.profile", "memory": "megacpp_la
 # commands pass their writers (the file alone, not every command it imports)
 EXTRA_MEASURED = {"profile": (f"{PACKAGE}/cli.py",), "memory": (f"{PACKAGE}/cli.py",)}
 # the committed data (the packed sample, the BPE, the manifest): measured wherever the package's data module is
+# reached
 DATA_DIR = "data"
 # What stamps, validates and draws the receipts: no measured number passes through them, so a change to them
 # leaves every receipt measuring the same code (the measuring itself, profiling.py and bench/harness.py, counts)
@@ -321,8 +323,6 @@ def _referenced_modules(path: Path, module: str, *, strings: bool) -> set[str]:
     """The package modules a file names: its imports at any depth (the benches import their kernels inside
     functions), relative ones resolved, `from pkg import name` as pkg and pkg.name, and with `strings` every dotted
     package name its string constants hold (a subprocess's `-m megacpp_lab.cli`)."""
-    import ast
-
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names: set[str] = set()
