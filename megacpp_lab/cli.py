@@ -296,7 +296,7 @@ def _cmd_resources(args: argparse.Namespace) -> int:
 
 
 def _cmd_receipts(args: argparse.Namespace) -> int:
-    from megacpp_lab.receipts import receipts_table
+    from megacpp_lab.bench.receipt_ages import receipts_table
 
     print(receipts_table(subsystem=args.subsystem, device=args.device))
     return 0
@@ -604,11 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="each receipt under profiles/ against today's code: current, or which measured files changed since",
         description=_paragraphs(
             "For every receipt at profiles/<device>/<subsystem>/<name>.json: its commit and date, and whether the "
-            "code it measures changed since. What it measures (megacpp_lab/receipts.py, measured_files): its "
+            "code it measures changed since. What it measures (megacpp_lab/bench/receipt_ages.py, measured_files): its "
             "benchmark module, every package module that module imports at any depth (with their parent packages), "
             "the package modules the benchmark module's own strings name (what its subprocesses run), the CLI "
             "for the profile and memory commands (their flag defaults), and the committed data/ wherever the "
-            "package's data module is reached; the receipts' own bookkeeping (receipts.py, plots.py) does not count.",
+            "package's data module is reached; the receipts' own bookkeeping (receipts.py, plots.py, receipt_ages.py) does not count.",
             "'current': none of those files differs from the receipt's commit, in HEAD or in the working tree (a "
             "tree: stamp is judged as the commit holding that package). 'changed': some do, listed nearest the "
             "benchmark first with the number of commits since that touch them; an upper bound, not a verdict (a "

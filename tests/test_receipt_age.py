@@ -1,4 +1,4 @@
-"""receipts.measured_files and receipt_age: which files a receipt measures, and whether they changed since its
+"""bench/receipt_ages.py's measured_files and receipt_age: which files a receipt measures, and whether they changed since its
 commit. On the project's own tree (what each subsystem's benchmark reaches), and in a scratch git repository whose
 history the test writes (current, changed by a commit, changed in the working tree, bookkeeping that does not
 count, a commit or tree no checkout holds). `megacpp-lab receipts` prints the same for every receipt."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megacpp_lab.cli import main
-from megacpp_lab.receipts import NOT_MEASURED, measured_files, receipt_age
+from megacpp_lab.bench.receipt_ages import NOT_MEASURED, measured_files, receipt_age
 
 
 def test_a_subsystem_measures_its_writer_and_what_that_imports_not_the_rest():
