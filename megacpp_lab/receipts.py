@@ -289,4 +289,3 @@ def load_receipts(
         receipt["_path"] = str(path.relative_to(base.parent) if base.parent in path.parents else path)
         out.append(receipt)
     return out
-
