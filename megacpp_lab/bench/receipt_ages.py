@@ -197,9 +197,8 @@ def receipts_table(*, subsystem: str | None = None, device: str | None = None, r
         if age["status"] == "changed":
             names = [f.removeprefix(PACKAGE + "/") for f in age["changed"]]
             shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-            since = ("its commit is no ancestor of HEAD" if age["commits"] is None
-                     else f"{age['commits']} commits since")  # fmt: skip
-            detail = f"{since} touch {shown}"
+            detail = (f"differ from a commit that is no ancestor of HEAD: {shown}" if age["commits"] is None
+                      else f"{age['commits']} commits since touch {shown}")  # fmt: skip
             if age["uncommitted"]:
                 detail += f" (uncommitted edits: {len(age['uncommitted'])} of them)"
         else:
