@@ -73,7 +73,8 @@ def device_slug(name: str) -> str:
     return slug or "unknown-device"
 
 
-def _git(root: Path, *args: str, stdin: str | None = None) -> str:
+def git_output(root: Path, *args: str, stdin: str | None = None) -> str:
+    """`git <args>` run in root: its stdout, stripped (CalledProcessError on failure, OSError without git)."""
     done = subprocess.run(["git", *args], cwd=root, input=stdin, capture_output=True, text=True, check=True)
     return done.stdout.strip()
 
@@ -138,16 +139,16 @@ def git_commit(root: str | Path | None = None) -> str:
     try:
         # Only a checkout whose top level is root itself: a copy without .git inside another repository would
         # otherwise be stamped with that repository's HEAD.
-        if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() != root:
+        if Path(git_output(root, "rev-parse", "--show-toplevel")).resolve() != root:
             return tree
-        head = _git(root, "rev-parse", "HEAD")
+        head = git_output(root, "rev-parse", "HEAD")
         # Receipts are not code: a bench that follows another in one session finds the first one's receipts
         # rewritten, and the code that ran is still HEAD's
-        if not _git(root, "status", "--porcelain", "-uno", "--", ".", f":(exclude){RECEIPT_ROOT}"):
+        if not git_output(root, "status", "--porcelain", "-uno", "--", ".", f":(exclude){RECEIPT_ROOT}"):
             return head
         # A package that differs from HEAD's ran code no commit names yet (or a copy's stale .git: the GPU
         # machine's checkout can lag behind the files sent over it): the tree names it
-        return head + "-dirty" if tree == "tree:" + _git(root, "rev-parse", f"HEAD:{PACKAGE}") else tree
+        return head + "-dirty" if tree == "tree:" + git_output(root, "rev-parse", f"HEAD:{PACKAGE}") else tree
     except (OSError, subprocess.CalledProcessError):  # no git, not a repository, or no commit yet
         return tree
 
@@ -161,9 +162,9 @@ def commit_for_tree(tree: str, *, max_commits: int = 2000, root: str | Path | No
     root = Path(root if root is not None else repo_root())
     try:
         # rev-list (newest first), not `git log --format=%H`: plumbing, so no user config adds lines to its output
-        commits = _git(root, "rev-list", f"--max-count={max_commits}", "HEAD").split()
+        commits = git_output(root, "rev-list", f"--max-count={max_commits}", "HEAD").split()
         # One cat-file for all commits; a commit without the package answers '<commit>:megacpp_lab missing'
-        trees = _git(
+        trees = git_output(
             root, "cat-file", "--batch-check=%(objectname)", stdin="".join(f"{c}:{PACKAGE}\n" for c in commits)
         ).splitlines()
     except (OSError, subprocess.CalledProcessError):

@@ -14,14 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from megacpp_lab.bench import COMMANDS
-from megacpp_lab.receipts import PACKAGE, RECEIPT_ROOT, commit_for_tree, device_slug, load_receipts, repo_root
+from megacpp_lab.receipts import (PACKAGE, RECEIPT_ROOT, commit_for_tree, device_slug, git_output, load_receipts,
+                                  repo_root)
 
 __all__ = ["DATA_DIR", "EXTRA_MEASURED", "NOT_MEASURED", "RECEIPT_WRITERS", "measured_files", "receipt_age",
            "receipts_table"]
-
-
-def _git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
 
 
 # The module that writes each subsystem's receipts where bench.COMMANDS does not name it (CLI commands of their own)
@@ -145,20 +142,20 @@ def receipt_age(receipt: dict[str, Any], root: str | Path | None = None, *,
         return {"status": "unknown", "why": str(err)}
     try:
         # only the project's own checkout: inside another repository, git's paths are relative to its top level
-        if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() != root:
+        if Path(git_output(root, "rev-parse", "--show-toplevel")).resolve() != root:
             return {"status": "unknown", "why": f"{root} is not its git checkout's top level"}
-        _git(root, "cat-file", "-e", f"{commit}^{{commit}}")
+        git_output(root, "cat-file", "-e", f"{commit}^{{commit}}")
     except (OSError, subprocess.CalledProcessError):
         return {"status": "unknown", "why": f"commit {commit[:12]} is not in this checkout's history (or no git)"}
     # against the working tree, so an uncommitted edit to a measured file counts too
-    differ = set(_git(root, "diff", "--name-only", commit, "--", *files).splitlines())
+    differ = set(git_output(root, "diff", "--name-only", commit, "--", *files).splitlines())
     changed = [f for f in _expand(files, differ) if f in differ]  # nearest the writer first
     if not changed:
         return {"status": "current"}
-    uncommitted = set(_git(root, "diff", "--name-only", "HEAD", "--", *changed).splitlines())
+    uncommitted = set(git_output(root, "diff", "--name-only", "HEAD", "--", *changed).splitlines())
     try:
-        _git(root, "merge-base", "--is-ancestor", commit, "HEAD")
-        commits: int | None = int(_git(root, "rev-list", "--count", f"{commit}..HEAD", "--", *changed))
+        git_output(root, "merge-base", "--is-ancestor", commit, "HEAD")
+        commits: int | None = int(git_output(root, "rev-list", "--count", f"{commit}..HEAD", "--", *changed))
     except subprocess.CalledProcessError:  # not an ancestor: no count of commits since means anything
         commits = None
     return {"status": "changed", "changed": changed, "uncommitted": [f for f in changed if f in uncommitted],
